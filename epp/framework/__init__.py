@@ -1,0 +1,43 @@
+"""The public plugin API of the endpoint picker.
+
+Everything a scorer author needs is importable from here (or from `epp` itself):
+data types, plugin interfaces, the registry and the per-request `CycleState`.
+"""
+
+from epp.framework.types import (
+    ApiKind,
+    Endpoint,
+    EndpointMetrics,
+    InferenceRequest,
+    ResponseInfo,
+)
+from epp.framework.plugin import (
+    Admitter,
+    CycleState,
+    DataProducer,
+    Filter,
+    Picker,
+    Plugin,
+    PluginContext,
+    PreRequestHook,
+    ProfileHandler,
+    ProfileRunResult,
+    ResponseCompleteHook,
+    ResponseHeadersHook,
+    ScoredEndpoint,
+    Scorer,
+    ScorerCategory,
+    SchedulingResult,
+    clamp_score,
+)
+from epp.framework.registry import PluginRegistry, PluginSpec, default_registry, register_plugin
+from epp.framework.errors import ConfigError, InferenceError, ErrorCode
+
+__all__ = [
+    "Admitter", "ApiKind", "ConfigError", "CycleState", "DataProducer", "Endpoint",
+    "EndpointMetrics", "ErrorCode", "Filter", "InferenceError", "InferenceRequest", "Picker",
+    "Plugin", "PluginContext", "PluginRegistry", "PluginSpec", "PreRequestHook",
+    "ProfileHandler", "ProfileRunResult", "ResponseCompleteHook", "ResponseHeadersHook",
+    "ResponseInfo", "ScoredEndpoint", "Scorer", "ScorerCategory", "SchedulingResult",
+    "clamp_score", "default_registry", "register_plugin",
+]

@@ -1,0 +1,47 @@
+"""Data keys that producers publish in `CycleState` and the value types stored under them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Per endpoint: PrefixMatchInfo. Written by approx-prefix-cache-producer or precise-prefix-cache-producer.
+PREFIX_MATCH_INFO = "prefix-cache-match-info"
+# Per endpoint: TierMatch. Written by precise-prefix-cache-producer only.
+PREFIX_TIER_MATCH = "prefix-cache-tier-match"
+# Per endpoint: InflightLoad. Written by inflight-load-producer.
+INFLIGHT_LOAD = "inflight-load"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatchInfo:
+    """How much of the request's prefix an endpoint holds, in blocks (matched may be tier-weighted)."""
+
+    matched_blocks: float
+    total_blocks: int
+    block_size_tokens: int
+
+    @property
+    def fraction(self) -> float:
+        return self.matched_blocks / self.total_blocks if self.total_blocks > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class TierMatch:
+    """Prompt tokens found cached on an endpoint, consecutive from the start, by best tier."""
+
+    gpu_tokens: int
+    cpu_tokens: int
+    disk_tokens: int
+    total_tokens: int
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.gpu_tokens + self.cpu_tokens + self.disk_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class InflightLoad:
+    """Requests and estimated tokens the picker has sent to an endpoint and not seen finish."""
+
+    requests: int
+    tokens: int

@@ -1,0 +1,234 @@
+"""Plugin interfaces: filters, scorers, pickers, profile handlers, data producers and hooks.
+
+A plugin is a class registered by `type` name (see `registry.py`). The scheduler calls the
+synchronous methods on the event loop, so they must be bounded CPU work with no I/O; data
+producers are async and may await (off-loop tokenization, say) under a deadline.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
+
+from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
+
+if TYPE_CHECKING:  # pragma: no cover
+    from prometheus_client import CollectorRegistry
+
+
+def clamp_score(value: float) -> float:
+    """Clamp a score into [0, 1]; NaN counts as 0."""
+    if value != value:  # NaN
+        return 0.0
+    return 0.0 if value < 0.0 else 1.0 if value > 1.0 else value
+
+
+class CycleState:
+    """Per-request state shared by the plugins of one scheduling cycle and the request's hooks.
+
+    Producers publish per-endpoint data under a data key; consumers read it back. Plugins may
+    also keep private per-request state under their own name.
+    """
+
+    __slots__ = ("_endpoint_data", "_plugin_state")
+
+    def __init__(self) -> None:
+        self._endpoint_data: dict[str, dict[str, Any]] = {}
+        self._plugin_state: dict[str, Any] = {}
+
+    def put_endpoint_data(self, key: str, endpoint: str, value: Any) -> None:
+        """Publish `value` for endpoint name `endpoint` under data key `key`."""
+        self._endpoint_data.setdefault(key, {})[endpoint] = value
+
+    def endpoint_data(self, key: str, endpoint: str, default: Any = None) -> Any:
+        """Read what a producer published for `endpoint` under `key`."""
+        return self._endpoint_data.get(key, {}).get(endpoint, default)
+
+    def all_endpoint_data(self, key: str) -> Mapping[str, Any]:
+        """Everything published under `key`, by endpoint name."""
+        return self._endpoint_data.get(key, {})
+
+    def put(self, plugin_name: str, value: Any) -> None:
+        """Store a plugin's private per-request state."""
+        self._plugin_state[plugin_name] = value
+
+    def get(self, plugin_name: str, default: Any = None) -> Any:
+        """Read a plugin's private per-request state."""
+        return self._plugin_state.get(plugin_name, default)
+
+
+@dataclass(frozen=True, slots=True)
+class ScoredEndpoint:
+    """An endpoint with its total weighted score in one profile run."""
+
+    endpoint: Endpoint
+    score: float
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileRunResult:
+    """The endpoints a profile's picker chose: primary first, then fallbacks."""
+
+    targets: tuple[Endpoint, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulingResult:
+    """The outcome of one scheduling cycle over all profiles."""
+
+    profile_results: Mapping[str, ProfileRunResult | None]
+    primary_profile: str
+
+    @property
+    def targets(self) -> tuple[Endpoint, ...]:
+        """Targets of the primary profile (primary endpoint first)."""
+        result = self.profile_results.get(self.primary_profile)
+        return result.targets if result else ()
+
+
+@dataclass
+class PluginContext:
+    """What a plugin factory may use: the endpoint source, a metrics registry and shared services."""
+
+    metrics_registry: "CollectorRegistry | None" = None
+    endpoints: Any = None  # epp.datalayer.EndpointRegistry: endpoints and their metrics
+    services: dict[str, Any] = field(default_factory=dict)
+
+
+class Plugin:
+    """Base of every plugin: a registered `type_name` and an instance `name` from the config."""
+
+    type_name: ClassVar[str] = ""
+
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name or self.type_name
+
+    async def start(self) -> None:
+        """Start background work (called once the server runs); default: nothing."""
+
+    async def stop(self) -> None:
+        """Stop background work; default: nothing."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+class Filter(Plugin):
+    """Narrows the candidate endpoints of a profile; an empty result fails the profile."""
+
+    def filter(
+        self, state: CycleState, request: InferenceRequest, endpoints: Sequence[Endpoint]
+    ) -> list[Endpoint]:
+        raise NotImplementedError
+
+
+class ScorerCategory(enum.Enum):
+    """What a scorer optimises, for documentation and for profile authors."""
+
+    AFFINITY = "Affinity"
+    DISTRIBUTION = "Distribution"
+    BALANCE = "Balance"
+
+
+class Scorer(Plugin):
+    """Scores each endpoint in [0, 1] (values outside are clamped); higher is better."""
+
+    category: ClassVar[ScorerCategory] = ScorerCategory.DISTRIBUTION
+
+    def consumes(self) -> frozenset[str]:
+        """Data keys this scorer reads from `CycleState`; a producer must exist for each."""
+        return frozenset()
+
+    def score(
+        self, state: CycleState, request: InferenceRequest, endpoints: Sequence[Endpoint]
+    ) -> Mapping[str, float]:
+        """Return a score per endpoint name; endpoints left out score 0."""
+        raise NotImplementedError
+
+
+class Picker(Plugin):
+    """Chooses the target endpoints of a profile from the scored candidates."""
+
+    def pick(
+        self, state: CycleState, request: InferenceRequest, scored: Sequence[ScoredEndpoint]
+    ) -> ProfileRunResult:
+        raise NotImplementedError
+
+
+class ProfileHandler(Plugin):
+    """Decides which scheduling profiles run, in rounds, and which result is primary."""
+
+    def pick_profiles(
+        self,
+        state: CycleState,
+        request: InferenceRequest,
+        profiles: Mapping[str, Any],
+        results: Mapping[str, ProfileRunResult | None],
+    ) -> list[str]:
+        """Names of the profiles to run next; an empty list ends the cycle."""
+        raise NotImplementedError
+
+    def process_results(
+        self,
+        state: CycleState,
+        request: InferenceRequest,
+        results: Mapping[str, ProfileRunResult | None],
+    ) -> SchedulingResult:
+        """Turn the profile results into the cycle's result, or raise `InferenceError`."""
+        raise NotImplementedError
+
+
+class DataProducer(Plugin):
+    """Computes per-request data once, before scheduling, for the plugins that consume it."""
+
+    def produces(self) -> frozenset[str]:
+        """Data keys this producer writes into `CycleState`."""
+        return frozenset()
+
+    def consumes(self) -> frozenset[str]:
+        """Data keys this producer reads (so producers run in dependency order)."""
+        return frozenset()
+
+    async def prepare(
+        self, state: CycleState, request: InferenceRequest, endpoints: Sequence[Endpoint]
+    ) -> None:
+        raise NotImplementedError
+
+
+class Admitter(Plugin):
+    """May refuse a request before scheduling by raising `InferenceError`."""
+
+    def admit(
+        self, state: CycleState, request: InferenceRequest, endpoints: Sequence[Endpoint]
+    ) -> None:
+        raise NotImplementedError
+
+
+class PreRequestHook(Plugin):
+    """Runs after the pick, before the request is sent on (record the pick, count in-flight)."""
+
+    def pre_request(
+        self, state: CycleState, request: InferenceRequest, result: SchedulingResult
+    ) -> None:
+        raise NotImplementedError
+
+
+class ResponseHeadersHook(Plugin):
+    """Runs when the response headers arrive; may add headers through `response.set_headers`."""
+
+    def on_response_headers(
+        self, state: CycleState, request: InferenceRequest, response: ResponseInfo,
+        target: Endpoint | None,
+    ) -> None:
+        raise NotImplementedError
+
+
+class ResponseCompleteHook(Plugin):
+    """Runs once when the response ends, or when the stream dies after a pick."""
+
+    def on_response_complete(
+        self, state: CycleState, request: InferenceRequest, response: ResponseInfo,
+        target: Endpoint | None,
+    ) -> None:
+        raise NotImplementedError

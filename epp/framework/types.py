@@ -1,0 +1,106 @@
+"""Immutable data the scheduler works on: endpoints with their metrics, and parsed requests."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+_EMPTY: Mapping[str, str] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointMetrics:
+    """One scrape of a model server's `/metrics`; `update_time` is `time.monotonic()` (0 = never)."""
+
+    waiting_queue_size: int = 0
+    running_requests_size: int = 0
+    kv_cache_usage: float = 0.0
+    active_models: frozenset[str] = frozenset()
+    waiting_models: frozenset[str] = frozenset()
+    max_active_models: int = 0
+    cache_block_size: int = 0
+    cache_num_blocks: int = 0
+    update_time: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One model-server endpoint (`ip:port`) of the pool, with its latest metrics snapshot."""
+
+    address: str
+    port: int
+    labels: Mapping[str, str] = field(default_factory=lambda: _EMPTY)
+    metrics: EndpointMetrics = field(default_factory=EndpointMetrics)
+    metrics_port: int | None = None
+    healthy: bool = True
+
+    @property
+    def hostport(self) -> str:
+        """`ip:port`, with IPv6 addresses bracketed, as Envoy expects it."""
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"{host}:{self.port}"
+
+    @property
+    def name(self) -> str:
+        """Stable identity of the endpoint inside the picker (its `ip:port`)."""
+        return self.hostport
+
+    @property
+    def metrics_hostport(self) -> str:
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"{host}:{self.metrics_port or self.port}"
+
+
+class ApiKind(enum.Enum):
+    """The OpenAI-style API a request uses, chosen from the request path."""
+
+    COMPLETIONS = "completions"
+    CHAT_COMPLETIONS = "chat/completions"
+    RESPONSES = "responses"
+    CONVERSATIONS = "conversations"
+    EMBEDDINGS = "embeddings"
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceRequest:
+    """A parsed inference request. `body` is the (possibly model-rewritten) JSON object."""
+
+    request_id: str
+    api: ApiKind
+    model: str
+    target_model: str
+    body: Mapping[str, Any]
+    headers: Mapping[str, str] = field(default_factory=lambda: _EMPTY)
+    stream: bool = False
+    cache_salt: str | None = None
+    priority: int = 0
+    objective: str | None = None
+    fairness_id: str = "default-flow"
+    subset_hint: tuple[str, ...] | None = None
+    path: str = "/v1/completions"
+
+    @property
+    def prompt(self) -> Any:
+        """Completions prompt: a string, a list of strings, token ids, or lists of token ids."""
+        return self.body.get("prompt")
+
+    @property
+    def messages(self) -> list[Any] | None:
+        """Chat messages, when the API is chat completions."""
+        value = self.body.get("messages")
+        return value if isinstance(value, list) else None
+
+
+@dataclass(slots=True)
+class ResponseInfo:
+    """What the picker sees of a response; hooks may add headers to `set_headers`."""
+
+    status: str = ""
+    headers: dict[str, str] = field(default_factory=dict)
+    served_endpoint: str | None = None
+    streaming: bool = False
+    usage: dict[str, Any] | None = None
+    end_of_stream: bool = False
+    set_headers: dict[str, str] = field(default_factory=dict)

@@ -1,0 +1,137 @@
+"""Parse a buffered request body into an `InferenceRequest` (OpenAI completions, chat, responses…)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+from epp.framework.errors import ErrorCode, InferenceError
+from epp.framework.types import ApiKind, InferenceRequest
+
+HEADER_OBJECTIVE = "x-gateway-inference-objective"
+HEADER_MODEL_REWRITE = "x-gateway-model-name-rewrite"
+HEADER_FAIRNESS_ID = "x-gateway-inference-fairness-id"
+DEFAULT_FAIRNESS_ID = "default-flow"
+
+# Matched in this order, as the GIE parser does (a `/chat/completions` path also ends in `/completions`).
+_SUFFIXES: tuple[tuple[str, ApiKind], ...] = (
+    ("/conversations", ApiKind.CONVERSATIONS),
+    ("/responses", ApiKind.RESPONSES),
+    ("/chat/completions", ApiKind.CHAT_COMPLETIONS),
+    ("/completions", ApiKind.COMPLETIONS),
+    ("/embeddings", ApiKind.EMBEDDINGS),
+)
+
+
+def api_kind_for_path(path: str) -> ApiKind:
+    """The API a path names by its suffix (query string ignored); anything else is completions."""
+    path = path.split("?", 1)[0].rstrip("/")
+    for suffix, kind in _SUFFIXES:
+        if path.endswith(suffix):
+            return kind
+    return ApiKind.COMPLETIONS
+
+
+def _bad(message: str) -> InferenceError:
+    return InferenceError(ErrorCode.BAD_REQUEST, message)
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _valid_prompt(prompt: Any) -> bool:
+    if isinstance(prompt, str):
+        return bool(prompt)
+    if not isinstance(prompt, list) or not prompt:
+        return False
+    if all(isinstance(p, str) for p in prompt):
+        return True
+    return _is_token_ids(prompt) or all(_is_token_ids(p) for p in prompt)
+
+
+def _valid_messages(messages: Any) -> bool:
+    if not isinstance(messages, list) or not messages:
+        return False
+    for message in messages:
+        if not isinstance(message, dict):
+            return False
+        content = message.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            return False
+        if isinstance(content, list) and not all(isinstance(part, dict) for part in content):
+            return False
+    return True
+
+
+def _validate_api_fields(api: ApiKind, body: Mapping[str, Any]) -> None:
+    if api is ApiKind.CHAT_COMPLETIONS:
+        if not _valid_messages(body.get("messages")):
+            raise _bad("invalid chat completions request: must have valid messages field")
+    elif api is ApiKind.COMPLETIONS:
+        if not _valid_prompt(body.get("prompt")):
+            raise _bad("invalid completions request: must have valid prompt field")
+    elif api is ApiKind.RESPONSES:
+        if body.get("input") in (None, "", []):
+            raise _bad("invalid responses request: must have input field")
+    elif api is ApiKind.CONVERSATIONS:
+        items = body.get("items")
+        if not isinstance(items, list) or not items:
+            raise _bad("invalid conversations request: must have items field")
+    elif api is ApiKind.EMBEDDINGS:
+        if body.get("input") in (None, "", []):
+            raise _bad("invalid embeddings request: must have input field")
+
+
+def go_json(value: Any) -> bytes:
+    """Serialise like Go's json.Marshal of a map: compact, keys sorted, HTML characters escaped."""
+    text = json.dumps(value, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026").encode()
+
+
+class RequestParser:
+    """Turns a request's headers and body into an `InferenceRequest` and the body to send on."""
+
+    def __init__(self, objective_priorities: Mapping[str, int] | None = None) -> None:
+        self.objective_priorities = dict(objective_priorities or {})
+
+    def parse(self, *, request_id: str, headers: Mapping[str, str], body: bytes,
+              subset_hint: tuple[str, ...] | None) -> tuple[InferenceRequest, bytes]:
+        """Parse and validate; returns the request and the body to forward (rewritten if needed)."""
+        try:
+            parsed = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise _bad(f"error unmarshaling request bodyMap: {exc}") from None
+        if not isinstance(parsed, dict):
+            raise _bad("error unmarshaling request bodyMap: request body must be a JSON object")
+        path = headers.get(":path") or headers.get("x-original-path") or headers.get("x-forwarded-path") \
+            or "/v1/completions"
+        api = api_kind_for_path(path)
+        _validate_api_fields(api, parsed)
+        model = parsed.get("model")
+        if not isinstance(model, str) or not model:
+            raise _bad("model not found in request body")
+        target_model = headers.get(HEADER_MODEL_REWRITE) or model
+        forwarded = body
+        if target_model != model:
+            parsed["model"] = target_model
+            forwarded = go_json(parsed)
+        objective = headers.get(HEADER_OBJECTIVE) or None
+        salt = parsed.get("cache_salt")
+        request = InferenceRequest(
+            request_id=request_id,
+            api=api,
+            model=model,
+            target_model=target_model,
+            body=parsed,
+            headers=headers,
+            stream=parsed.get("stream") is True,
+            cache_salt=salt if isinstance(salt, str) and salt else None,
+            priority=self.objective_priorities.get(objective, 0) if objective else 0,
+            objective=objective,
+            fairness_id=headers.get(HEADER_FAIRNESS_ID) or DEFAULT_FAIRNESS_ID,
+            subset_hint=subset_hint,
+            path=path,
+        )
+        return request, forwarded
