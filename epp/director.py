@@ -1,0 +1,173 @@
+"""Request control: from a parsed request to the picked endpoints, and the response hooks after."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from epp.datalayer.registry import EndpointRegistry
+from epp.framework.errors import ErrorCode, InferenceError
+from epp.framework.plugin import (
+    Admitter,
+    CycleState,
+    DataProducer,
+    Plugin,
+    PreRequestHook,
+    ResponseCompleteHook,
+    ResponseHeadersHook,
+    SchedulingResult,
+)
+from epp.framework.scheduler import Scheduler
+from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
+from epp.metrics import EppMetrics
+
+log = logging.getLogger(__name__)
+
+# GIE bounds all data producers of one request by this deadline; a slow producer is skipped.
+PREPARE_DATA_TIMEOUT_S = 0.4
+
+
+class AdmissionPolicy(Protocol):
+    """Decides before scheduling whether a request may proceed (raises `InferenceError` if not)."""
+
+    def admit(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> None: ...
+
+
+@dataclass
+class Pipeline:
+    """The configured plugins of the request path, in the order they run."""
+
+    scheduler: Scheduler
+    producers: Sequence[DataProducer] = ()
+    admitters: Sequence[Admitter] = ()
+    pre_request_hooks: Sequence[PreRequestHook] = ()
+    response_headers_hooks: Sequence[ResponseHeadersHook] = ()
+    response_complete_hooks: Sequence[ResponseCompleteHook] = ()
+    plugins: Sequence[Plugin] = field(default_factory=list)
+
+
+def match_subset(endpoints: Sequence[Endpoint], hint: Sequence[str]) -> list[Endpoint]:
+    """Endpoints named by a subset hint: `ip:port` matches exactly, a bare IP any port of it."""
+    exact: set[str] = set()
+    hosts: set[str] = set()
+    for entry in hint:
+        entry = entry.strip()
+        if not entry:
+            continue
+        host, sep, port = entry.rpartition(":")
+        if sep and port.isdigit() and host and (host.startswith("[") or ":" not in host):
+            exact.add(entry)
+        else:
+            hosts.add(entry.strip("[]"))
+    return [ep for ep in endpoints if ep.hostport in exact or ep.address in hosts]
+
+
+class Director:
+    """Runs admission, candidate selection, producers, scheduling and hooks for each request."""
+
+    def __init__(self, pipeline: Pipeline, endpoints: EndpointRegistry, metrics: EppMetrics,
+                 admission: AdmissionPolicy | None = None, *, use_subset_hint: bool = True) -> None:
+        self.pipeline = pipeline
+        self.endpoints = endpoints
+        self.metrics = metrics
+        self.admission = admission
+        self.use_subset_hint = use_subset_hint
+
+    def candidates(self, request: InferenceRequest) -> list[Endpoint]:
+        """Healthy pool endpoints, narrowed by the request's subset hint."""
+        endpoints = [ep for ep in self.endpoints.snapshot() if ep.healthy]
+        if self.use_subset_hint and request.subset_hint is not None:
+            endpoints = match_subset(endpoints, request.subset_hint)
+        return endpoints
+
+    def random_endpoint(self, subset_hint: Sequence[str] | None = None) -> Endpoint:
+        """Any healthy endpoint (within the subset hint), for requests without a body."""
+        endpoints = [ep for ep in self.endpoints.snapshot() if ep.healthy]
+        if not endpoints:
+            raise InferenceError(ErrorCode.INTERNAL, "no pods available in datastore")
+        if self.use_subset_hint and subset_hint is not None:
+            endpoints = match_subset(endpoints, subset_hint)
+            if not endpoints:
+                raise InferenceError(ErrorCode.SERVICE_UNAVAILABLE,
+                                     "failed to find endpoint candidates for serving the request")
+        return random.choice(endpoints)
+
+    async def schedule(self, state: CycleState, request: InferenceRequest) -> SchedulingResult:
+        """Pick the target endpoints of a request or raise `InferenceError`."""
+        started = time.perf_counter()
+        timer = self.metrics.observe_plugin
+        try:
+            candidates = self.candidates(request)
+            if self.admission is not None:
+                self.admission.admit(request, candidates)
+            if not candidates:
+                raise InferenceError(ErrorCode.SERVICE_UNAVAILABLE,
+                                     "failed to find endpoint candidates for serving the request")
+            if self.pipeline.producers:
+                await self._prepare_data(state, request, candidates)
+            for admitter in self.pipeline.admitters:
+                t0 = time.perf_counter()
+                try:
+                    admitter.admit(state, request, candidates)
+                except InferenceError:
+                    raise
+                except Exception as exc:  # an admitter that fails denies, as GIE does
+                    log.warning("admitter %s failed: %s", admitter.name, exc)
+                    raise InferenceError(ErrorCode.INTERNAL, "request cannot be admitted") from exc
+                finally:
+                    timer("Admitter", admitter, time.perf_counter() - t0)
+            result = self.pipeline.scheduler.schedule(state, request, candidates, timer)
+        except InferenceError:
+            self.metrics.scheduler_attempts.labels("failure").inc()
+            raise
+        for hook in self.pipeline.pre_request_hooks:
+            t0 = time.perf_counter()
+            try:
+                hook.pre_request(state, request, result)
+            except Exception:  # a broken hook must not fail a request that is already scheduled
+                log.exception("pre-request hook %s failed", hook.name)
+            timer("PreRequest", hook, time.perf_counter() - t0)
+        self.metrics.scheduler_attempts.labels("success").inc()
+        self.metrics.scheduler_e2e.observe(time.perf_counter() - started)
+        return result
+
+    async def _prepare_data(self, state: CycleState, request: InferenceRequest,
+                            candidates: Sequence[Endpoint]) -> None:
+        deadline = time.monotonic() + PREPARE_DATA_TIMEOUT_S
+        for producer in self.pipeline.producers:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                log.warning("data producers ran out of time before %s", producer.name)
+                return
+            t0 = time.perf_counter()
+            try:
+                await asyncio.wait_for(producer.prepare(state, request, candidates), remaining)
+            except Exception as exc:  # producers are best effort: scoring goes on without their data
+                log.warning("data producer %s failed: %r", producer.name, exc)
+            self.metrics.observe_plugin("PrepareData", producer, time.perf_counter() - t0)
+
+    def response_headers(self, state: CycleState, request: InferenceRequest,
+                         response: ResponseInfo, target: Endpoint | None) -> None:
+        """Run the response-headers hooks; they may add headers to `response.set_headers`."""
+        for hook in self.pipeline.response_headers_hooks:
+            t0 = time.perf_counter()
+            try:
+                hook.on_response_headers(state, request, response, target)
+            except Exception:
+                log.exception("response-headers hook %s failed", hook.name)
+            self.metrics.observe_plugin("ResponseReceived", hook, time.perf_counter() - t0)
+
+    def response_complete(self, state: CycleState, request: InferenceRequest,
+                          response: ResponseInfo, target: Endpoint | None) -> None:
+        """Run the completion hooks once per picked request, also when the stream died."""
+        for hook in self.pipeline.response_complete_hooks:
+            t0 = time.perf_counter()
+            try:
+                hook.on_response_complete(state, request, response, target)
+            except Exception:
+                log.exception("response-complete hook %s failed", hook.name)
+            self.metrics.observe_plugin("ResponseComplete", hook, time.perf_counter() - t0)

@@ -1,0 +1,77 @@
+"""The picker's own Prometheus metrics (GIE names), on a registry of its own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Scheduling takes tens of microseconds to a few milliseconds: sub-millisecond buckets matter.
+_LATENCY_BUCKETS = (0.00005, 0.0001, 0.0002, 0.0003, 0.0004, 0.0005, 0.0006, 0.0008, 0.001,
+                    0.002, 0.003, 0.004, 0.005, 0.01, 0.02, 0.05, 0.1)
+_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768,
+                  65536, 131072, 262144)
+_DURATION_BUCKETS = (0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5, 2, 3, 4, 5, 6,
+                     8, 10, 15, 20, 30, 45, 60, 120, 180, 240, 300, 360, 480, 600, 900, 1200)
+
+
+class EppMetrics:
+    """Every metric the ext_proc path records; plugins register theirs on `registry` too."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "inference_objective_request", "Requests by model.",
+            ["model_name", "target_model_name", "priority"], registry=r)
+        self.request_errors = Counter(
+            "inference_objective_request_error", "Failed requests by error code.",
+            ["model_name", "target_model_name", "error_code"], registry=r)
+        self.request_duration = Histogram(
+            "inference_objective_request_duration_seconds",
+            "From request headers to the end of the response.",
+            ["model_name", "target_model_name"], buckets=_DURATION_BUCKETS, registry=r)
+        self.request_sizes = Histogram(
+            "inference_objective_request_sizes", "Request body sizes in bytes.",
+            ["model_name", "target_model_name"],
+            buckets=(64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216),
+            registry=r)
+        self.input_tokens = Histogram(
+            "inference_objective_input_tokens", "Prompt tokens reported by the model server.",
+            ["model_name", "target_model_name"], buckets=_TOKEN_BUCKETS, registry=r)
+        self.output_tokens = Histogram(
+            "inference_objective_output_tokens", "Completion tokens reported by the model server.",
+            ["model_name", "target_model_name"], buckets=_TOKEN_BUCKETS, registry=r)
+        self.cached_tokens = Histogram(
+            "inference_objective_prompt_cached_tokens", "Prompt tokens served from the prefix cache.",
+            ["model_name", "target_model_name"], buckets=_TOKEN_BUCKETS, registry=r)
+        self.running_requests = Gauge(
+            "inference_objective_running_requests", "Requests in flight through the picker.",
+            ["model_name"], registry=r)
+        self.scheduler_e2e = Histogram(
+            "inference_extension_scheduler_e2e_duration_seconds",
+            "From parsed request to picked endpoint (admission, producers, scheduling, hooks).",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.scheduler_attempts = Counter(
+            "inference_extension_scheduler_attempts", "Scheduling attempts by outcome.",
+            ["status"], registry=r)
+        self.plugin_duration = Histogram(
+            "inference_extension_plugin_duration_seconds", "Time spent in each plugin call.",
+            ["extension_point", "plugin_type", "plugin_name"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.ready_endpoints = Gauge(
+            "inference_pool_ready_pods", "Endpoints known and healthy.", registry=r)
+        self.streams_active = Gauge(
+            "epp_extproc_streams_active", "Open ext_proc streams.", registry=r)
+        self.stream_errors = Counter(
+            "epp_extproc_stream_errors", "ext_proc streams ended by an unexpected error.",
+            ["reason"], registry=r)
+        self._plugin_children: dict[tuple[str, int], object] = {}
+
+    def observe_plugin(self, extension_point: str, plugin: object, seconds: float) -> None:
+        """Record one plugin call; label children are cached because this runs per request."""
+        key = (extension_point, id(plugin))
+        child = self._plugin_children.get(key)
+        if child is None:
+            child = self.plugin_duration.labels(
+                extension_point, getattr(plugin, "type_name", type(plugin).__name__),
+                getattr(plugin, "name", ""))
+            self._plugin_children[key] = child
+        child.observe(seconds)  # type: ignore[attr-defined]

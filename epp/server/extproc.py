@@ -1,0 +1,299 @@
+"""The Envoy ext_proc service: one gRPC stream per HTTP request, driven as the GIE endpoint picker.
+
+Request headers are held until the body ends; then the request is parsed and scheduled, and the
+headers reply (destination endpoint) and the body (re-emitted as `streamed_response` pieces)
+are sent back to back. Response headers, body and trailers are answered as they come: SSE is
+streamed through piece by piece, JSON is buffered so the model name can be rewritten back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from epp.director import Director
+from epp.framework.errors import ErrorCode, InferenceError
+from epp.framework.plugin import CycleState
+from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
+from epp.metrics import EppMetrics
+from epp.request.parsing import RequestParser
+from epp.request.response import ResponseRewriter, parse_usage
+from epp.server import messages
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "x-request-id"
+SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_HINT_KEY = "x-gateway-destination-endpoint-subset"
+SERVED_ENDPOINT_KEY = "x-gateway-destination-endpoint-served"
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+def _header_map(header_map: Any) -> dict[str, str]:
+    """Envoy headers as a dict of lower-case names; Envoy sends values in `raw_value`."""
+    out: dict[str, str] = {}
+    for h in header_map.headers:
+        out[h.key.lower()] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+    return out
+
+
+def subset_hint_of(req: pb.ProcessingRequest) -> tuple[str, ...] | None:
+    """The subset hint in the request metadata: a list, or one comma-separated string."""
+    namespace = req.metadata_context.filter_metadata.get(SUBSET_HINT_NAMESPACE)
+    if namespace is None or SUBSET_HINT_KEY not in namespace.fields:
+        return None
+    value = namespace.fields[SUBSET_HINT_KEY]
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        return tuple(v.string_value for v in value.list_value.values if v.WhichOneof("kind") == "string_value")
+    if kind == "string_value":
+        return tuple(part.strip() for part in value.string_value.split(",") if part.strip())
+    return ()
+
+
+def served_endpoint_of(req: pb.ProcessingRequest) -> str | None:
+    namespace = req.metadata_context.filter_metadata.get(messages.LB_METADATA_NAMESPACE)
+    if namespace is None or SERVED_ENDPOINT_KEY not in namespace.fields:
+        return None
+    return namespace.fields[SERVED_ENDPOINT_KEY].string_value or None
+
+
+class _Stream:
+    """State of one ext_proc stream (one HTTP request and its response)."""
+
+    __slots__ = ("service", "headers", "body_parts", "body_size", "subset_hint", "request_id",
+                 "request", "target", "state", "response", "rewriter", "response_parts",
+                 "response_size", "passthrough", "finished", "rejected", "started", "scheduled")
+
+    def __init__(self, service: "ExtProcService") -> None:
+        self.service = service
+        self.headers: dict[str, str] = {}
+        self.body_parts: list[bytes] = []
+        self.body_size = 0
+        self.subset_hint: tuple[str, ...] | None = None
+        self.request_id = ""
+        self.request: InferenceRequest | None = None
+        self.target: Endpoint | None = None
+        self.state = CycleState()
+        self.response = ResponseInfo()
+        self.rewriter: ResponseRewriter | None = None
+        self.response_parts: list[bytes] = []
+        self.response_size = 0
+        self.passthrough = False
+        self.finished = False
+        self.rejected = False
+        self.scheduled = False
+        self.started = time.monotonic()
+
+    # -- request path -------------------------------------------------------------------------
+
+    async def on_request_headers(self, msg: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
+        self.headers = _header_map(msg.headers)
+        self.request_id = self.headers.get(REQUEST_ID_HEADER) or str(uuid.uuid4())
+        if not msg.end_of_stream:
+            return []  # held until the body has been scheduled
+        target = self.service.director.random_endpoint(self.subset_hint)
+        self.target = target
+        self.scheduled = True
+        return [messages.request_headers_response(
+            [(messages.DESTINATION_ENDPOINT_HEADER, target.hostport), (REQUEST_ID_HEADER, self.request_id)],
+            destination=target.hostport)]
+
+    async def on_request_body(self, msg: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        if self.scheduled:
+            return []  # a body after a header-only reply cannot happen; ignore defensively
+        if msg.body:
+            self.body_size += len(msg.body)
+            if self.body_size > self.service.max_body_bytes:
+                self.body_parts.clear()
+                raise InferenceError(
+                    ErrorCode.PAYLOAD_TOO_LARGE,
+                    f"request body exceeds the limit of {self.service.max_body_bytes} bytes")
+            self.body_parts.append(msg.body)
+        if not msg.end_of_stream:
+            return []
+        return await self._schedule(end_of_stream=True)
+
+    async def on_request_trailers(self) -> list[pb.ProcessingResponse]:
+        # Trailers end a request whose last body message did not carry end_of_stream.
+        replies = [] if self.scheduled else await self._schedule(end_of_stream=False)
+        replies.append(messages.request_trailers_response())
+        return replies
+
+    async def _schedule(self, *, end_of_stream: bool) -> list[pb.ProcessingResponse]:
+        body = b"".join(self.body_parts)
+        self.body_parts = []
+        service = self.service
+        request, forwarded = service.parser.parse(
+            request_id=self.request_id, headers=self.headers, body=body, subset_hint=self.subset_hint)
+        self.request = request
+        service.metrics.requests.labels(request.model, request.target_model, str(request.priority)).inc()
+        service.metrics.request_sizes.labels(request.model, request.target_model).observe(len(body))
+        result = await service.director.schedule(self.state, request)
+        targets = result.targets
+        self.target = targets[0]
+        self.scheduled = True
+        service.metrics.running_requests.labels(request.model).inc()
+        destination = ",".join(ep.hostport for ep in targets)
+        set_headers = [(messages.DESTINATION_ENDPOINT_HEADER, destination), (REQUEST_ID_HEADER, self.request_id)]
+        if forwarded:
+            set_headers.append(("Content-Length", str(len(forwarded))))
+        replies = [messages.request_headers_response(set_headers, destination=destination)]
+        replies.extend(messages.request_body_response(piece, eos)
+                       for piece, eos in messages.streamed_body_chunks(forwarded, end_of_stream=end_of_stream))
+        self.rewriter = ResponseRewriter(request.model, request.target_model)
+        return replies
+
+    # -- response path ------------------------------------------------------------------------
+
+    def on_response_headers(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        msg = req.response_headers
+        headers = _header_map(msg.headers)
+        response = self.response
+        response.headers = headers
+        response.status = headers.get(":status", "")
+        response.served_endpoint = served_endpoint_of(req)
+        response.streaming = "text/event-stream" in headers.get("content-type", "") or bool(
+            self.request and self.request.stream)
+        if self.request is not None:
+            self.service.director.response_headers(self.state, self.request, response, self.target)
+        remove = ["content-length"] if self.rewriter is not None and self.rewriter.active else []
+        replies = [messages.response_headers_response(response.set_headers.items(), remove)]
+        if msg.end_of_stream:
+            self.complete()
+        return replies
+
+    def on_response_body(self, msg: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        chunk = msg.body
+        response = self.response
+        if response.streaming or self.passthrough:
+            if self.rewriter is not None:
+                chunk = self.rewriter.rewrite(chunk)
+            if response.streaming and response.usage is None and b"usage" in chunk:
+                response.usage = parse_usage(chunk, sse=True)
+            replies = [messages.response_body_response(chunk, msg.end_of_stream)]
+        else:
+            self.response_parts.append(chunk)
+            self.response_size += len(chunk)
+            if self.response_size > self.service.max_body_bytes:
+                # Too big to buffer: send what we hold and stream the rest through unmodified.
+                self.passthrough = True
+                held, self.response_parts = b"".join(self.response_parts), []
+                return [messages.response_body_response(piece, eos) for piece, eos in
+                        messages.streamed_body_chunks(held, end_of_stream=msg.end_of_stream)]
+            if not msg.end_of_stream:
+                return []
+            body = b"".join(self.response_parts)
+            self.response_parts = []
+            if self.rewriter is not None:
+                body = self.rewriter.rewrite(body)
+            response.usage = parse_usage(body, sse=False)
+            replies = [messages.response_body_response(piece, eos)
+                       for piece, eos in messages.streamed_body_chunks(body)]
+        if msg.end_of_stream:
+            self.complete()
+        return replies
+
+    def on_response_trailers(self) -> list[pb.ProcessingResponse]:
+        self.complete()
+        return [messages.response_trailers_response()]
+
+    def complete(self, *, aborted: bool = False) -> None:
+        """Finish the request once: metrics and completion hooks (also when the stream died)."""
+        if self.finished or not self.scheduled:
+            return
+        self.finished = True
+        self.response.end_of_stream = True
+        request = self.request
+        if request is None:
+            return
+        metrics = self.service.metrics
+        metrics.running_requests.labels(request.model).dec()
+        if not aborted:
+            metrics.request_duration.labels(request.model, request.target_model).observe(
+                time.monotonic() - self.started)
+        usage = self.response.usage
+        if usage:
+            prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+            completion = usage.get("completion_tokens", usage.get("output_tokens"))
+            if isinstance(prompt, int):
+                metrics.input_tokens.labels(request.model, request.target_model).observe(prompt)
+            if isinstance(completion, int):
+                metrics.output_tokens.labels(request.model, request.target_model).observe(completion)
+            details = usage.get("prompt_tokens_details") or usage.get("prompt_token_details") or {}
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                metrics.cached_tokens.labels(request.model, request.target_model).observe(details["cached_tokens"])
+        self.service.director.response_complete(self.state, request, self.response, self.target)
+
+
+class ExtProcService(pb_grpc.ExternalProcessorServicer):
+    """`envoy.service.ext_proc.v3.ExternalProcessor` implemented as the GIE endpoint picker."""
+
+    def __init__(self, director: Director, parser: RequestParser, metrics: EppMetrics, *,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        self.director = director
+        self.parser = parser
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+
+    async def Process(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+        stream = _Stream(self)
+        metrics = self.metrics
+        metrics.streams_active.inc()
+        try:
+            while True:
+                req = await context.read()
+                if req is grpc.aio.EOF:
+                    break
+                if stream.rejected:
+                    continue  # Envoy answers the client itself after an immediate response
+                try:
+                    replies = await self._dispatch(stream, req)
+                except InferenceError as err:
+                    stream.rejected = True
+                    model = stream.request.model if stream.request else ""
+                    target = stream.request.target_model if stream.request else ""
+                    metrics.request_errors.labels(model, target, err.code.label).inc()
+                    replies = [messages.immediate_response(err.code.http_status, err.body)]
+                except Exception:
+                    log.exception("ext_proc stream failed (request id %s)", stream.request_id)
+                    metrics.stream_errors.labels("internal").inc()
+                    stream.rejected = True
+                    replies = [messages.immediate_response(
+                        500, InferenceError(ErrorCode.INTERNAL, "internal error while processing request").body)]
+                for reply in replies:
+                    await context.write(reply)
+        except asyncio.CancelledError:
+            metrics.stream_errors.labels("cancelled").inc()
+            raise
+        finally:
+            metrics.streams_active.dec()
+            stream.complete(aborted=True)
+
+    async def _dispatch(self, stream: _Stream, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        kind = req.WhichOneof("request")
+        if kind == "request_headers" or kind == "request_body":
+            hint = subset_hint_of(req) if req.HasField("metadata_context") else None
+            if hint is not None:
+                stream.subset_hint = hint
+            if kind == "request_headers":
+                return await stream.on_request_headers(req.request_headers)
+            return await stream.on_request_body(req.request_body)
+        if kind == "response_headers":
+            return stream.on_response_headers(req)
+        if kind == "response_body":
+            return stream.on_response_body(req.response_body)
+        if kind == "request_trailers":
+            return await stream.on_request_trailers()
+        if kind == "response_trailers":
+            return stream.on_response_trailers()
+        return []
+
+

@@ -1,0 +1,148 @@
+"""Builders of ext_proc `ProcessingRequest` sequences and a started picker for state-machine tests."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Iterable, Sequence
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf import struct_pb2
+
+from epp.datalayer.registry import parse_endpoint_list
+from epp.director import Pipeline
+from epp.framework.plugin import CycleState, Picker, ProfileHandler, ProfileRunResult, SchedulingResult
+from epp.framework.scheduler import Scheduler, SchedulerProfile
+from epp.server.runner import EppServer, ServeOptions
+
+
+class FirstByNamePicker(Picker):
+    """Deterministic picker for protocol tests: endpoints in name order, `count` of them."""
+
+    type_name = "first-by-name-picker"
+
+    def __init__(self, count: int = 1) -> None:
+        super().__init__()
+        self.count = count
+
+    def pick(self, state, request, scored):
+        ordered = sorted((s.endpoint for s in scored), key=lambda ep: ep.name)
+        return ProfileRunResult(tuple(ordered[: self.count]))
+
+
+class OneProfile(ProfileHandler):
+    type_name = "one-profile"
+
+    def pick_profiles(self, state, request, profiles, results):
+        return [] if results else list(profiles)
+
+    def process_results(self, state, request, results):
+        return SchedulingResult(results, "default")
+
+
+def simple_pipeline(count: int = 1, hooks: Sequence = ()) -> Pipeline:
+    profile = SchedulerProfile("default", (), (), FirstByNamePicker(count))
+    return Pipeline(Scheduler(OneProfile(), {"default": profile}),
+                    pre_request_hooks=[h for h in hooks if hasattr(h, "pre_request")],
+                    response_headers_hooks=[h for h in hooks if hasattr(h, "on_response_headers")],
+                    response_complete_hooks=[h for h in hooks if hasattr(h, "on_response_complete")],
+                    plugins=list(hooks))
+
+
+def options(endpoints: str = "10.0.0.1:8000,10.0.0.2:8000,10.0.0.3:8000", **kw) -> ServeOptions:
+    return ServeOptions(grpc_port=0, grpc_health_port=0, metrics_port=0, bind_address="127.0.0.1",
+                        endpoints=parse_endpoint_list(endpoints), scrape_metrics=False, grace_period_s=1,
+                        **kw)
+
+
+def header_map(headers: Iterable[tuple[str, str]]) -> base_pb2.HeaderMap:
+    return base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers])
+
+
+def subset_metadata(value) -> base_pb2.Metadata:
+    hint = struct_pb2.Struct()
+    hint.update({"x-gateway-destination-endpoint-subset": value})
+    md = base_pb2.Metadata()
+    md.filter_metadata["envoy.lb.subset_hint"].CopyFrom(hint)
+    return md
+
+
+def request_headers(path: str = "/v1/completions", extra: Iterable[tuple[str, str]] = (),
+                    end_of_stream: bool = False, metadata: base_pb2.Metadata | None = None) -> pb.ProcessingRequest:
+    headers = [(":method", "POST"), (":path", path), (":authority", "gw"), ("content-type", "application/json"),
+               ("hi", "mom"), ("x-request-id", "test-request-id"), *extra]
+    req = pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=header_map(headers), end_of_stream=end_of_stream))
+    if metadata is not None:
+        req.metadata_context.CopyFrom(metadata)
+    return req
+
+
+def request_body(body: bytes, end_of_stream: bool = True, metadata=None) -> pb.ProcessingRequest:
+    req = pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=end_of_stream))
+    if metadata is not None:
+        req.metadata_context.CopyFrom(metadata)
+    return req
+
+
+def response_headers(headers: Iterable[tuple[str, str]], end_of_stream: bool = False,
+                     served: str | None = None) -> pb.ProcessingRequest:
+    req = pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=header_map(headers), end_of_stream=end_of_stream))
+    if served is not None:
+        req.metadata_context.filter_metadata["envoy.lb"].update({"x-gateway-destination-endpoint-served": served})
+    return req
+
+
+def response_body(body: bytes, end_of_stream: bool = False) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(response_body=pb.HttpBody(body=body, end_of_stream=end_of_stream))
+
+
+class ExtProcClient:
+    """A real gRPC client of a started picker: one `exchange` per ext_proc stream."""
+
+    def __init__(self, port: int) -> None:
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        self.stub = pb_grpc.ExternalProcessorStub(self.channel)
+
+    async def exchange(self, requests: Sequence[pb.ProcessingRequest], expect: int,
+                       timeout: float = 10.0) -> list[pb.ProcessingResponse]:
+        """Send all requests, then read `expect` responses, then close the stream."""
+        call = self.stub.Process()
+        for req in requests:
+            await call.write(req)
+        out = []
+        async with asyncio.timeout(timeout):
+            for _ in range(expect):
+                resp = await call.read()
+                assert resp is not grpc.aio.EOF, f"stream ended after {len(out)} responses"
+                out.append(resp)
+        await call.done_writing()
+        return out
+
+    async def open(self):
+        return self.stub.Process()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+async def started(pipeline: Pipeline | None = None, **kw) -> EppServer:
+    server = EppServer(options(**kw), pipeline=pipeline or simple_pipeline())
+    await server.start()
+    return server
+
+
+def headers_of(mutation) -> dict[str, str]:
+    return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+
+
+async def no_reply_within(call, seconds: float) -> "asyncio.Future":
+    """Assert the stream sends nothing for `seconds`; returns the pending read to await later.
+
+    (Cancelling a read would cancel the whole RPC, so the read is kept, not timed out.)
+    """
+    pending = asyncio.ensure_future(call.read())
+    done, _ = await asyncio.wait({pending}, timeout=seconds)
+    assert not done, f"unexpected reply: {pending.result()}"
+    return pending
