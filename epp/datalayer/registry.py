@@ -76,6 +76,11 @@ class EndpointRegistry:
         """Call `listener(added, removed)` whenever the set of endpoints changes."""
         self._listeners.append(listener)
 
+    def remove_listener(self, listener: EndpointListener) -> None:
+        """Stop calling `listener`; unknown listeners are ignored."""
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
     def set_endpoints(self, specs: Iterable[EndpointSpec]) -> None:
         """Replace the set of endpoints (discovery's full view); metrics of kept ones survive."""
         wanted = {spec.name: spec for spec in specs}

@@ -23,6 +23,9 @@ class EndpointMetrics:
     cache_block_size: int = 0
     cache_num_blocks: int = 0
     update_time: float = 0.0
+    # Cumulative prompt tokens looked up in / served from vLLM's prefix cache (counters).
+    prefix_cache_queries: float = 0.0
+    prefix_cache_hits: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

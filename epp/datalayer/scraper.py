@@ -1,0 +1,254 @@
+"""Per-endpoint scraping of vLLM `/metrics` into the endpoint registry's immutable snapshots."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from typing import Sequence
+
+import aiohttp
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from epp.datalayer.promparse import VllmMetrics, parse_vllm_metrics
+from epp.datalayer.registry import EndpointRegistry
+from epp.datalayer.staleness import is_stale
+from epp.framework.types import Endpoint, EndpointMetrics
+
+log = logging.getLogger(__name__)
+
+_SCRAPE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+FAILURE_REASONS = ("connect", "timeout", "http_status", "too_large", "no_metrics", "protocol")
+
+
+class ScrapeFailure(Exception):
+    """One failed scrape; `reason` is one of FAILURE_REASONS (the error counter's label)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+def to_endpoint_metrics(values: VllmMetrics, update_time: float) -> EndpointMetrics:
+    """Build the immutable snapshot; a series missing from the page keeps the field's default."""
+    return EndpointMetrics(
+        waiting_queue_size=int(values.waiting or 0),
+        running_requests_size=int(values.running or 0),
+        kv_cache_usage=values.kv_usage or 0.0,
+        active_models=values.running_adapters or frozenset(),
+        waiting_models=values.waiting_adapters or frozenset(),
+        max_active_models=values.max_lora or 0,
+        cache_block_size=values.block_size or 0,
+        cache_num_blocks=values.num_gpu_blocks or 0,
+        update_time=update_time,
+        prefix_cache_queries=values.prefix_cache_queries or 0.0,
+        prefix_cache_hits=values.prefix_cache_hits or 0.0,
+    )
+
+
+class MetricsScraper:
+    """One asyncio task per endpoint polls `http://<metrics host:port><path>` and swaps the result
+    into the registry. After `failure_threshold` consecutive failures an endpoint is marked
+    unhealthy; the next successful scrape marks it healthy again. Tasks follow the registry:
+    they start when endpoints are added and are cancelled when endpoints are removed.
+    """
+
+    def __init__(
+        self,
+        registry: EndpointRegistry,
+        *,
+        interval: float = 0.05,
+        timeout: float = 1.0,
+        failure_threshold: int = 3,
+        staleness_threshold: float = 2.0,
+        metrics_registry: CollectorRegistry | None = None,
+        path: str = "/metrics",
+        max_body_bytes: int = 4 * 1024 * 1024,
+        session: aiohttp.ClientSession | None = None,
+    ) -> None:
+        if interval <= 0 or timeout <= 0 or failure_threshold < 1 or staleness_threshold <= 0:
+            raise ValueError("interval, timeout and staleness_threshold must be > 0, failure_threshold >= 1")
+        self.registry = registry
+        self.interval = interval
+        self.timeout = timeout
+        self.failure_threshold = failure_threshold
+        self.staleness_threshold = staleness_threshold
+        self.path = path if path.startswith("/") else "/" + path
+        # Parsing runs on the event loop at ~1 ms per MB; the cap keeps one scrape's stall in the
+        # low milliseconds (a single vLLM's page is ~40-100 KB).
+        self.max_body_bytes = max_body_bytes
+        self._session = session
+        self._owns_session = session is None
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._failures: dict[str, int] = {}
+        self._running = False
+        metrics_registry = metrics_registry if metrics_registry is not None else CollectorRegistry()
+        self.scrape_errors = Counter(
+            "epp_metrics_scrape_errors", "Failed /metrics scrapes by endpoint and reason.",
+            ["endpoint", "reason"], registry=metrics_registry)
+        self.scrape_duration = Histogram(
+            "epp_metrics_scrape_duration_seconds", "Duration of one /metrics scrape (fetch and parse).",
+            buckets=_SCRAPE_BUCKETS, registry=metrics_registry)
+        self.stale_gauge = Gauge(
+            "epp_metrics_stale_endpoints",
+            "Endpoints whose metrics are older than the staleness threshold (or never scraped).",
+            registry=metrics_registry)
+        self.stale_gauge.set_function(lambda: float(len(self.stale_endpoints())))
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open the shared HTTP session and start scraping every endpoint the registry holds."""
+        if self._running:
+            return
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
+                # Compressing a page on loopback or a pod network costs more CPU than it saves.
+                headers={"Accept-Encoding": "identity"},
+            )
+        self._running = True
+        self.registry.add_listener(self._on_endpoints_changed)
+        for endpoint in self.registry.snapshot():
+            self._start_task(endpoint.name)
+
+    async def stop(self) -> None:
+        """Cancel every scrape task and close the session this scraper opened."""
+        if not self._running:
+            return
+        self._running = False
+        self.registry.remove_listener(self._on_endpoints_changed)
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._owns_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> "MetricsScraper":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- staleness ---------------------------------------------------------------------------
+
+    def stale_endpoints(self, now: float | None = None) -> list[str]:
+        """Names of endpoints whose metrics are older than `staleness_threshold` or missing."""
+        now = time.monotonic() if now is None else now
+        return [ep.name for ep in self.registry.snapshot()
+                if is_stale(ep.metrics, self.staleness_threshold, now)]
+
+    def is_stale(self, endpoint: Endpoint, now: float | None = None) -> bool:
+        """Whether this endpoint's metrics are too old to trust."""
+        return is_stale(endpoint.metrics, self.staleness_threshold, now)
+
+    @property
+    def scraping(self) -> Sequence[str]:
+        """Names of the endpoints with a live scrape task."""
+        return tuple(name for name, task in self._tasks.items() if not task.done())
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _on_endpoints_changed(self, added: tuple[Endpoint, ...], removed: tuple[Endpoint, ...]) -> None:
+        for endpoint in removed:
+            task = self._tasks.pop(endpoint.name, None)
+            if task is not None:
+                task.cancel()
+            self._failures.pop(endpoint.name, None)
+            for reason in FAILURE_REASONS:
+                try:
+                    self.scrape_errors.remove(endpoint.name, reason)
+                except KeyError:
+                    pass
+        for endpoint in added:
+            self._start_task(endpoint.name)
+
+    def _start_task(self, name: str) -> None:
+        old = self._tasks.get(name)
+        if old is not None and not old.done():
+            return
+        self._tasks[name] = asyncio.get_running_loop().create_task(
+            self._scrape_loop(name), name=f"scrape {name}")
+
+    async def _scrape_loop(self, name: str) -> None:
+        loop = asyncio.get_running_loop()
+        first = True
+        while True:
+            started = loop.time()
+            endpoint = self.registry.get(name)
+            if endpoint is None:
+                return
+            await self.scrape_once(endpoint)
+            # A random phase after the first scrape keeps many endpoints from polling in lockstep.
+            if first:
+                delay = self.interval * random.random()
+                first = False
+            else:
+                delay = max(0.0, started + self.interval - loop.time())
+            await asyncio.sleep(delay)
+
+    async def scrape_once(self, endpoint: Endpoint) -> bool:
+        """Scrape one endpoint now and record the outcome; True on success."""
+        t0 = time.perf_counter()
+        try:
+            page = await self._fetch(endpoint)
+            values = parse_vllm_metrics(page)
+            if not values.found_any:
+                raise ScrapeFailure("no_metrics", "no vLLM series on the page")
+        except ScrapeFailure as failure:
+            self.scrape_duration.observe(time.perf_counter() - t0)
+            self._record_failure(endpoint, failure)
+            return False
+        self.scrape_duration.observe(time.perf_counter() - t0)
+        self._failures[endpoint.name] = 0
+        current = self.registry.get(endpoint.name)
+        healthy = True if current is not None and not current.healthy else None
+        if healthy:
+            log.info("endpoint %s answers /metrics again: healthy", endpoint.name)
+        self.registry.update(endpoint.name, metrics=to_endpoint_metrics(values, time.monotonic()),
+                             healthy=healthy)
+        return True
+
+    async def _fetch(self, endpoint: Endpoint) -> bytes:
+        session = self._session
+        if session is None:
+            raise RuntimeError("MetricsScraper.start() was not called")
+        url = f"http://{endpoint.metrics_hostport}{self.path}"
+        try:
+            async with asyncio.timeout(self.timeout):
+                async with session.get(url, allow_redirects=False) as response:
+                    if response.status != 200:
+                        raise ScrapeFailure("http_status", f"HTTP {response.status}")
+                    if (response.content_length or 0) > self.max_body_bytes:
+                        raise ScrapeFailure("too_large", f"{response.content_length} bytes")
+                    chunks: list[bytes] = []
+                    size = 0
+                    async for chunk in response.content.iter_any():
+                        size += len(chunk)
+                        if size > self.max_body_bytes:
+                            raise ScrapeFailure("too_large", f"over {self.max_body_bytes} bytes")
+                        chunks.append(chunk)
+                    return b"".join(chunks)
+        except TimeoutError:
+            raise ScrapeFailure("timeout", f"no answer within {self.timeout}s") from None
+        except aiohttp.ClientConnectorError as exc:
+            raise ScrapeFailure("connect", str(exc)) from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise ScrapeFailure("protocol", f"{type(exc).__name__}: {exc}") from None
+
+    def _record_failure(self, endpoint: Endpoint, failure: ScrapeFailure) -> None:
+        self.scrape_errors.labels(endpoint.name, failure.reason).inc()
+        count = self._failures.get(endpoint.name, 0) + 1
+        self._failures[endpoint.name] = count
+        current = self.registry.get(endpoint.name)
+        if count >= self.failure_threshold and current is not None and current.healthy:
+            log.warning("endpoint %s failed %d scrapes in a row (%s): unhealthy",
+                        endpoint.name, count, failure)
+            self.registry.update(endpoint.name, healthy=False)
+        else:
+            log.debug("scrape of %s failed: %s", endpoint.name, failure)
