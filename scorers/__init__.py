@@ -1,7 +1,26 @@
 """Built-in plugins, written only against the public plugin API of `epp.framework`."""
 
+from epp.framework.datakeys import INFLIGHT_LOAD, PREFIX_MATCH_INFO
 from epp.framework.registry import PluginRegistry
 
 
 def register_builtin_plugins(registry: PluginRegistry) -> None:
     """Entry point of the `epp.plugins` group for the built-in plugins."""
+    from epp.scorers import (affinity, approx_prefix, conformance, datalayer_compat, inflight, label_filters,
+                             load, lora, pickers, prefix, profile_handlers)
+
+    for cls in (
+        load.QueueScorer, load.KVCacheUtilizationScorer, load.RunningRequestsSizeScorer,
+        load.LoadAwareScorer, load.TokenLoadScorer, lora.LoraAffinityScorer, prefix.PrefixCacheScorer,
+        inflight.ActiveRequestScorer, affinity.SessionAffinityScorer, affinity.NoHitLRUScorer,
+        pickers.MaxScorePicker, pickers.RandomPicker, pickers.WeightedRandomPicker,
+        label_filters.ByLabelFilter, label_filters.ByLabelSelectorFilter, label_filters.DecodeFilter,
+        label_filters.PrefillFilter, profile_handlers.SingleProfileHandler,
+        conformance.HeaderBasedTestingFilter, conformance.DestinationEndpointServedVerifier,
+        datalayer_compat.MetricsDataSource, datalayer_compat.CoreMetricsExtractor, datalayer_compat.OpenAIParser,
+    ):
+        registry.register_class(cls)
+    registry.register_class(approx_prefix.ApproxPrefixCacheProducer, default_producer_for=[PREFIX_MATCH_INFO])
+    registry.register_class(inflight.InflightLoadProducer, default_producer_for=[INFLIGHT_LOAD])
+    # Plugins written by other modules of this package, each exporting `register(registry)`.
+    # TODO(helper:scheduling): add precise_prefix and predicted_ttft once those modules land.

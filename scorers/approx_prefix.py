@@ -1,0 +1,146 @@
+"""approx-prefix-cache-producer: prefix match info from our own routing history (GIE §4)."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Sequence
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram
+
+from epp.framework.datakeys import PREFIX_MATCH_INFO, PrefixMatchInfo
+from epp.framework.errors import ConfigError
+from epp.framework.plugin import CycleState, DataProducer, PluginContext, PreRequestHook, SchedulingResult
+from epp.framework.registry import PluginParams
+from epp.framework.types import Endpoint, InferenceRequest
+from epp.scorers.prefix_hashing import AVERAGE_CHARACTERS_PER_TOKEN, block_hashes, chain_seed
+from epp.scorers.prefix_index import PrefixIndex
+from epp.scorers.prompt_text import user_input_bytes
+
+PREFILL_PROFILE = "prefill"
+
+
+@dataclass(frozen=True)
+class PrefixIndexMetrics:
+    """The prefix-indexer series of GIE (`inference_extension_prefix_indexer_*`)."""
+
+    size: Gauge
+    hit_ratio: Histogram
+    hit_bytes: Histogram
+
+
+_metrics_by_registry: "weakref.WeakKeyDictionary[CollectorRegistry, PrefixIndexMetrics]" = \
+    weakref.WeakKeyDictionary()
+
+
+def prefix_index_metrics(registry: CollectorRegistry) -> PrefixIndexMetrics:
+    """The metrics on `registry`, created once per registry (several producers share them)."""
+    metrics = _metrics_by_registry.get(registry)
+    if metrics is None:
+        metrics = PrefixIndexMetrics(
+            size=Gauge("inference_extension_prefix_indexer_size",
+                       "Entries in the approximate prefix index, over all endpoints.", registry=registry),
+            hit_ratio=Histogram("inference_extension_prefix_indexer_hit_ratio",
+                                "Fraction of the prompt's blocks found on the picked endpoint.",
+                                buckets=[i / 10 for i in range(11)], registry=registry),
+            hit_bytes=Histogram("inference_extension_prefix_indexer_hit_bytes",
+                                "Prompt bytes found cached on the picked endpoint.",
+                                buckets=[0, 256, 1024, 4096, 16384, 65536, 262144, 1048576],
+                                registry=registry),
+        )
+        _metrics_by_registry[registry] = metrics
+    return metrics
+
+
+@dataclass(frozen=True, slots=True)
+class _RequestPrefix:
+    hashes: list[int]
+    matched: dict[str, int]
+    block_size_tokens: int
+
+
+class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
+    """Hashes the prompt into blocks, matches them against what each endpoint was sent, records the pick."""
+
+    type_name = "approx-prefix-cache-producer"
+
+    def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
+        super().__init__(name)
+        self.auto_tune = params.bool("autoTune", True)
+        block_tokens = params.int("blockSizeTokens", None)  # type: ignore[arg-type]
+        legacy_chars = params.int("blockSize", None)  # type: ignore[arg-type]
+        if legacy_chars is not None and block_tokens is None:
+            raise ConfigError(f"plugin {name!r}: parameter 'blockSize' (characters) is deprecated; "
+                              "set 'blockSizeTokens' instead")
+        if block_tokens is not None and block_tokens < 1:
+            raise ConfigError(f"plugin {name!r}: parameter 'blockSizeTokens' must be >= 1, got {block_tokens}")
+        self.block_size_tokens = block_tokens or 16
+        self.max_prefix_blocks = params.int("maxPrefixBlocksToMatch", 256, minimum=1)
+        self.max_prefix_tokens = params.int("maxPrefixTokensToMatch", 0, minimum=0)
+        self.lru_capacity_per_server = params.int("lruCapacityPerServer", 31250, minimum=1)
+        self.index = PrefixIndex()
+        self.metrics = prefix_index_metrics(context.metrics_registry or CollectorRegistry())
+        if context.endpoints is not None:
+            context.endpoints.add_listener(self._on_endpoints_changed)
+
+    def describe(self) -> str:
+        return (f"autoTune={str(self.auto_tune).lower()} blockSizeTokens={self.block_size_tokens} "
+                f"maxPrefixBlocksToMatch={self.max_prefix_blocks} maxPrefixTokensToMatch={self.max_prefix_tokens} "
+                f"lruCapacityPerServer={self.lru_capacity_per_server}")
+
+    def produces(self) -> frozenset[str]:
+        return frozenset({PREFIX_MATCH_INFO})
+
+    def _on_endpoints_changed(self, added: tuple[Endpoint, ...], removed: tuple[Endpoint, ...]) -> None:
+        for ep in removed:
+            self.index.remove_endpoint(ep.name)
+        self.metrics.size.set(self.index.size)
+
+    def effective_block_size(self, endpoints: Sequence[Endpoint]) -> int:
+        """Block size in tokens: the model server's own when auto-tuning and it is known."""
+        if self.auto_tune and endpoints and endpoints[0].metrics.cache_block_size > 0:
+            return endpoints[0].metrics.cache_block_size
+        return self.block_size_tokens
+
+    def hash_request(self, request: InferenceRequest, block_size_tokens: int) -> list[int]:
+        """The request's block-hash chain (empty when the prompt is shorter than one block)."""
+        max_blocks = self.max_prefix_blocks
+        if self.max_prefix_tokens > 0:
+            max_blocks = max(1, self.max_prefix_tokens // block_size_tokens)
+        block_chars = block_size_tokens * AVERAGE_CHARACTERS_PER_TOKEN
+        data = user_input_bytes(request, limit=block_chars * max_blocks)
+        return block_hashes(data, block_chars, max_blocks, chain_seed(request.target_model, request.cache_salt))
+
+    async def prepare(self, state: CycleState, request: InferenceRequest,
+                      endpoints: Sequence[Endpoint]) -> None:
+        block_tokens = self.effective_block_size(endpoints)
+        hashes = self.hash_request(request, block_tokens)
+        matched = self.index.match_longest_prefix(hashes) if hashes else {}
+        total = len(hashes)
+        for ep in endpoints:
+            state.put_endpoint_data(PREFIX_MATCH_INFO, ep.name,
+                                    PrefixMatchInfo(matched.get(ep.name, 0), total, block_tokens))
+        state.put(self.name, _RequestPrefix(hashes, matched, block_tokens))
+
+    def _capacity_for(self, ep: Endpoint) -> int:
+        if self.auto_tune and ep.metrics.cache_num_blocks > 0:
+            return ep.metrics.cache_num_blocks
+        return self.lru_capacity_per_server
+
+    def pre_request(self, state: CycleState, request: InferenceRequest, result: SchedulingResult) -> None:
+        info: _RequestPrefix | None = state.get(self.name)
+        if info is None or not info.hashes:
+            return
+        targets = list(result.targets[:1])
+        prefill = result.profile_results.get(PREFILL_PROFILE)
+        if prefill is not None and prefill.targets and PREFILL_PROFILE != result.primary_profile:
+            targets.append(prefill.targets[0])
+        if not targets:
+            return
+        primary = targets[0]
+        hit_blocks = info.matched.get(primary.name, 0)
+        self.metrics.hit_ratio.observe(hit_blocks / len(info.hashes))
+        self.metrics.hit_bytes.observe(hit_blocks * info.block_size_tokens * AVERAGE_CHARACTERS_PER_TOKEN)
+        for ep in targets:
+            self.index.add(info.hashes, ep.name, self._capacity_for(ep))
+        self.metrics.size.set(self.index.size)

@@ -1,0 +1,26 @@
+"""Go-style duration strings (`2m`, `1h30m`, `500ms`) as used in GIE and llm-d plugin parameters."""
+
+from __future__ import annotations
+
+import re
+
+from epp.framework.errors import ConfigError
+
+_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+
+
+def parse_duration(text: str, *, what: str = "duration") -> float:
+    """Seconds in a Go duration string such as `2m` or `1m30.5s`; a bare `0` is zero."""
+    value = text.strip()
+    if value == "0":
+        return 0.0
+    pos, total = 0, 0.0
+    for match in _PART.finditer(value):
+        if match.start() != pos:
+            break
+        total += float(match.group(1)) * _UNITS[match.group(2)]
+        pos = match.end()
+    if pos != len(value) or not value:
+        raise ConfigError(f"{what}: {text!r} is not a duration (examples: 500ms, 30s, 2m, 1h)")
+    return total

@@ -1,0 +1,101 @@
+"""Scorers and producers that count what the picker itself has in flight per endpoint."""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from prometheus_client import CollectorRegistry
+
+from epp.framework.datakeys import INFLIGHT_LOAD, InflightLoad
+from epp.framework.plugin import (CycleState, DataProducer, PluginContext, PreRequestHook,
+                                  ResponseCompleteHook, Scorer, ScorerCategory, SchedulingResult)
+from epp.framework.registry import PluginParams
+from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
+from epp.scorers.durations import parse_duration
+from epp.scorers.inflight_tracker import InflightTracker, tracked_requests_gauge
+from epp.scorers.prompt_text import user_input_length
+
+CHARACTERS_PER_TOKEN = 4
+OUTPUT_TO_INPUT_RATIO = 1.5
+
+
+def estimate_tokens(request: InferenceRequest) -> int:
+    """Input tokens at 4 characters each, plus 1.5× that for the output (GIE token estimator)."""
+    input_tokens = user_input_length(request) / CHARACTERS_PER_TOKEN
+    return int(input_tokens * (1.0 + OUTPUT_TO_INPUT_RATIO))
+
+
+def _tracker(name: str, params: PluginParams, context: PluginContext, default_timeout: str) -> InflightTracker:
+    timeout = parse_duration(params.str("requestTimeout", default_timeout) or default_timeout,
+                             what=f"plugin {name!r}: parameter 'requestTimeout'")
+    if timeout <= 0:
+        from epp.framework.errors import ConfigError
+        raise ConfigError(f"plugin {name!r}: parameter 'requestTimeout' must be positive, got {timeout}s")
+    gauge = tracked_requests_gauge(context.metrics_registry or CollectorRegistry()).labels(plugin=name)
+    return InflightTracker(timeout, gauge=gauge)
+
+
+class ActiveRequestScorer(Scorer, PreRequestHook, ResponseCompleteHook):
+    """Fewer requests in flight from this picker scores higher: (max - n) / max, 1 when idle."""
+
+    type_name = "active-request-scorer"
+    category = ScorerCategory.DISTRIBUTION
+
+    def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
+        super().__init__(name)
+        self.tracker = _tracker(name, params, context, "2m")
+
+    def describe(self) -> str:
+        return f"requestTimeout={self.tracker.timeout_s:g}s"
+
+    def score(self, state: CycleState, request: InferenceRequest,
+              endpoints: Sequence[Endpoint]) -> Mapping[str, float]:
+        self.tracker.expire()
+        counts = [self.tracker.requests(ep.name) for ep in endpoints]
+        top = max(counts, default=0)
+        if top <= 0:
+            return {ep.name: 1.0 for ep in endpoints}
+        return {ep.name: (top - c) / top for ep, c in zip(endpoints, counts)}
+
+    def pre_request(self, state: CycleState, request: InferenceRequest, result: SchedulingResult) -> None:
+        targets = [r.targets[0].name for r in result.profile_results.values() if r is not None and r.targets]
+        if targets:
+            state.put(self.name, self.tracker.start(targets))
+
+    def on_response_complete(self, state: CycleState, request: InferenceRequest, response: ResponseInfo,
+                             target: Endpoint | None) -> None:
+        self.tracker.finish(state.get(self.name))
+        state.put(self.name, None)
+
+
+class InflightLoadProducer(DataProducer, PreRequestHook, ResponseCompleteHook):
+    """Publishes in-flight requests and estimated tokens per endpoint (INFLIGHT_LOAD)."""
+
+    type_name = "inflight-load-producer"
+
+    def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
+        super().__init__(name)
+        self.tracker = _tracker(name, params, context, "5m")
+
+    def describe(self) -> str:
+        return f"requestTimeout={self.tracker.timeout_s:g}s"
+
+    def produces(self) -> frozenset[str]:
+        return frozenset({INFLIGHT_LOAD})
+
+    async def prepare(self, state: CycleState, request: InferenceRequest,
+                      endpoints: Sequence[Endpoint]) -> None:
+        tracker = self.tracker
+        tracker.expire()
+        for ep in endpoints:
+            state.put_endpoint_data(INFLIGHT_LOAD, ep.name,
+                                    InflightLoad(tracker.requests(ep.name), tracker.tokens(ep.name)))
+
+    def pre_request(self, state: CycleState, request: InferenceRequest, result: SchedulingResult) -> None:
+        if result.targets:
+            state.put(self.name, self.tracker.start([result.targets[0].name], estimate_tokens(request)))
+
+    def on_response_complete(self, state: CycleState, request: InferenceRequest, response: ResponseInfo,
+                             target: Endpoint | None) -> None:
+        self.tracker.finish(state.get(self.name))
+        state.put(self.name, None)

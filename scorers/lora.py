@@ -1,0 +1,36 @@
+"""LoRA affinity: prefer endpoints where the target adapter is loaded, or can be."""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from epp.framework.plugin import CycleState, PluginContext, Scorer, ScorerCategory
+from epp.framework.registry import PluginParams
+from epp.framework.types import Endpoint, InferenceRequest
+
+
+def lora_affinity(ep: Endpoint, target_model: str) -> float:
+    """1.0 active; 0.8 when a slot is free; 0.6 waiting; else 0 (GIE lora-affinity-scorer)."""
+    m = ep.metrics
+    if target_model in m.active_models:
+        return 1.0
+    if len(m.active_models) + len(m.waiting_models) < m.max_active_models:
+        return 0.8
+    if target_model in m.waiting_models:
+        return 0.6
+    return 0.0
+
+
+class LoraAffinityScorer(Scorer):
+    """Adapter already active 1.0, free adapter slot 0.8, adapter waiting 0.6, otherwise 0."""
+
+    type_name = "lora-affinity-scorer"
+    category = ScorerCategory.AFFINITY
+
+    def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
+        super().__init__(name)
+
+    def score(self, state: CycleState, request: InferenceRequest,
+              endpoints: Sequence[Endpoint]) -> Mapping[str, float]:
+        target = request.target_model
+        return {ep.name: lora_affinity(ep, target) for ep in endpoints}

@@ -1,0 +1,49 @@
+"""prefix-cache-scorer: the fraction of the prompt's blocks an endpoint already holds."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from epp.framework.datakeys import PREFIX_MATCH_INFO, PrefixMatchInfo
+from epp.framework.plugin import CycleState, PluginContext, Scorer, ScorerCategory
+from epp.framework.registry import PluginParams
+from epp.framework.types import Endpoint, InferenceRequest
+
+# Hashing parameters that GIE v1.x configs put on the scorer; they now belong to the producer.
+LEGACY_PRODUCER_PARAMETERS = ("autoTune", "blockSize", "blockSizeTokens", "hashBlockSize",
+                              "maxPrefixBlocksToMatch", "maxPrefixTokensToMatch", "lruCapacityPerServer")
+
+
+class PrefixCacheScorer(Scorer):
+    """matchedBlocks / totalBlocks from the prefix match info; 0 when unknown."""
+
+    type_name = "prefix-cache-scorer"
+    category = ScorerCategory.AFFINITY
+
+    def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
+        super().__init__(name)
+        legacy: dict[str, Any] = {}
+        for key in LEGACY_PRODUCER_PARAMETERS:
+            value = params.bool(key, None) if key == "autoTune" else params.int(key, None)  # type: ignore[arg-type]
+            if value is not None:
+                legacy[key] = value
+        # v1.0 `hashBlockSize` counted characters; the producer counts tokens of 4 characters.
+        if "hashBlockSize" in legacy:
+            chars = legacy.pop("hashBlockSize")
+            legacy.setdefault("blockSizeTokens", max(1, int(chars) // 4))
+        if "blockSize" in legacy and "blockSizeTokens" not in legacy:
+            legacy["blockSizeTokens"] = max(1, int(legacy.pop("blockSize")) // 4)
+        #: Parameters for the auto-created producer (empty: its defaults).
+        self.default_producer_parameters: Mapping[str, Any] = legacy
+
+    def consumes(self) -> frozenset[str]:
+        return frozenset({PREFIX_MATCH_INFO})
+
+    def score(self, state: CycleState, request: InferenceRequest,
+              endpoints: Sequence[Endpoint]) -> Mapping[str, float]:
+        data = state.all_endpoint_data(PREFIX_MATCH_INFO)
+        out: dict[str, float] = {}
+        for ep in endpoints:
+            info: PrefixMatchInfo | None = data.get(ep.name)
+            out[ep.name] = info.fraction if info is not None else 0.0
+        return out

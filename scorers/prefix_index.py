@@ -1,0 +1,78 @@
+"""The approximate prefix index: which endpoint was sent which block hash, LRU-bounded per endpoint."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable, Sequence
+
+
+class PrefixIndex:
+    """`hash → endpoints` plus one LRU of hashes per endpoint; LRU eviction drops the endpoint from the hash."""
+
+    def __init__(self) -> None:
+        self._hash_to_endpoints: dict[int, set[str]] = {}
+        self._lrus: dict[str, OrderedDict[int, None]] = {}
+        self._capacity: dict[str, int] = {}
+        self._size = 0
+
+    @property
+    def size(self) -> int:
+        """Entries over all endpoints' LRUs."""
+        return self._size
+
+    def endpoints(self) -> list[str]:
+        return list(self._lrus)
+
+    def capacity(self, endpoint: str) -> int | None:
+        return self._capacity.get(endpoint)
+
+    def match_longest_prefix(self, hashes: Sequence[int]) -> dict[str, int]:
+        """Blocks matched per endpoint, walking the chain until a hash no endpoint holds."""
+        matched: dict[str, int] = {}
+        lookup = self._hash_to_endpoints
+        for h in hashes:
+            holders = lookup.get(h)
+            if not holders:
+                break
+            for ep in holders:
+                matched[ep] = matched.get(ep, 0) + 1
+        return matched
+
+    def add(self, hashes: Iterable[int], endpoint: str, capacity: int) -> None:
+        """Record that `endpoint` now holds these blocks, evicting its least recently used ones."""
+        lru = self._lrus.get(endpoint)
+        if lru is None:
+            lru = self._lrus[endpoint] = OrderedDict()
+        self._capacity[endpoint] = capacity
+        lookup = self._hash_to_endpoints
+        for h in hashes:
+            if h in lru:
+                lru.move_to_end(h)
+                continue
+            lru[h] = None
+            holders = lookup.get(h)
+            if holders is None:
+                lookup[h] = {endpoint}
+            else:
+                holders.add(endpoint)
+            self._size += 1
+        while len(lru) > capacity:
+            old, _ = lru.popitem(last=False)
+            self._drop(old, endpoint)
+
+    def remove_endpoint(self, endpoint: str) -> None:
+        """Forget every block of an endpoint (it left the pool)."""
+        lru = self._lrus.pop(endpoint, None)
+        self._capacity.pop(endpoint, None)
+        if lru is None:
+            return
+        for h in lru:
+            self._drop(h, endpoint)
+
+    def _drop(self, h: int, endpoint: str) -> None:
+        self._size -= 1
+        holders = self._hash_to_endpoints.get(h)
+        if holders is not None:
+            holders.discard(endpoint)
+            if not holders:
+                del self._hash_to_endpoints[h]

@@ -1,0 +1,64 @@
+"""The user-input bytes of a request, per API, as the approximate prefix cache hashes them (GIE §4.2)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from epp.framework.types import ApiKind, InferenceRequest
+
+
+def _compact(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _prompt_text(prompt: Any) -> str:
+    """Completions prompt as plain text: strings joined by a space, token ids as decimal numbers."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        return " ".join(_prompt_text(p) if isinstance(p, (str, list)) else str(p) for p in prompt)
+    return "" if prompt is None else str(prompt)
+
+
+def _json_array_prefix(items: list[Any], limit: int | None) -> bytes:
+    """`json(items)` compact, but stop serialising once `limit` bytes are reached (long chats are cheap)."""
+    if limit is None:
+        return _compact(items)
+    parts = [b"["]
+    size = 1
+    for i, item in enumerate(items):
+        piece = (b"," if i else b"") + _compact(item)
+        parts.append(piece)
+        size += len(piece)
+        if size >= limit:
+            return b"".join(parts)[:limit]
+    parts.append(b"]")
+    return b"".join(parts)[:limit]
+
+
+def user_input_bytes(request: InferenceRequest, limit: int | None = None) -> bytes:
+    """The bytes that identify a request's prompt; at most `limit` bytes when a limit is given."""
+    body = request.body
+    api = request.api
+    if api is ApiKind.COMPLETIONS:
+        text = _prompt_text(body.get("prompt"))
+        # A character is at least one UTF-8 byte, so slicing characters first keeps enough bytes.
+        data = (text if limit is None else text[:limit]).encode("utf-8", "surrogatepass")
+    elif api is ApiKind.CHAT_COMPLETIONS:
+        messages = body.get("messages")
+        data = _json_array_prefix(messages if isinstance(messages, list) else [], limit)
+    elif api is ApiKind.RESPONSES:
+        data = _json_array_prefix([{"instructions": body.get("instructions")}, {"tools": body.get("tools")},
+                                   {"input": body.get("input")}], limit)
+    elif api is ApiKind.CONVERSATIONS:
+        items = body.get("items")
+        data = _json_array_prefix(items if isinstance(items, list) else [], limit)
+    else:
+        data = _compact(body.get("input"))
+    return data if limit is None else data[:limit]
+
+
+def user_input_length(request: InferenceRequest) -> int:
+    """Length in bytes of the user input (for token estimates)."""
+    return len(user_input_bytes(request))
