@@ -1,0 +1,443 @@
+"""The KV block index: which endpoint holds which prompt blocks, in which tiers (GPU/CPU/disk).
+
+Dual keys: request keys come from token ids (see `keys.py`); each endpoint keeps a map from the
+engine's block hash to the request keys its tokens fall in, so removals and token-less offload
+events resolve without ever reproducing vLLM's hash.
+
+Policies (documented because they are choices):
+- Parent unknown: a `BlockStored` whose parent engine hash this endpoint never saw is dropped
+  and counted (`reason="unknown_parent"`); only a first block (no parent) starts a new chain.
+- Engine block size != index block size: tokens are regrouped into index blocks; a partial tail
+  is kept on the engine block and continued by the child's event. An index block is mapped to
+  every engine block that contributed tokens to it, so removing any of them removes the key.
+- Tiers: GPU presence is a flag (vLLM may re-announce GPU blocks); CPU/disk presence is
+  reference-counted per engine hash, as chunked offload re-announces shared hashes. A key stays
+  on an endpoint while any tier holds it; an engine hash is forgotten when no tier holds it.
+- Only KV-cache group 0 of kind full attention is indexed (hybrid models' sliding-window or
+  mamba groups are evicted on their own schedule and would break prefixes); others are counted.
+- Capacity: entries are (request key, endpoint) pairs; whole keys are evicted least recently
+  used (stored or matched) first. Each endpoint's engine-hash map is bounded too (FIFO).
+- Speculative entries (after a pick) count as GPU, expire after their TTL and are replaced by
+  the confirmed event for the same key and endpoint.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import xxhash
+
+from epp.kvevents.decoding import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, Tier
+from epp.kvevents.keys import BlockKeyer
+from epp.kvevents.metrics import KVIndexMetrics
+
+_BIT = (1, 2, 4)  # Tier -> bit in an entry's tier mask
+# Best (fastest) tier of a non-zero tier mask.
+_BEST_TIER = (Tier.GPU, Tier.GPU, Tier.CPU, Tier.GPU, Tier.DISK, Tier.GPU, Tier.CPU, Tier.GPU)
+
+
+class _EngineBlock:
+    """What an endpoint's engine block maps to: request keys, the chain to continue, tier counts."""
+
+    __slots__ = ("keys", "chain_key", "tail", "tail_hashes", "counts")
+
+    def __init__(self) -> None:
+        self.keys: list[int] = []
+        self.chain_key = 0
+        self.tail: tuple[int, ...] = ()
+        self.tail_hashes: tuple[int, ...] = ()
+        self.counts = [0, 0, 0]
+
+
+@dataclass
+class ApplyStats:
+    """What one batch did to the index."""
+
+    applied: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+
+    def drop(self, reason: str, n: int = 1) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + n
+
+
+class KVBlockIndex:
+    """Bounded index of request keys → endpoints → tiers, fed by KV events, read by lookups."""
+
+    def __init__(
+        self,
+        block_size: int = 16,
+        capacity: int = 1_000_000,
+        *,
+        engine_capacity_per_endpoint: int = 200_000,
+        speculative_ttl_s: float = 2.0,
+        speculative_capacity: int = 200_000,
+        metrics: KVIndexMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if capacity < 1 or engine_capacity_per_endpoint < 1:
+            raise ValueError("capacities must be >= 1")
+        self.keyer = BlockKeyer(block_size)
+        self.block_size = block_size
+        self.capacity = capacity
+        self.engine_capacity = engine_capacity_per_endpoint
+        self.speculative_ttl_s = speculative_ttl_s
+        self.speculative_capacity = speculative_capacity
+        self.metrics = metrics or KVIndexMetrics(None)
+        self._clock = clock
+        self._keys: OrderedDict[int, dict[str, int]] = OrderedDict()
+        self._entries = 0
+        self._engine: dict[str, dict[int, _EngineBlock]] = {}
+        self._spec: dict[int, dict[str, float]] = {}
+        self._spec_queue: deque[tuple[float, int, str]] = deque()
+        self.metrics.bind_size(lambda: self._entries, lambda: len(self._keys))
+
+    # ---- sizes -------------------------------------------------------------------------------
+    @property
+    def entries(self) -> int:
+        """Confirmed (request key, endpoint) pairs held now."""
+        return self._entries
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def endpoints(self) -> list[str]:
+        """Endpoints with any engine state in the index."""
+        return list(self._engine)
+
+    def engine_blocks(self, endpoint: str) -> int:
+        """Engine hashes known for an endpoint (bounded by `engine_capacity_per_endpoint`)."""
+        return len(self._engine.get(endpoint, ()))
+
+    def tiers_of(self, key: int, endpoint: str) -> set[Tier]:
+        """The confirmed tiers holding `key` on `endpoint` (for tests and debugging)."""
+        mask = self._keys.get(key, {}).get(endpoint, 0)
+        return {t for t in Tier if mask & _BIT[t]}
+
+    # ---- events ------------------------------------------------------------------------------
+    def apply_batch(self, endpoint: str, batch: DecodedBatch, model: str | None) -> ApplyStats:
+        """Apply one decoded batch from `endpoint`'s publisher; `model` is the topic's model."""
+        stats = ApplyStats()
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                self._stored(endpoint, event, model, stats)
+            elif isinstance(event, BlockRemoved):
+                self._removed(endpoint, event, stats)
+            elif isinstance(event, AllBlocksCleared):
+                self.clear_endpoint(endpoint)
+                stats.applied += 1
+        if batch.unknown_events:
+            stats.drop("unknown_type", batch.unknown_events)
+        if batch.malformed_events:
+            stats.drop("malformed", batch.malformed_events)
+        self._evict_over_capacity()
+        self.metrics.record_apply(stats.applied, stats.dropped, batch.unknown_fields)
+        return stats
+
+    def _stored(self, endpoint: str, ev: BlockStored, model: str | None, stats: ApplyStats) -> None:
+        if (ev.group_idx or 0) != 0 or ev.kv_cache_spec_kind not in (None, "full_attention"):
+            stats.drop("other_kv_group")
+            return
+        engine = self._engine.setdefault(endpoint, {})
+        tier = ev.tier
+        if not ev.token_ids:
+            # Offload placeholder: same engine hashes as the GPU blocks, no tokens.
+            for h in ev.block_hashes:
+                eb = engine.get(h)
+                if eb is None:
+                    stats.drop("unknown_engine_key")
+                    continue
+                self._add_tier(endpoint, eb, tier)
+            stats.applied += 1
+            return
+        n_blocks = len(ev.block_hashes)
+        if n_blocks == 0:
+            stats.drop("malformed")
+            return
+        esize = ev.block_size or len(ev.token_ids) // n_blocks
+        if esize <= 0 or esize * n_blocks != len(ev.token_ids):
+            stats.drop("malformed")
+            return
+        effective_model = ev.lora_name or model
+        salt, extras_by_block = _split_extra_keys(ev.extra_keys, ev.lora_name)
+        if ev.parent_block_hash is None:
+            chain = self.keyer.root(effective_model, salt)
+            tail: tuple[int, ...] = ()
+            tail_hashes: tuple[int, ...] = ()
+        else:
+            parent = engine.get(ev.parent_block_hash)
+            if parent is None:
+                stats.drop("unknown_parent")
+                return
+            chain, tail, tail_hashes = parent.chain_key, parent.tail, parent.tail_hashes
+        bsize = self.block_size
+        offset = len(tail)
+        combined = tail + ev.token_ids if tail else ev.token_ids
+        extras = None
+        if extras_by_block:
+            # Salt every index block that overlaps an engine block with unreproducible extras.
+            extras = {}
+            for j, value in extras_by_block.items():
+                first = (offset + j * esize) // bsize
+                last = (offset + (j + 1) * esize - 1) // bsize
+                for k in range(first, last + 1):
+                    extras[k] = extras.get(k, 0) ^ value
+        keys = self.keyer.chain(chain, combined, extras)
+        keys_by_block: list[list[int]] = [[] for _ in range(n_blocks)]
+        for k, key in enumerate(keys):
+            start, end = k * bsize, (k + 1) * bsize
+            last_j = (end - offset - 1) // esize
+            if start < offset:
+                first_j = 0
+                for th in tail_hashes:  # earlier engine blocks that hold the start of this key
+                    teb = engine.get(th)
+                    if teb is not None:
+                        teb.keys.append(key)
+            else:
+                first_j = (start - offset) // esize
+            for j in range(first_j, last_j + 1):
+                keys_by_block[j].append(key)
+        for j, h in enumerate(ev.block_hashes):
+            block_end = offset + (j + 1) * esize
+            done = block_end // bsize  # index blocks complete at the end of engine block j
+            eb = engine.pop(h, None)
+            if eb is None:
+                eb = _EngineBlock()
+                eb.keys = keys_by_block[j]
+            else:  # re-announced: keep keys that children's events added to it
+                eb.keys.extend(k for k in keys_by_block[j] if k not in eb.keys)
+            engine[h] = eb  # re-insert: newest last for the FIFO bound
+            eb.chain_key = keys[done - 1] if done > 0 else chain
+            tail_start = done * bsize
+            eb.tail = combined[tail_start:block_end]
+            if eb.tail:
+                first_tail_j = (tail_start - offset) // esize if tail_start >= offset else 0
+                eb.tail_hashes = ((tail_hashes if tail_start < offset else ())
+                                  + tuple(ev.block_hashes[first_tail_j:j + 1]))
+            else:
+                eb.tail_hashes = ()
+            self._add_tier(endpoint, eb, tier, force_bits=True)
+        stats.applied += 1
+        if len(engine) > self.engine_capacity:
+            self._trim_engine(endpoint, engine)
+
+    def _add_tier(self, endpoint: str, eb: _EngineBlock, tier: Tier, force_bits: bool = False) -> None:
+        if tier is Tier.GPU:
+            eb.counts[0] = 1
+        else:
+            eb.counts[tier] += 1
+        bit = _BIT[tier]
+        if force_bits or eb.counts[tier] == 1:
+            for key in eb.keys:
+                self._set_bit(key, endpoint, bit)
+
+    def _removed(self, endpoint: str, ev: BlockRemoved, stats: ApplyStats) -> None:
+        if (ev.group_idx or 0) != 0:
+            stats.drop("other_kv_group")
+            return
+        engine = self._engine.get(endpoint)
+        tier = ev.tier
+        for h in ev.block_hashes:
+            eb = engine.get(h) if engine else None
+            if eb is None or eb.counts[tier] == 0:
+                stats.drop("unknown_engine_key")
+                continue
+            eb.counts[tier] = 0 if tier is Tier.GPU else eb.counts[tier] - 1
+            if eb.counts[tier] == 0:
+                bit = _BIT[tier]
+                for key in eb.keys:
+                    self._clear_bit(key, endpoint, bit)
+                if not any(eb.counts):
+                    del engine[h]
+        stats.applied += 1
+
+    def _trim_engine(self, endpoint: str, engine: dict[int, _EngineBlock]) -> None:
+        evicted = 0
+        while len(engine) > self.engine_capacity:
+            h = next(iter(engine))
+            eb = engine.pop(h)
+            # We can no longer see this block's removal, so stop claiming it.
+            for tier in Tier:
+                if eb.counts[tier]:
+                    for key in eb.keys:
+                        self._clear_bit(key, endpoint, _BIT[tier])
+            evicted += 1
+        self.metrics.engine_evictions.inc(evicted)
+
+    # ---- entries -----------------------------------------------------------------------------
+    def _set_bit(self, key: int, endpoint: str, bit: int) -> None:
+        eps = self._keys.get(key)
+        if eps is None:
+            eps = self._keys[key] = {}
+        else:
+            self._keys.move_to_end(key)
+        old = eps.get(endpoint, 0)
+        if not old:
+            self._entries += 1
+        eps[endpoint] = old | bit
+        spec = self._spec.get(key)
+        if spec is not None and endpoint in spec:
+            del spec[endpoint]
+            if not spec:
+                del self._spec[key]
+
+    def _clear_bit(self, key: int, endpoint: str, bit: int) -> None:
+        eps = self._keys.get(key)
+        if not eps:
+            return
+        old = eps.get(endpoint)
+        if old is None:
+            return
+        new = old & ~bit
+        if new:
+            eps[endpoint] = new
+        else:
+            del eps[endpoint]
+            self._entries -= 1
+            if not eps:
+                del self._keys[key]
+
+    def _evict_over_capacity(self) -> None:
+        evicted = 0
+        while self._entries > self.capacity:
+            _, eps = self._keys.popitem(last=False)
+            self._entries -= len(eps)
+            evicted += len(eps)
+        if evicted:
+            self.metrics.evictions.inc(evicted)
+
+    def clear_endpoint(self, endpoint: str) -> int:
+        """Forget everything `endpoint` holds (AllBlocksCleared, publisher restart, lost events)."""
+        engine = self._engine.pop(endpoint, None)
+        removed = 0
+        if engine:
+            for eb in engine.values():
+                for key in eb.keys:
+                    eps = self._keys.get(key)
+                    if eps and endpoint in eps:
+                        del eps[endpoint]
+                        self._entries -= 1
+                        removed += 1
+                        if not eps:
+                            del self._keys[key]
+        for key in [k for k, spec in self._spec.items() if endpoint in spec]:
+            spec = self._spec[key]
+            del spec[endpoint]
+            if not spec:
+                del self._spec[key]
+        return removed
+
+    def remove_endpoint(self, endpoint: str) -> int:
+        """The endpoint left the pool: drop its entries and its engine-hash map."""
+        return self.clear_endpoint(endpoint)
+
+    # ---- speculative entries -----------------------------------------------------------------
+    def add_speculative(self, endpoint: str, keys: Sequence[int], ttl_s: float | None = None) -> int:
+        """After a pick: claim `keys` on `endpoint` (as GPU) for a short TTL, until events confirm."""
+        ttl = self.speculative_ttl_s if ttl_s is None else ttl_s
+        if ttl <= 0 or not keys:
+            return 0
+        now = self._clock()
+        self._purge_speculative(now)
+        expiry = now + ttl
+        added = 0
+        for key in keys:
+            eps = self._keys.get(key)
+            if eps is not None and endpoint in eps:
+                continue
+            self._spec.setdefault(key, {})[endpoint] = expiry
+            self._spec_queue.append((expiry, key, endpoint))
+            added += 1
+        while len(self._spec_queue) > self.speculative_capacity:
+            self._drop_spec(*self._spec_queue.popleft())
+        return added
+
+    def speculative_entries(self) -> int:
+        """Speculative (key, endpoint) claims not yet expired or confirmed."""
+        self._purge_speculative(self._clock())
+        return sum(len(s) for s in self._spec.values())
+
+    def _drop_spec(self, expiry: float, key: int, endpoint: str) -> None:
+        spec = self._spec.get(key)
+        if spec is not None and spec.get(endpoint) == expiry:
+            del spec[endpoint]
+            if not spec:
+                del self._spec[key]
+
+    def _purge_speculative(self, now: float) -> None:
+        queue = self._spec_queue
+        while queue and queue[0][0] <= now:
+            self._drop_spec(*queue.popleft())
+
+    # ---- lookups -----------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[int], endpoints: Iterable[str] | None = None) -> dict[str, list[Tier]]:
+        """Per endpoint, the best tier of each block in its longest run of consecutive keys from
+        the start; endpoints with no first block are left out. O(blocks × endpoints still in run)."""
+        result: dict[str, list[Tier]] = {}
+        if not keys:
+            return result
+        now = self._clock()
+        if self._spec_queue:
+            self._purge_speculative(now)
+        spec_all = self._spec
+        first = self._keys.get(keys[0])
+        first_spec = spec_all.get(keys[0])
+        if endpoints is None:
+            alive = list(set(first or ()) | set(first_spec or ()))
+        else:
+            alive = list(endpoints)
+        matched = 0
+        touched = self._keys.move_to_end
+        for key in keys:
+            eps = self._keys.get(key)
+            spec = spec_all.get(key)
+            if eps is None and spec is None:
+                break
+            still = []
+            for ep in alive:
+                mask = eps.get(ep, 0) if eps is not None else 0
+                if mask:
+                    tier = _BEST_TIER[mask]
+                elif spec is not None and ep in spec:
+                    tier = Tier.GPU
+                else:
+                    continue
+                tiers = result.get(ep)
+                if tiers is None:
+                    tiers = result[ep] = []
+                tiers.append(tier)
+                still.append(ep)
+            if not still:
+                break
+            if eps is not None:
+                touched(key)
+            alive = still
+            matched += 1
+        self.metrics.record_lookup(matched, len(keys) - matched)
+        return result
+
+
+def _split_extra_keys(extra_keys: tuple[Any, ...] | None, lora_name: str | None) -> tuple[str | None, dict[int, int]]:
+    """From the events' untagged extra keys: the cache salt (a string on block 0 that is not the
+    LoRA name) and, per block, a hash of inputs we cannot rebuild from text (MM ids, embeds)."""
+    salt = None
+    extras: dict[int, int] = {}
+    if not extra_keys:
+        return salt, extras
+    for j, entry in enumerate(extra_keys):
+        if not entry:
+            continue
+        items = entry if isinstance(entry, (list, tuple)) else (entry,)
+        other = []
+        for item in items:
+            if isinstance(item, str) and item == lora_name:
+                continue
+            if j == 0 and salt is None and isinstance(item, str):
+                salt = item
+                continue
+            other.append(item)
+        if other:
+            extras[j] = xxhash.xxh64_intdigest(repr(other).encode())
+    return salt, extras
