@@ -2,20 +2,65 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
+from epp.config.loader import LoadedConfig, load_config_text, load_default_config
+from epp.datalayer.discovery import Discovery, FileDiscovery, StaticDiscovery
 from epp.datalayer.registry import EndpointRegistry
+from epp.datalayer.scraper import MetricsScraper
 from epp.director import AdmissionPolicy, Pipeline
 from epp.framework.plugin import PluginContext
 from epp.metrics import EppMetrics
 
 
+class Stoppable(Protocol):
+    async def stop(self) -> None: ...
+
+
+def load_config_for(options: Any, context: PluginContext) -> LoadedConfig:
+    """The config of `options` (file or text), or GIE's system defaults when none is given."""
+    if options.config_text:
+        return load_config_text(options.config_text, source=options.config_file or "<config-text>",
+                                context=context)
+    return load_default_config(context=context)
+
+
+def pipeline_of(loaded: LoadedConfig) -> Pipeline:
+    """The request-path view of a loaded config."""
+    return Pipeline(
+        scheduler=loaded.scheduler,
+        producers=loaded.data_producers,
+        admitters=loaded.admitters,
+        pre_request_hooks=loaded.pre_request_hooks,
+        response_headers_hooks=loaded.response_headers_hooks,
+        response_complete_hooks=loaded.response_complete_hooks,
+        plugins=loaded.plugin_instances,
+    )
+
+
 def load_pipeline(options: Any, context: PluginContext) -> tuple[Pipeline, AdmissionPolicy | None, dict[str, int]]:
     """The configured pipeline, its admission policy and the objective → priority map."""
-    raise NotImplementedError("wired once the config loader lands")
+    loaded = load_config_for(options, context)
+    admission = None
+    if loaded.saturation_detector is not None:
+        from epp.admission import AdmissionController
+
+        admission = AdmissionController(loaded.saturation_detector, metrics_registry=context.metrics_registry)
+    return pipeline_of(loaded), admission, dict(loaded.objectives)
 
 
-async def start_data_layer(options: Any, registry: EndpointRegistry, metrics: EppMetrics) -> list[Any]:
+async def start_data_layer(options: Any, registry: EndpointRegistry, metrics: EppMetrics) -> list[Stoppable]:
     """Start discovery and metrics scraping; returns what must be stopped on shutdown."""
-    registry.set_endpoints(options.endpoints)
-    return []
+    discovery: Discovery
+    if options.endpoints_file:
+        discovery = FileDiscovery(registry, options.endpoints_file)
+    else:
+        discovery = StaticDiscovery(registry, options.endpoints)
+    await discovery.start()
+    running: list[Stoppable] = [discovery]
+    if options.scrape_metrics:
+        scraper = MetricsScraper(registry, interval=options.refresh_metrics_interval_s,
+                                 metrics_registry=metrics.registry)
+        await scraper.start()
+        running.append(scraper)
+    return running

