@@ -1,0 +1,186 @@
+"""Overhead of the picker: Envoy → EPP → backend against Envoy → backend round-robin, in one run.
+
+Starts N tiny HTTP backends (one process), the picker (`epp serve`, its own process, default
+config: queue + kv-cache + prefix scorers, metrics scraped every 50 ms), two Envoys (through the
+picker, and plain round-robin) and drives both with the same client: latency at concurrency 1
+(p50/p99, added = picker minus direct) and throughput at concurrency C.
+
+    python bench/overhead.py --endpoints 16 --prompt-bytes 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from epp.envoy import EnvoyProcess, render_config  # noqa: E402
+
+METRICS_TEXT = (
+    "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name=\"m\"} 0.0\n"
+    "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name=\"m\"} 1.0\n"
+    "# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{model_name=\"m\"} 0.1\n"
+)
+
+
+def _free_ports(n: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _backends_main(ports: list[int]) -> None:
+    async def completion(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"id": "x", "object": "text_completion", "model": "m",
+                                  "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}],
+                                  "usage": {"prompt_tokens": 1000, "completion_tokens": 1}})
+
+    async def metrics(_request: web.Request) -> web.Response:
+        return web.Response(text=METRICS_TEXT)
+
+    async def run() -> None:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/completions", completion)
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        for port in ports:
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+        await asyncio.Event().wait()
+
+    asyncio.run(run())
+
+
+async def _wait_http(url: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            try:
+                async with session.get(url) as resp:
+                    if resp.status < 500:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.2)
+    raise TimeoutError(url)
+
+
+async def _latency(url: str, body: bytes, n: int, label: str) -> list[float]:
+    out = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
+        for _ in tqdm(range(n), desc=f"latency {label}", leave=False):
+            t0 = time.perf_counter()
+            async with session.post(url, data=body, headers={"content-type": "application/json"}) as resp:
+                await resp.read()
+                assert resp.status == 200, resp.status
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+async def _throughput(url: str, body: bytes, concurrency: int, seconds: float) -> tuple[float, int]:
+    done = errors = 0
+    stop_at = time.monotonic() + seconds
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        nonlocal done, errors
+        while time.monotonic() < stop_at:
+            async with session.post(url, data=body, headers={"content-type": "application/json"}) as resp:
+                await resp.read()
+                if resp.status == 200:
+                    done += 1
+                else:
+                    errors += 1
+
+    t0 = time.monotonic()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+    return done / (time.monotonic() - t0), errors
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def run(args: argparse.Namespace) -> dict:
+    ports = _free_ports(args.endpoints + 7)
+    backend_ports, (grpc, health, metrics, l_epp, a_epp, l_rr, a_rr) = ports[:args.endpoints], ports[args.endpoints:]
+    endpoints = [f"127.0.0.1:{p}" for p in backend_ports]
+    backends = multiprocessing.get_context("spawn").Process(target=_backends_main, args=(backend_ports,), daemon=True)
+    backends.start()
+    epp = subprocess.Popen(
+        [sys.executable, "-m", "epp.cli", "serve", "--grpc-port", str(grpc), "--grpc-health-port", str(health),
+         "--metrics-port", str(metrics), "--bind-address", "127.0.0.1", "--endpoints", ",".join(endpoints)],
+        start_new_session=True)
+    via_epp = EnvoyProcess(render_config(listen_port=l_epp, admin_port=a_epp, epp_port=grpc), a_epp)
+    direct = EnvoyProcess(render_config(listen_port=l_rr, admin_port=a_rr, round_robin_backends=endpoints), a_rr)
+    try:
+        await _wait_http(f"http://127.0.0.1:{backend_ports[0]}/metrics")
+        await _wait_http(f"http://127.0.0.1:{metrics}/metrics")
+        await via_epp.start()
+        await direct.start()
+        prompt = ("The quick brown fox jumps over the lazy dog. " * (args.prompt_bytes // 45 + 1))[:args.prompt_bytes]
+        body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 1}).encode()
+        results = {}
+        for label, port in (("direct", l_rr), ("epp", l_epp)):
+            url = f"http://127.0.0.1:{port}/v1/completions"
+            await _latency(url, body, 50, label + " warm-up")
+            lat = await _latency(url, body, args.requests, label)
+            rps, errors = await _throughput(url, body, args.concurrency, args.seconds)
+            results[label] = {"p50_ms": _pct(lat, 0.5) * 1e3, "p99_ms": _pct(lat, 0.99) * 1e3,
+                              "mean_ms": statistics.fmean(lat) * 1e3, "rps": rps, "errors": errors}
+        return results
+    finally:
+        await via_epp.stop()
+        await direct.stop()
+        os.killpg(epp.pid, signal.SIGTERM)
+        epp.wait(15)
+        backends.terminate()
+        backends.join(5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--endpoints", type=int, default=16)
+    parser.add_argument("--prompt-bytes", type=int, default=4096)
+    parser.add_argument("--requests", type=int, default=1000, help="sequential requests for latency")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--seconds", type=float, default=10.0, help="duration of the throughput run")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    res = asyncio.run(run(args))
+    d, e = res["direct"], res["epp"]
+    print(f"\n{args.endpoints} endpoints, {args.prompt_bytes}-byte prompts, "
+          f"{args.requests} sequential requests, concurrency {args.concurrency} for {args.seconds:.0f}s\n")
+    print("| path | p50 ms | p99 ms | req/s (c=%d) | errors |" % args.concurrency)
+    print("|---|---|---|---|---|")
+    for label, r in (("Envoy → backend (round-robin)", d), ("Envoy → EPP → backend", e)):
+        print(f"| {label} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['rps']:.0f} | {r['errors']} |")
+    print(f"| **added by the EPP** | **{e['p50_ms'] - d['p50_ms']:.2f}** | **{e['p99_ms'] - d['p99_ms']:.2f}** | "
+          f"{e['rps'] / d['rps']:.2f}× of direct | |")
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

