@@ -1,0 +1,108 @@
+"""``python -m epp.engine.sim fleet ...``: run simulated vLLM replicas until SIGINT/SIGTERM.
+
+The first line on stdout is the endpoints list ``ip:port,ip:port,...`` (the exact string
+``epp serve --endpoints`` takes); replica details go to stderr as JSON lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+
+from epp.engine.sim.fleet import FleetConfig, SimFleet, run_worker
+from epp.engine.sim.profiles import PROFILES
+
+
+def _pairs(values: list[str], what: str) -> dict[str, str]:
+    out = {}
+    for v in values:
+        k, sep, val = v.partition("=")
+        if not sep:
+            raise SystemExit(f"--{what} expects KEY=VALUE, got {v!r}")
+        out[k] = val
+    return out
+
+
+def _fleet_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("fleet", help="start N simulated replicas on loopback")
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--base-port", type=int, default=0, help="first HTTP port (0: free ports)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--model", default="sim-model", help="served model name")
+    p.add_argument("--tokenizer-dir", default=None,
+                   help="dir with tokenizer.json + tokenizer_config.json (default: the tiny test model's)")
+    p.add_argument("--profile", default="fast", help=f"latency profile: {', '.join(PROFILES)}; NAME*F scales it")
+    p.add_argument("--profiles", default=None,
+                   help="comma list of profiles cycled over replicas (heterogeneous fleet), e.g. fast,fast*2")
+    p.add_argument("--time-scale", type=float, default=1.0, help="wall seconds per simulated second")
+    p.add_argument("--num-gpu-blocks", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--cpu-blocks", type=int, default=0, help="CPU offload tier capacity (0: off)")
+    p.add_argument("--disk-blocks", type=int, default=0, help="disk offload tier capacity (0: off)")
+    p.add_argument("--disk-high-watermark", type=float, default=0.85)
+    p.add_argument("--disk-low-watermark", type=float, default=0.50)
+    p.add_argument("--disk-on-cpu-eviction", action="store_true",
+                   help="write blocks to disk when the CPU tier evicts them (default: write-through)")
+    p.add_argument("--no-kv-events", action="store_true")
+    p.add_argument("--kv-events-base-port", type=int, default=0,
+                   help="PUB of replica i on base+2i, replay ROUTER on base+2i+1 (0: free ports)")
+    p.add_argument("--legacy-array-events", action="store_true")
+    p.add_argument("--processes", type=int, default=1, help="worker processes hosting the replicas")
+    p.add_argument("--name-prefix", default="sim")
+    p.add_argument("--lora", action="append", default=[], help="LoRA adapter NAME=PATH (repeatable)")
+    p.add_argument("--label", action="append", default=[], help="label KEY=VALUE for every replica (repeatable)")
+
+
+def _config(args: argparse.Namespace) -> FleetConfig:
+    return FleetConfig(
+        replicas=args.replicas, host=args.host, base_port=args.base_port, model=args.model,
+        tokenizer_dir=args.tokenizer_dir, profile=args.profile,
+        profiles=args.profiles.split(",") if args.profiles else None, time_scale=args.time_scale,
+        num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        cpu_blocks=args.cpu_blocks, disk_blocks=args.disk_blocks,
+        disk_high_watermark=args.disk_high_watermark, disk_low_watermark=args.disk_low_watermark,
+        disk_write_through=not args.disk_on_cpu_eviction, kv_events=not args.no_kv_events,
+        kv_events_base_port=args.kv_events_base_port, legacy_array_events=args.legacy_array_events,
+        processes=args.processes, name_prefix=args.name_prefix, lora_modules=_pairs(args.lora, "lora"),
+        labels=_pairs(args.label, "label"),
+    )
+
+
+async def _run_fleet(config: FleetConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with SimFleet(config) as fleet:
+        print(fleet.endpoints_arg, flush=True)
+        for d in fleet.info:
+            print(json.dumps(d), file=sys.stderr, flush=True)
+        await stop.wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of ``python -m epp.engine.sim``."""
+    parser = argparse.ArgumentParser(prog="python -m epp.engine.sim", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    _fleet_parser(sub)
+    w = sub.add_parser("worker", help=argparse.SUPPRESS)
+    w.add_argument("--config", required=True)
+    w.add_argument("--indices", required=True)
+    args = parser.parse_args(argv)
+    if args.cmd == "fleet":
+        asyncio.run(_run_fleet(_config(args)))
+    else:
+        config = FleetConfig(**json.loads(args.config))
+        asyncio.run(run_worker(config, [int(i) for i in args.indices.split(",")]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,508 @@
+"""The HTTP face of one simulated vLLM replica (aiohttp): OpenAI API, /metrics, sleep, KV events.
+
+Every response carries ``x-sim-replica: <name>`` so tests can see where a request went.
+Errors use vLLM's JSON shape ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from epp.engine.kv_publisher import KVEventPublisher, kv_topic
+from epp.engine.sim.engine import EngineConfig, EngineError, SimEngine, SimRequest
+from epp.engine.sim.hashing import HashContext
+from epp.engine.sim.metrics import MetricsRenderer
+from epp.engine.sim.tokenizer import ChatTemplateError, SimTokenizer
+
+log = logging.getLogger(__name__)
+
+REPLICA_HEADER = "x-sim-replica"
+_json_encode = msgspec.json.Encoder().encode
+_json_decode = msgspec.json.Decoder().decode
+
+
+@dataclass
+class ReplicaConfig:
+    """Everything that defines one simulated replica."""
+
+    name: str = "sim-0"
+    model: str = "sim-model"
+    tokenizer_dir: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    kv_events: bool = True
+    kv_events_endpoint: str | None = None
+    kv_replay_endpoint: str | None = None
+    kv_replay: bool = True
+    kv_topic: str | None = None
+    legacy_array_events: bool = False
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    max_loras: int = 4
+    chat_output_len: tuple[int, int] = (16, 128)
+    enable_prompt_tokens_details: bool = True
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+class RequestError(Exception):
+    """A request that vLLM would answer with an error status."""
+
+    def __init__(self, message: str, status: int = 400, err_type: str = "BadRequestError",
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.err_type, self.param = status, err_type, param
+
+
+def error_response(message: str, status: int = 400, err_type: str = "BadRequestError",
+                   param: str | None = None) -> web.Response:
+    """A vLLM-style JSON error."""
+    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+    return web.Response(status=status, body=_json_encode(body), content_type="application/json")
+
+
+def _validate_salt(salt: Any) -> str | None:
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise RequestError("Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt")
+    if len(salt) > 128 or any(c in salt for c in "@/\\\x00"):
+        raise RequestError("Parameter 'cache_salt' must be at most 128 characters and must not contain "
+                           "'@', '/', '\\' or NUL.", param="cache_salt")
+    return salt
+
+
+class SimReplica:
+    """One simulated vLLM server: `await start()`, then `endpoint`; `await stop()`."""
+
+    def __init__(self, config: ReplicaConfig, tokenizer: SimTokenizer) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.engine = SimEngine(config.engine, output_token_pool=tokenizer.output_token_pool)
+        self._token_text = {t: tokenizer.decode([t]) for t in tokenizer.output_token_pool}
+        self.publisher: KVEventPublisher | None = None
+        self.port = config.port
+        self._runner: web.AppRunner | None = None
+        self._created = int(time.time())
+        ec = self.engine.config
+        self._renderer = MetricsRenderer(
+            config.model,
+            {
+                "block_size": str(ec.block_size),
+                "num_gpu_blocks": str(ec.num_gpu_blocks),
+                "num_cpu_blocks": str(ec.tiers.cpu_blocks or None),
+                "enable_prefix_caching": "True",
+                "prefix_caching_hash_algo": "sha256",
+                "hash_block_size": str(ec.block_size),
+                "cache_dtype": "auto",
+                "gpu_memory_utilization": "0.9",
+            },
+            lora_info=self._lora_info if config.lora_modules else None,
+        )
+
+    @property
+    def endpoint(self) -> str:
+        """``host:port`` of the HTTP server."""
+        return f"{self.config.host}:{self.port}"
+
+    def build_app(self) -> web.Application:
+        """The aiohttp application with every route."""
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.on_response_prepare.append(self._tag_response)
+        r = app.router
+        r.add_post("/v1/completions", self.completions)
+        r.add_post("/v1/chat/completions", self.chat_completions)
+        r.add_get("/v1/models", self.models)
+        r.add_get("/health", self.health)
+        r.add_get("/load", self.load)
+        r.add_get("/version", self.version)
+        r.add_post("/tokenize", self.tokenize)
+        r.add_post("/detokenize", self.detokenize)
+        r.add_get("/metrics", self.metrics)
+        r.add_post("/sleep", self.sleep)
+        r.add_post("/wake_up", self.wake_up)
+        r.add_get("/is_sleeping", self.is_sleeping)
+        r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        r.add_get("/kv_event_sources", self.kv_event_sources)
+        return app
+
+    async def start(self) -> None:
+        """Bind the HTTP port, then the KV-event sockets (the topic names the HTTP port)."""
+        app = self.build_app()
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True)
+        await site.start()
+        server = site._server  # the bound socket tells the real port when port=0 was asked
+        assert server is not None
+        self.port = server.sockets[0].getsockname()[1]
+        c = self.config
+        if c.kv_events:
+            topic = c.kv_topic if c.kv_topic is not None else kv_topic(c.host, self.port, c.model)
+            self.publisher = KVEventPublisher(
+                c.kv_events_endpoint or f"tcp://{c.host}:*",
+                replay_endpoint=(c.kv_replay_endpoint or f"tcp://{c.host}:*") if c.kv_replay else None,
+                topic=topic,
+                legacy_array_events=c.legacy_array_events,
+            )
+            self.engine.publisher = self.publisher
+        self.engine.start()
+
+    async def stop(self) -> None:
+        """Stop serving and close the sockets."""
+        await self.engine.stop()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self.publisher is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.publisher.close)
+
+    def describe(self) -> dict[str, Any]:
+        """Endpoints of this replica, for launchers and tests."""
+        p = self.publisher
+        return {
+            "name": self.config.name,
+            "endpoint": self.endpoint,
+            "model": self.config.model,
+            "kv_events_endpoint": p.bound_endpoint if p else None,
+            "kv_replay_endpoint": p.replay_bound_endpoint if p else None,
+            "kv_topic": p.topic if p else None,
+            "labels": dict(self.config.labels),
+            "profile": self.engine.profile.name,
+            "block_size": self.engine.block_size,
+            "num_gpu_blocks": self.engine.cache.capacity,
+        }
+
+    async def _tag_response(self, request: web.Request, response: web.StreamResponse) -> None:
+        response.headers[REPLICA_HEADER] = self.config.name
+
+    # -- request parsing ---------------------------------------------------------------------
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        raw = await request.read()
+        try:
+            body = _json_decode(raw)
+        except msgspec.DecodeError as exc:
+            raise RequestError(f"Invalid JSON body: {exc}") from None
+        if not isinstance(body, dict):
+            raise RequestError("The request body must be a JSON object.")
+        return body
+
+    def _lora_for(self, body: dict[str, Any]) -> tuple[str | None, str | None]:
+        model = body.get("model")
+        if model is None or model == self.config.model:
+            return None, None
+        if model in self.config.lora_modules:
+            return model, self.config.lora_modules[model]
+        raise RequestError(f"The model `{model}` does not exist.", status=404, err_type="NotFoundError",
+                           param="model")
+
+    def _common(self, body: dict[str, Any]) -> tuple[HashContext, bool, bool]:
+        lora_name, lora_path = self._lora_for(body)
+        salt = _validate_salt(body.get("cache_salt"))
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise RequestError("'stream' must be a boolean.", param="stream")
+        opts = body.get("stream_options") or {}
+        if not isinstance(opts, dict):
+            raise RequestError("'stream_options' must be an object.", param="stream_options")
+        if opts and not stream:
+            raise RequestError("Stream options can only be defined when `stream=True`.", param="stream_options")
+        n = body.get("n", 1)
+        if n != 1:
+            raise RequestError("The simulator serves n=1 only.", param="n")
+        return HashContext(cache_salt=salt, lora_name=lora_name, lora_path=lora_path), stream, bool(
+            opts.get("include_usage", False))
+
+    @staticmethod
+    def _int_field(body: dict[str, Any], *names: str) -> int | None:
+        for name in names:
+            v = body.get(name)
+            if v is None:
+                continue
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise RequestError(f"'{name}' must be an integer.", param=name)
+            return v
+        return None
+
+    def _completion_prompt(self, body: dict[str, Any]) -> list[int]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        add_special = body.get("add_special_tokens", True)
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=bool(add_special))
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        if prompt is None:
+            raise RequestError("Field 'prompt' is required.", param="prompt")
+        raise RequestError("'prompt' must be a string, a list of token ids, or a one-element list of those.",
+                           param="prompt")
+
+    def _chat_prompt(self, body: dict[str, Any]) -> list[int]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("Field 'messages' is required and must be a non-empty list.", param="messages")
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise RequestError("Each message must be an object with a 'role'.", param="messages")
+        kwargs = body.get("chat_template_kwargs") or {}
+        try:
+            return self.tokenizer.encode_chat(
+                messages,
+                add_special_tokens=bool(body.get("add_special_tokens", False)),
+                add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                continue_final_message=bool(body.get("continue_final_message", False)),
+                tools=body.get("tools"),
+                chat_template_kwargs=kwargs if isinstance(kwargs, dict) else {},
+            )
+        except ChatTemplateError as exc:
+            raise RequestError(f"Chat template error: {exc}", param="messages") from None
+
+    def _natural_len(self, prompt_ids: list[int]) -> int:
+        lo, hi = self.config.chat_output_len
+        return lo + (hash(tuple(prompt_ids)) & 0xFFFF) % (hi - lo + 1)
+
+    # -- generation routes --------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/completions."""
+        try:
+            body = await self._body(request)
+            ctx, stream, include_usage = self._common(body)
+            ids = self._completion_prompt(body)
+            max_tokens = self._int_field(body, "max_tokens")
+            r = self.engine.new_request(ids, 16 if max_tokens is None else max_tokens, stream=stream, ctx=ctx,
+                                        request_id=_request_id(body, "cmpl"))
+        except RequestError as exc:
+            return error_response(str(exc), exc.status, exc.err_type, exc.param)
+        except EngineError as exc:
+            return error_response(str(exc))
+        return await self._serve(request, r, body, chat=False, include_usage=include_usage)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/chat/completions."""
+        try:
+            body = await self._body(request)
+            ctx, stream, include_usage = self._common(body)
+            ids = self._chat_prompt(body)
+            max_tokens = self._int_field(body, "max_completion_tokens", "max_tokens")
+            r = self.engine.new_request(ids, max_tokens, stream=stream, ctx=ctx,
+                                        natural_len=self._natural_len(ids),
+                                        request_id=_request_id(body, "chatcmpl"))
+        except RequestError as exc:
+            return error_response(str(exc), exc.status, exc.err_type, exc.param)
+        except EngineError as exc:
+            return error_response(str(exc))
+        return await self._serve(request, r, body, chat=True, include_usage=include_usage)
+
+    def _usage(self, r: SimRequest) -> dict[str, Any]:
+        usage: dict[str, Any] = {
+            "prompt_tokens": len(r.prompt_ids),
+            "total_tokens": len(r.prompt_ids) + len(r.output),
+            "completion_tokens": len(r.output),
+        }
+        if self.config.enable_prompt_tokens_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": r.num_cached_tokens}
+        return usage
+
+    def _text(self, ids: list[int]) -> str:
+        tt = self._token_text
+        return "".join([tt[t] for t in ids])
+
+    async def _serve(self, request: web.Request, r: SimRequest, body: dict[str, Any], *, chat: bool,
+                     include_usage: bool) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        model = body.get("model") or self.config.model
+        created = int(time.time())
+        self.engine.submit(r)
+        try:
+            if not r.stream:
+                while not r.finished:
+                    r.waiter = loop.create_future()
+                    await r.waiter
+                if r.finish_reason == "abort":
+                    return error_response("The request was aborted by the engine.", 503, "ServiceUnavailableError")
+                text = self._text(r.output)
+                if chat:
+                    choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None,
+                                                      "tool_calls": [], "reasoning_content": None},
+                              "logprobs": None, "finish_reason": r.finish_reason, "stop_reason": None}
+                    obj = "chat.completion"
+                else:
+                    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": r.finish_reason,
+                              "stop_reason": None, "prompt_logprobs": None}
+                    obj = "text_completion"
+                resp = {"id": r.request_id, "object": obj, "created": created, "model": model,
+                        "choices": [choice], "usage": self._usage(r), "system_fingerprint": None,
+                        "prompt_logprobs": None, "kv_transfer_params": None}
+                return web.Response(body=_json_encode(resp), content_type="application/json")
+            return await self._stream(request, r, model, created, chat=chat, include_usage=include_usage)
+        finally:
+            if not r.finished:
+                self.engine.abort(r)
+
+    async def _stream(self, request: web.Request, r: SimRequest, model: str, created: int, *, chat: bool,
+                      include_usage: bool) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        head = {"id": r.request_id, "object": obj, "created": created, "model": model}
+
+        def chunk(text: str | None, finish: str | None, *, first: bool = False) -> bytes:
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {"content": text}
+                if finish is not None and not first:
+                    delta = {"content": text} if text else {}
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish, "stop_reason": None}
+            return b"data: " + _json_encode({**head, "choices": [choice]}) + b"\n\n"
+
+        sent = 0
+        if chat:
+            await resp.write(chunk(None, None, first=True))
+        while True:
+            n = len(r.output)
+            if n > sent or r.finished:
+                new = r.output[sent:n]
+                sent = n
+                finish = r.finish_reason if r.finished and r.finish_reason != "abort" else None
+                if r.finished and r.finish_reason == "abort":
+                    break
+                parts = []
+                if new:
+                    # One chunk per token, like vLLM's per-step deltas.
+                    for i, t in enumerate(new):
+                        last = i == len(new) - 1
+                        parts.append(chunk(self._token_text[t], finish if last else None))
+                elif finish is not None:
+                    parts.append(chunk("", finish))
+                if parts:
+                    await resp.write(b"".join(parts))
+                if r.finished:
+                    break
+            r.waiter = loop.create_future()
+            await r.waiter
+        if include_usage and r.finish_reason != "abort":
+            usage_chunk = {**head, "choices": [], "usage": self._usage(r)}
+            await resp.write(b"data: " + _json_encode(usage_chunk) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    # -- other routes ---------------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        """GET /v1/models: the base model and its LoRA adapters."""
+        mml = self.engine.config.max_model_len
+        cards = [{"id": self.config.model, "object": "model", "created": self._created, "owned_by": "vllm",
+                  "root": self.config.model, "parent": None, "max_model_len": mml, "permission": []}]
+        for name, path in self.config.lora_modules.items():
+            cards.append({"id": name, "object": "model", "created": self._created, "owned_by": "vllm",
+                          "root": path, "parent": self.config.model, "max_model_len": None, "permission": []})
+        return web.Response(body=_json_encode({"object": "list", "data": cards}), content_type="application/json")
+
+    async def health(self, request: web.Request) -> web.Response:
+        """GET /health: 200, empty (a sleeping engine is still healthy)."""
+        return web.Response(status=200)
+
+    async def load(self, request: web.Request) -> web.Response:
+        """GET /load: in-flight generation requests."""
+        e = self.engine
+        return web.json_response({"server_load": len(e.running) + len(e.waiting)})
+
+    async def version(self, request: web.Request) -> web.Response:
+        """GET /version."""
+        return web.json_response({"version": "0.33.0+sim"})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """POST /tokenize: prompt or messages, with the same defaults as generation."""
+        try:
+            body = await self._body(request)
+            self._lora_for(body)
+            if "messages" in body:
+                ids = self._chat_prompt(body)
+            else:
+                prompt = body.get("prompt")
+                if not isinstance(prompt, str):
+                    raise RequestError("Field 'prompt' (a string) or 'messages' is required.", param="prompt")
+                ids = self.tokenizer.encode(prompt, add_special_tokens=bool(body.get("add_special_tokens", True)))
+        except RequestError as exc:
+            return error_response(str(exc), exc.status, exc.err_type, exc.param)
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.engine.config.max_model_len, "tokens": ids}
+        if body.get("return_token_strs"):
+            out["token_strs"] = [self.tokenizer.tokenizer.id_to_token(i) for i in ids]
+        return web.Response(body=_json_encode(out), content_type="application/json")
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """POST /detokenize."""
+        try:
+            body = await self._body(request)
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+                raise RequestError("Field 'tokens' must be a list of integers.", param="tokens")
+        except RequestError as exc:
+            return error_response(str(exc), exc.status, exc.err_type, exc.param)
+        return web.json_response({"prompt": self.tokenizer.decode(tokens)})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """GET /metrics in the Prometheus text format."""
+        e = self.engine
+        cpu = e.cache.cpu
+        text = self._renderer.render(
+            running=len(e.running), waiting=len(e.waiting), kv_usage=e.cache.usage,
+            sleep_level=e.sleep_level if e.sleeping else None, m=e.metrics,
+            cpu_usage=(len(cpu.blocks) / cpu.capacity) if cpu is not None else None)
+        return web.Response(text=text, content_type="text/plain", charset="utf-8",
+                            headers={"X-Content-Type-Options": "nosniff"})
+
+    async def sleep(self, request: web.Request) -> web.Response:
+        """POST /sleep?level=0|1|2."""
+        try:
+            level = int(request.query.get("level", "1"))
+        except ValueError:
+            return error_response("'level' must be an integer.")
+        if level not in (0, 1, 2):
+            return error_response("'level' must be 0, 1 or 2.")
+        self.engine.sleep(level)
+        return web.json_response({"status": "sleeping", "level": level})
+
+    async def wake_up(self, request: web.Request) -> web.Response:
+        """POST /wake_up."""
+        self.engine.wake_up()
+        tags = request.query.getall("tags", None)
+        return web.json_response({"status": "awake", "tags": tags})
+
+    async def is_sleeping(self, request: web.Request) -> web.Response:
+        """GET /is_sleeping."""
+        return web.json_response({"is_sleeping": self.engine.sleeping})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """POST /reset_prefix_cache."""
+        self.engine.reset_prefix_cache()
+        return web.json_response({"success": True})
+
+    async def kv_event_sources(self, request: web.Request) -> web.Response:
+        """GET /kv_event_sources: the resolved KV-events config, keyed by DP rank."""
+        p = self.publisher
+        if p is None:
+            return web.json_response({})
+        return web.json_response({"0": {"enable_kv_cache_events": True, "publisher": "zmq",
+                                        "endpoint": p.bound_endpoint, "replay_endpoint": p.replay_bound_endpoint,
+                                        "topic": p.topic}})
+
+    def _lora_info(self) -> tuple[int, list[str], list[str]]:
+        e = self.engine
+        running = sorted({r.ctx.lora_name for r in e.running if r.ctx.lora_name})
+        waiting = sorted({r.ctx.lora_name for r in e.waiting if r.ctx.lora_name})
+        return self.config.max_loras, waiting, running
+
+
+def _request_id(body: dict[str, Any], prefix: str) -> str:
+    rid = body.get("request_id")
+    return rid if isinstance(rid, str) and rid else f"{prefix}-{uuid.uuid4().hex}"
