@@ -1,0 +1,373 @@
+"""ZMQ subscriber for vLLM KV events: in-order application per endpoint, gap and restart repair.
+
+Modes:
+- centralized: the EPP binds one SUB socket; every replica's publisher connects to it. The
+  endpoint of a message comes from its topic `kv@<ip:port>@<model>` (an IP-only pod id is
+  resolved when exactly one endpoint of the pool has that address).
+- per-endpoint: the EPP dials `tcp://<endpoint address>:<events port>` for every endpoint of
+  the registry, following its listener callbacks as endpoints come and go.
+
+Ordering: each publisher's sequence numbers must be contiguous. On first contact, on a gap and
+on a restart (sequence goes back) the subscriber asks the replica's replay socket (ROUTER) for
+the missed batches with a DEALER (`[b"", start_seq]` → `[b"", topic, seq, payload]`... until the
+end marker), holding live messages meanwhile. A gap that cannot be repaired (no replay socket,
+timeout, the cooldown after a failed replay, or the publisher no longer buffers the missing batches) drops that
+endpoint's entries, counted in `epp_kv_events_endpoint_resets_total`.
+Per-endpoint event ports come from the endpoint labels `kv-events-port` / `kv-replay-port`
+when present (several replicas on one host), else from the configured ports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable
+
+import zmq
+import zmq.asyncio
+
+from epp.kvevents.decoding import (
+    KVEventDecodeError, Topic, decode_batch, parse_topic, pod_endpoint_name, pod_host,
+)
+from epp.kvevents.index import KVBlockIndex
+from epp.kvevents.metrics import KVSubscriberMetrics
+
+if TYPE_CHECKING:  # pragma: no cover
+    from epp.datalayer.registry import EndpointRegistry
+    from epp.framework.types import Endpoint
+
+log = logging.getLogger(__name__)
+
+END_SEQ = b"\xff" * 8
+LABEL_EVENTS_PORT = "kv-events-port"
+LABEL_REPLAY_PORT = "kv-replay-port"
+MODES = ("centralized", "per-endpoint")
+
+
+@dataclass
+class SubscriberConfig:
+    """How to reach the publishers, and the limits of repair."""
+
+    mode: str = "per-endpoint"
+    bind_endpoint: str = "tcp://*:5557"  # centralized mode
+    events_port: int = 5557  # per-endpoint mode
+    replay_port: int | None = None  # replay ROUTER port on every replica; None: no repair
+    topic_filter: str = ""
+    default_model: str | None = None  # model of events whose topic names none
+    replay_timeout_s: float = 10.0
+    replay_cooldown_s: float = 30.0
+    max_pending_messages: int = 10_000
+    max_replay_messages: int = 20_000
+    apply_budget_s: float = 0.005  # yield the event loop after this much work
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+
+
+def _tcp(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def _label_port(endpoint: "Endpoint | None", label: str, default: int | None) -> int | None:
+    if endpoint is not None:
+        value = endpoint.labels.get(label)
+        if value and value.isdigit():
+            return int(value)
+    return default
+
+
+@dataclass
+class _Stream:
+    """One publisher's ordering state."""
+
+    endpoint: str
+    replay_address: str | None
+    last_seq: int | None = None
+    repairing: bool = False
+    pending: list[tuple[int, bytes, bytes]] = field(default_factory=list)
+    last_failed_replay_at: float = float("-inf")
+
+
+class KVEventSubscriber:
+    """Receives KV-event batches over ZMQ and applies them, in order, to a `KVBlockIndex`."""
+
+    def __init__(self, index: KVBlockIndex, config: SubscriberConfig,
+                 endpoints: "EndpointRegistry | None" = None,
+                 metrics: KVSubscriberMetrics | None = None) -> None:
+        self.index = index
+        self.config = config
+        self.registry = endpoints
+        self.metrics = metrics or KVSubscriberMetrics(None)
+        self._ctx: zmq.asyncio.Context | None = None
+        self._streams: dict[str, _Stream] = {}
+        self._sockets: dict[str, tuple[zmq.asyncio.Socket, asyncio.Task]] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._running = False
+        self._last_yield = time.perf_counter()
+        self.bound_address: str | None = None  # centralized mode: the resolved bind address
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Open the sockets and follow the endpoint registry."""
+        self._loop = asyncio.get_running_loop()
+        self._ctx = zmq.asyncio.Context()
+        self._running = True
+        if self.config.mode == "centralized":
+            sock = self._sub_socket()
+            sock.bind(self.config.bind_endpoint)
+            self.bound_address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._sockets[""] = (sock, self._spawn(self._receive(sock, None)))
+            self.metrics.subscriptions.set(1)
+        if self.registry is not None:
+            self.registry.add_listener(self._on_endpoints_changed)
+        self._reconcile()
+
+    async def stop(self) -> None:
+        """Close every socket and cancel every task."""
+        self._running = False
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for sock, _ in self._sockets.values():
+            sock.close(linger=0)
+        self._sockets.clear()
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        self.metrics.subscriptions.set(0)
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _sub_socket(self) -> zmq.asyncio.Socket:
+        assert self._ctx is not None
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt_string(zmq.SUBSCRIBE, self.config.topic_filter)
+        return sock
+
+    # ---- endpoints -----------------------------------------------------------------------------
+    def _on_endpoints_changed(self, added: Iterable["Endpoint"], removed: Iterable["Endpoint"]) -> None:
+        if self._running and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._reconcile)
+
+    def _reconcile(self) -> None:
+        """Match subscriptions and index state to the registry's current endpoints."""
+        if not self._running or self.registry is None or not getattr(self.registry, "synced", True):
+            return
+        current = {ep.name: ep for ep in self.registry.snapshot()}
+        for name in [n for n in self._streams if n not in current]:
+            self._forget(name)
+        for name in [n for n in self.index.endpoints() if n not in current]:
+            self.index.remove_endpoint(name)
+        if self.config.mode != "per-endpoint":
+            return
+        for name in [n for n in self._sockets if n not in current]:
+            self._forget(name)
+        for name, ep in current.items():
+            if name not in self._sockets:
+                port = _label_port(ep, LABEL_EVENTS_PORT, self.config.events_port)
+                sock = self._sub_socket()
+                sock.connect(_tcp(ep.address, port))
+                self._sockets[name] = (sock, self._spawn(self._receive(sock, name)))
+        self.metrics.subscriptions.set(len(self._sockets))
+
+    def _forget(self, name: str) -> None:
+        entry = self._sockets.pop(name, None)
+        if entry is not None:
+            sock, task = entry
+            task.cancel()
+            sock.close(linger=0)
+        self._streams.pop(name, None)
+        self.index.remove_endpoint(name)
+
+    def _resolve(self, pod: str | None) -> str | None:
+        """The endpoint name a centralized-mode topic's pod id stands for."""
+        if pod is None:
+            return None
+        if Topic(pod, None).has_port:
+            return pod_endpoint_name(pod)
+        if self.registry is not None:
+            host = pod_host(pod)
+            names = [ep.name for ep in self.registry.snapshot() if ep.address == host]
+            if len(names) == 1:
+                return names[0]
+        return None
+
+    def _replay_address(self, endpoint: str, pod: str | None) -> str | None:
+        ep = self.registry.get(endpoint) if self.registry is not None else None
+        port = _label_port(ep, LABEL_REPLAY_PORT, self.config.replay_port)
+        if port is None:
+            return None
+        host = ep.address if ep is not None else pod_host(pod or endpoint.rsplit(":", 1)[0])
+        return _tcp(host, port)
+
+    # ---- receiving -----------------------------------------------------------------------------
+    async def _receive(self, sock: zmq.asyncio.Socket, endpoint: str | None) -> None:
+        while self._running:
+            try:
+                frames = await sock.recv_multipart()
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as exc:
+                if not self._running:
+                    return
+                log.warning("KV event socket error: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            self.handle_message(frames, endpoint)
+            await self._maybe_yield()
+
+    async def _maybe_yield(self) -> None:
+        now = time.perf_counter()
+        if now - self._last_yield > self.config.apply_budget_s:
+            await asyncio.sleep(0)
+            self._last_yield = time.perf_counter()
+
+    def handle_message(self, frames: list[bytes], endpoint: str | None = None) -> None:
+        """One live message `[topic, seq, payload]`; `endpoint` is known in per-endpoint mode."""
+        if len(frames) != 3 or len(frames[1]) < 8:
+            self.metrics.decode_errors.inc()
+            return
+        topic, seq_bytes, payload = frames
+        seq = int.from_bytes(seq_bytes[:8], "big")
+        if endpoint is None:
+            pod = parse_topic(topic).pod
+            endpoint = self._resolve(pod)
+            if endpoint is None:
+                self.metrics.unresolved.inc()
+                return
+        else:
+            pod = None
+        stream = self._streams.get(endpoint)
+        if stream is None:
+            stream = self._streams[endpoint] = _Stream(endpoint, self._replay_address(endpoint, pod))
+        self.metrics.messages.labels("live").inc()
+        self._on_live(stream, seq, topic, payload)
+
+    def _on_live(self, stream: _Stream, seq: int, topic: bytes, payload: bytes) -> None:
+        if stream.repairing:
+            stream.pending.append((seq, topic, payload))
+            if len(stream.pending) > self.config.max_pending_messages:
+                # Repair is too slow to keep up: give up on this endpoint's history.
+                stream.pending.clear()
+                self._reset(stream, "pending_overflow")
+            return
+        last = stream.last_seq
+        if last is None:
+            if self._can_replay(stream):
+                self._start_repair(stream, 0, "initial", (seq, topic, payload))
+                return
+        elif seq <= last:
+            self.metrics.restarts.inc()
+            self.index.clear_endpoint(stream.endpoint)  # a restarted engine starts with an empty cache
+            stream.last_seq = None
+            if self._can_replay(stream):
+                self._start_repair(stream, 0, "restart", (seq, topic, payload))
+                return
+        elif seq != last + 1:
+            self.metrics.gaps.inc()
+            if self._can_replay(stream):
+                self._start_repair(stream, last + 1, "gap", (seq, topic, payload))
+                return
+            self._reset(stream, "gap_unrepairable")
+        self._apply(stream, seq, topic, payload)
+
+    def _apply(self, stream: _Stream, seq: int, topic: bytes, payload: bytes) -> None:
+        stream.last_seq = seq
+        try:
+            batch = decode_batch(payload)
+        except KVEventDecodeError as exc:
+            self.metrics.decode_errors.inc()
+            log.debug("undecodable KV event batch from %s: %s", stream.endpoint, exc)
+            return
+        model = parse_topic(topic).model or self.config.default_model
+        self.index.apply_batch(stream.endpoint, batch, model)
+
+    def _reset(self, stream: _Stream, reason: str) -> None:
+        self.metrics.resets.labels(reason).inc()
+        self.index.clear_endpoint(stream.endpoint)
+        stream.last_seq = None
+        log.warning("KV events of %s could not be repaired (%s): entries dropped", stream.endpoint, reason)
+
+    # ---- repair --------------------------------------------------------------------------------
+    def _can_replay(self, stream: _Stream) -> bool:
+        return (stream.replay_address is not None
+                and time.monotonic() - stream.last_failed_replay_at >= self.config.replay_cooldown_s)
+
+    def _start_repair(self, stream: _Stream, start: int, kind: str, held: tuple[int, bytes, bytes]) -> None:
+        stream.repairing = True
+        stream.pending = [held]
+        self._spawn(self._repair(stream, start, kind))
+
+    async def _repair(self, stream: _Stream, start: int, kind: str) -> None:
+        try:
+            replayed = await asyncio.wait_for(self.fetch_replay(stream.replay_address, start),
+                                              self.config.replay_timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except (asyncio.TimeoutError, zmq.ZMQError, OSError) as exc:
+            log.warning("KV event replay from %s failed: %r", stream.replay_address, exc)
+            replayed = None
+        if self._streams.get(stream.endpoint) is not stream:
+            return  # the endpoint left meanwhile
+        ok = replayed is not None and (kind != "gap" or (replayed and replayed[0][0] == start))
+        self.metrics.replays.labels("ok" if ok else "failed").inc()
+        if not ok:
+            stream.last_failed_replay_at = time.monotonic()  # no second try until the cooldown ends
+        if not ok and kind == "gap":
+            self._reset(stream, "gap_unrepairable")
+        if ok:
+            expected = start if kind == "gap" else None
+            for seq, topic, payload in replayed:
+                if expected is not None and seq != expected:
+                    self._reset(stream, "replay_incomplete")
+                    break
+                self.metrics.messages.labels("replay").inc()
+                self._apply(stream, seq, topic, payload)
+                expected = seq + 1
+                await self._maybe_yield()
+        pending, stream.pending = stream.pending, []
+        stream.repairing = False
+        for seq, topic, payload in pending:
+            if stream.last_seq is not None and seq <= stream.last_seq and not stream.repairing:
+                continue  # already applied from the replay
+            self._on_live(stream, seq, topic, payload)
+
+    async def fetch_replay(self, address: str, start: int) -> list[tuple[int, bytes, bytes]]:
+        """Ask a replay ROUTER for every buffered batch with seq >= `start`, until the end marker."""
+        assert self._ctx is not None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        out: list[tuple[int, bytes, bytes]] = []
+        try:
+            sock.connect(address)
+            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            while len(out) < self.config.max_replay_messages:
+                frames = await sock.recv_multipart()
+                if frames and frames[0] == b"":
+                    frames = frames[1:]
+                if len(frames) == 3:
+                    topic, seq_bytes, payload = frames
+                elif len(frames) == 2:  # vLLM before #45177 sent no topic frame
+                    topic, (seq_bytes, payload) = b"", frames
+                else:
+                    continue
+                if seq_bytes == END_SEQ:
+                    break
+                if len(seq_bytes) < 8:
+                    continue
+                out.append((int.from_bytes(seq_bytes[:8], "big"), topic, payload))
+        finally:
+            sock.close(linger=0)
+        out.sort(key=lambda m: m[0])
+        return out
