@@ -8,6 +8,7 @@ included, is never looked at in Python.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -154,6 +155,27 @@ def _gauge(found: dict[bytes, list[Sample]], name: bytes) -> float | None:
     return None if sample is None else max(0.0, sample.value)
 
 
+# Label blocks repeat from scrape to scrape (cache_config_info never changes, LoRA lists
+# rarely), so their decoded fields are memoised by the raw bytes; LRU-bounded, stats via
+# `cache_info()`.
+LABEL_CACHE_SIZE = 1024
+
+
+@functools.lru_cache(maxsize=LABEL_CACHE_SIZE)
+def lora_fields(raw_labels: bytes) -> tuple[frozenset[str], frozenset[str], int | None]:
+    """(running adapters, waiting adapters, max_lora) from a `lora_requests_info` label block."""
+    labels = parse_labels(raw_labels)
+    return (_adapters(labels.get("running_lora_adapters")),
+            _adapters(labels.get("waiting_lora_adapters")), _int_label(labels, "max_lora"))
+
+
+@functools.lru_cache(maxsize=LABEL_CACHE_SIZE)
+def cache_config_fields(raw_labels: bytes) -> tuple[int | None, int | None]:
+    """(block_size, num_gpu_blocks) from a `cache_config_info` label block."""
+    labels = parse_labels(raw_labels)
+    return _int_label(labels, "block_size"), _int_label(labels, "num_gpu_blocks")
+
+
 def parse_vllm_metrics(page: bytes | str) -> VllmMetrics:
     """Read the series the picker uses from one `/metrics` page; never raises on bad input."""
     if isinstance(page, str):
@@ -163,16 +185,11 @@ def parse_vllm_metrics(page: bytes | str) -> VllmMetrics:
     max_lora = None
     lora = choose_lora_sample(found.get(LORA_INFO, ()))
     if lora is not None:
-        labels = lora.labels()
-        running_adapters = _adapters(labels.get("running_lora_adapters"))
-        waiting_adapters = _adapters(labels.get("waiting_lora_adapters"))
-        max_lora = _int_label(labels, "max_lora")
+        running_adapters, waiting_adapters, max_lora = lora_fields(lora.raw_labels)
     block_size = num_gpu_blocks = None
     cache_config = choose_sample(found.get(CACHE_CONFIG, ()))
     if cache_config is not None:
-        labels = cache_config.labels()
-        block_size = _int_label(labels, "block_size")
-        num_gpu_blocks = _int_label(labels, "num_gpu_blocks")
+        block_size, num_gpu_blocks = cache_config_fields(cache_config.raw_labels)
     return VllmMetrics(
         waiting=_gauge(found, WAITING),
         running=_gauge(found, RUNNING),

@@ -67,6 +67,7 @@ class MetricsScraper:
         scheme: str = "http",
         insecure_skip_verify: bool = False,
         max_body_bytes: int = 4 * 1024 * 1024,
+        max_scrapes_per_second: float | None = 2000.0,
         session: aiohttp.ClientSession | None = None,
     ) -> None:
         if interval <= 0 or timeout <= 0 or failure_threshold < 1 or staleness_threshold <= 0:
@@ -84,6 +85,13 @@ class MetricsScraper:
         # Parsing runs on the event loop at ~1 ms per MB; the cap keeps one scrape's stall in the
         # low milliseconds (a single vLLM's page is ~40-100 KB).
         self.max_body_bytes = max_body_bytes
+        if max_scrapes_per_second is not None and max_scrapes_per_second <= 0:
+            raise ValueError("max_scrapes_per_second must be > 0 (or None for no budget)")
+        # One scrape costs ~0.3 ms of CPU (mostly the HTTP round trip); the budget stops a large
+        # pool at a short interval from eating the cores the request path needs. A pool larger
+        # than budget × interval is polled at `len(pool) / budget` instead of `interval`.
+        self.max_scrapes_per_second = max_scrapes_per_second
+        self._stretched = False
         self._session = session
         self._owns_session = session is None
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -101,6 +109,11 @@ class MetricsScraper:
             "Endpoints whose metrics are older than the staleness threshold (or never scraped).",
             registry=metrics_registry)
         self.stale_gauge.set_function(lambda: float(len(self.stale_endpoints())))
+        self.interval_gauge = Gauge(
+            "epp_metrics_scrape_interval_seconds",
+            "Interval between two scrapes of one endpoint (stretched when over the scrape budget).",
+            registry=metrics_registry)
+        self.interval_gauge.set_function(self.effective_interval)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -118,6 +131,7 @@ class MetricsScraper:
         self.registry.add_listener(self._on_endpoints_changed)
         for endpoint in self.registry.snapshot():
             self._start_task(endpoint.name)
+        self._log_budget()
 
     async def stop(self) -> None:
         """Cancel every scrape task and close the session this scraper opened."""
@@ -153,6 +167,12 @@ class MetricsScraper:
         """Whether this endpoint's metrics are too old to trust."""
         return is_stale(endpoint.metrics, self.staleness_threshold, now)
 
+    def effective_interval(self) -> float:
+        """The interval in force: `interval`, or longer when the pool exceeds the scrape budget."""
+        if self.max_scrapes_per_second is None:
+            return self.interval
+        return max(self.interval, len(self._tasks) / self.max_scrapes_per_second)
+
     @property
     def scraping(self) -> Sequence[str]:
         """Names of the endpoints with a live scrape task."""
@@ -173,6 +193,18 @@ class MetricsScraper:
                     pass
         for endpoint in added:
             self._start_task(endpoint.name)
+        self._log_budget()
+
+    def _log_budget(self) -> None:
+        stretched = self.effective_interval() > self.interval
+        if stretched != self._stretched:
+            self._stretched = stretched
+            if stretched:
+                log.warning("%d endpoints exceed the scrape budget of %g/s: scraping every %.0f ms "
+                            "instead of %.0f ms", len(self._tasks), self.max_scrapes_per_second,
+                            self.effective_interval() * 1e3, self.interval * 1e3)
+            else:
+                log.info("scraping every %.0f ms again", self.interval * 1e3)
 
     def _start_task(self, name: str) -> None:
         old = self._tasks.get(name)
@@ -191,11 +223,12 @@ class MetricsScraper:
                 return
             await self.scrape_once(endpoint)
             # A random phase after the first scrape keeps many endpoints from polling in lockstep.
+            interval = self.effective_interval()
             if first:
-                delay = self.interval * random.random()
+                delay = interval * random.random()
                 first = False
             else:
-                delay = max(0.0, started + self.interval - loop.time())
+                delay = max(0.0, started + interval - loop.time())
             await asyncio.sleep(delay)
 
     async def scrape_once(self, endpoint: Endpoint) -> bool:

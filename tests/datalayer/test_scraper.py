@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
@@ -191,3 +192,23 @@ async def test_staleness_is_tracked(metrics_servers):
         await wait_until(lambda: scraper.stale_endpoints() == [name])
         assert scraper.is_stale(registry.get(name))
         assert metrics.get_sample_value("epp_metrics_stale_endpoints") == 1
+
+
+async def test_scrape_budget_stretches_the_interval(metrics_servers):
+    servers = [await metrics_servers(vllm_metrics_page(VllmState())) for _ in range(2)]
+    registry = EndpointRegistry()
+    registry.set_endpoints([spec_for(s) for s in servers[:1]])
+    metrics = CollectorRegistry()
+    # 2 endpoints at 10 ms would be 200 scrapes/s; a budget of 20/s stretches it to 100 ms each
+    async with MetricsScraper(registry, interval=0.01, max_scrapes_per_second=20,
+                              metrics_registry=metrics) as scraper:
+        assert scraper.effective_interval() == 0.05
+        registry.set_endpoints([spec_for(s) for s in servers])
+        assert scraper.effective_interval() == pytest.approx(0.1)
+        assert metrics.get_sample_value("epp_metrics_scrape_interval_seconds") == pytest.approx(0.1)
+        hits = [s.hits for s in servers]
+        await asyncio.sleep(0.6)
+    for server, before in zip(servers, hits):
+        assert 3 <= server.hits - before <= 8, server.hits - before
+    unlimited = MetricsScraper(registry, interval=0.01, max_scrapes_per_second=None)
+    assert unlimited.effective_interval() == 0.01
