@@ -1,0 +1,88 @@
+"""The scorer author's path: install examples/outside_scorer into a fresh venv and schedule with it."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import textwrap
+from importlib.metadata import entry_points
+from pathlib import Path
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "outside_scorer"
+
+SCRIPT = textwrap.dedent("""
+    import asyncio, json
+    from types import MappingProxyType
+    from epp.config import load_config_text, describe
+    from epp.framework import ApiKind, CycleState, Endpoint, EndpointMetrics, InferenceRequest
+
+    CONFIG = '''
+    apiVersion: inference.networking.x-k8s.io/v1alpha1
+    kind: EndpointPickerConfig
+    plugins:
+    - type: kv-headroom-scorer
+      parameters: {threshold: 0.5}
+    schedulingProfiles:
+    - name: default
+      plugins:
+      - pluginRef: kv-headroom-scorer
+        weight: 2
+    '''
+
+    async def main():
+        loaded = load_config_text(CONFIG, source="outside.yaml")
+        eps = [Endpoint("10.1.0.%d" % i, 8000, metrics=EndpointMetrics(kv_cache_usage=kv))
+               for i, kv in enumerate([0.45, 0.05, 0.30, 0.90])]
+        scorer = loaded.plugin("kv-headroom-scorer")
+        req = InferenceRequest("r1", ApiKind.COMPLETIONS, "m", "m", {"model": "m", "prompt": "hi"})
+        state = CycleState()
+        picks = {loaded.scheduler.schedule(CycleState(), req, eps).targets[0].name for _ in range(20)}
+        scores = scorer.score(state, req, eps)
+        try:
+            load_config_text(CONFIG.replace("0.5", "2"), source="outside.yaml")
+            error = None
+        except Exception as exc:
+            error = str(exc)
+        print(json.dumps({"picks": sorted(picks), "scores": {k: round(v, 6) for k, v in scores.items()},
+                          "module": type(scorer).__module__, "describe": describe(loaded), "error": error}))
+
+    asyncio.run(main())
+""")
+
+
+def run(cmd, **kwargs):
+    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1", "PYTHONNOUSERSITE": "1"}
+    env.pop("VIRTUAL_ENV", None)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, **kwargs)
+
+
+def test_outside_scorer_package_installs_and_schedules(tmp_path):
+    source = tmp_path / "outside_scorer"
+    shutil.copytree(EXAMPLE, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    venv = tmp_path / "venv"
+    made = run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)])
+    assert made.returncode == 0, made.stderr
+    python = venv / "bin" / "python"
+    site_dir = Path(run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
+                    .stdout.strip())
+    # The fresh venv sees the picker (and pip, setuptools) of the environment running the tests.
+    (site_dir / "_parent_env.pth").write_text(f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
+    installed = run([str(python), "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
+                     "-q", str(source)])
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    assert (site_dir / "epp_kv_headroom" / "scorer.py").exists()
+
+    done = run([str(python), "-c", SCRIPT], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["module"] == "epp_kv_headroom.scorer"
+    assert out["scores"] == {"10.1.0.0:8000": 0.1, "10.1.0.1:8000": 0.9, "10.1.0.2:8000": 0.4, "10.1.0.3:8000": 0.0}
+    assert out["picks"] == ["10.1.0.1:8000"]
+    assert "- kv-headroom-scorer weight 2" in out["describe"]
+    assert out["error"] == ("outside.yaml: plugins[0].parameters: plugin 'kv-headroom-scorer': "
+                            "parameter 'threshold' must be <= 1.0, got 2.0")
+
+    # Installed only into the fresh venv: the environment running the tests is unchanged.
+    assert "kv-headroom" not in {ep.name for ep in entry_points(group="epp.plugins")}
