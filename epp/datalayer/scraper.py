@@ -19,7 +19,7 @@ from epp.framework.types import Endpoint, EndpointMetrics
 log = logging.getLogger(__name__)
 
 _SCRAPE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
-FAILURE_REASONS = ("connect", "timeout", "http_status", "too_large", "no_metrics", "protocol")
+FAILURE_REASONS = ("connect", "timeout", "http_status", "too_large", "no_metrics", "protocol", "internal")
 
 
 class ScrapeFailure(Exception):
@@ -221,7 +221,11 @@ class MetricsScraper:
             endpoint = self.registry.get(name)
             if endpoint is None:
                 return
-            await self.scrape_once(endpoint)
+            try:
+                await self.scrape_once(endpoint)
+            except Exception as exc:  # a bug must not end this endpoint's polling for good
+                log.exception("scrape of %s failed unexpectedly", name)
+                self._record_failure(endpoint, ScrapeFailure("internal", repr(exc)))
             # A random phase after the first scrape keeps many endpoints from polling in lockstep.
             interval = self.effective_interval()
             if first:

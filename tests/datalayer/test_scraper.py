@@ -212,3 +212,25 @@ async def test_scrape_budget_stretches_the_interval(metrics_servers):
         assert 3 <= server.hits - before <= 8, server.hits - before
     unlimited = MetricsScraper(registry, interval=0.01, max_scrapes_per_second=None)
     assert unlimited.effective_interval() == 0.01
+
+
+async def test_an_unexpected_error_does_not_end_polling(metrics_servers, monkeypatch):
+    from epp.datalayer import scraper as scraper_module
+
+    server = await metrics_servers(vllm_metrics_page(VllmState(waiting=3)))
+    registry = EndpointRegistry()
+    registry.set_endpoints([spec_for(server)])
+    metrics = CollectorRegistry()
+    real_parse = scraper_module.parse_vllm_metrics
+    calls = []
+
+    def flaky_parse(page):
+        calls.append(1)
+        if len(calls) <= 2:
+            raise RuntimeError("bug")
+        return real_parse(page)
+
+    monkeypatch.setattr(scraper_module, "parse_vllm_metrics", flaky_parse)
+    async with MetricsScraper(registry, interval=0.02, metrics_registry=metrics):
+        await wait_until(lambda: registry.get(server.hostport).metrics.waiting_queue_size == 3)
+    assert errors(metrics, server.hostport, "internal") == 2
