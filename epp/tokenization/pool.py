@@ -1,0 +1,231 @@
+"""Tokenizers by model, loaded from local model directories, with vLLM's prompt semantics.
+
+- Completions: the prompt is tokenized with special tokens added (vLLM `add_special_tokens=True`);
+  token-id prompts are used as they are; a list of prompts routes by its first one.
+- Chat: messages are rendered with the model's chat template (`add_generation_prompt` true by
+  default) and tokenized without adding special tokens (vLLM's chat default), since the template
+  writes them itself.
+- Prompts longer than `offload_chars` are rendered and tokenized in a worker thread (the
+  `tokenizers` batch call releases the GIL), so the event loop never stalls on a 256 KB prompt.
+A model directory holds `tokenizer.json` and `tokenizer_config.json` (chat template, special
+tokens) or `chat_template.jinja`. A model named `*` in the configuration serves every other model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from tokenizers import Tokenizer
+
+from epp.framework.types import ApiKind, InferenceRequest
+from epp.tokenization.chat_template import ChatTemplate
+from epp.tokenization.prefix_cache import TokenizationCache
+
+
+class TokenizationMetrics:
+    """Cache outcomes, reused tokens, tokens held, and tokenizations by where they ran."""
+
+    def __init__(self, registry: CollectorRegistry | None, prefix: str = "epp_tokenization") -> None:
+        kw = {"registry": registry}
+        self.outcomes = Counter(f"{prefix}_cache_lookups", "Tokenization cache lookups, by outcome",
+                                ["outcome"], **kw)
+        self.reused = Counter(f"{prefix}_cache_reused_tokens", "Tokens reused from the cache", **kw)
+        self.cached_tokens = Gauge(f"{prefix}_cache_tokens", "Tokens held in the tokenization caches", **kw)
+        self.runs = Counter(f"{prefix}_requests", "Prompts tokenized, by where (inline or thread)",
+                            ["where"], **kw)
+        self.failures = Counter(f"{prefix}_failures", "Prompts that could not be tokenized, by reason",
+                                ["reason"], **kw)
+
+    def outcome(self, outcome: str, reused: int) -> None:
+        self.outcomes.labels(outcome).inc()
+        if reused:
+            self.reused.inc(reused)
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+class ModelTokenizer:
+    """One model's tokenizer, chat template and tokenization cache (thread-safe)."""
+
+    def __init__(self, model_dir: Path, cache: TokenizationCache) -> None:
+        self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        config: dict[str, Any] = {}
+        config_path = model_dir / "tokenizer_config.json"
+        if config_path.exists():
+            config = json.loads(config_path.read_text())
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: use the default one
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+            template = named.get("default") or next(iter(named.values()), None)
+        jinja_path = model_dir / "chat_template.jinja"
+        if not template and jinja_path.exists():
+            template = jinja_path.read_text()
+        specials = {name: text for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+                    if (text := _token_text(config.get(name))) is not None}
+        self.chat_template = ChatTemplate(template, specials) if isinstance(template, str) else None
+        self.cache = cache
+        # Which special tokens `add_special_tokens=True` puts around a single sequence.
+        probe = self.tokenizer.encode("a", add_special_tokens=True)
+        mask = probe.special_tokens_mask
+        first = mask.index(0) if 0 in mask else len(mask)
+        last = len(mask) - mask[::-1].index(0) if 0 in mask else len(mask)
+        self.special_prefix = list(probe.ids[:first])
+        self.special_suffix = list(probe.ids[last:])
+
+    def _raw(self, text: str):
+        # encode_batch releases the GIL, so other threads (and the event loop) keep running.
+        enc = self.tokenizer.encode_batch([text], add_special_tokens=False)[0]
+        offsets = enc.offsets
+        return enc.ids, [o[0] for o in offsets], [o[1] for o in offsets]
+
+    def encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of a text as vLLM computes them, through the tokenization cache."""
+        ids = self.cache.encode(text, self._raw)
+        if add_special_tokens and (self.special_prefix or self.special_suffix):
+            return self.special_prefix + ids + self.special_suffix
+        return ids
+
+    def render_chat(self, body: Mapping[str, Any]) -> str:
+        """The chat prompt text for an OpenAI chat body (messages, tools, template options)."""
+        if self.chat_template is None:
+            raise LookupError("model has no chat template")
+        kwargs = body.get("chat_template_kwargs")
+        return self.chat_template.render(
+            body.get("messages") or [],
+            add_generation_prompt=body.get("add_generation_prompt", True) is not False,
+            continue_final_message=bool(body.get("continue_final_message", False)),
+            tools=body.get("tools"),
+            documents=body.get("documents"),
+            chat_template_kwargs=kwargs if isinstance(kwargs, Mapping) else None,
+        )
+
+    def encode_chat(self, body: Mapping[str, Any]) -> list[int]:
+        """Token ids of a chat request (vLLM: `add_special_tokens` false unless the body says so)."""
+        return self.encode_text(self.render_chat(body), bool(body.get("add_special_tokens", False)))
+
+
+class TokenizerPool:
+    """Tokenizers keyed by model name, loaded lazily off the event loop from local directories."""
+
+    def __init__(self, model_dirs: Mapping[str, str | Path], *, cache_tokens: int = 4_000_000,
+                 cache_min_chars: int = 512, offload_chars: int = 4096, workers: int = 2,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.model_dirs = {name: Path(path) for name, path in model_dirs.items()}
+        self.cache_tokens = cache_tokens
+        self.cache_min_chars = cache_min_chars
+        self.offload_chars = offload_chars
+        self.metrics = TokenizationMetrics(registry)
+        self._tokenizers: dict[str, ModelTokenizer] = {}
+        self._load_lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="epp-tokenize")
+        self.metrics.cached_tokens.set_function(
+            lambda: sum(t.cache.tokens for t in list(self._tokenizers.values())))
+
+    def _dir_for(self, model: str) -> tuple[str, Path] | None:
+        if model in self.model_dirs:
+            return model, self.model_dirs[model]
+        if "*" in self.model_dirs:
+            return "*", self.model_dirs["*"]
+        return None
+
+    def load(self, model: str) -> ModelTokenizer | None:
+        """The tokenizer for `model` (blocking on first use; call from a thread or at start-up)."""
+        found = self._dir_for(model)
+        if found is None:
+            return None
+        key, path = found
+        with self._load_lock:
+            tok = self._tokenizers.get(key)
+            if tok is None:
+                cache = TokenizationCache(self.cache_tokens, min_chars=self.cache_min_chars,
+                                          on_outcome=self.metrics.outcome)
+                tok = self._tokenizers[key] = ModelTokenizer(path, cache)
+            return tok
+
+    async def preload(self) -> None:
+        """Load every configured tokenizer in a thread (so the first request does not pay for it)."""
+        loop = asyncio.get_running_loop()
+        for model in self.model_dirs:
+            await loop.run_in_executor(self._executor, self.load, model)
+
+    def _tokenize_sync(self, request: InferenceRequest) -> list[int] | None:
+        tok = self.load(request.target_model)
+        if tok is None:
+            self.metrics.failures.labels("no_tokenizer").inc()
+            return None
+        if request.api is ApiKind.CHAT_COMPLETIONS:
+            if tok.chat_template is None:
+                self.metrics.failures.labels("no_chat_template").inc()
+                return None
+            return tok.encode_chat(request.body)
+        prompt = request.prompt
+        if isinstance(prompt, list) and prompt:
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            add_special = request.body.get("add_special_tokens", True) is not False
+            return tok.encode_text(prompt, add_special)
+        return None
+
+    async def tokenize(self, request: InferenceRequest) -> list[int] | None:
+        """The prompt token ids vLLM will see for `request`, or None when we cannot know them."""
+        direct = token_ids_of(request)
+        if direct is not None:
+            return direct
+        if request.api not in (ApiKind.COMPLETIONS, ApiKind.CHAT_COMPLETIONS):
+            return None
+        size = _prompt_chars(request)
+        loaded = self._dir_for(request.target_model)
+        cold = loaded is not None and loaded[0] not in self._tokenizers
+        try:
+            if size > self.offload_chars or cold:
+                self.metrics.runs.labels("thread").inc()
+                loop = asyncio.get_running_loop()
+                return await loop.run_in_executor(self._executor, self._tokenize_sync, request)
+            self.metrics.runs.labels("inline").inc()
+            return self._tokenize_sync(request)
+        except Exception:  # a broken template or prompt must not fail routing
+            self.metrics.failures.labels("error").inc()
+            return None
+
+    def close(self) -> None:
+        """Stop the worker threads."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def token_ids_of(request: InferenceRequest) -> list[int] | None:
+    """A completions prompt given as token ids (or the first of a list of them)."""
+    if request.api is not ApiKind.COMPLETIONS:
+        return None
+    prompt = request.prompt
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        if isinstance(prompt[0], list):
+            return list(prompt[0])
+    return None
+
+
+def _prompt_chars(request: InferenceRequest) -> int:
+    if request.api is ApiKind.CHAT_COMPLETIONS:
+        total = 0
+        for message in request.messages or ():
+            content = message.get("content") if isinstance(message, Mapping) else None
+            if isinstance(content, str):
+                total += len(content)
+            elif isinstance(content, Sequence):
+                total += sum(len(p.get("text", "")) for p in content if isinstance(p, Mapping))
+        return total
+    prompt = request.prompt
+    return len(prompt) if isinstance(prompt, str) else sum(len(p) for p in prompt or () if isinstance(p, str))
