@@ -53,7 +53,8 @@ def _fleet_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-events-base-port", type=int, default=0,
                    help="PUB of replica i on base+2i, replay ROUTER on base+2i+1 (0: free ports)")
     p.add_argument("--legacy-array-events", action="store_true")
-    p.add_argument("--processes", type=int, default=1, help="worker processes hosting the replicas")
+    p.add_argument("--processes", type=int, default=0,
+                   help="worker processes hosting the replicas (0: all in this process)")
     p.add_argument("--name-prefix", default="sim")
     p.add_argument("--lora", action="append", default=[], help="LoRA adapter NAME=PATH (repeatable)")
     p.add_argument("--label", action="append", default=[], help="label KEY=VALUE for every replica (repeatable)")

@@ -6,8 +6,9 @@ Python API::
         fleet.endpoints_arg        # "127.0.0.1:p0,127.0.0.1:p1,..." for `epp serve --endpoints`
         fleet.info                 # one dict per replica: endpoint, KV-event endpoints, topic, ...
 
-In-process replicas (``processes=1``) share the caller's event loop, one aiohttp app per port,
-and are reachable as ``fleet.replicas`` for white-box checks.
+With ``processes=0`` (the default) the replicas share the caller's event loop, one aiohttp app
+per port, and are reachable as ``fleet.replicas`` for white-box checks; ``processes=K`` spreads
+them round-robin over K worker processes (``python -m epp.engine.sim worker``).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class FleetConfig:
     kv_events_base_port: int = 0
     kv_replay: bool = True
     legacy_array_events: bool = False
-    processes: int = 1
+    processes: int = 0
     name_prefix: str = "sim"
     lora_modules: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
@@ -143,8 +144,8 @@ class SimFleet:
     async def start(self) -> "SimFleet":
         """Start every replica; returns self once all of them serve."""
         c = self.config
-        nproc = max(1, min(c.processes, c.replicas))
-        if nproc == 1:
+        nproc = min(c.processes, c.replicas)
+        if nproc <= 0:
             self.replicas = await start_replicas(c, list(range(c.replicas)))
             self.info = [r.describe() for r in self.replicas]
             return self
