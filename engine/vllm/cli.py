@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-eviction-policy", default="lru", choices=["lru", "arc"])
     p.add_argument("--disk-path", help="root directory of the disk (fs) tier, behind the CPU tier")
     p.add_argument("--disk-bytes", type=parse_size, help="disk tier budget, e.g. 200GiB")
+    p.add_argument("--disk-manager-events-port", type=int,
+                   help="port of the disk manager's BlockRemoved publisher (shown in the dry run)")
     p.add_argument("--no-kv-events", dest="kv_events", action="store_false")
     p.add_argument("--kv-events-port", type=int, default=5557, help="ZMQ PUB port (bound on all interfaces)")
     p.add_argument("--kv-replay-port", type=int, default=5558, help="ZMQ replay ROUTER port")
@@ -73,7 +75,8 @@ def options_from_args(args: argparse.Namespace, python: str) -> LaunchOptions:
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         cpu_offload_bytes=args.cpu_offload_bytes, offload_block_size=args.offload_block_size,
         cpu_eviction_policy=args.cpu_eviction_policy, disk_path=args.disk_path,
-        disk_bytes=args.disk_bytes, kv_events=args.kv_events, kv_events_port=args.kv_events_port,
+        disk_bytes=args.disk_bytes,
+        disk_manager_events_port=args.disk_manager_events_port, kv_events=args.kv_events, kv_events_port=args.kv_events_port,
         kv_replay_port=args.kv_replay_port, sleep_mode=args.sleep_mode, hash_seed=args.hash_seed,
         hash_algo=args.hash_algo, extra_args=tuple(extra), force=args.force,
     )

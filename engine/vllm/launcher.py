@@ -146,6 +146,7 @@ class LaunchOptions:
     cpu_eviction_policy: str = "lru"
     disk_path: str | None = None
     disk_bytes: int | None = None
+    disk_manager_events_port: int | None = None
     kv_events: bool = True
     kv_events_port: int = 5557
     kv_replay_port: int | None = 5558
@@ -280,11 +281,11 @@ def validate(opts: LaunchOptions, host: HostResources) -> list[str]:
                 "the KV-events topic needs the pod's IP: pass --pod-ip (or set POD_IP), "
                 "or serve on a concrete --host"
             )
-        ports = [opts.port, opts.kv_events_port] + (
-            [opts.kv_replay_port] if opts.kv_replay_port is not None else []
-        )
+        ports = [opts.port, opts.kv_events_port] + [
+            p for p in (opts.kv_replay_port, opts.disk_manager_events_port) if p is not None
+        ]
         if len(set(ports)) != len(ports):
-            problems.append(f"HTTP, KV-events and replay ports must differ, got {ports}")
+            problems.append(f"HTTP, KV-events, replay and disk-manager ports must differ, got {ports}")
         for port in ports:
             if not 0 < port < 65536:
                 problems.append(f"port {port} is out of range")
@@ -391,5 +392,8 @@ def build_plan(opts: LaunchOptions, host: HostResources | None = None) -> Launch
             "--budget-bytes", str(opts.disk_bytes),
             "--topic", opts.kv_events_topic,
         ]
+        if opts.disk_manager_events_port is not None:
+            # A second publisher on the replica's topic: BlockRemoved(STORAGE) for evicted files.
+            manager += ["--events-endpoint", f"tcp://*:{opts.disk_manager_events_port}"]
     return LaunchPlan(argv=argv, env=env, topic=opts.kv_events_topic if opts.kv_events else None,
                       disk_manager_argv=manager)

@@ -65,7 +65,7 @@ def test_disk_tier_adds_tiering_spec_with_fs_tier_sleep_mode_and_a_disk_manager(
     disk = tmp_path / "kv-disk"
     opts = LaunchOptions(model="/m", served_model_name="m", pod_ip="10.1.2.3", port=8100,
                          cpu_offload_bytes=16 * GIB, disk_path=str(disk), disk_bytes=100 * GIB,
-                         sleep_mode=True, extra_args=("--max-num-seqs", "64"))
+                         sleep_mode=True, extra_args=("--max-num-seqs", "64"), disk_manager_events_port=5559)
     plan = build_plan(opts, BIG_GPU_HOST)
     transfer = json.loads(_flag(plan.argv, "--kv-transfer-config"))
     assert transfer["kv_connector_extra_config"] == {
@@ -80,7 +80,7 @@ def test_disk_tier_adds_tiering_spec_with_fs_tier_sleep_mode_and_a_disk_manager(
     assert plan.env == {"PYTHONHASHSEED": "0", "VLLM_SERVER_DEV_MODE": "1"}
     assert plan.disk_manager_argv == [
         "epp", "engine", "disk-manager", "--root", str(disk), "--budget-bytes", str(100 * GIB),
-        "--topic", "kv@10.1.2.3:8100@m",
+        "--topic", "kv@10.1.2.3:8100@m", "--events-endpoint", "tcp://*:5559",
     ]
 
 
