@@ -1,0 +1,62 @@
+"""The fleet launcher: Python API, worker processes and the command line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import sys
+
+import aiohttp
+
+from epp.engine.sim import FleetConfig, SimFleet
+from tests.conftest import free_port
+
+ENDPOINTS = re.compile(r"^127\.0\.0\.1:\d+(,127\.0\.0\.1:\d+)*$")
+
+
+async def who_answers(endpoint: str) -> str:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"http://{endpoint}/v1/completions", json={"prompt": "hi", "max_tokens": 1}) as r:
+            assert r.status == 200
+            return r.headers["x-sim-replica"]
+
+
+async def test_in_process_fleet_with_heterogeneous_profiles(tokenizer_dir):
+    config = FleetConfig(replicas=3, tokenizer_dir=tokenizer_dir, profiles=["fast", "fast*2"], kv_events=False,
+                         labels={"pool": "demo"})
+    async with SimFleet(config) as fleet:
+        assert ENDPOINTS.match(fleet.endpoints_arg)
+        assert len(set(fleet.endpoints)) == 3
+        assert [d["profile"] for d in fleet.info] == ["fast", "fastx2", "fast"]
+        assert fleet.info[1]["labels"] == {"replica": "sim-1", "profile": "fastx2", "pool": "demo"}
+        assert [await who_answers(e) for e in fleet.endpoints] == ["sim-0", "sim-1", "sim-2"]
+    assert fleet.replicas == []
+
+
+async def test_worker_processes_host_the_replicas(tokenizer_dir):
+    async with SimFleet(FleetConfig(replicas=3, processes=2, tokenizer_dir=tokenizer_dir)) as fleet:
+        assert fleet.replicas == []  # not in this process
+        assert [await who_answers(e) for e in fleet.endpoints] == ["sim-0", "sim-1", "sim-2"]
+        assert all(d["kv_events_endpoint"].startswith("tcp://127.0.0.1:") for d in fleet.info)
+        procs = list(fleet._procs)
+    assert all(p.returncode is not None for p in procs)
+
+
+async def test_command_line_prints_endpoints_and_stops_on_sigterm(tokenizer_dir):
+    base = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "epp.engine.sim", "fleet", "--replicas", "2", "--base-port", str(base),
+        "--tokenizer-dir", tokenizer_dir, "--cpu-blocks", "64",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode().strip()
+        assert line == f"127.0.0.1:{base},127.0.0.1:{base + 1}"
+        details = [json.loads(await proc.stderr.readline()) for _ in range(2)]
+        assert [d["endpoint"] for d in details] == line.split(",")
+        assert await who_answers(line.split(",")[1]) == "sim-1"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = await asyncio.wait_for(proc.wait(), 15)
+    assert rc == 0
