@@ -60,11 +60,21 @@ def _run_serve(args: argparse.Namespace) -> int:
     from epp.framework.errors import ConfigError
 
     try:
-        asyncio.run(serve_forever(options))
+        _run_loop(serve_forever(options))
     except ConfigError as exc:
         print(f"epp serve: invalid configuration: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _run_loop(coro) -> None:
+    """Run on uvloop when it is installed (cheaper I/O on the hot path), else plain asyncio."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)
+    else:
+        uvloop.run(coro)
 
 
 def _run_envoy_config(args: argparse.Namespace) -> int:

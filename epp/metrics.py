@@ -63,6 +63,11 @@ class EppMetrics:
         self.stream_errors = Counter(
             "epp_extproc_stream_errors", "ext_proc streams ended by an unexpected error.",
             ["reason"], registry=r)
+        self.messages = Counter(
+            "epp_extproc_messages", "ext_proc messages received, by phase.", ["phase"], registry=r)
+        self.messages_by_phase = {phase: self.messages.labels(phase) for phase in (
+            "request_headers", "request_body", "request_trailers", "response_headers", "response_body",
+            "response_trailers")}
         self._plugin_children: dict[tuple[str, int], object] = {}
 
     def observe_plugin(self, extension_point: str, plugin: object, seconds: float) -> None:

@@ -279,6 +279,9 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
 
     async def _dispatch(self, stream: _Stream, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         kind = req.WhichOneof("request")
+        counter = self.metrics.messages_by_phase.get(kind)
+        if counter is not None:
+            counter.inc()
         if kind == "request_headers" or kind == "request_body":
             hint = subset_hint_of(req) if req.HasField("metadata_context") else None
             if hint is not None:

@@ -155,3 +155,4 @@ async def test_picker_down_follows_failure_mode_allow(stack, fail_open):
         assert status == 500
     finally:
         await envoy.stop()
+
