@@ -117,9 +117,11 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
         hashes = self.hash_request(request, block_tokens)
         matched = self.index.match_longest_prefix(hashes) if hashes else {}
         total = len(hashes)
+        no_match = PrefixMatchInfo(0, total, block_tokens)  # immutable: shared by every endpoint without a hit
         for ep in endpoints:
+            hit = matched.get(ep.name)
             state.put_endpoint_data(PREFIX_MATCH_INFO, ep.name,
-                                    PrefixMatchInfo(matched.get(ep.name, 0), total, block_tokens))
+                                    no_match if hit is None else PrefixMatchInfo(hit, total, block_tokens))
         state.put(self.name, _RequestPrefix(hashes, matched, block_tokens))
 
     def _capacity_for(self, ep: Endpoint) -> int:

@@ -27,10 +27,15 @@ class MaxScorePicker(_CountedPicker):
 
     def pick(self, state: CycleState, request: InferenceRequest,
              scored: Sequence[ScoredEndpoint]) -> ProfileRunResult:
-        order = list(scored)
-        # Shuffle, then a stable sort: equal scores end up in random order.
-        self._rng.shuffle(order)
-        order.sort(key=lambda s: s.score, reverse=True)
+        if not scored:
+            return ProfileRunResult(())
+        rng = self._rng
+        if self.max_endpoints == 1:
+            best = max(s.score for s in scored)
+            ties = [s for s in scored if s.score == best]
+            return ProfileRunResult((ties[0].endpoint if len(ties) == 1 else rng.choice(ties).endpoint,))
+        # A random secondary key puts equal scores in random order (like shuffle + stable sort).
+        order = sorted(scored, key=lambda s: (-s.score, rng.random()))
         return ProfileRunResult(tuple(s.endpoint for s in order[: self.max_endpoints]))
 
 

@@ -21,14 +21,29 @@ def _prompt_text(prompt: Any) -> str:
     return "" if prompt is None else str(prompt)
 
 
+def _shorten_strings(value: Any, limit: int) -> Any:
+    """`value` with every string cut to `limit` characters.
+
+    The first `limit` bytes of its JSON are unchanged: JSON is identical up to the first cut
+    string, and that string alone still serialises to at least `limit` bytes.
+    """
+    if isinstance(value, str):
+        return value[:limit] if len(value) > limit else value
+    if isinstance(value, dict):
+        return {k: _shorten_strings(v, limit) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_shorten_strings(v, limit) for v in value]
+    return value
+
+
 def _json_array_prefix(items: list[Any], limit: int | None) -> bytes:
-    """`json(items)` compact, but stop serialising once `limit` bytes are reached (long chats are cheap)."""
+    """`json(items)` compact, but serialise no more than the first `limit` bytes need (long chats are cheap)."""
     if limit is None:
         return _compact(items)
     parts = [b"["]
     size = 1
     for i, item in enumerate(items):
-        piece = (b"," if i else b"") + _compact(item)
+        piece = (b"," if i else b"") + _compact(_shorten_strings(item, limit))
         parts.append(piece)
         size += len(piece)
         if size >= limit:
@@ -55,7 +70,8 @@ def user_input_bytes(request: InferenceRequest, limit: int | None = None) -> byt
         items = body.get("items")
         data = _json_array_prefix(items if isinstance(items, list) else [], limit)
     else:
-        data = _compact(body.get("input"))
+        value = body.get("input")
+        data = _compact(value if limit is None else _shorten_strings(value, limit))
     return data if limit is None else data[:limit]
 
 

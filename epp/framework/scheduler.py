@@ -16,7 +16,6 @@ from epp.framework.plugin import (
     ScoredEndpoint,
     Scorer,
     SchedulingResult,
-    clamp_score,
 )
 from epp.framework.types import Endpoint, InferenceRequest
 
@@ -56,12 +55,18 @@ class SchedulerProfile:
             if not endpoints:
                 return None
         totals = [0.0] * len(endpoints)
+        names = [ep.name for ep in endpoints]
         for ws in self.scorers:
             t0 = time.perf_counter()
             scores = ws.scorer.score(state, request, endpoints)
             timer("Scorer", ws.scorer, time.perf_counter() - t0)
-            for i, ep in enumerate(endpoints):
-                totals[i] += ws.weight * clamp_score(scores.get(ep.name, 0.0))
+            weight, get = ws.weight, scores.get
+            # clamp_score inlined: this loop runs scorers × endpoints times per request.
+            for i, name in enumerate(names):
+                value = get(name, 0.0)
+                if not 0.0 <= value <= 1.0:
+                    value = 1.0 if value > 1.0 else 0.0  # below 0, and NaN, count as 0
+                totals[i] += weight * value
         scored = [ScoredEndpoint(ep, total) for ep, total in zip(endpoints, totals)]
         t0 = time.perf_counter()
         result = self.picker.pick(state, request, scored)

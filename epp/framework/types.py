@@ -38,17 +38,22 @@ class Endpoint:
     metrics: EndpointMetrics = field(default_factory=EndpointMetrics)
     metrics_port: int | None = None
     healthy: bool = True
+    # `ip:port`, computed once: scorers read `name` for every endpoint of every request.
+    _hostport: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        object.__setattr__(self, "_hostport", f"{host}:{self.port}")
 
     @property
     def hostport(self) -> str:
         """`ip:port`, with IPv6 addresses bracketed, as Envoy expects it."""
-        host = f"[{self.address}]" if ":" in self.address else self.address
-        return f"{host}:{self.port}"
+        return self._hostport
 
     @property
     def name(self) -> str:
         """Stable identity of the endpoint inside the picker (its `ip:port`)."""
-        return self.hostport
+        return self._hostport
 
     @property
     def metrics_hostport(self) -> str:

@@ -4,7 +4,7 @@ import base64
 
 import pytest
 from prometheus_client import CollectorRegistry
-from sched_fixtures import endpoint, make_plugin, request
+from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
 
 from epp.framework import ConfigError, CycleState, PluginContext, ProfileRunResult, ResponseInfo, SchedulingResult
 from epp.framework.datakeys import INFLIGHT_LOAD, PREFIX_MATCH_INFO, InflightLoad, PrefixMatchInfo

@@ -5,7 +5,7 @@ import struct
 import pytest
 import xxhash
 from prometheus_client import CollectorRegistry
-from sched_fixtures import endpoint, make_plugin, request
+from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
 
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
 from epp.framework import ApiKind, ConfigError, CycleState, PluginContext, ProfileRunResult, SchedulingResult
@@ -173,9 +173,15 @@ def test_user_input_bytes_per_api(api, body, expected):
     assert user_input_bytes(request(api=api, body={"model": "m", **body})) == expected
 
 
-def test_user_input_bytes_truncates_long_chats_consistently():
-    messages = [{"role": "user", "content": "m" * 1000} for _ in range(300)]
-    req = request(api=ApiKind.CHAT_COMPLETIONS, body={"model": "m", "messages": messages})
+@pytest.mark.parametrize("api, body", [
+    (ApiKind.CHAT_COMPLETIONS, {"messages": [{"role": "user", "content": "m" * 1000} for _ in range(300)]}),
+    (ApiKind.CHAT_COMPLETIONS, {"messages": [{"role": "system", "content": "é\"\n" * 50000, "name": "x"},
+                                             {"role": "user", "content": [{"type": "text", "text": "t" * 9000}]}]}),
+    (ApiKind.EMBEDDINGS, {"input": ["a" * 7000, "b" * 7000]}),
+    (ApiKind.COMPLETIONS, {"prompt": "ü" * 9000}),
+])
+def test_user_input_bytes_with_a_limit_is_the_prefix_of_the_full_input(api, body):
+    req = request(api=api, body={"model": "m", **body})
     full = user_input_bytes(req)
-    for limit in (10, 1000, 5000, len(full) + 10):
+    for limit in (10, 1000, 5000, 16384, len(full) + 10):
         assert user_input_bytes(req, limit=limit) == full[:limit]

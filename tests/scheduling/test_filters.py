@@ -1,7 +1,7 @@
 """Label filters, the P/D role filters and the conformance test plugins."""
 
 import pytest
-from sched_fixtures import endpoint, make_plugin, request
+from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
 
 from epp.framework import ConfigError, CycleState, ResponseInfo
 

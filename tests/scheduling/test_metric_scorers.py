@@ -1,7 +1,7 @@
 """Formulas of the scorers over scraped metrics: one table per scorer."""
 
 import pytest
-from sched_fixtures import endpoint, make_plugin, request
+from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
 
 from epp.framework import ConfigError, CycleState
 from epp.framework.datakeys import INFLIGHT_LOAD, InflightLoad

@@ -3,7 +3,7 @@
 from collections import Counter
 
 import pytest
-from sched_fixtures import endpoint, make_plugin, request
+from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
 
 from epp.framework import ConfigError, CycleState, ScoredEndpoint
 

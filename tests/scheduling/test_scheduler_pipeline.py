@@ -3,7 +3,7 @@
 from collections import Counter
 
 import pytest
-from sched_fixtures import builtin_registry, endpoint, request, run_cycle
+from tests.scheduling.sched_fixtures import builtin_registry, endpoint, request, run_cycle
 
 from epp.config import load_config_text, load_default_config
 from epp.framework import ErrorCode, InferenceError
@@ -129,3 +129,35 @@ async def test_default_pipeline_sticks_to_the_prefix_holder_and_spreads_new_pref
             first.setdefault(group, result.targets[0].name)
             assert result.targets[0].name == first[group]
     assert len(set(first.values())) > 1  # new prefixes tie at 0 and land at random
+
+
+async def test_scores_are_clamped_into_0_1_before_weighting():
+    from epp.framework import Scorer
+
+    class Wild(Scorer):
+        """Returns out-of-range scores."""
+        type_name = "wild-scorer"
+
+        def __init__(self, name, params, context):
+            super().__init__(name)
+
+        def score(self, state, request, endpoints):
+            values = [5.0, -3.0, float("nan"), 0.25]
+            return {ep.name: v for ep, v in zip(endpoints, values)}
+
+    reg = builtin_registry()
+    reg.register_class(Wild)
+    loaded = load_config_text(HEADER + """
+plugins: [{type: wild-scorer}, {type: max-score-picker, parameters: {maxNumOfEndpoints: 5}}]
+schedulingProfiles:
+- name: default
+  plugins: [{pluginRef: wild-scorer, weight: 2}, {pluginRef: max-score-picker}]
+""", source="t.yaml", registry=reg)
+    eps = [endpoint(i) for i in range(5)]  # the fifth gets no score at all: 0
+    seen = Counter()
+    for _ in range(60):
+        result, _ = await run_cycle(loaded, request(), eps)
+        names = [ep.name for ep in result.targets]
+        assert names[:2] == ["192.168.1.1:8000", "192.168.1.4:8000"]   # 2 x 1.0, then 2 x 0.25
+        seen[tuple(names[2:])] += 1
+    assert len(seen) == 6  # the three zero totals (-3, NaN, missing) tie and come in every order

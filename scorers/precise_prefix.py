@@ -1,0 +1,174 @@
+"""precise-prefix-cache-producer: prefix match info from the KV events the replicas publish.
+
+Per request: the prompt is tokenized in process (vLLM's rendering), cut into index blocks,
+keyed by our own hash chain (model or LoRA name, cache_salt), and looked up in the KV block
+index that the producer's subscriber keeps up to date from vLLM KV events. It writes, for every
+candidate endpoint:
+- `PREFIX_MATCH_INFO`: matched blocks consecutive from the start, each weighted by the best tier
+  holding it on that endpoint (`tierWeights`, default gpu 1.0, cpu 0.8, disk 0.5), over the
+  prompt's total blocks (the `prefix-cache-scorer` scores `matched / total`);
+- `PREFIX_TIER_MATCH`: the same run in tokens, unweighted, split by tier.
+As a pre-request hook it claims the request's blocks on each profile's chosen endpoint for
+`speculativeTTL`, so a burst of same-prefix requests does not scatter before events arrive.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+from prometheus_client import CollectorRegistry
+
+from epp.framework.datakeys import PREFIX_MATCH_INFO, PREFIX_TIER_MATCH, PrefixMatchInfo, TierMatch
+from epp.framework.errors import ConfigError
+from epp.framework.plugin import CycleState, DataProducer, PluginContext, PreRequestHook, SchedulingResult
+from epp.framework.registry import PluginParams, PluginRegistry
+from epp.framework.types import Endpoint, InferenceRequest
+from epp.kvevents.decoding import Tier
+from epp.kvevents.index import KVBlockIndex
+from epp.kvevents.metrics import KVIndexMetrics, KVSubscriberMetrics
+from epp.kvevents.subscriber import MODES, KVEventSubscriber, SubscriberConfig
+from epp.scorers.durations import parse_duration
+from epp.tokenization.pool import TokenizerPool, token_ids_of
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIER_WEIGHTS = {"gpu": 1.0, "cpu": 0.8, "disk": 0.5}
+
+
+def _seconds(params: PluginParams, key: str, default: float) -> float:
+    """A duration parameter given as seconds (number) or a Go duration string (`2s`, `500ms`)."""
+    try:
+        value = params.float(key, default, minimum=0.0)
+    except ConfigError:
+        text = params.str(key, None)
+        value = parse_duration(text, what=f"parameter {key!r}") if text is not None else default
+    return value
+
+
+_PROBE_METRIC = {"kv_index": "epp_kv_index_entries", "kv_events": "epp_kv_events_subscriptions",
+                 "tokenization": "epp_tokenization_cache_tokens"}
+
+
+def _registry_or_none(registry: CollectorRegistry | None, what: str) -> CollectorRegistry | None:
+    """The registry, unless another producer already exports these metrics on it."""
+    if registry is None:
+        return None
+    if _PROBE_METRIC[what] in getattr(registry, "_names_to_collectors", {}):
+        log.warning("another precise-prefix-cache-producer exports the %s metrics; this one does not", what)
+        return None
+    return registry
+
+
+class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
+    """Prefix match per endpoint, by tier, from vLLM KV events (owns the index and subscriber)."""
+
+    type_name = "precise-prefix-cache-producer"
+
+    def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
+        super().__init__(name)
+        self.block_size = params.int("blockSizeTokens", 16, minimum=1)
+        capacity = params.int("indexCapacity", 1_000_000, minimum=1)
+        engine_capacity = params.int("engineKeyCapacity", 200_000, minimum=1)
+        self.max_blocks = params.int("maxPrefixBlocks", 16_384, minimum=1)
+        weights = dict(DEFAULT_TIER_WEIGHTS)
+        for tier, weight in (params.mapping("tierWeights", None) or {}).items():
+            if tier not in weights:
+                raise ConfigError(f"plugin {name!r}: tierWeights key {tier!r} must be one of {sorted(weights)}")
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0:
+                raise ConfigError(f"plugin {name!r}: tierWeights[{tier!r}] must be a number >= 0")
+            weights[tier] = float(weight)
+        self.tier_weights = (weights["gpu"], weights["cpu"], weights["disk"])  # indexed by Tier
+        speculative_ttl = _seconds(params, "speculativeTTL", 2.0)
+        mode = params.str("mode", "per-endpoint", choices=MODES)
+        config = SubscriberConfig(
+            mode=mode,
+            bind_endpoint=params.str("zmqEndpoint", "tcp://*:5557"),
+            events_port=params.int("eventsPort", 5557, minimum=1),
+            replay_port=params.int("replayPort", None, minimum=1),  # type: ignore[arg-type]
+            topic_filter=params.str("topicFilter", ""),
+            default_model=params.str("defaultModel", None),
+            replay_timeout_s=_seconds(params, "replayTimeout", 10.0),
+            replay_cooldown_s=_seconds(params, "replayCooldown", 30.0),
+        )
+        self.subscribe = params.bool("subscribe", True)
+        tokenizer_dirs = params.mapping("tokenizers", None) or {}
+        for model, path in tokenizer_dirs.items():
+            if not isinstance(path, str):
+                raise ConfigError(f"plugin {name!r}: tokenizers[{model!r}] must be a directory path")
+        cache_tokens = params.int("tokenizationCacheTokens", 4_000_000, minimum=0)
+        offload_chars = params.int("offloadTokenizationChars", 4096, minimum=0)
+
+        registry = context.metrics_registry
+        self.index = KVBlockIndex(
+            self.block_size, capacity, engine_capacity_per_endpoint=engine_capacity,
+            speculative_ttl_s=speculative_ttl,
+            metrics=KVIndexMetrics(_registry_or_none(registry, "kv_index")))
+        self.subscriber = KVEventSubscriber(
+            self.index, config, context.endpoints,
+            KVSubscriberMetrics(_registry_or_none(registry, "kv_events")))
+        self.tokenizers = (TokenizerPool(tokenizer_dirs, cache_tokens=cache_tokens, offload_chars=offload_chars,
+                                         registry=_registry_or_none(registry, "tokenization"))
+                           if tokenizer_dirs else None)
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self.tokenizers is not None:
+            await self.tokenizers.preload()
+        if self.subscribe:
+            await self.subscriber.start()
+
+    async def stop(self) -> None:
+        if self.subscribe:
+            await self.subscriber.stop()
+        if self.tokenizers is not None:
+            self.tokenizers.close()
+
+    # ---- producing -----------------------------------------------------------------------------
+    def produces(self) -> frozenset[str]:
+        return frozenset({PREFIX_MATCH_INFO, PREFIX_TIER_MATCH})
+
+    async def prompt_tokens(self, request: InferenceRequest) -> list[int] | None:
+        """The prompt's token ids as vLLM will see them, or None when they cannot be known."""
+        if self.tokenizers is not None:
+            return await self.tokenizers.tokenize(request)
+        return token_ids_of(request)
+
+    async def prepare(self, state: CycleState, request: InferenceRequest,
+                      endpoints: Sequence[Endpoint]) -> None:
+        tokens = await self.prompt_tokens(request)
+        if tokens is None:
+            return
+        bs = self.block_size
+        keys = self.index.keyer.request_keys(tokens[: self.max_blocks * bs], request.target_model,
+                                             request.cache_salt)
+        state.put(self.name, keys)
+        matches = self.index.lookup(keys, [ep.name for ep in endpoints]) if keys else {}
+        weights = self.tier_weights
+        total_blocks = len(keys)
+        for ep in endpoints:
+            tiers = matches.get(ep.name, ())
+            counts = [0, 0, 0]
+            for tier in tiers:
+                counts[tier] += 1
+            weighted = counts[0] * weights[0] + counts[1] * weights[1] + counts[2] * weights[2]
+            state.put_endpoint_data(PREFIX_MATCH_INFO, ep.name, PrefixMatchInfo(weighted, total_blocks, bs))
+            state.put_endpoint_data(PREFIX_TIER_MATCH, ep.name, TierMatch(
+                counts[Tier.GPU] * bs, counts[Tier.CPU] * bs, counts[Tier.DISK] * bs, len(tokens)))
+
+    # ---- after the pick ------------------------------------------------------------------------
+    def pre_request(self, state: CycleState, request: InferenceRequest, result: SchedulingResult) -> None:
+        keys = state.get(self.name)
+        if not keys:
+            return
+        for profile in result.profile_results.values():
+            if profile is not None and profile.targets:
+                self.index.add_speculative(profile.targets[0].name, keys)
+
+
+def register(registry: PluginRegistry) -> None:
+    """Register `precise-prefix-cache-producer`."""
+    registry.register_class(PrecisePrefixCacheProducer)
+
+
+__all__: list[Any] = ["PrecisePrefixCacheProducer", "register", "DEFAULT_TIER_WEIGHTS"]
