@@ -91,13 +91,14 @@ async def _measure(ports: list[int], interval: float, seconds: float) -> dict:
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
         count = (metrics.get_sample_value("epp_metrics_scrape_duration_seconds_count") or 0) - count0
         total = (metrics.get_sample_value("epp_metrics_scrape_duration_seconds_sum") or 0) - sum0
+        effective = scraper.effective_interval()
         errors = sum(s.value for fam in metrics.collect() for s in fam.samples
                      if s.name == "epp_metrics_scrape_errors_total")
     lags.sort()
     return {
         "endpoints": len(ports), "interval_ms": interval * 1e3,
-        "effective_interval_ms": round(scraper.effective_interval() * 1e3, 1),
-        "target_per_s": round(len(ports) / scraper.effective_interval()),
+        "effective_interval_ms": round(effective * 1e3, 1),
+        "target_per_s": round(len(ports) / effective),
         "scrapes_per_s": round(count / wall),
         "mean_scrape_ms": round(total / count * 1e3, 2) if count else None,
         "cpu_core_share": round(cpu / wall, 2),
