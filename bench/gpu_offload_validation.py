@@ -1,0 +1,413 @@
+"""GPU validation of KV offload tiers (issue 7): TTFT cold / from CPU / from disk, and multi-turn throughput.
+
+For a machine with one NVIDIA GPU and a CUDA build of vLLM (>= 0.32, TieringOffloadingSpec with
+an `fs` tier). Everything is local: the model is a random-weight Llama-3.1-8B-shaped config
+(`--load-format dummy`: vLLM initialises random weights, so nothing is downloaded or written
+but a config and a small tokenizer); prompts are token ids.
+
+Phases (one replica each, started by our launcher, `epp.engine.vllm.launcher`):
+1. offload replica: GPU KV capped at --gpu-kv-gib (about one long prompt), CPU tier, disk tier.
+   - cold: TTFT of prompt P1 (~64K tokens), computed from scratch;
+   - CPU: send P2 (evicts P1 from the GPU cache; P1 stays in the CPU tier), then P1 again;
+   - disk: send P3..Pn until P1 has left the CPU tier (LRU), then P1 again (found on disk).
+   Every TTFT is the time to the first streamed token of a 1-token completion.
+2. multi-turn throughput: N conversations x T turns (a long shared-per-conversation context,
+   growing each turn), all conversations in flight, once on the offload replica and once on a
+   replica without offload but the same GPU KV cap: output tokens/s each.
+Compared with the seeds' figures: 12.8x faster TTFT from the CPU tier at ~65K tokens, 1.85x
+tokens/s with offload. The table goes to stdout and, with --readme, into bench/README.md.
+
+`--dry-run` prints the plan and the exact vLLM commands, starting nothing (runs anywhere).
+Budget: under 8 minutes on an H200 (two server starts ~1.5 min each, ~20 long prefills, two
+throughput runs of --throughput-seconds at most); a global deadline stops what is left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+GIB = 1 << 30
+SEED_TTFT_SPEEDUP_CPU = 12.8
+SEED_THROUGHPUT_GAIN = 1.85
+
+# Llama-3.1-8B shape: 128 KiB of KV per token in bf16 (2 x 32 layers x 8 KV heads x 128 x 2 B).
+MODEL_SHAPES = {
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=128256),
+    "llama-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                     num_key_value_heads=8, head_dim=128, vocab_size=128256),
+}
+
+
+def _load_module(name: str, path: Path):
+    """Import one of our modules by file, so the script runs from a bare checkout (no pip install)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        spec = importlib.util.spec_from_file_location(name.rsplit(".", 1)[-1], path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        return module
+
+
+launcher = _load_module("epp.engine.vllm.launcher", REPO / "engine" / "vllm" / "launcher.py")
+
+
+def kv_bytes_per_token(shape: dict) -> int:
+    """bf16 K and V for every layer and KV head."""
+    return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_model_dir(dest: Path, shape_name: str, max_len: int) -> Path:
+    """config.json of the realistic shape + the tiny model's tokenizer (ids are sent directly anyway)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    try:
+        tinymodel = _load_module("epp.engine.tinymodel", REPO / "engine" / "tinymodel.py")
+        tinymodel.write_tiny_model(dest, weights=False)
+    except ImportError as exc:  # tokenizers missing: vLLM can run with --skip-tokenizer-init
+        print(f"no tokenizer written ({exc}); using --skip-tokenizer-init")
+    shape = MODEL_SHAPES[shape_name]
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", **shape,
+        "hidden_act": "silu", "max_position_embeddings": max(131072, max_len), "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+    (dest / "config.json").write_text(json.dumps(config, indent=1))
+    return dest
+
+
+@dataclass
+class Settings:
+    """Everything the run depends on, from the command line."""
+
+    python: str
+    shape: str
+    prompt_tokens: int
+    gpu_kv_gib: float
+    cpu_gib: float
+    disk_gib: float
+    disk_path: Path
+    block_size: int
+    conversations: int
+    turns: int
+    context_tokens: int
+    turn_tokens: int
+    output_tokens: int
+    throughput_seconds: float
+    deadline_s: float
+    enforce_eager: bool
+
+    @property
+    def prompt_gib(self) -> float:
+        return self.prompt_tokens * kv_bytes_per_token(MODEL_SHAPES[self.shape]) / GIB
+
+    @property
+    def disk_fill_prompts(self) -> int:
+        """Distinct long prompts that push P1 out of the CPU tier (LRU) after P2."""
+        return int(self.cpu_gib // self.prompt_gib) + 1
+
+
+def launch_options(s: Settings, model_dir: Path, port: int, events_port: int, offload: bool,
+                   has_tokenizer: bool | None = None):
+    """Launcher options of one replica of the run."""
+    extra = ["--load-format", "dummy", "--max-num-seqs", str(max(s.conversations, 8)),
+             "--seed", "0"]
+    if has_tokenizer is None:
+        has_tokenizer = (model_dir / "tokenizer.json").exists()
+    if not has_tokenizer:
+        extra.append("--skip-tokenizer-init")
+    return launcher.LaunchOptions(
+        model=str(model_dir), served_model_name="bench", python=s.python, host="127.0.0.1", port=port,
+        block_size=s.block_size, max_model_len=s.prompt_tokens + 1024, dtype="bfloat16",
+        enforce_eager=s.enforce_eager, kv_cache_bytes=int(s.gpu_kv_gib * GIB),
+        cpu_offload_bytes=int(s.cpu_gib * GIB) if offload else None,
+        disk_path=str(s.disk_path) if offload else None,
+        disk_bytes=int(s.disk_gib * GIB) if offload else None,
+        kv_events_port=events_port, kv_replay_port=None, extra_args=tuple(extra),
+    )
+
+
+def plan_for(opts, assume_h200_host: bool = False) -> "launcher.LaunchPlan":
+    """The launcher's plan on this host (or, for a dry run elsewhere, on the H200 box: 128 GiB RAM)."""
+    host = launcher.host_resources("gpu")
+    mem = 128 * GIB if assume_h200_host else host.mem_available_bytes
+    return launcher.build_plan(opts, launcher.HostResources(mem, host.disk_free_bytes, "gpu"))
+
+
+class Server:
+    """A vLLM process group with its log; stopped as a group."""
+
+    def __init__(self, plan, log: Path, port: int):
+        env = dict(os.environ)
+        env.update(plan.env)
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log
+        self._fh = open(log, "ab")
+        self.proc = subprocess.Popen(plan.argv, env=env, stdout=self._fh, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait_healthy(self, timeout_s: float) -> float:
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited ({self.proc.returncode}):\n{self.log.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return time.monotonic() - start
+            except OSError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"vLLM not healthy in {timeout_s:.0f} s:\n{self.log.read_text()[-4000:]}")
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def stop(self) -> None:
+        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self._fh.close()
+
+
+def prompt_ids(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 2000) for _ in range(n)]
+
+
+async def ttft(session, url: str, ids: list[int]) -> float:
+    """Seconds to the first streamed token of a 1-token completion."""
+    body = {"model": "bench", "prompt": ids, "max_tokens": 1, "stream": True, "temperature": 0.0}
+    start = time.perf_counter()
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.content:
+            if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                elapsed = time.perf_counter() - start
+                async for _ in resp.content:
+                    pass
+                return elapsed
+    raise RuntimeError("no token streamed")
+
+
+def counter(metrics: str, name: str) -> float:
+    """Sum of a counter's samples in Prometheus text (0 when absent)."""
+    total = 0.0
+    for line in metrics.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def measured(session, server: Server, ids: list[int], label: str) -> dict:
+    """TTFT of `ids` and where its prompt tokens came from (GPU prefix hits, connector hits)."""
+    names = {"gpu_hit_tokens": "vllm:prefix_cache_hits_total",
+             "external_hit_tokens": "vllm:external_prefix_cache_hits_total"}
+    before = server.metrics()
+    elapsed = await ttft(session, server.url, ids)
+    after = server.metrics()
+    out = {f"{label}_s": elapsed}
+    for key, name in names.items():
+        out[f"{label}_{key}"] = counter(after, name) - counter(before, name)
+    return out
+
+
+async def ttft_phase(s: Settings, server: Server, deadline: float) -> dict:
+    """Cold, CPU-tier and disk-tier TTFT of one ~64K-token prompt."""
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=600)
+    out: dict = {}
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        p1 = prompt_ids(1, s.prompt_tokens)
+        await ttft(session, server.url, prompt_ids(99, 512))  # warm-up (kernels, allocator)
+        out["cold_s"] = await ttft(session, server.url, p1)
+        await ttft(session, server.url, prompt_ids(2, s.prompt_tokens))  # evicts P1 from the GPU
+        await asyncio.sleep(1.0)  # let the offload stores of P1/P2 complete
+        out.update(await measured(session, server, p1, "cpu"))
+        for i in range(s.disk_fill_prompts):
+            if time.monotonic() > deadline:
+                out["disk_s"] = None
+                return out
+            await ttft(session, server.url, prompt_ids(10 + i, s.prompt_tokens))
+        await asyncio.sleep(2.0)
+        out.update(await measured(session, server, p1, "disk"))
+        by_source = [line for line in server.metrics().splitlines()
+                     if line.startswith("vllm:prompt_tokens_cached_by_source_total{")]
+        out["cached_by_source"] = by_source
+    return out
+
+
+async def throughput_phase(s: Settings, server: Server) -> dict:
+    """Output tokens/s of N multi-turn conversations run concurrently for a bounded time."""
+    import aiohttp
+
+    stop_at = time.monotonic() + s.throughput_seconds
+    totals = {"output_tokens": 0, "requests": 0}
+
+    async def conversation(session, c: int) -> None:
+        history = prompt_ids(1000 + c, s.context_tokens)
+        for t in range(s.turns):
+            if time.monotonic() > stop_at:
+                return
+            history = history + prompt_ids(5000 + 100 * c + t, s.turn_tokens)
+            body = {"model": "bench", "prompt": history, "max_tokens": s.output_tokens, "temperature": 0.0,
+                    "ignore_eos": True}
+            async with session.post(server.url + "/v1/completions", json=body) as resp:
+                data = await resp.json()
+            totals["output_tokens"] += data["usage"]["completion_tokens"]
+            totals["requests"] += 1
+            history = history + prompt_ids(9000 + 100 * c + t, s.output_tokens)  # the reply, as ids
+
+    start = time.perf_counter()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+        await asyncio.gather(*(conversation(session, c) for c in range(s.conversations)))
+    elapsed = time.perf_counter() - start
+    return {**totals, "seconds": elapsed, "tokens_per_s": totals["output_tokens"] / elapsed}
+
+
+def table(results: dict, s: Settings) -> str:
+    t = results.get("ttft", {})
+    cold, cpu, disk = t.get("cold_s"), t.get("cpu_s"), t.get("disk_s")
+    with_off = results.get("throughput_offload", {}).get("tokens_per_s")
+    without = results.get("throughput_no_offload", {}).get("tokens_per_s")
+
+    def fmt(x, unit=""):
+        return "n/a" if x is None else f"{x:.3f}{unit}"
+
+    def ratio(a, b):
+        return None if not a or not b else a / b
+
+    rows = [
+        "| measure | value | speed-up | seeds' figure |",
+        "|---|---|---|---|",
+        f"| TTFT cold, {s.prompt_tokens} tokens | {fmt(cold, ' s')} | 1.0x | |",
+        f"| TTFT from CPU tier | {fmt(cpu, ' s')} | {fmt(ratio(cold, cpu), 'x')} | {SEED_TTFT_SPEEDUP_CPU}x |",
+        f"| TTFT from disk tier | {fmt(disk, ' s')} | {fmt(ratio(cold, disk), 'x')} | |",
+        f"| multi-turn output tok/s, no offload | {fmt(without)} | 1.0x | |",
+        f"| multi-turn output tok/s, CPU+disk offload | {fmt(with_off)} | {fmt(ratio(with_off, without), 'x')} "
+        f"| {SEED_THROUGHPUT_GAIN}x |",
+    ]
+    return "\n".join(rows)
+
+
+def print_plan(s: Settings) -> None:
+    model_dir = Path("<workdir>/model")
+    print(__doc__.split("\n\n")[0])
+    print(f"model: {s.shape} random weights, {kv_bytes_per_token(MODEL_SHAPES[s.shape])} B of KV per token; "
+          f"prompt {s.prompt_tokens} tokens = {s.prompt_gib:.2f} GiB of KV")
+    print(f"GPU KV cap {s.gpu_kv_gib} GiB, CPU tier {s.cpu_gib} GiB, disk tier {s.disk_gib} GiB at {s.disk_path}; "
+          f"{s.disk_fill_prompts} filler prompts push P1 from CPU to disk")
+    print(f"multi-turn: {s.conversations} conversations x {s.turns} turns, context {s.context_tokens}, "
+          f"+{s.turn_tokens} per turn, {s.output_tokens} output tokens, at most {s.throughput_seconds} s per run")
+    for offload in (True, False):
+        plan = plan_for(launch_options(s, model_dir, 8000, 5557, offload, True), assume_h200_host=True)
+        print(f"\n# replica {'with' if offload else 'without'} offload")
+        print(plan.render())
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--python", default=sys.executable, help="python with a CUDA build of vLLM")
+    p.add_argument("--shape", choices=sorted(MODEL_SHAPES), default="llama-8b")
+    p.add_argument("--prompt-tokens", type=int, default=65536)
+    p.add_argument("--gpu-kv-gib", type=float, default=9.0, help="GPU KV cap: a bit more than one long prompt")
+    p.add_argument("--cpu-gib", type=float, default=18.0, help="CPU tier: more than two long prompts")
+    p.add_argument("--disk-gib", type=float, default=44.0,
+                   help="disk tier budget; the run writes about (3 + fillers) prompts of KV there")
+    p.add_argument("--disk-path", type=Path, default=None, help="disk tier root (default: a temp dir)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--conversations", type=int, default=32)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--context-tokens", type=int, default=8192)
+    p.add_argument("--turn-tokens", type=int, default=256)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--throughput-seconds", type=float, default=75.0)
+    p.add_argument("--deadline", type=float, default=470.0, help="seconds for the whole run")
+    p.add_argument("--enforce-eager", action="store_true", help="skip CUDA graph capture (faster start)")
+    p.add_argument("--out", type=Path, default=None, help="write results JSON here")
+    p.add_argument("--readme", action="store_true", help="append the table to bench/README.md")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and commands, start nothing")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="gpu-offload-"))
+    s = Settings(a.python, a.shape, a.prompt_tokens, a.gpu_kv_gib, a.cpu_gib, a.disk_gib,
+                 a.disk_path or workdir / "kv-disk", a.block_size, a.conversations, a.turns, a.context_tokens,
+                 a.turn_tokens, a.output_tokens, a.throughput_seconds, a.deadline, a.enforce_eager)
+    if a.dry_run:
+        print_plan(s)
+        shutil.rmtree(workdir, ignore_errors=True)
+        return 0
+    t0 = time.monotonic()
+    deadline = t0 + s.deadline_s
+    model_dir = write_model_dir(workdir / "model", s.shape, s.prompt_tokens + 1024)
+    results: dict = {"settings": {k: str(v) for k, v in vars(s).items()}}
+    try:
+        for offload in (True, False):
+            if time.monotonic() > deadline - 60:
+                results["stopped"] = "deadline"
+                break
+            port = free_port()
+            plan = plan_for(launch_options(s, model_dir, port, free_port(), offload))
+            server = Server(plan, workdir / f"vllm-{'offload' if offload else 'plain'}.log", port)
+            try:
+                results[f"startup_s_{'offload' if offload else 'no_offload'}"] = server.wait_healthy(
+                    max(60.0, deadline - time.monotonic() - 60))
+                if offload:
+                    results["ttft"] = asyncio.run(ttft_phase(s, server, deadline - 120))
+                    results["throughput_offload"] = asyncio.run(throughput_phase(s, server))
+                else:
+                    results["throughput_no_offload"] = asyncio.run(throughput_phase(s, server))
+            finally:
+                server.stop()
+    finally:
+        results["total_s"] = time.monotonic() - t0
+        text = table(results, s)
+        print(text)
+        print(json.dumps(results, indent=1, default=str))
+        if a.out:
+            a.out.write_text(json.dumps(results, indent=1, default=str))
+        if a.readme:
+            with open(REPO / "bench" / "README.md", "a") as fh:
+                fh.write(f"\n## GPU offload validation ({time.strftime('%Y-%m-%d')})\n\n{text}\n")
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
