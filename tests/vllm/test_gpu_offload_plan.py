@@ -1,0 +1,43 @@
+"""The GPU validation script's dry run builds both replicas' commands through the launcher."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu_offload_validation.py"
+
+
+def _bench_module():
+    spec = importlib.util.spec_from_file_location("gpu_offload_validation", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dry_run_prints_offload_and_plain_replica_commands(capsys):
+    bench = _bench_module()
+    assert bench.main(["--dry-run", "--python", "/gpu/venv/bin/python"]) == 0
+    out = capsys.readouterr().out
+    offload, plain = out.split("# replica without offload")
+    assert '"spec_name":"TieringOffloadingSpec"' in offload and "--load-format dummy" in offload
+    assert "--kv-transfer-config" not in plain and "--kv-cache-memory-bytes 9663676416" in plain
+    assert "prompt 65536 tokens = 8.00 GiB of KV" in out
+    assert "3 filler prompts push P1 from CPU to disk" in out
+
+
+def test_result_table_reports_speedups_against_the_seeds():
+    bench = _bench_module()
+    args = bench.parse_args([])
+    settings = bench.Settings(args.python, args.shape, args.prompt_tokens, args.gpu_kv_gib, args.cpu_gib,
+                              args.disk_gib, Path("/d"), args.block_size, args.conversations, args.turns,
+                              args.context_tokens, args.turn_tokens, args.output_tokens,
+                              args.throughput_seconds, args.deadline, args.enforce_eager)
+    text = bench.table({"ttft": {"cold_s": 4.0, "cpu_s": 0.5, "disk_s": None},
+                        "throughput_offload": {"tokens_per_s": 300.0},
+                        "throughput_no_offload": {"tokens_per_s": 200.0}}, settings)
+    assert "| TTFT from CPU tier | 0.500 s | 8.000x | 12.8x |" in text
+    assert "| TTFT from disk tier | n/a | n/a | |" in text
+    assert "| 1.500x | 1.85x |" in text
