@@ -43,6 +43,8 @@ def _fleet_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--hash-seed", default=None,
+                   help="NONE_HASH seed (default: $PYTHONHASHSEED if set, else vLLM's 'vllm-none-hash')")
     p.add_argument("--cpu-blocks", type=int, default=0, help="CPU offload tier capacity (0: off)")
     p.add_argument("--disk-blocks", type=int, default=0, help="disk offload tier capacity (0: off)")
     p.add_argument("--disk-high-watermark", type=float, default=0.85)
@@ -67,7 +69,7 @@ def _config(args: argparse.Namespace) -> FleetConfig:
         profiles=args.profiles.split(",") if args.profiles else None, time_scale=args.time_scale,
         num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        cpu_blocks=args.cpu_blocks, disk_blocks=args.disk_blocks,
+        hash_seed=args.hash_seed, cpu_blocks=args.cpu_blocks, disk_blocks=args.disk_blocks,
         disk_high_watermark=args.disk_high_watermark, disk_low_watermark=args.disk_low_watermark,
         disk_write_through=not args.disk_on_cpu_eviction, kv_events=not args.no_kv_events,
         kv_events_base_port=args.kv_events_base_port, legacy_array_events=args.legacy_array_events,

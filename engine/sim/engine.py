@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from epp.engine.kv_publisher import KVEventPublisher
-from epp.engine.sim.hashing import NO_CONTEXT, HashContext, block_hashes
+from epp.engine.sim.hashing import NO_CONTEXT, HashContext, block_hashes, none_hash
 from epp.engine.sim.kvcache import BlockInfo, KVCache, TierConfig
 from epp.engine.sim.metrics import EngineMetrics
 from epp.engine.sim.profiles import FAST, LatencyProfile
@@ -42,6 +42,7 @@ class EngineConfig:
     tiers: TierConfig = TierConfig()
     time_scale: float = 1.0
     lag_tolerance: float = 0.05
+    hash_seed: str | None = None
 
     def resolved(self) -> "EngineConfig":
         """A copy with every None filled from the profile."""
@@ -56,6 +57,7 @@ class EngineConfig:
             tiers=self.tiers,
             time_scale=self.time_scale,
             lag_tolerance=self.lag_tolerance,
+            hash_seed=self.hash_seed,
         )
 
 
@@ -121,7 +123,8 @@ class SimEngine:
         c = self.config
         self.profile = c.profile
         self.block_size: int = c.block_size  # type: ignore[assignment]
-        self.cache = KVCache(c.num_gpu_blocks, self.block_size, c.tiers)  # type: ignore[arg-type]
+        # Like vLLM's BlockPool, one block is the reserved null block: usable = num_gpu_blocks - 1.
+        self.cache = KVCache(c.num_gpu_blocks - 1, self.block_size, c.tiers)  # type: ignore[operator]
         self.publisher = publisher
         self.metrics = metrics or EngineMetrics()
         self.waiting: collections.deque[SimRequest] = collections.deque()
@@ -131,6 +134,7 @@ class SimEngine:
         self.lag_resyncs = 0
         self.steps = 0
         self._pool = output_token_pool
+        self._root = none_hash(c.hash_seed)
         self._ids = itertools.count()
         self._clock = 0.0
         self._t0 = 0.0
@@ -199,7 +203,7 @@ class SimEngine:
         if r.total_blocks > self.cache.capacity:
             raise EngineError(
                 f"The request needs {r.total_blocks} KV blocks but the cache has {self.cache.capacity}.")
-        r.hashes = block_hashes(prompt_ids, bs, ctx)
+        r.hashes = block_hashes(prompt_ids, bs, ctx, root=self._root)
         r.seed = hash(tuple(prompt_ids)) & 0x7FFF_FFFF
         return r
 
@@ -413,7 +417,7 @@ class SimEngine:
             return
         tokens = r.prompt_ids + r.output if r.output else r.prompt_ids
         if len(r.hashes) < full:
-            r.hashes = block_hashes(tokens[: full * bs], bs, r.ctx, known=r.hashes)
+            r.hashes = block_hashes(tokens[: full * bs], bs, r.ctx, known=r.hashes, root=self._root)
         new = []
         for i in range(have, full):
             new.append(BlockInfo(

@@ -47,6 +47,7 @@ class FleetConfig:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
+    hash_seed: str | None = None
     cpu_blocks: int = 0
     disk_blocks: int = 0
     disk_high_watermark: float = 0.85
@@ -73,7 +74,7 @@ class FleetConfig:
                              disk_high_watermark=self.disk_high_watermark,
                              disk_low_watermark=self.disk_low_watermark,
                              disk_write_through=self.disk_write_through),
-            time_scale=self.time_scale,
+            time_scale=self.time_scale, hash_seed=self.hash_seed,
         )
         kv_pub = kv_replay = None
         if self.kv_events_base_port:

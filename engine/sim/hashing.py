@@ -1,7 +1,8 @@
 """Prefix-cache block hashes with vLLM's semantics (``vllm/v1/core/kv_cache_utils.py``).
 
 Chosen: vLLM's default algorithm exactly, ``sha256(pickle.dumps((parent, tuple(tokens), extra),
-protocol=5))`` chained from ``NONE_HASH = sha256(pickle.dumps("vllm-none-hash"))``, over full
+protocol=5))`` chained from ``NONE_HASH = sha256(pickle.dumps(seed))`` (seed ``PYTHONHASHSEED`` if set, else
+``"vllm-none-hash"``, as in vLLM), over full
 blocks only. Extra keys follow vLLM's order: ``("lora", name, path)`` on every block of a LoRA
 request, then ``("cache_salt", salt)`` on the first block only. Events carry the 64-bit form
 (the digest's last 8 bytes, big-endian) and the untagged extra keys, like vLLM's defaults. So a
@@ -11,6 +12,7 @@ simulator replica announces the very hashes a real vLLM would for the same token
 from __future__ import annotations
 
 import hashlib
+import os
 import pickle
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +23,13 @@ DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 def sha256_pickle(obj: Any) -> bytes:
     """vLLM's ``sha256`` prefix-caching hash function."""
     return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def none_hash(seed: str | None = None) -> bytes:
+    """The parent digest of block 0: vLLM hashes ``PYTHONHASHSEED`` if set, else its fixed seed."""
+    if seed is None:
+        seed = os.environ.get("PYTHONHASHSEED") or DEFAULT_NONE_HASH_SEED
+    return sha256_pickle(seed)
 
 
 NONE_HASH = sha256_pickle(DEFAULT_NONE_HASH_SEED)
@@ -61,9 +70,10 @@ class HashContext:
 NO_CONTEXT = HashContext()
 
 
-def hash_block(parent: bytes | None, tokens: tuple[int, ...] | list[int], extra: tuple[Any, ...] | None) -> bytes:
-    """One block's digest, chained from its parent's full digest (NONE_HASH for block 0)."""
-    return sha256_pickle((parent or NONE_HASH, tuple(tokens), extra))
+def hash_block(parent: bytes | None, tokens: tuple[int, ...] | list[int], extra: tuple[Any, ...] | None,
+               root: bytes = NONE_HASH) -> bytes:
+    """One block's digest, chained from its parent's full digest (`root` for block 0)."""
+    return sha256_pickle((parent or root, tuple(tokens), extra))
 
 
 def block_hashes(
@@ -74,6 +84,7 @@ def block_hashes(
     start: int = 0,
     parent: bytes | None = None,
     known: list[bytes] | None = None,
+    root: bytes = NONE_HASH,
 ) -> list[bytes]:
     """Digests of the full blocks of `token_ids`, continuing `known` (already hashed blocks)."""
     out = list(known) if known else []
@@ -83,6 +94,6 @@ def block_hashes(
     n_full = len(token_ids) // block_size
     for i in range(start, n_full):
         chunk = tuple(token_ids[i * block_size:(i + 1) * block_size])
-        parent = hash_block(parent, chunk, ctx.extra_keys(i))
+        parent = hash_block(parent, chunk, ctx.extra_keys(i), root)
         out.append(parent)
     return out

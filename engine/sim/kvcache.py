@@ -51,6 +51,11 @@ class TierConfig:
     disk_medium: str = MEDIUM_STORAGE
 
 
+def _removed_events(digests: list[bytes], medium: str) -> list[KVEvent]:
+    """BlockRemoved events, one per block as vLLM's block pool emits them on eviction."""
+    return [BlockRemoved(block_hashes=[external_hash(d)], medium=medium, group_idx=0) for d in digests]
+
+
 def _stored_events(blocks: list[BlockInfo], medium: str, block_size: int) -> list[KVEvent]:
     """BlockStored events for `blocks`, one per contiguous parent chain run."""
     out: list[KVEvent] = []
@@ -123,8 +128,7 @@ class CpuTier:
             new.append(b)
         if evicted:
             self.evicted += len(evicted)
-            self._events.append(BlockRemoved(block_hashes=[external_hash(b.digest) for b in evicted],
-                                             medium=MEDIUM_CPU, group_idx=0))
+            self._events.extend(_removed_events([b.digest for b in evicted], MEDIUM_CPU))
         self._events.extend(_stored_events(new, MEDIUM_CPU, self._block_size))
         return evicted
 
@@ -182,8 +186,7 @@ class DiskTier:
             del self.atime[d]
         self.evicted += len(victims)
         self.evictions_runs += 1
-        self._events.append(BlockRemoved(block_hashes=[external_hash(d) for d in victims],
-                                         medium=self.medium, group_idx=0))
+        self._events.extend(_removed_events(victims, self.medium))
 
     def clear(self) -> None:
         """Drop everything (no events: the caller announces AllBlocksCleared)."""
@@ -279,8 +282,7 @@ class KVCache:
                 victims.append(digest)
                 del self.cached[digest]
             self.gpu_evicted += len(victims)
-            self.events.append(BlockRemoved(block_hashes=[external_hash(d) for d in victims],
-                                            medium=MEDIUM_GPU, group_idx=0))
+            self.events.extend(_removed_events(victims, MEDIUM_GPU))
         self.private += n
 
     def commit(self, blocks: list[BlockInfo], *, offload: bool = True) -> list[BlockInfo]:

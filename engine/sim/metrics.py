@@ -111,6 +111,11 @@ class MetricsRenderer:
 
         gauge("vllm:num_requests_running", running, "Number of requests in model execution batches.")
         gauge("vllm:num_requests_waiting", waiting, "Number of requests waiting to be processed.")
+        lines = ["# HELP vllm:num_requests_waiting_by_reason Number of waiting requests by reason.",
+                 "# TYPE vllm:num_requests_waiting_by_reason gauge"]
+        for reason, v in (("capacity", waiting), ("deferred", 0)):
+            lines.append(f"vllm:num_requests_waiting_by_reason{_labels(self.base + [('reason', reason)])} {_fmt(v)}")
+        out.append("\n".join(lines))
         gauge("vllm:kv_cache_usage_perc", kv_usage, "KV-cache usage. 1 means 100 percent usage.")
         states = [("awake", sleep_level is None), ("weights_offloaded", sleep_level == 1),
                   ("discard_all", sleep_level == 2)]
@@ -138,7 +143,7 @@ class MetricsRenderer:
         out.append("\n".join(lines))
         lines = ["# HELP vllm:request_success_total Count of successfully processed requests.",
                  "# TYPE vllm:request_success_total counter"]
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error", "repetition"):
             lines.append(f"vllm:request_success_total{_labels(self.base[:1] + [('finished_reason', reason)] + self.base[1:])} "
                          f"{_fmt(m.request_success.get(reason, 0))}")
         out.append("\n".join(lines))

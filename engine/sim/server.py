@@ -100,7 +100,7 @@ class SimReplica:
                 "num_cpu_blocks": str(ec.tiers.cpu_blocks or None),
                 "enable_prefix_caching": "True",
                 "prefix_caching_hash_algo": "sha256",
-                "hash_block_size": str(ec.block_size),
+                "hash_block_size": "None",  # vLLM leaves it unset when it equals block_size
                 "cache_dtype": "auto",
                 "gpu_memory_utilization": "0.9",
             },
@@ -176,7 +176,7 @@ class SimReplica:
             "labels": dict(self.config.labels),
             "profile": self.engine.profile.name,
             "block_size": self.engine.block_size,
-            "num_gpu_blocks": self.engine.cache.capacity,
+            "num_gpu_blocks": self.engine.config.num_gpu_blocks,
         }
 
     async def _tag_response(self, request: web.Request, response: web.StreamResponse) -> None:

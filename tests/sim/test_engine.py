@@ -87,7 +87,7 @@ async def test_request_waits_when_its_blocks_do_not_fit():
     e = SimEngine(EngineConfig(profile=profile, time_scale=0.2), output_token_pool=POOL)
     e.start()
     try:
-        big = e.new_request(list(range(1, 81)), 40)       # 8 blocks: the whole cache
+        big = e.new_request(list(range(1, 65)), 40)       # 7 blocks: all but vLLM's null block
         small = e.new_request(list(range(500, 510)), 4)  # 1 block
         e.submit(big)
         e.submit(small)
@@ -96,7 +96,7 @@ async def test_request_waits_when_its_blocks_do_not_fit():
         await run(e, [big, small])
         assert small.scheduled >= big.finished_at - 1e-9
         with pytest.raises(EngineError):
-            e.new_request(list(range(1, 200)), 10)  # 13 blocks > 8
+            e.new_request(list(range(1, 200)), 10)  # 13 blocks > 7
     finally:
         await e.stop()
 

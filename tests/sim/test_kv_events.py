@@ -12,7 +12,7 @@ import zmq.asyncio
 
 from epp.engine.kv_publisher import AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher
 from epp.engine.sim import FleetConfig, SimFleet
-from epp.engine.sim.hashing import block_hashes, external_hash
+from epp.engine.sim.hashing import block_hashes, external_hash, none_hash
 
 END = b"\xff" * 8
 
@@ -103,7 +103,7 @@ async def test_replica_events_chain_carry_tokens_and_follow_eviction(replica, su
         n_full = len(ids) // 16
         assert first["parent_block_hash"] is None
         assert first["token_ids"] == ids[: n_full * 16]  # same block boundaries and token ids
-        assert first["block_hashes"] == [external_hash(h) for h in block_hashes(ids, 16)]
+        assert first["block_hashes"] == [external_hash(h) for h in block_hashes(ids, 16, root=none_hash())]
         assert first["block_size"] == 16 and first["extra_keys"] == [None] * n_full
         media = {e["medium"] for e in sub.events() if e["type"] == "BlockStored"}
         assert media == {"GPU", "CPU", "STORAGE"}

