@@ -176,13 +176,14 @@ async def test_budget_smaller_than_the_writes_keeps_serving(tmpfs):
         while not stop.is_set():
             digest = i.to_bytes(4, "big") * 8
             final = tmpfs / "m_0_r0" / digest.hex()[:3] / f"{digest.hex()[3:5]}_g0" / f"{digest.hex()}.bin"
+            tmp = final.parent / (final.name + "_1.tmp")
             try:
                 final.parent.mkdir(parents=True, exist_ok=True)
-                tmp = final.parent / (final.name + "_1.tmp")
                 tmp.write_bytes(b"x" * 64 * KB)
                 os.replace(tmp, final)
-            except OSError as exc:  # ENOSPC when the manager is behind: vLLM would skip the store
+            except OSError as exc:  # ENOSPC when the manager is behind: vLLM drops the store
                 write_errors.append(exc.errno)
+                tmp.unlink(missing_ok=True)  # as vLLM's fs tier removes its temp file on failure
             i += 1
             time.sleep(0.002)
 
