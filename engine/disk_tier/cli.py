@@ -14,6 +14,8 @@ from aiohttp import web
 
 from epp.engine.disk_tier.http import build_app
 from epp.engine.disk_tier.manager import DiskTierConfig, DiskTierManager
+from epp.engine.disk_tier.membership import ChunkMembership, follow_vllm_events
+from epp.engine.disk_tier.metrics import DiskTierMetrics
 from epp.engine.kv_publisher import KVEventPublisher
 from epp.engine.vllm.launcher import parse_size
 
@@ -38,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--events-endpoint", default=None,
                    help="ZMQ PUB endpoint: tcp://*:PORT binds, tcp://HOST:PORT connects (to a central EPP)")
     p.add_argument("--replay-endpoint", default=None, help="ZMQ replay ROUTER endpoint (binds)")
+    p.add_argument("--vllm-events-endpoint", default=None,
+                   help="the replica's own KV-event PUB (tcp://127.0.0.1:5557): learns which blocks each "
+                   "chunk file holds, so removals fan out like vLLM's (needed with --offload-block-size)")
+    p.add_argument("--vllm-replay-endpoint", default=None, help="the replica's replay ROUTER, read once at start")
     p.add_argument("--bytes-hashes", action="store_true",
                    help="publish raw digest bytes (vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)")
     p.add_argument("--http-host", default="0.0.0.0")
@@ -65,7 +71,14 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
     publisher = None
     if args.events_endpoint:
         publisher = KVEventPublisher(args.events_endpoint, replay_endpoint=args.replay_endpoint, topic=args.topic)
-    manager = DiskTierManager(config, publisher)
+    metrics = DiskTierMetrics()
+    membership = ChunkMembership(registry=metrics.registry) if args.vllm_events_endpoint else None
+    manager = DiskTierManager(config, publisher, metrics=metrics, membership=membership)
+    follower = None
+    if membership is not None:
+        follower = asyncio.create_task(follow_vllm_events(
+            membership, args.vllm_events_endpoint, stop, topic=args.topic,
+            replay_endpoint=args.vllm_replay_endpoint))
     runner = web.AppRunner(build_app(manager), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, args.http_host, args.http_port).start()
@@ -75,6 +88,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
     try:
         await manager.run(stop)
     finally:
+        if follower is not None:
+            await follower
         await runner.cleanup()
         if publisher is not None:
             publisher.close()

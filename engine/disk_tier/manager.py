@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal, Protocol, Sequence
 
+from epp.engine.disk_tier.membership import ChunkMembership
 from epp.engine.disk_tier.metrics import DiskTierMetrics
 from epp.engine.disk_tier.naming import BlockNamer, vllm_fs_block_key
 from epp.engine.disk_tier.scanner import TierFile, TreeScan, probe_strict_atime, scan_tree, unlink_files
@@ -110,13 +111,14 @@ class DiskTierManager:
     def __init__(
         self, config: DiskTierConfig, sink: RemovedBlockSink | None = None, *,
         namer: BlockNamer = vllm_fs_block_key, metrics: DiskTierMetrics | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.time, membership: ChunkMembership | None = None,
     ):
         self.config = config
         self.sink = sink
         self.namer = namer
         self.metrics = metrics or DiskTierMetrics()
         self.clock = clock
+        self.membership = membership
         self.healthy = True
         self.reason = ""
         self.strict_atime: bool | None = None
@@ -151,11 +153,21 @@ class DiskTierManager:
         self.healthy, self.reason = healthy, reason
         self.metrics.healthy.set(1 if healthy else 0)
 
+    def _removed_hashes(self, f: TierFile) -> list[int | bytes]:
+        assert f.key is not None
+        own = f.key.event_hash(self.config.int_hashes)
+        if self.membership is None or not isinstance(own, int):
+            return [own]
+        hashes = list(self.membership.hashes_for(own, f.key.group_idx))
+        self.membership.forget(own, f.key.group_idx)
+        return hashes
+
     def _publish_removed(self, files: Sequence[TierFile]) -> int:
+        # One event per block hash, as vLLM fans out evictions of a chunk.
         events = [
-            BlockRemoved(block_hashes=[f.key.event_hash(self.config.int_hashes)], medium=MEDIUM_STORAGE,
-                         group_idx=f.key.group_idx)
+            BlockRemoved(block_hashes=[h], medium=MEDIUM_STORAGE, group_idx=f.key.group_idx)
             for f in files if f.key is not None
+            for h in self._removed_hashes(f)
         ]
         if self.sink is None or not events:
             return 0
