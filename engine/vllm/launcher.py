@@ -392,6 +392,11 @@ def build_plan(opts: LaunchOptions, host: HostResources | None = None) -> Launch
             "--budget-bytes", str(opts.disk_bytes),
             "--topic", opts.kv_events_topic,
         ]
+        if opts.kv_events:
+            # The sidecar reads vLLM's own STORAGE events to learn which blocks each chunk file holds.
+            manager += ["--vllm-events-endpoint", f"tcp://127.0.0.1:{opts.kv_events_port}"]
+            if opts.kv_replay_port is not None:
+                manager += ["--vllm-replay-endpoint", f"tcp://127.0.0.1:{opts.kv_replay_port}"]
         if opts.disk_manager_events_port is not None:
             # A second publisher on the replica's topic: BlockRemoved(STORAGE) for evicted files.
             manager += ["--events-endpoint", f"tcp://*:{opts.disk_manager_events_port}"]

@@ -6,14 +6,14 @@ import asyncio
 
 import aiohttp
 import pytest
-
+from aiohttp.test_utils import TestClient, TestServer
 from disk_tier_files import write_block
 from epp.engine.disk_tier import cli
 from epp.engine.disk_tier.http import build_app
 from epp.engine.disk_tier.manager import DiskTierConfig, DiskTierManager
 from epp.engine.disk_tier.naming import BlockFileKey, is_temp_name, vllm_fs_block_key
+from epp.engine.kv_publisher import KVEventPublisher
 from epp.engine.vllm.testing import free_ports
-from aiohttp.test_utils import TestClient, TestServer
 
 
 def test_vllm_fs_layout_maps_to_digest_group_and_event_hash():
@@ -54,10 +54,12 @@ async def test_cli_serve_evicts_and_answers_http_until_stopped(tmp_path):
     for i in range(9):
         write_block(tmp_path, i, 1000, age_s=1000 - i)
     (http_port,) = free_ports(1)
+    vllm = KVEventPublisher("tcp://127.0.0.1:*", topic="kv@1.2.3.4:8000@m")  # stands in for the replica
     args = cli.build_parser().parse_args(
         ["--root", str(tmp_path), "--budget-bytes", "10000", "--interval", "0.05",
          "--http-host", "127.0.0.1", "--http-port", str(http_port),
-         "--events-endpoint", "tcp://127.0.0.1:*", "--topic", "kv@1.2.3.4:8000@m"])
+         "--events-endpoint", "tcp://127.0.0.1:*", "--topic", "kv@1.2.3.4:8000@m",
+         "--vllm-events-endpoint", vllm.bound_endpoint])
     stop = asyncio.Event()
     task = asyncio.create_task(cli.serve(args, stop))
     try:
@@ -73,9 +75,11 @@ async def test_cli_serve_evicts_and_answers_http_until_stopped(tmp_path):
                 await asyncio.sleep(0.05)
         assert "epp_disk_tier_evictions_total 4.0" in text
         assert "epp_disk_tier_events_published_total 4.0" in text
+        assert "epp_disk_tier_chunk_records 0.0" in text  # following the replica's events
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)
+        vllm.close()
     assert len(list(tmp_path.rglob("*.bin"))) == 5
 
 

@@ -80,7 +80,9 @@ def test_disk_tier_adds_tiering_spec_with_fs_tier_sleep_mode_and_a_disk_manager(
     assert plan.env == {"PYTHONHASHSEED": "0", "VLLM_SERVER_DEV_MODE": "1"}
     assert plan.disk_manager_argv == [
         "epp", "engine", "disk-manager", "--root", str(disk), "--budget-bytes", str(100 * GIB),
-        "--topic", "kv@10.1.2.3:8100@m", "--events-endpoint", "tcp://*:5559",
+        "--topic", "kv@10.1.2.3:8100@m",
+        "--vllm-events-endpoint", "tcp://127.0.0.1:5557", "--vllm-replay-endpoint", "tcp://127.0.0.1:5558",
+        "--events-endpoint", "tcp://*:5559",
     ]
 
 
