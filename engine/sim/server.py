@@ -131,6 +131,7 @@ class SimReplica:
         r.add_get("/is_sleeping", self.is_sleeping)
         r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         r.add_get("/kv_event_sources", self.kv_event_sources)
+        r.add_get("/sim/state", self.sim_state)
         return app
 
     async def start(self) -> None:
@@ -495,6 +496,28 @@ class SimReplica:
         return web.json_response({"0": {"enable_kv_cache_events": True, "publisher": "zmq",
                                         "endpoint": p.bound_endpoint, "replay_endpoint": p.replay_bound_endpoint,
                                         "topic": p.topic}})
+
+    async def sim_state(self, request: web.Request) -> web.Response:
+        """GET /sim/state: simulator internals (not a vLLM route) for demos, tests and benchmarks."""
+        e = self.engine
+        c = e.cache
+        p = self.publisher
+        state = {
+            "replica": self.config.name,
+            "running": len(e.running),
+            "waiting": len(e.waiting),
+            "sleeping": e.sleeping,
+            "steps": e.steps,
+            "lag_resyncs": e.lag_resyncs,
+            "sim_time": e.now(),
+            "gpu": {"capacity": c.capacity, "cached": len(c.cached), "used": c.used_blocks, "evicted": c.gpu_evicted},
+            "cpu": None if c.cpu is None else {"capacity": c.cpu.capacity, "blocks": len(c.cpu.blocks),
+                                               "evicted": c.cpu.evicted},
+            "disk": None if c.disk is None else {"capacity": c.disk.capacity, "blocks": len(c.disk.blocks),
+                                                 "evicted": c.disk.evicted, "eviction_runs": c.disk.evictions_runs},
+            "kv_events": None if p is None else {"published": p.published, "dropped": p.dropped},
+        }
+        return web.json_response(state)
 
     def _lora_info(self) -> tuple[int, list[str], list[str]]:
         e = self.engine

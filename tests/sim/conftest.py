@@ -31,8 +31,21 @@ class EventSubscriber:
         self.sock = self.ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt_string(zmq.SUBSCRIBE, topic)
+        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.sock.connect(endpoint)
         self.messages: list[tuple[str, int, list]] = []  # (topic, seq, batch)
+
+    async def ready(self, timeout: float = 5.0) -> None:
+        """Wait until the connection is up and the subscription had time to reach the PUB.
+
+        A PUB drops what it sends before a subscriber joined (ZMQ's slow joiner), and on this
+        machine a loopback connection can take several hundred milliseconds.
+        """
+        from zmq.utils.monitor import parse_monitor_message
+
+        msg = parse_monitor_message(await asyncio.wait_for(self._monitor.recv_multipart(), timeout))
+        assert msg["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        await asyncio.sleep(0.1)
 
     async def recv(self, timeout: float = 2.0) -> tuple[str, int, list]:
         frames = await asyncio.wait_for(self.sock.recv_multipart(), timeout)
@@ -56,6 +69,8 @@ class EventSubscriber:
         return [ev for _, _, batch in self.messages for ev in batch[1]]
 
     def close(self) -> None:
+        self.sock.disable_monitor()
+        self._monitor.close(0)
         self.sock.close(0)
 
 

@@ -40,7 +40,7 @@ async def test_publisher_wire_format_live_and_replay(subscriber_factory):
     pub = KVEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", topic="kv@1.2.3.4:80@m")
     try:
         sub = subscriber_factory(pub.bound_endpoint, "kv@")
-        await asyncio.sleep(0.2)  # ZMQ slow joiner
+        await sub.ready()
         stored = BlockStored(block_hashes=[123], parent_block_hash=None, token_ids=[1, 2], block_size=2,
                              lora_id=None, medium="GPU", lora_name=None, extra_keys=[None], group_idx=0)
         pub.publish([stored], ts=1.5)
@@ -66,7 +66,7 @@ async def test_legacy_array_form(subscriber_factory):
     pub = KVEventPublisher("tcp://127.0.0.1:*", legacy_array_events=True)
     try:
         sub = subscriber_factory(pub.bound_endpoint)
-        await asyncio.sleep(0.2)
+        await sub.ready()
         pub.publish([BlockStored(block_hashes=[7], parent_block_hash=5, token_ids=[1], block_size=1, lora_id=None,
                                  medium="CPU", lora_name=None), AllBlocksCleared()], ts=1.0)
         _, seq, batch = await sub.recv()
@@ -88,7 +88,7 @@ async def test_replica_events_chain_carry_tokens_and_follow_eviction(replica, su
     info = replica.info[0]
     assert info["kv_topic"] == f"kv@{info['endpoint']}@sim-model"
     sub = subscriber_factory(info["kv_events_endpoint"], "kv@")
-    await asyncio.sleep(0.2)
+    await sub.ready()
     prompt = "Select the invoices of every customer in the database order by the year. " * 4
     async with aiohttp.ClientSession() as http:
         base = f"http://{info['endpoint']}"
@@ -137,7 +137,7 @@ async def test_replica_events_chain_carry_tokens_and_follow_eviction(replica, su
 async def test_cache_salt_appears_in_first_block_extra_keys(replica, subscriber_factory):
     info = replica.info[0]
     sub = subscriber_factory(info["kv_events_endpoint"])
-    await asyncio.sleep(0.2)
+    await sub.ready()
     async with aiohttp.ClientSession() as http:
         async with http.post(f"http://{info['endpoint']}/v1/completions",
                              json={"prompt": "tenant data " * 20, "max_tokens": 1, "cache_salt": "tenant-a"}) as r:
@@ -145,3 +145,40 @@ async def test_cache_salt_appears_in_first_block_extra_keys(replica, subscriber_
     await sub.drain()
     ev = next(e for e in sub.events() if e["type"] == "BlockStored" and e["medium"] == "GPU")
     assert ev["extra_keys"][0] == ["tenant-a"] and all(k is None for k in ev["extra_keys"][1:])
+
+
+async def test_publisher_connects_for_a_concrete_endpoint_like_vllm():
+    """A concrete tcp address makes the PUB connect (centralized mode: the consumer binds)."""
+    ctx = zmq.asyncio.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+    pub = KVEventPublisher(f"tcp://127.0.0.1:{port}", topic="t")
+    try:
+        assert pub.bound_endpoint == f"tcp://127.0.0.1:{port}"
+        # A connecting PUB joins late and drops what it sends before: publish until one arrives.
+        for _ in range(50):
+            pub.publish([AllBlocksCleared()])
+            if await sub.poll(100):
+                break
+        topic, seq, payload = await sub.recv_multipart()
+        assert topic == b"t" and int.from_bytes(seq, "big") < pub.published
+        assert msgspec.msgpack.decode(payload)[1] == [{"type": "AllBlocksCleared"}]
+    finally:
+        pub.close()
+        sub.close(0)
+
+
+async def test_sim_state_reports_tiers_and_event_counts(replica):
+    info = replica.info[0]
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"http://{info['endpoint']}/v1/completions",
+                             json={"prompt": "count me " * 30, "max_tokens": 2}) as r:
+            assert r.status == 200
+        await asyncio.sleep(0.1)
+        async with http.get(f"http://{info['endpoint']}/sim/state") as r:
+            state = await r.json()
+    assert state["gpu"]["capacity"] == 23 and state["gpu"]["cached"] > 0
+    assert state["cpu"]["blocks"] > 0 and state["disk"]["blocks"] > 0
+    assert state["kv_events"]["published"] >= 1 and state["kv_events"]["dropped"] == 0

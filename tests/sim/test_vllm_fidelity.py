@@ -81,7 +81,7 @@ def sim_run(capture) -> dict:
         async with SimFleet(config) as fleet:
             info = fleet.info[0]
             sub = EventSubscriber(info["kv_events_endpoint"])
-            await asyncio.sleep(0.3)
+            await sub.ready()
             tokens, usages = [], []
             async with aiohttp.ClientSession() as http:
                 base = f"http://{info['endpoint']}"
