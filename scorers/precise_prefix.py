@@ -85,7 +85,7 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
             mode=mode,
             bind_endpoint=params.str("zmqEndpoint", "tcp://*:5557"),
             events_port=params.int("eventsPort", 5557, minimum=1),
-            replay_port=params.int("replayPort", None, minimum=1),  # type: ignore[arg-type]
+            replay_port=params.int("replayPort", 0, minimum=0) or None,  # 0: no replay socket
             topic_filter=params.str("topicFilter", ""),
             default_model=params.str("defaultModel", None),
             replay_timeout_s=_seconds(params, "replayTimeout", 10.0),

@@ -1,0 +1,206 @@
+"""precise-prefix-cache-producer and predicted-ttft-scorer: tier weights, speculation, TTFT ranking."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from epp.datalayer.registry import EndpointRegistry, EndpointSpec
+from epp.engine.tinymodel import write_tiny_model
+from epp.framework.datakeys import PREFIX_MATCH_INFO, PREFIX_TIER_MATCH, TierMatch
+from epp.framework.errors import ConfigError
+from epp.framework.plugin import CycleState, PluginContext, ProfileRunResult, SchedulingResult
+from epp.framework.registry import PluginParams, PluginRegistry
+from epp.framework.types import ApiKind, Endpoint, EndpointMetrics, InferenceRequest
+from epp.kvevents.decoding import decode_batch
+from epp.scorers import precise_prefix, predicted_ttft
+from epp.scorers.prefix import PrefixCacheScorer
+from tests.kvevents import wire
+from tests.kvevents.publisher import FakePublisher
+
+BS = 4
+TOKENS = list(range(500, 532))  # 8 blocks of 4
+A = Endpoint("10.0.0.1", 8000)
+B = Endpoint("10.0.0.2", 8000)
+
+
+def registry() -> PluginRegistry:
+    reg = PluginRegistry()
+    precise_prefix.register(reg)
+    predicted_ttft.register(reg)
+    return reg
+
+
+def build(type_name, params=None, context=None):
+    return registry().build(type_name, type_name, params or {},
+                            context or PluginContext(metrics_registry=CollectorRegistry()))
+
+
+def producer(**params):
+    return build("precise-prefix-cache-producer", {"blockSizeTokens": BS, "subscribe": False, **params})
+
+
+def request(tokens=TOKENS, model="m", salt=None):
+    return InferenceRequest("r1", ApiKind.COMPLETIONS, model, model, {"prompt": list(tokens)}, cache_salt=salt)
+
+
+def feed(prod, endpoint, *events):
+    prod.index.apply_batch(endpoint.name, decode_batch(wire.encode_batch(list(events))), "m")
+
+
+async def produce(prod, req=None, endpoints=(A, B)):
+    state = CycleState()
+    await prod.prepare(state, req or request(), list(endpoints))
+    return state
+
+
+def fractions(state, endpoints=(A, B)):
+    scorer = PrefixCacheScorer("p", PluginParams("p", {}), PluginContext())
+    return scorer.score(state, request(), list(endpoints))
+
+
+async def test_both_plugin_types_register_with_their_names():
+    assert {"precise-prefix-cache-producer", "predicted-ttft-scorer"} <= set(registry().types())
+
+
+async def test_match_info_is_tier_weighted_and_tier_match_counts_tokens():
+    prod = producer()
+    feed(prod, A, wire.stored([1, 2], TOKENS[:8]))                     # 2 blocks on GPU
+    feed(prod, B, wire.stored([1, 2, 3, 4], TOKENS[:16], medium="CPU"))  # 4 blocks on CPU
+    state = await produce(prod)
+    info_a = state.endpoint_data(PREFIX_MATCH_INFO, A.name)
+    info_b = state.endpoint_data(PREFIX_MATCH_INFO, B.name)
+    assert (info_a.matched_blocks, info_a.total_blocks) == (2.0, 8)
+    assert info_b.matched_blocks == pytest.approx(4 * 0.8)
+    assert state.endpoint_data(PREFIX_TIER_MATCH, B.name) == TierMatch(0, 16, 0, 32)
+    assert state.endpoint_data(PREFIX_TIER_MATCH, A.name) == TierMatch(8, 0, 0, 32)
+
+
+async def test_tier_weights_change_the_decision_as_configured():
+    for weights, winner in (({"cpu": 0.8}, B), ({"cpu": 0.3}, A)):
+        prod = producer(tierWeights=weights)
+        feed(prod, A, wire.stored([1, 2], TOKENS[:8]))
+        feed(prod, B, wire.stored([1, 2, 3, 4], TOKENS[:16], medium="CPU"))
+        scores = fractions(await produce(prod))
+        assert max(scores, key=scores.get) == winner.name, weights
+    prod = producer(tierWeights={"gpu": 1.0, "cpu": 0.8, "disk": 0.25})
+    feed(prod, A, wire.stored([1, 2, 3, 4], TOKENS[:16], medium="STORAGE"))
+    assert fractions(await produce(prod))[A.name] == pytest.approx(4 * 0.25 / 8)
+
+
+async def test_salt_and_model_scope_the_match():
+    prod = producer()
+    feed(prod, A, wire.stored([1, 2], TOKENS[:8]))
+    assert (await produce(prod, request(salt="t"))).endpoint_data(PREFIX_MATCH_INFO, A.name).matched_blocks == 0
+    assert (await produce(prod, request(model="x"))).endpoint_data(PREFIX_MATCH_INFO, A.name).matched_blocks == 0
+
+
+async def test_pre_request_claims_the_prefix_on_the_chosen_endpoint_for_the_ttl():
+    prod = producer(speculativeTTL="2s")
+    state = await produce(prod)
+    assert state.endpoint_data(PREFIX_MATCH_INFO, B.name).matched_blocks == 0
+    prod.pre_request(state, request(), SchedulingResult({"default": ProfileRunResult((B,))}, "default"))
+    again = await produce(prod)
+    assert again.endpoint_data(PREFIX_MATCH_INFO, B.name).matched_blocks == 8
+    assert again.endpoint_data(PREFIX_MATCH_INFO, A.name).matched_blocks == 0
+    prod0 = producer(speculativeTTL=0)
+    state0 = await produce(prod0)
+    prod0.pre_request(state0, request(), SchedulingResult({"default": ProfileRunResult((B,))}, "default"))
+    assert (await produce(prod0)).endpoint_data(PREFIX_MATCH_INFO, B.name).matched_blocks == 0
+
+
+async def test_bad_parameters_fail_with_the_field_named():
+    with pytest.raises(ConfigError, match="tierWeights"):
+        producer(tierWeights={"hbm": 1.0})
+    with pytest.raises(ConfigError, match="mode"):
+        producer(mode="broadcast")
+    with pytest.raises(ConfigError, match="unknown parameter"):
+        producer(blockSize=16)
+
+
+async def test_string_prompts_are_tokenized_with_the_models_tokenizer(tmp_path):
+    model_dir = write_tiny_model(tmp_path / "tiny", weights=False)
+    prod = producer(tokenizers={"tiny": str(model_dir)})
+    await prod.start()
+    try:
+        req = InferenceRequest("r", ApiKind.COMPLETIONS, "tiny", "tiny", {"prompt": "the cache block " * 20})
+        tokens = await prod.prompt_tokens(req)
+        assert tokens and tokens[0] == prod.tokenizers.load("tiny").special_prefix[0]
+        prod.index.apply_batch(A.name, decode_batch(wire.encode_batch([wire.stored([1], tokens[:BS])])), "tiny")
+        state = CycleState()
+        await prod.prepare(state, req, [A])
+        assert state.endpoint_data(PREFIX_MATCH_INFO, A.name).matched_blocks == 1
+    finally:
+        await prod.stop()
+
+
+async def test_producer_subscribes_per_endpoint_and_indexes_live_events():
+    pub = FakePublisher("kv@10.0.0.1:8000@m")
+    endpoints = EndpointRegistry()
+    endpoints.set_endpoints([EndpointSpec("127.0.0.1", 8000, {"kv-events-port": str(pub.port),
+                                                            "kv-replay-port": str(pub.replay_port)})])
+    ep = endpoints.snapshot()[0]
+    metrics = CollectorRegistry()
+    prod = build("precise-prefix-cache-producer", {"blockSizeTokens": BS},
+                 PluginContext(metrics_registry=metrics, endpoints=endpoints))
+    await prod.start()
+    try:
+        live = lambda: metrics.get_sample_value("epp_kv_events_messages_total", {"source": "live"}) or 0
+        await pub.heartbeat_until(lambda: live() > 0)
+        await pub.publish([wire.stored([1, 2, 3], TOKENS[:12])])
+        for _ in range(500):
+            state = await produce(prod, endpoints=[ep])
+            if state.endpoint_data(PREFIX_MATCH_INFO, ep.name).matched_blocks == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert state.endpoint_data(PREFIX_MATCH_INFO, ep.name).matched_blocks == 3
+    finally:
+        await prod.stop()
+        await pub.close()
+
+
+def _ttft(params=None):
+    return build("predicted-ttft-scorer", params)
+
+
+def _endpoint(ip, waiting=0, running=0):
+    return Endpoint(ip, 8000, metrics=EndpointMetrics(waiting_queue_size=waiting, running_requests_size=running))
+
+
+def test_predicted_ttft_prefers_cached_tokens_then_weighs_queue_and_tier_costs():
+    scorer = _ttft({"prefillSecondsPerToken": 1e-3, "cpuLoadSecondsPerToken": 1e-4,
+                    "diskLoadSecondsPerToken": 5e-4, "queueSecondsPerWaitingRequest": 0.5,
+                    "secondsPerRunningRequest": 0.0, "baseSeconds": 0.01})
+    gpu, cpu, cold = _endpoint("10.0.0.1"), _endpoint("10.0.0.2"), _endpoint("10.0.0.3")
+    state = CycleState()
+    state.put_endpoint_data(PREFIX_TIER_MATCH, gpu.name, TierMatch(1000, 0, 0, 1000))
+    state.put_endpoint_data(PREFIX_TIER_MATCH, cpu.name, TierMatch(0, 1000, 0, 1000))
+    state.put_endpoint_data(PREFIX_TIER_MATCH, cold.name, TierMatch(0, 0, 0, 1000))
+    scores = scorer.score(state, request(), [gpu, cpu, cold])
+    # T: gpu 0.01, cpu 0.01 + 0.1 = 0.11, cold 0.01 + 1.0 = 1.01
+    assert scores[gpu.name] == 1.0
+    assert scores[cpu.name] == pytest.approx(0.01 / 0.11)
+    assert scores[cold.name] == pytest.approx(0.01 / 1.01)
+    # a long queue on the GPU holder makes loading from CPU elsewhere the faster choice
+    busy_gpu = _endpoint("10.0.0.1", waiting=2)
+    scores = scorer.score(state, request(), [busy_gpu, cpu, cold])
+    assert max(scores, key=scores.get) == cpu.name
+
+
+def test_predicted_ttft_disk_versus_recompute_follows_the_calibration():
+    disk, cold = _endpoint("10.0.0.1"), _endpoint("10.0.0.2", waiting=0)
+    state = CycleState()
+    state.put_endpoint_data(PREFIX_TIER_MATCH, disk.name, TierMatch(0, 0, 1000, 1000))
+    state.put_endpoint_data(PREFIX_TIER_MATCH, cold.name, TierMatch(0, 0, 0, 1000))
+    fast_disk = _ttft({"diskLoadSecondsPerToken": 1e-5, "prefillSecondsPerToken": 1e-4})
+    slow_disk = _ttft({"diskLoadSecondsPerToken": 1e-3, "prefillSecondsPerToken": 1e-4})
+    assert fast_disk.score(state, request(), [disk, cold])[disk.name] == 1.0
+    assert slow_disk.score(state, request(), [disk, cold])[cold.name] == 1.0
+
+
+def test_predicted_ttft_without_tier_data_ranks_by_load():
+    idle, busy = _endpoint("10.0.0.1"), _endpoint("10.0.0.2", waiting=3, running=4)
+    scores = _ttft().score(CycleState(), request(), [idle, busy])
+    assert scores[idle.name] == 1.0 and 0.0 < scores[busy.name] < 1.0
