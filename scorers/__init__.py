@@ -22,5 +22,9 @@ def register_builtin_plugins(registry: PluginRegistry) -> None:
         registry.register_class(cls)
     registry.register_class(approx_prefix.ApproxPrefixCacheProducer, default_producer_for=[PREFIX_MATCH_INFO])
     registry.register_class(inflight.InflightLoadProducer, default_producer_for=[INFLIGHT_LOAD])
-    # Plugins written by other modules of this package, each exporting `register(registry)`.
-    # TODO(helper:scheduling): add precise_prefix and predicted_ttft once those modules land.
+    # Plugins of modules that register themselves, each exporting `register(registry)`.
+    from epp.scorers import precise_prefix, predicted_ttft, saturation
+
+    saturation.register(registry)
+    precise_prefix.register(registry)
+    predicted_ttft.register(registry)

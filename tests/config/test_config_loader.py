@@ -40,6 +40,23 @@ def test_system_defaults_match_gie():
     assert loaded.plugin("max-score-picker").max_endpoints == 1
     assert [(ds.source.name, [x.name for x in ds.extractors]) for ds in loaded.data_sources] == \
         [("metrics-data-source", ["core-metrics-extractor"])]
+    assert loaded.saturation_detector.type_name == "utilization-detector"
+    assert loaded.saturation_detector_ref == "utilization-detector"
+
+
+def test_saturation_detector_by_reference():
+    loaded = load(HEADER + """
+plugins:
+- name: strict-detector
+  type: utilization-detector
+  parameters: {queueDepthThreshold: 2}
+- type: queue-scorer
+saturationDetector: {pluginRef: strict-detector}
+""")
+    assert loaded.saturation_detector is loaded.plugin("strict-detector")
+    assert loaded.saturation_detector.queue_depth_threshold == 2
+    # With no profiles, the default profile takes every filter: the detector is one (GIE does the same).
+    assert profile_shape(loaded) == (["strict-detector"], [("queue-scorer", 1.0)], "max-score-picker")
 
 
 def test_full_document_resolves():
