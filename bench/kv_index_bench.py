@@ -1,0 +1,185 @@
+"""Benchmark the KV block index and in-process tokenization; prints markdown tables.
+
+Index: for index sizes (entries = (block, endpoint) pairs) 1e4 → 1e6 and 4 → 64 endpoints,
+- fill rate: BlockStored events (8 blocks of 16 tokens each, msgpack-decoded beforehand) applied
+  per second while filling the index, and at capacity (every new entry evicts an old one);
+- lookup latency (p50/p99) of a 64-block prompt against all endpoints, when a prefix is held
+  (two endpoints hold 48 of its blocks) and when nothing is held; the cost of computing the
+  prompt's 64 request keys is reported separately.
+Tokenization (tiny local byte-level BPE tokenizer, `epp.engine.tinymodel`): 4 KB, 64 KB and
+256 KB prompts cold (empty cache), repeated (full hit) and extended by a new 1 KB turn.
+
+Run: `python bench/kv_index_bench.py` (add `--quick` for a small grid).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from epp.engine.tinymodel import _WORDS, write_tiny_model
+from epp.kvevents.decoding import decode_batch
+from epp.kvevents.index import KVBlockIndex
+from epp.tokenization.pool import ModelTokenizer
+from epp.tokenization.prefix_cache import TokenizationCache
+import msgspec
+
+BLOCK = 16
+BLOCKS_PER_EVENT = 8
+PROMPT_BLOCKS = 64
+
+
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def _stored_payload(hashes: list[int], tokens: list[int], parent: int | None) -> bytes:
+    """A vLLM 0.33 batch with one map-form BlockStored event."""
+    event = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
+             "block_size": BLOCK, "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 0}
+    return _encode([time.time(), [event], 0])
+
+
+def _event_batches(n_events: int, seed: int) -> list:
+    """Decoded batches of one BlockStored each: chains of 8 blocks, new prompts every 8 events."""
+    rng = random.Random(seed)
+    out = []
+    hash_base = seed << 40
+    for e in range(n_events):
+        prompt, part = divmod(e, 8)
+        tokens = [rng.randrange(50_000) for _ in range(BLOCK * BLOCKS_PER_EVENT)]
+        hashes = [hash_base + e * BLOCKS_PER_EVENT + i for i in range(BLOCKS_PER_EVENT)]
+        parent = None if part == 0 else hash_base + e * BLOCKS_PER_EVENT - 1
+        out.append(decode_batch(_stored_payload(hashes, tokens, parent)))
+    return out
+
+
+def _percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def bench_index(size: int, n_endpoints: int) -> dict:
+    endpoints = [f"10.0.{i // 250}.{i % 250}:8000" for i in range(n_endpoints)]
+    index = KVBlockIndex(BLOCK, size, engine_capacity_per_endpoint=10 * size)
+    # Each event goes to two endpoints, so a key has two holders (shared prefixes across replicas).
+    n_events = size // (BLOCKS_PER_EVENT * 2)
+    batches = _event_batches(n_events, seed=1)
+    gc.collect()
+    t0 = time.perf_counter()
+    for i, batch in enumerate(batches):
+        prompt = i // 8  # a prompt's 8 chained events go to the same two endpoints
+        index.apply_batch(endpoints[prompt % n_endpoints], batch, "m")
+        index.apply_batch(endpoints[(prompt + 1) % n_endpoints], batch, "m")
+    fill_s = time.perf_counter() - t0
+    fill_rate = 2 * n_events / fill_s
+    filled = index.entries
+    # At capacity: each new entry evicts the least recently used one.
+    extra = _event_batches(2000, seed=2)
+    t0 = time.perf_counter()
+    for i, batch in enumerate(extra):
+        index.apply_batch(endpoints[(i // 8) % n_endpoints], batch, "m")
+    steady_rate = len(extra) / (time.perf_counter() - t0)
+    # A prompt whose first 48 blocks two endpoints hold (one event chain = 64 blocks: store 6 events).
+    rng = random.Random(3)
+    prompt = [rng.randrange(50_000) for _ in range(BLOCK * PROMPT_BLOCKS)]
+    parent = None
+    for e in range(6):
+        toks = prompt[e * BLOCK * BLOCKS_PER_EVENT:(e + 1) * BLOCK * BLOCKS_PER_EVENT]
+        hashes = [(9 << 50) + e * BLOCKS_PER_EVENT + i for i in range(BLOCKS_PER_EVENT)]
+        batch = decode_batch(_stored_payload(hashes, toks, parent))
+        index.apply_batch(endpoints[0], batch, "m")
+        index.apply_batch(endpoints[-1], batch, "m")
+        parent = hashes[-1]
+    t0 = time.perf_counter()
+    for _ in range(200):
+        keys = index.keyer.request_keys(prompt, "m")
+    keying_us = (time.perf_counter() - t0) / 200 * 1e6
+    hit_lat, miss_lat = [], []
+    miss_keys = index.keyer.request_keys(prompt, "other-model")
+    for _ in range(2000):
+        t0 = time.perf_counter()
+        result = index.lookup(keys, endpoints)
+        hit_lat.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        index.lookup(miss_keys, endpoints)
+        miss_lat.append(time.perf_counter() - t0)
+    assert len(result[endpoints[0]]) == 48, result.keys()
+    return {
+        "size": size, "endpoints": n_endpoints, "entries": filled,
+        "fill_events_s": fill_rate, "fill_blocks_s": fill_rate * BLOCKS_PER_EVENT,
+        "steady_events_s": steady_rate,
+        "hit_p50_us": _percentile(hit_lat, 0.5) * 1e6, "hit_p99_us": _percentile(hit_lat, 0.99) * 1e6,
+        "miss_p50_us": _percentile(miss_lat, 0.5) * 1e6, "keying_us": keying_us,
+    }
+
+
+def _text(n_bytes: int, seed: int) -> str:
+    rng = random.Random(seed)
+    words = []
+    size = 0
+    while size < n_bytes:
+        w = rng.choice(_WORDS)
+        words.append(w)
+        size += len(w) + 1
+    return " ".join(words)[:n_bytes]
+
+
+def bench_tokenization(model_dir: Path) -> list[dict]:
+    rows = []
+    for label, n in (("4 KB", 4 * 1024), ("64 KB", 64 * 1024), ("256 KB", 256 * 1024)):
+        text = _text(n, seed=n)
+        turn = " " + _text(1024, seed=n + 1)
+        reps = 20 if n <= 64 * 1024 else 5
+        cold, hit, ext = [], [], []
+        for r in range(reps):
+            tok = ModelTokenizer(model_dir, TokenizationCache(10_000_000))
+            t0 = time.perf_counter()
+            ids = tok.encode_text(text, True)
+            cold.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            tok.encode_text(text, True)
+            hit.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            ext_ids = tok.encode_text(text + turn, True)
+            ext.append(time.perf_counter() - t0)
+            if r == 0:
+                full = tok.tokenizer.encode(text + turn, add_special_tokens=True).ids
+                assert ext_ids == full, "cached extension differs from full tokenization"
+        rows.append({"prompt": label, "tokens": len(ids), "cold_ms": statistics.median(cold) * 1e3,
+                     "hit_ms": statistics.median(hit) * 1e3, "ext_ms": statistics.median(ext) * 1e3,
+                     "stats": tok.cache.stats})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="sizes 1e4 and 1e5 only")
+    args = parser.parse_args()
+    sizes = [10_000, 100_000] if args.quick else [10_000, 100_000, 1_000_000]
+    print("## KV block index (block 16 tokens, events of 8 blocks, prompt of 64 blocks)\n")
+    print("| entries | endpoints | fill events/s | fill blocks/s | at-capacity events/s | "
+          "lookup hit p50 µs | hit p99 µs | lookup miss p50 µs | keys for 1024 tokens µs |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for size in sizes:
+        for n_endpoints in (4, 16, 64):
+            r = bench_index(size, n_endpoints)
+            print(f"| {r['entries']:,} | {n_endpoints} | {r['fill_events_s']:,.0f} | {r['fill_blocks_s']:,.0f} | "
+                  f"{r['steady_events_s']:,.0f} | {r['hit_p50_us']:.1f} | {r['hit_p99_us']:.1f} | "
+                  f"{r['miss_p50_us']:.1f} | {r['keying_us']:.1f} |", flush=True)
+            gc.collect()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_tiny_model(Path(tmp) / "tiny", weights=False)
+        print("\n## Tokenization (tiny byte-level BPE, 2k vocab; median ms)\n")
+        print("| prompt | tokens | cold | repeated (cache hit) | extended by a 1 KB turn (cached prefix) |")
+        print("|---|---:|---:|---:|---:|")
+        for r in bench_tokenization(model_dir):
+            print(f"| {r['prompt']} | {r['tokens']:,} | {r['cold_ms']:.2f} | {r['hit_ms']:.2f} | {r['ext_ms']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
