@@ -38,14 +38,17 @@ def make_endpoints(count: int, rng: random.Random) -> list[Endpoint]:
             for i in range(count)]
 
 
-def make_prompts(size_bytes: int, count: int, rng: random.Random) -> list[str]:
-    """`count` prompts of `size_bytes`: a long group prefix plus a short unique question."""
+def make_prefixes(size_bytes: int, rng: random.Random) -> list[str]:
+    """One long shared prefix per group (a random 4 KB text repeated, led by the group's name)."""
     words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly".split()
-    prefixes = []
-    for group in range(PREFIX_GROUPS):
-        text = f"system prompt {group}: " + " ".join(rng.choice(words) for _ in range(size_bytes // 4))
-        prefixes.append(text[: max(0, size_bytes - 64)])
-    return [(prefixes[i % PREFIX_GROUPS] + f" question {i}: " + "x" * 64)[:size_bytes] for i in range(count)]
+    base = " ".join(rng.choice(words) for _ in range(1000))[:4096]
+    body = base * (size_bytes // len(base) + 1)
+    return [(f"system prompt {group}: " + body)[: max(0, size_bytes - 64)] for group in range(PREFIX_GROUPS)]
+
+
+def make_prompt(prefixes: list[str], size_bytes: int, i: int) -> str:
+    """Prompt `i`: its group's prefix plus a short unique question, `size_bytes` long."""
+    return (prefixes[i % PREFIX_GROUPS] + f" question {i}: " + "x" * 64)[:size_bytes]
 
 
 def make_request(prompt: str, i: int) -> InferenceRequest:
@@ -73,13 +76,14 @@ async def measure(endpoint_count: int, size_kb: int, iterations: int, seed: int)
     loaded = load_default_config()
     endpoints = make_endpoints(endpoint_count, rng)
     warmup = max(PREFIX_GROUPS * 2, 64)
-    prompts = make_prompts(size_kb * 1024, warmup + iterations, rng)
-    requests = [make_request(p, i) for i, p in enumerate(prompts)]
-    for req in requests[:warmup]:
-        await schedule_once(loaded, req, endpoints)
+    size = size_kb * 1024
+    prefixes = make_prefixes(size, rng)
+    for i in range(warmup):
+        await schedule_once(loaded, make_request(make_prompt(prefixes, size, i), i), endpoints)
     samples = []
     gc.collect()
-    for req in requests[warmup:]:
+    for i in range(warmup, warmup + iterations):
+        req = make_request(make_prompt(prefixes, size, i), i)
         t0 = time.perf_counter()
         await schedule_once(loaded, req, endpoints)
         samples.append((time.perf_counter() - t0) * 1e6)
