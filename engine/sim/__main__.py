@@ -54,6 +54,10 @@ def _fleet_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-kv-events", action="store_true")
     p.add_argument("--kv-events-base-port", type=int, default=0,
                    help="PUB of replica i on base+2i, replay ROUTER on base+2i+1 (0: free ports)")
+    p.add_argument("--kv-events-connect", default=None,
+                   help="centralized mode: every replica's PUB connects to this endpoint (a SUB that binds it)")
+    p.add_argument("--no-prompt-tokens-details", action="store_true",
+                   help="omit usage.prompt_tokens_details, like vLLM without --enable-prompt-tokens-details")
     p.add_argument("--legacy-array-events", action="store_true")
     p.add_argument("--processes", type=int, default=0,
                    help="worker processes hosting the replicas (0: all in this process)")
@@ -72,7 +76,8 @@ def _config(args: argparse.Namespace) -> FleetConfig:
         hash_seed=args.hash_seed, cpu_blocks=args.cpu_blocks, disk_blocks=args.disk_blocks,
         disk_high_watermark=args.disk_high_watermark, disk_low_watermark=args.disk_low_watermark,
         disk_write_through=not args.disk_on_cpu_eviction, kv_events=not args.no_kv_events,
-        kv_events_base_port=args.kv_events_base_port, legacy_array_events=args.legacy_array_events,
+        kv_events_base_port=args.kv_events_base_port, kv_events_connect=args.kv_events_connect,
+        enable_prompt_tokens_details=not args.no_prompt_tokens_details, legacy_array_events=args.legacy_array_events,
         processes=args.processes, name_prefix=args.name_prefix, lora_modules=_pairs(args.lora, "lora"),
         labels=_pairs(args.label, "label"),
     )

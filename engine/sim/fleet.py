@@ -55,12 +55,14 @@ class FleetConfig:
     disk_write_through: bool = True
     kv_events: bool = True
     kv_events_base_port: int = 0
+    kv_events_connect: str | None = None
     kv_replay: bool = True
     legacy_array_events: bool = False
     processes: int = 0
     name_prefix: str = "sim"
     lora_modules: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
+    enable_prompt_tokens_details: bool = True
 
     def replica_config(self, i: int, tokenizer_dir: str) -> ReplicaConfig:
         """The configuration of replica `i` (profiles cycle over `profiles` when given)."""
@@ -80,12 +82,16 @@ class FleetConfig:
         if self.kv_events_base_port:
             kv_pub = f"tcp://{self.host}:{self.kv_events_base_port + 2 * i}"
             kv_replay = f"tcp://{self.host}:{self.kv_events_base_port + 2 * i + 1}"
+        if self.kv_events_connect:
+            kv_pub = self.kv_events_connect  # centralized mode: every PUB dials one bound SUB
         labels = {"replica": f"{self.name_prefix}-{i}", "profile": profile.name, **self.labels}
         return ReplicaConfig(
             name=f"{self.name_prefix}-{i}", model=self.model, tokenizer_dir=tokenizer_dir, host=self.host,
             port=self.base_port + i if self.base_port else 0, engine=engine, kv_events=self.kv_events,
             kv_events_endpoint=kv_pub, kv_replay_endpoint=kv_replay, kv_replay=self.kv_replay,
             legacy_array_events=self.legacy_array_events, lora_modules=dict(self.lora_modules), labels=labels,
+            enable_prompt_tokens_details=self.enable_prompt_tokens_details,
+            kv_events_bind=None if self.kv_events_connect else True,
         )
 
 

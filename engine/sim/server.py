@@ -43,6 +43,7 @@ class ReplicaConfig:
     kv_events_endpoint: str | None = None
     kv_replay_endpoint: str | None = None
     kv_replay: bool = True
+    kv_events_bind: bool | None = None
     kv_topic: str | None = None
     legacy_array_events: bool = False
     lora_modules: dict[str, str] = field(default_factory=dict)
@@ -152,6 +153,7 @@ class SimReplica:
                 replay_endpoint=(c.kv_replay_endpoint or f"tcp://{c.host}:*") if c.kv_replay else None,
                 topic=topic,
                 legacy_array_events=c.legacy_array_events,
+                bind=c.kv_events_bind,
             )
             self.engine.publisher = self.publisher
         self.engine.start()

@@ -45,7 +45,10 @@ class EventSubscriber:
 
         msg = parse_monitor_message(await asyncio.wait_for(self._monitor.recv_multipart(), timeout))
         assert msg["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
-        await asyncio.sleep(0.1)
+        # A ZMQ socket attaches a new connection (and sends its subscription) only when the
+        # application calls into it; poll once, then give the PUB time to apply it.
+        await self.sock.poll(50)
+        await asyncio.sleep(0.15)
 
     async def recv(self, timeout: float = 2.0) -> tuple[str, int, list]:
         frames = await asyncio.wait_for(self.sock.recv_multipart(), timeout)

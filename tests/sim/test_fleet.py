@@ -60,3 +60,38 @@ async def test_command_line_prints_endpoints_and_stops_on_sigterm(tokenizer_dir)
         proc.send_signal(signal.SIGTERM)
         rc = await asyncio.wait_for(proc.wait(), 15)
     assert rc == 0
+
+
+async def test_centralized_mode_every_replica_dials_one_bound_subscriber(tokenizer_dir):
+    import msgspec
+    import zmq
+    import zmq.asyncio
+    from zmq.utils.monitor import parse_monitor_message
+
+    sub = zmq.asyncio.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        config = FleetConfig(replicas=2, tokenizer_dir=tokenizer_dir, kv_events_connect=f"tcp://127.0.0.1:{port}")
+        async with SimFleet(config) as fleet:
+            for _ in range(2):
+                msg = parse_monitor_message(await asyncio.wait_for(monitor.recv_multipart(), 5))
+                assert msg["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+            await sub.poll(50)  # the SUB attaches the connections and sends its subscription
+            await asyncio.sleep(0.15)  # and the publishers receive it
+            for e in fleet.endpoints:
+                async with aiohttp.ClientSession() as s:
+                    async with s.post(f"http://{e}/v1/completions", json={"prompt": "word " * 40, "max_tokens": 1}) as r:
+                        assert r.status == 200
+            topics = set()
+            while len(topics) < 2:
+                topic, seq, payload = await asyncio.wait_for(sub.recv_multipart(), 3)
+                assert msgspec.msgpack.decode(payload)[1][0]["type"] == "BlockStored"
+                topics.add(topic.decode())
+            assert topics == {f"kv@{e}@sim-model" for e in fleet.endpoints}
+    finally:
+        sub.disable_monitor()
+        monitor.close(0)
+        sub.close(0)
