@@ -14,8 +14,8 @@ context, 128 MiB, 0.05 ms) and its share of compute (0.03 ms) -> 0.08 ms per run
 CPU-tier loads move 128 KiB/token over PCIe Gen5 x16 at an effective 25 GB/s -> 5.2 us/token;
 disk-tier loads at an effective 5 GB/s of NVMe -> 26 us/token. The KV capacity follows from
 (80 GB x 0.9 - 16.1 GB weights - ~2 GB activations) / (16 tokens x 128 KiB) ~ 26,000 blocks.
-These agree in magnitude with the per-token prefill and inter-token latencies that public vLLM
-benchmarks of 8B models on one H100 report (tens of us per prompt token, 6-10 ms ITL).
+They are estimates, not measurements (no GPU was available to calibrate them); replace them with
+measured numbers (``LatencyProfile(...)``) when one is.
 """
 
 from __future__ import annotations
