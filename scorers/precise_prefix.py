@@ -14,6 +14,7 @@ As a pre-request hook it claims the request's blocks on each profile's chosen en
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, Sequence
 
@@ -34,6 +35,7 @@ from epp.tokenization.pool import TokenizerPool, token_ids_of
 log = logging.getLogger(__name__)
 
 DEFAULT_TIER_WEIGHTS = {"gpu": 1.0, "cpu": 0.8, "disk": 0.5}
+OFFLOAD_KEYING_TOKENS = 32_768
 
 
 def _seconds(params: PluginParams, key: str, default: float) -> float:
@@ -46,18 +48,13 @@ def _seconds(params: PluginParams, key: str, default: float) -> float:
     return value
 
 
-_PROBE_METRIC = {"kv_index": "epp_kv_index_entries", "kv_events": "epp_kv_events_subscriptions",
-                 "tokenization": "epp_tokenization_cache_tokens"}
-
-
-def _registry_or_none(registry: CollectorRegistry | None, what: str) -> CollectorRegistry | None:
-    """The registry, unless another producer already exports these metrics on it."""
-    if registry is None:
-        return None
-    if _PROBE_METRIC[what] in getattr(registry, "_names_to_collectors", {}):
-        log.warning("another precise-prefix-cache-producer exports the %s metrics; this one does not", what)
-        return None
-    return registry
+def _exported(factory, registry: CollectorRegistry | None):
+    """Build metrics on `registry`; a second producer on the same registry runs them unexported."""
+    try:
+        return factory(registry)
+    except ValueError:  # duplicated timeseries
+        log.warning("another precise-prefix-cache-producer already exports these metrics; this one does not")
+        return factory(None)
 
 
 class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
@@ -103,13 +100,13 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
         self.index = KVBlockIndex(
             self.block_size, capacity, engine_capacity_per_endpoint=engine_capacity,
             speculative_ttl_s=speculative_ttl,
-            metrics=KVIndexMetrics(_registry_or_none(registry, "kv_index")))
+            metrics=_exported(KVIndexMetrics, registry))
         self.subscriber = KVEventSubscriber(
             self.index, config, context.endpoints,
-            KVSubscriberMetrics(_registry_or_none(registry, "kv_events")))
-        self.tokenizers = (TokenizerPool(tokenizer_dirs, cache_tokens=cache_tokens, offload_chars=offload_chars,
-                                         registry=_registry_or_none(registry, "tokenization"))
-                           if tokenizer_dirs else None)
+            _exported(KVSubscriberMetrics, registry))
+        self.tokenizers = (_exported(lambda reg: TokenizerPool(
+            tokenizer_dirs, cache_tokens=cache_tokens, offload_chars=offload_chars, registry=reg), registry)
+            if tokenizer_dirs else None)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -140,8 +137,12 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
         if tokens is None:
             return
         bs = self.block_size
-        keys = self.index.keyer.request_keys(tokens[: self.max_blocks * bs], request.target_model,
-                                             request.cache_salt)
+        tokens = tokens[: self.max_blocks * bs]
+        if len(tokens) > OFFLOAD_KEYING_TOKENS:  # ~1 ms per 50k tokens: keep the loop responsive
+            keys = await asyncio.to_thread(self.index.keyer.request_keys, tokens, request.target_model,
+                                           request.cache_salt)
+        else:
+            keys = self.index.keyer.request_keys(tokens, request.target_model, request.cache_salt)
         state.put(self.name, keys)
         matches = self.index.lookup(keys, [ep.name for ep in endpoints]) if keys else {}
         weights = self.tier_weights

@@ -89,6 +89,7 @@ class _Stream:
     repairing: bool = False
     pending: list[tuple[int, bytes, bytes]] = field(default_factory=list)
     last_failed_replay_at: float = float("-inf")
+    warned_no_model: bool = False
 
 
 class KVEventSubscriber:
@@ -291,6 +292,11 @@ class KVEventSubscriber:
             log.debug("undecodable KV event batch from %s: %s", stream.endpoint, exc)
             return
         model = parse_topic(topic).model or self.config.default_model
+        if model is None and not stream.warned_no_model:
+            # Request keys are seeded by the model name; without one nothing will ever match.
+            stream.warned_no_model = True
+            log.warning("KV events of %s name no model (topic %r) and no default model is configured: "
+                        "use a kv@<ip:port>@<model> topic or set defaultModel", stream.endpoint, topic)
         self.index.apply_batch(stream.endpoint, batch, model)
 
     def _reset(self, stream: _Stream, reason: str) -> None:

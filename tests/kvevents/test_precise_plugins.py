@@ -111,6 +111,17 @@ async def test_pre_request_claims_the_prefix_on_the_chosen_endpoint_for_the_ttl(
     assert (await produce(prod0)).endpoint_data(PREFIX_MATCH_INFO, B.name).matched_blocks == 0
 
 
+async def test_two_producers_share_one_metrics_registry(tmp_path):
+    context = PluginContext(metrics_registry=CollectorRegistry())
+    model_dir = write_tiny_model(tmp_path / "tiny", weights=False)
+    params = {"blockSizeTokens": BS, "subscribe": False, "tokenizers": {"tiny": str(model_dir)}}
+    first = build("precise-prefix-cache-producer", params, context)
+    second = build("precise-prefix-cache-producer", params, context)
+    feed(second, A, wire.stored([1], TOKENS[:4]))
+    assert second.index.entries == 1
+    assert context.metrics_registry.get_sample_value("epp_kv_index_entries") == first.index.entries == 0
+
+
 async def test_bad_parameters_fail_with_the_field_named():
     with pytest.raises(ConfigError, match="tierWeights"):
         producer(tierWeights={"hbm": 1.0})
