@@ -16,7 +16,6 @@ import statistics
 import time
 
 import aiohttp
-
 from epp.engine.sim import FleetConfig, SimFleet
 
 PROMPTS = [

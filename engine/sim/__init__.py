@@ -5,13 +5,38 @@ Start replicas with ``python -m epp.engine.sim fleet --replicas N`` or, from Pyt
 """
 
 from epp.engine.sim.engine import EngineConfig, SimEngine, SimRequest
-from epp.engine.sim.fleet import FleetConfig, SimFleet, default_tokenizer_dir, start_fleet
+from epp.engine.sim.fleet import (
+    FleetConfig,
+    SimFleet,
+    default_tokenizer_dir,
+    start_fleet,
+)
 from epp.engine.sim.kvcache import KVCache, TierConfig
-from epp.engine.sim.profiles import FAST, H100_LLAMA3_8B, PROFILES, LatencyProfile, get_profile
+from epp.engine.sim.profiles import (
+    FAST,
+    H100_LLAMA3_8B,
+    PROFILES,
+    LatencyProfile,
+    get_profile,
+)
 from epp.engine.sim.server import REPLICA_HEADER, ReplicaConfig, SimReplica
 
 __all__ = [
-    "EngineConfig", "FAST", "FleetConfig", "H100_LLAMA3_8B", "KVCache", "LatencyProfile", "PROFILES",
-    "REPLICA_HEADER", "ReplicaConfig", "SimEngine", "SimFleet", "SimReplica", "SimRequest", "TierConfig",
-    "default_tokenizer_dir", "get_profile", "start_fleet",
+    "FAST",
+    "H100_LLAMA3_8B",
+    "PROFILES",
+    "REPLICA_HEADER",
+    "EngineConfig",
+    "FleetConfig",
+    "KVCache",
+    "LatencyProfile",
+    "ReplicaConfig",
+    "SimEngine",
+    "SimFleet",
+    "SimReplica",
+    "SimRequest",
+    "TierConfig",
+    "default_tokenizer_dir",
+    "get_profile",
+    "start_fleet",
 ]

@@ -39,12 +39,12 @@ class EngineConfig:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
-    tiers: TierConfig = TierConfig()
+    tiers: TierConfig = field(default_factory=TierConfig)
     time_scale: float = 1.0
     lag_tolerance: float = 0.05
     hash_seed: str | None = None
 
-    def resolved(self) -> "EngineConfig":
+    def resolved(self) -> EngineConfig:
         """A copy with every None filled from the profile."""
         p = self.profile
         return EngineConfig(
@@ -190,7 +190,7 @@ class SimEngine:
         if max_tokens is None:
             max_tokens = max_len - n
         elif max_tokens < 1:
-            raise EngineError("max_tokens must be at least 1, got %d." % max_tokens)
+            raise EngineError(f"max_tokens must be at least 1, got {max_tokens}.")
         elif n + max_tokens > max_len:
             raise EngineError(
                 f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "

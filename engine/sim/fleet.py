@@ -21,7 +21,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from epp.engine.sim.engine import EngineConfig
 from epp.engine.sim.kvcache import TierConfig
@@ -148,7 +148,7 @@ class SimFleet:
         """The comma-joined endpoints, the exact string `epp serve --endpoints` takes."""
         return ",".join(self.endpoints)
 
-    async def start(self) -> "SimFleet":
+    async def start(self) -> Self:
         """Start every replica; returns self once all of them serve."""
         c = self.config
         nproc = min(c.processes, c.replicas)
@@ -194,12 +194,12 @@ class SimFleet:
         for proc in self._procs:
             try:
                 await asyncio.wait_for(proc.wait(), 10)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 proc.kill()
                 await proc.wait()
         self._procs = []
 
-    async def __aenter__(self) -> "SimFleet":
+    async def __aenter__(self) -> Self:
         return await self.start()
 
     async def __aexit__(self, *exc: object) -> None:

@@ -22,7 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from epp.engine.kv_publisher import (
-    MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent,
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    MEDIUM_STORAGE,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
 )
 from epp.engine.sim.hashing import external_hash
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
@@ -25,7 +25,7 @@ ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8
 class Histogram:
     """Fixed-bucket histogram (cumulative counts computed at render time)."""
 
-    __slots__ = ("buckets", "counts", "sum", "count")
+    __slots__ = ("buckets", "count", "counts", "sum")
 
     def __init__(self, buckets: list[float]) -> None:
         self.buckets = buckets
@@ -119,9 +119,9 @@ class MetricsRenderer:
         gauge("vllm:kv_cache_usage_perc", kv_usage, "KV-cache usage. 1 means 100 percent usage.")
         states = [("awake", sleep_level is None), ("weights_offloaded", sleep_level == 1),
                   ("discard_all", sleep_level == 2)]
-        lines = ["# HELP vllm:engine_sleep_state Engine sleep state; awake = 0 means engine is sleeping; "
-                 "awake = 1 means engine is awake; weights_offloaded = 1 means sleep level 1; "
-                 "discard_all = 1 means sleep level 2.", "# TYPE vllm:engine_sleep_state gauge"]
+        lines = [("# HELP vllm:engine_sleep_state Engine sleep state; awake = 0 means engine is sleeping; "
+                  "awake = 1 means engine is awake; weights_offloaded = 1 means sleep level 1; "
+                  "discard_all = 1 means sleep level 2."), "# TYPE vllm:engine_sleep_state gauge"]
         for state, on in states:
             lines.append(f"vllm:engine_sleep_state{_labels(self.base + [('sleep_state', state)])} {_fmt(1 if on else 0)}")
         out.append("\n".join(lines))

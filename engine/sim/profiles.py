@@ -47,7 +47,7 @@ class LatencyProfile:
         return (self.step_overhead + self.forward_base + self.decode_per_seq * decoding_seqs
                 + self.prefill_per_token * prefill_tokens + load_time)
 
-    def scaled(self, factor: float) -> "LatencyProfile":
+    def scaled(self, factor: float) -> LatencyProfile:
         """The same profile with every time multiplied by `factor` (a slower or faster GPU)."""
         return replace(
             self,

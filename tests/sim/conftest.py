@@ -8,7 +8,6 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
-
 from epp.engine.sim.fleet import default_tokenizer_dir
 from epp.engine.sim.tokenizer import SimTokenizer
 
@@ -65,7 +64,7 @@ class EventSubscriber:
         while True:
             try:
                 out.append(await self.recv(quiet))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return out
 
     def events(self) -> list[dict]:

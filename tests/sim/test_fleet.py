@@ -9,18 +9,18 @@ import signal
 import sys
 
 import aiohttp
-
 from epp.engine.sim import FleetConfig, SimFleet
+
 from tests.conftest import free_port
 
 ENDPOINTS = re.compile(r"^127\.0\.0\.1:\d+(,127\.0\.0\.1:\d+)*$")
 
 
 async def who_answers(endpoint: str) -> str:
-    async with aiohttp.ClientSession() as s:
-        async with s.post(f"http://{endpoint}/v1/completions", json={"prompt": "hi", "max_tokens": 1}) as r:
-            assert r.status == 200
-            return r.headers["x-sim-replica"]
+    async with aiohttp.ClientSession() as s, s.post(f"http://{endpoint}/v1/completions",
+                                                      json={"prompt": "hi", "max_tokens": 1}) as r:
+        assert r.status == 200
+        return r.headers["x-sim-replica"]
 
 
 async def test_in_process_fleet_with_heterogeneous_profiles(tokenizer_dir):
@@ -81,13 +81,13 @@ async def test_centralized_mode_every_replica_dials_one_bound_subscriber(tokeniz
                 assert msg["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
             await sub.poll(50)  # the SUB attaches the connections and sends its subscription
             await asyncio.sleep(0.15)  # and the publishers receive it
-            for e in fleet.endpoints:
-                async with aiohttp.ClientSession() as s:
+            async with aiohttp.ClientSession() as s:
+                for e in fleet.endpoints:
                     async with s.post(f"http://{e}/v1/completions", json={"prompt": "word " * 40, "max_tokens": 1}) as r:
                         assert r.status == 200
             topics = set()
             while len(topics) < 2:
-                topic, seq, payload = await asyncio.wait_for(sub.recv_multipart(), 3)
+                topic, _seq, payload = await asyncio.wait_for(sub.recv_multipart(), 3)
                 assert msgspec.msgpack.decode(payload)[1][0]["type"] == "BlockStored"
                 topics.add(topic.decode())
             assert topics == {f"kv@{e}@sim-model" for e in fleet.endpoints}

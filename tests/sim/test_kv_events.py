@@ -9,8 +9,12 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
-
-from epp.engine.kv_publisher import AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher
+from epp.engine.kv_publisher import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventPublisher,
+)
 from epp.engine.sim import FleetConfig, SimFleet
 from epp.engine.sim.hashing import block_hashes, external_hash, none_hash
 
@@ -138,10 +142,9 @@ async def test_cache_salt_appears_in_first_block_extra_keys(replica, subscriber_
     info = replica.info[0]
     sub = subscriber_factory(info["kv_events_endpoint"])
     await sub.ready()
-    async with aiohttp.ClientSession() as http:
-        async with http.post(f"http://{info['endpoint']}/v1/completions",
-                             json={"prompt": "tenant data " * 20, "max_tokens": 1, "cache_salt": "tenant-a"}) as r:
-            assert r.status == 200
+    body = {"prompt": "tenant data " * 20, "max_tokens": 1, "cache_salt": "tenant-a"}
+    async with aiohttp.ClientSession() as http, http.post(f"http://{info['endpoint']}/v1/completions", json=body) as r:
+        assert r.status == 200
     await sub.drain()
     ev = next(e for e in sub.events() if e["type"] == "BlockStored" and e["medium"] == "GPU")
     assert ev["extra_keys"][0] == ["tenant-a"] and all(k is None for k in ev["extra_keys"][1:])

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from epp.engine.kv_publisher import AllBlocksCleared, BlockRemoved, BlockStored
-from epp.engine.sim.hashing import HashContext, block_hashes, external_hash
+from epp.engine.sim.hashing import NO_CONTEXT, HashContext, block_hashes, external_hash
 from epp.engine.sim.kvcache import BlockInfo, KVCache, TierConfig
 
 BS = 4
 
 
-def chain(tokens: list[int], ctx: HashContext = HashContext()) -> list[BlockInfo]:
+def chain(tokens: list[int], ctx: HashContext = NO_CONTEXT) -> list[BlockInfo]:
     hashes = block_hashes(tokens, BS, ctx)
     return [BlockInfo(h, hashes[i - 1] if i else None, tuple(tokens[i * BS:(i + 1) * BS]), ctx.event_extra_keys(i))
             for i, h in enumerate(hashes)]
