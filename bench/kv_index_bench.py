@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import multiprocessing
 import random
 import statistics
 import tempfile
@@ -63,6 +64,11 @@ def _percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+
 def bench_index(size: int, n_endpoints: int) -> dict:
     endpoints = [f"10.0.{i // 250}.{i % 250}:8000" for i in range(n_endpoints)]
     index = KVBlockIndex(BLOCK, size, engine_capacity_per_endpoint=10 * size)
@@ -70,6 +76,7 @@ def bench_index(size: int, n_endpoints: int) -> dict:
     n_events = size // (BLOCKS_PER_EVENT * 2)
     batches = _event_batches(n_events, seed=1)
     gc.collect()
+    rss0 = _rss_mb()
     t0 = time.perf_counter()
     for i, batch in enumerate(batches):
         prompt = i // 8  # a prompt's 8 chained events go to the same two endpoints
@@ -78,6 +85,7 @@ def bench_index(size: int, n_endpoints: int) -> dict:
     fill_s = time.perf_counter() - t0
     fill_rate = 2 * n_events / fill_s
     filled = index.entries
+    index_mb = _rss_mb() - rss0
     # At capacity: each new entry evicts the least recently used one.
     extra = _event_batches(2000, seed=2)
     t0 = time.perf_counter()
@@ -110,7 +118,7 @@ def bench_index(size: int, n_endpoints: int) -> dict:
         miss_lat.append(time.perf_counter() - t0)
     assert len(result[endpoints[0]]) == 48, result.keys()
     return {
-        "size": size, "endpoints": n_endpoints, "entries": filled,
+        "size": size, "endpoints": n_endpoints, "entries": filled, "index_mb": index_mb,
         "fill_events_s": fill_rate, "fill_blocks_s": fill_rate * BLOCKS_PER_EVENT,
         "steady_events_s": steady_rate,
         "hit_p50_us": _percentile(hit_lat, 0.5) * 1e6, "hit_p99_us": _percentile(hit_lat, 0.99) * 1e6,
@@ -163,14 +171,15 @@ def main() -> None:
     sizes = [10_000, 100_000] if args.quick else [10_000, 100_000, 1_000_000]
     print("## KV block index (block 16 tokens, events of 8 blocks, prompt of 64 blocks)\n")
     print("| entries | endpoints | fill events/s | fill blocks/s | at-capacity events/s | "
-          "lookup hit p50 µs | hit p99 µs | lookup miss p50 µs | keys for 1024 tokens µs |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "lookup hit p50 µs | hit p99 µs | lookup miss p50 µs | keys for 1024 tokens µs | RSS growth MB |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for size in sizes:
         for n_endpoints in (4, 16, 64):
-            r = bench_index(size, n_endpoints)
+            with multiprocessing.get_context("fork").Pool(1) as worker:  # fresh heap: honest RSS growth
+                r = worker.apply(bench_index, (size, n_endpoints))
             print(f"| {r['entries']:,} | {n_endpoints} | {r['fill_events_s']:,.0f} | {r['fill_blocks_s']:,.0f} | "
                   f"{r['steady_events_s']:,.0f} | {r['hit_p50_us']:.1f} | {r['hit_p99_us']:.1f} | "
-                  f"{r['miss_p50_us']:.1f} | {r['keying_us']:.1f} |", flush=True)
+                  f"{r['miss_p50_us']:.1f} | {r['keying_us']:.1f} | {r['index_mb']:.0f} |", flush=True)
             gc.collect()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_model(Path(tmp) / "tiny", weights=False)

@@ -67,6 +67,7 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
         self.block_size = params.int("blockSizeTokens", 16, minimum=1)
         capacity = params.int("indexCapacity", 1_000_000, minimum=1)
         engine_capacity = params.int("engineKeyCapacity", 200_000, minimum=1)
+        offload_chunk = params.int("offloadChunkBlocks", 1, minimum=1)
         self.max_blocks = params.int("maxPrefixBlocks", 16_384, minimum=1)
         weights = dict(DEFAULT_TIER_WEIGHTS)
         for tier, weight in (params.mapping("tierWeights", None) or {}).items():
@@ -99,6 +100,7 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
         registry = context.metrics_registry
         self.index = KVBlockIndex(
             self.block_size, capacity, engine_capacity_per_endpoint=engine_capacity,
+            offload_chunk_blocks=offload_chunk,
             speculative_ttl_s=speculative_ttl,
             metrics=_exported(KVIndexMetrics, registry))
         self.subscriber = KVEventSubscriber(

@@ -10,6 +10,8 @@ Policies (documented because they are choices):
 - Engine block size != index block size: tokens are regrouped into index blocks; a partial tail
   is kept on the engine block and continued by the child's event. An index block is mapped to
   every engine block that contributed tokens to it, so removing any of them removes the key.
+- Offload chunks: vLLM announces an offloaded chunk of N GPU blocks by its last block's hash;
+  with `offload_chunk_blocks=N` a CPU/disk event also covers the N-1 blocks before it in the chain.
 - Tiers: GPU presence is a flag (vLLM may re-announce GPU blocks); CPU/disk presence is
   reference-counted per engine hash, as chunked offload re-announces shared hashes. A key stays
   on an endpoint while any tier holds it; an engine hash is forgotten when no tier holds it.
@@ -42,9 +44,11 @@ _BEST_TIER = (Tier.GPU, Tier.GPU, Tier.CPU, Tier.GPU, Tier.DISK, Tier.GPU, Tier.
 class _EngineBlock:
     """What an endpoint's engine block maps to: request keys, the chain to continue, tier counts."""
 
-    __slots__ = ("keys", "chain_key", "tail", "tail_hashes", "counts")
+    __slots__ = ("hash", "keys", "chain_key", "tail", "tail_hashes", "counts", "parent")
 
-    def __init__(self) -> None:
+    def __init__(self, block_hash: int) -> None:
+        self.hash = block_hash
+        self.parent: int | None = None  # the previous engine block's hash in this chain
         self.keys: list[int] = []
         self.chain_key = 0
         self.tail: tuple[int, ...] = ()
@@ -72,6 +76,7 @@ class KVBlockIndex:
         capacity: int = 1_000_000,
         *,
         engine_capacity_per_endpoint: int = 200_000,
+        offload_chunk_blocks: int = 1,
         speculative_ttl_s: float = 2.0,
         speculative_capacity: int = 200_000,
         metrics: KVIndexMetrics | None = None,
@@ -83,6 +88,7 @@ class KVBlockIndex:
         self.block_size = block_size
         self.capacity = capacity
         self.engine_capacity = engine_capacity_per_endpoint
+        self.offload_chunk_blocks = max(1, offload_chunk_blocks)
         self.speculative_ttl_s = speculative_ttl_s
         self.speculative_capacity = speculative_capacity
         self.metrics = metrics or KVIndexMetrics(None)
@@ -145,11 +151,12 @@ class KVBlockIndex:
         if not ev.token_ids:
             # Offload placeholder: same engine hashes as the GPU blocks, no tokens.
             for h in ev.block_hashes:
-                eb = engine.get(h)
-                if eb is None:
+                chunk = self._offload_chunk(engine, h, tier)
+                if not chunk:
                     stats.drop("unknown_engine_key")
                     continue
-                self._add_tier(endpoint, eb, tier)
+                for eb in chunk:
+                    self._add_tier(endpoint, eb, tier)
             stats.applied += 1
             return
         n_blocks = len(ev.block_hashes)
@@ -193,7 +200,7 @@ class KVBlockIndex:
                 first_j = 0
                 for th in tail_hashes:  # earlier engine blocks that hold the start of this key
                     teb = engine.get(th)
-                    if teb is not None:
+                    if teb is not None and key not in teb.keys:
                         teb.keys.append(key)
             else:
                 first_j = (start - offset) // esize
@@ -204,11 +211,12 @@ class KVBlockIndex:
             done = block_end // bsize  # index blocks complete at the end of engine block j
             eb = engine.pop(h, None)
             if eb is None:
-                eb = _EngineBlock()
+                eb = _EngineBlock(h)
                 eb.keys = keys_by_block[j]
             else:  # re-announced: keep keys that children's events added to it
                 eb.keys.extend(k for k in keys_by_block[j] if k not in eb.keys)
             engine[h] = eb  # re-insert: newest last for the FIFO bound
+            eb.parent = ev.parent_block_hash if j == 0 else ev.block_hashes[j - 1]
             eb.chain_key = keys[done - 1] if done > 0 else chain
             tail_start = done * bsize
             eb.tail = combined[tail_start:block_end]
@@ -240,18 +248,38 @@ class KVBlockIndex:
         engine = self._engine.get(endpoint)
         tier = ev.tier
         for h in ev.block_hashes:
-            eb = engine.get(h) if engine else None
-            if eb is None or eb.counts[tier] == 0:
+            chunk = self._offload_chunk(engine, h, tier) if engine else []
+            if not chunk or chunk[0].counts[tier] == 0:
                 stats.drop("unknown_engine_key")
                 continue
-            eb.counts[tier] = 0 if tier is Tier.GPU else eb.counts[tier] - 1
-            if eb.counts[tier] == 0:
-                bit = _BIT[tier]
-                for key in eb.keys:
-                    self._clear_bit(key, endpoint, bit)
-                if not any(eb.counts):
-                    del engine[h]
+            for eb in chunk:
+                if eb.counts[tier] == 0:
+                    continue
+                eb.counts[tier] = 0 if tier is Tier.GPU else eb.counts[tier] - 1
+                if eb.counts[tier] == 0:
+                    bit = _BIT[tier]
+                    for key in eb.keys:
+                        self._clear_bit(key, endpoint, bit)
+            for eb in chunk:
+                if not any(eb.counts) and engine.get(eb.hash) is eb:
+                    del engine[eb.hash]
         stats.applied += 1
+
+    def _offload_chunk(self, engine: dict[int, _EngineBlock], h: int, tier: Tier) -> list[_EngineBlock]:
+        """The engine blocks an offload event for hash `h` stands for: vLLM announces a chunk of
+        `offload_chunk_blocks` GPU blocks by the hash of its last block, so walk back the chain."""
+        eb = engine.get(h)
+        if eb is None:
+            return []
+        chunk = [eb]
+        if tier is not Tier.GPU:
+            while len(chunk) < self.offload_chunk_blocks and eb.parent is not None:
+                eb = engine.get(eb.parent)
+                if eb is None:
+                    break
+                chunk.append(eb)
+        return chunk
+
 
     def _trim_engine(self, endpoint: str, engine: dict[int, _EngineBlock]) -> None:
         evicted = 0

@@ -259,3 +259,15 @@ def test_captured_vllm_events_index_the_captured_prompts():
     salted = requests["salted_prefix_a"]
     assert index.keyer.request_keys(salted["prompt_token_ids"], "tiny", "tenant-a")[0] != \
         index.keyer.request_keys(salted["prompt_token_ids"], "tiny")[0]
+
+
+def test_an_offloaded_chunk_announced_by_its_last_hash_covers_the_whole_chunk():
+    index, _ = make_index(offload_chunk_blocks=2)
+    apply(index, A, wire.stored([1, 2, 3, 4], TOKENS[:16]))
+    apply(index, A, wire.placeholder([2], "CPU"), wire.placeholder([4], "CPU"))  # chunks (1,2), (3,4)
+    apply(index, A, wire.removed([1, 2, 3, 4], "GPU"))
+    assert matched(index, TOKENS, A) == [Tier.CPU] * 4
+    apply(index, A, wire.removed([2], "CPU"))  # the first chunk leaves the CPU tier
+    assert matched(index, TOKENS, A) == [] and index.engine_blocks(A) == 2
+    apply(index, A, wire.removed([4], "CPU"))
+    assert index.engine_blocks(A) == 0 and index.entries == 0
