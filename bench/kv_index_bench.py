@@ -23,12 +23,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
 from epp.engine.tinymodel import _WORDS, write_tiny_model
+
 from epp.kvevents.decoding import decode_batch
 from epp.kvevents.index import KVBlockIndex
 from epp.tokenization.pool import ModelTokenizer
 from epp.tokenization.prefix_cache import TokenizationCache
-import msgspec
 
 BLOCK = 16
 BLOCKS_PER_EVENT = 8
@@ -51,7 +52,7 @@ def _event_batches(n_events: int, seed: int) -> list:
     out = []
     hash_base = seed << 40
     for e in range(n_events):
-        prompt, part = divmod(e, 8)
+        part = e % 8
         tokens = [rng.randrange(50_000) for _ in range(BLOCK * BLOCKS_PER_EVENT)]
         hashes = [hash_base + e * BLOCKS_PER_EVENT + i for i in range(BLOCKS_PER_EVENT)]
         parent = None if part == 0 else hash_base + e * BLOCKS_PER_EVENT - 1

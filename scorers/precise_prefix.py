@@ -16,20 +16,32 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
+from epp.scorers.durations import parse_duration
 from prometheus_client import CollectorRegistry
 
-from epp.framework.datakeys import PREFIX_MATCH_INFO, PREFIX_TIER_MATCH, PrefixMatchInfo, TierMatch
+from epp.framework.datakeys import (
+    PREFIX_MATCH_INFO,
+    PREFIX_TIER_MATCH,
+    PrefixMatchInfo,
+    TierMatch,
+)
 from epp.framework.errors import ConfigError
-from epp.framework.plugin import CycleState, DataProducer, PluginContext, PreRequestHook, SchedulingResult
+from epp.framework.plugin import (
+    CycleState,
+    DataProducer,
+    PluginContext,
+    PreRequestHook,
+    SchedulingResult,
+)
 from epp.framework.registry import PluginParams, PluginRegistry
 from epp.framework.types import Endpoint, InferenceRequest
 from epp.kvevents.decoding import Tier
 from epp.kvevents.index import KVBlockIndex
 from epp.kvevents.metrics import KVIndexMetrics, KVSubscriberMetrics
 from epp.kvevents.subscriber import MODES, KVEventSubscriber, SubscriberConfig
-from epp.scorers.durations import parse_duration
 from epp.tokenization.pool import TokenizerPool, token_ids_of
 
 log = logging.getLogger(__name__)
@@ -174,4 +186,4 @@ def register(registry: PluginRegistry) -> None:
     registry.register_class(PrecisePrefixCacheProducer)
 
 
-__all__: list[Any] = ["PrecisePrefixCacheProducer", "register", "DEFAULT_TIER_WEIGHTS"]
+__all__: list[Any] = ["DEFAULT_TIER_WEIGHTS", "PrecisePrefixCacheProducer", "register"]

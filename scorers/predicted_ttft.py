@@ -22,7 +22,7 @@ load < recompute.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from epp.framework.datakeys import PREFIX_TIER_MATCH, TierMatch
 from epp.framework.plugin import CycleState, PluginContext, Scorer, ScorerCategory

@@ -27,12 +27,19 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import xxhash
 
-from epp.kvevents.decoding import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, Tier
+from epp.kvevents.decoding import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DecodedBatch,
+    Tier,
+)
 from epp.kvevents.keys import BlockKeyer
 from epp.kvevents.metrics import KVIndexMetrics
 
@@ -44,7 +51,7 @@ _BEST_TIER = (Tier.GPU, Tier.GPU, Tier.CPU, Tier.GPU, Tier.DISK, Tier.GPU, Tier.
 class _EngineBlock:
     """What an endpoint's engine block maps to: request keys, the chain to continue, tier counts."""
 
-    __slots__ = ("hash", "keys", "chain_key", "tail", "tail_hashes", "counts", "parent")
+    __slots__ = ("chain_key", "counts", "hash", "keys", "parent", "tail", "tail_hashes")
 
     def __init__(self, block_hash: int) -> None:
         self.hash = block_hash

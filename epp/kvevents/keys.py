@@ -11,7 +11,7 @@ embeds) mix a hash of those inputs into the seed, so text-only requests never ma
 from __future__ import annotations
 
 from array import array
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import xxhash
 

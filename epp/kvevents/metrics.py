@@ -6,7 +6,7 @@ exported), so tests and several pickers in one process never collide on the glob
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 

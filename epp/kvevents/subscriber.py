@@ -22,14 +22,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 import zmq
 import zmq.asyncio
 
 from epp.kvevents.decoding import (
-    KVEventDecodeError, Topic, decode_batch, parse_topic, pod_endpoint_name, pod_host,
+    KVEventDecodeError,
+    Topic,
+    decode_batch,
+    parse_topic,
+    pod_endpoint_name,
+    pod_host,
 )
 from epp.kvevents.index import KVBlockIndex
 from epp.kvevents.metrics import KVSubscriberMetrics
@@ -71,7 +77,7 @@ def _tcp(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
-def _label_port(endpoint: "Endpoint | None", label: str, default: int | None) -> int | None:
+def _label_port(endpoint: Endpoint | None, label: str, default: int | None) -> int | None:
     if endpoint is not None:
         value = endpoint.labels.get(label)
         if value and value.isdigit():
@@ -96,7 +102,7 @@ class KVEventSubscriber:
     """Receives KV-event batches over ZMQ and applies them, in order, to a `KVBlockIndex`."""
 
     def __init__(self, index: KVBlockIndex, config: SubscriberConfig,
-                 endpoints: "EndpointRegistry | None" = None,
+                 endpoints: EndpointRegistry | None = None,
                  metrics: KVSubscriberMetrics | None = None) -> None:
         self.index = index
         self.config = config
@@ -157,7 +163,7 @@ class KVEventSubscriber:
         return sock
 
     # ---- endpoints -----------------------------------------------------------------------------
-    def _on_endpoints_changed(self, added: Iterable["Endpoint"], removed: Iterable["Endpoint"]) -> None:
+    def _on_endpoints_changed(self, added: Iterable[Endpoint], removed: Iterable[Endpoint]) -> None:
         if self._running and self._loop is not None:
             self._loop.call_soon_threadsafe(self._reconcile)
 
@@ -321,7 +327,7 @@ class KVEventSubscriber:
                                               self.config.replay_timeout_s)
         except asyncio.CancelledError:
             raise
-        except (asyncio.TimeoutError, zmq.ZMQError, OSError) as exc:
+        except (TimeoutError, zmq.ZMQError, OSError) as exc:
             log.warning("KV event replay from %s failed: %r", stream.replay_address, exc)
             replayed = None
         if self._streams.get(stream.endpoint) is not stream:

@@ -16,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from tokenizers import Tokenizer
@@ -195,7 +196,7 @@ class TokenizerPool:
                 return await loop.run_in_executor(self._executor, self._tokenize_sync, request)
             self.metrics.runs.labels("inline").inc()
             return self._tokenize_sync(request)
-        except Exception:  # a broken template or prompt must not fail routing
+        except Exception:  # noqa: BLE001 - a broken template or prompt must not fail routing
             self.metrics.failures.labels("error").inc()
             return None
 

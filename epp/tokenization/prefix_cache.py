@@ -16,8 +16,8 @@ from __future__ import annotations
 import threading
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import xxhash
 

@@ -65,7 +65,7 @@ class FakePublisher:
 
     async def _serve_replay(self) -> None:
         while True:
-            ident, empty, start = await self.router.recv_multipart()
+            ident, _empty, start = await self.router.recv_multipart()
             self.replay_requests += 1
             first = int.from_bytes(start, "big")
             for seq, payload in list(self.buffer):

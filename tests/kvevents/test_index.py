@@ -241,7 +241,7 @@ def test_captured_vllm_events_index_the_captured_prompts():
     requests = {r["name"]: r for r in json.loads((CAPTURE / "requests.json").read_text())}
     block = manifest["block_size"]
     index, registry = make_index(block_size=block)
-    endpoint = "127.0.0.1:%d" % manifest["http_port"]
+    endpoint = f"127.0.0.1:{manifest['http_port']}"
     seen_full = {}
     for frame in frames:
         index.apply_batch(endpoint, decode_batch(base64.b64decode(frame["payload_b64"])), "tiny")

@@ -5,18 +5,23 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from epp.engine.tinymodel import write_tiny_model
+from epp.scorers import precise_prefix, predicted_ttft
+from epp.scorers.prefix import PrefixCacheScorer
 from prometheus_client import CollectorRegistry
 
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
-from epp.engine.tinymodel import write_tiny_model
 from epp.framework.datakeys import PREFIX_MATCH_INFO, PREFIX_TIER_MATCH, TierMatch
 from epp.framework.errors import ConfigError
-from epp.framework.plugin import CycleState, PluginContext, ProfileRunResult, SchedulingResult
+from epp.framework.plugin import (
+    CycleState,
+    PluginContext,
+    ProfileRunResult,
+    SchedulingResult,
+)
 from epp.framework.registry import PluginParams, PluginRegistry
 from epp.framework.types import ApiKind, Endpoint, EndpointMetrics, InferenceRequest
 from epp.kvevents.decoding import decode_batch
-from epp.scorers import precise_prefix, predicted_ttft
-from epp.scorers.prefix import PrefixCacheScorer
 from tests.kvevents import wire
 from tests.kvevents.publisher import FakePublisher
 

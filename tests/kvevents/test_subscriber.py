@@ -179,7 +179,7 @@ async def test_centralized_mode_binds_and_routes_by_topic():
         live = lambda: registry.get_sample_value("epp_kv_events_messages_total", {"source": "live"}) or 0
         for pub in pubs:
             before = live()
-            await pub.heartbeat_until(lambda: live() > before)
+            await pub.heartbeat_until(lambda before=before: live() > before)
         await pubs[0].publish([block_event(1, 0)])
         await pubs[1].publish([block_event(2, 0), block_event(2, 1)])
         keys1 = index.keyer.request_keys(tokens_of(1, 1), MODEL)
