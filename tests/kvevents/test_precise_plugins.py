@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
+from pathlib import Path
 
 import pytest
 from epp.engine.tinymodel import write_tiny_model
@@ -220,3 +223,34 @@ def test_predicted_ttft_without_tier_data_ranks_by_load():
     idle, busy = _endpoint("10.0.0.1"), _endpoint("10.0.0.2", waiting=3, running=4)
     scores = _ttft().score(CycleState(), request(), [idle, busy])
     assert scores[idle.name] == 1.0 and 0.0 < scores[busy.name] < 1.0
+
+
+CAPTURE = Path(__file__).parents[1] / "fixtures" / "vllm_capture"
+
+
+@pytest.mark.skipif(not (CAPTURE / "events.json").exists(), reason="no vLLM capture recorded")
+async def test_real_vllm_events_and_requests_match_end_to_end(tmp_path):
+    """Our tokenizer + key chain on the captured requests finds exactly what vLLM said it cached."""
+    manifest = json.loads((CAPTURE / "manifest.json").read_text())
+    requests = {r["name"]: r for r in json.loads((CAPTURE / "requests.json").read_text())}
+    frames = json.loads((CAPTURE / "events.json").read_text())
+    model_dir = write_tiny_model(tmp_path / "tiny", seed=manifest["tiny_model"]["seed"], weights=False)
+    block = manifest["block_size"]
+    prod = build("precise-prefix-cache-producer", {
+        "blockSizeTokens": block, "subscribe": False, "tokenizers": {"tiny": str(model_dir)}})
+    replica = Endpoint("127.0.0.1", manifest["http_port"])
+    try:
+        for frame in frames[:4]:  # prefix_a, prefix_b, chat_turn1, chat_turn2
+            prod.index.apply_batch(replica.name, decode_batch(base64.b64decode(frame["payload_b64"])), "tiny")
+        for name, blocks in (("chat_turn2", 293 // block), ("prefix_a", 385 // block), ("salted_prefix_a", 0)):
+            body = requests[name]["body"]
+            api = ApiKind.CHAT_COMPLETIONS if requests[name]["kind"] == "chat" else ApiKind.COMPLETIONS
+            req = InferenceRequest("r", api, "tiny", "tiny", body, cache_salt=body.get("cache_salt"))
+            state = CycleState()
+            await prod.prepare(state, req, [replica])
+            info = state.endpoint_data(PREFIX_MATCH_INFO, replica.name)
+            assert info.matched_blocks == blocks, name
+            assert state.endpoint_data(PREFIX_TIER_MATCH, replica.name).total_tokens == \
+                len(requests[name]["prompt_token_ids"])
+    finally:
+        await prod.stop()
