@@ -1,0 +1,165 @@
+"""GIE's portable black-box vectors, through the real ext_proc gRPC API and the real `/metrics` scraper.
+
+Pods are real HTTP servers at 127.0.0.2-4 (one common port) serving vLLM-shaped `/metrics`;
+the picker scrapes them, so a case passes only if scraping, parsing, the config loader, the
+scorers and the picker all agree with the GIE formulas.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.blackbox.pods import FakeVllmPod, start_picker, start_pods, wait_for_scraped
+from tests.extproc_support import (
+    ExtProcClient,
+    headers_of,
+    request_body,
+    request_headers,
+    subset_metadata,
+)
+
+# GIE's integration-test config: queue + kv + prefix + lora at weight 1, max-score picker.
+# `critical` is a non-sheddable objective (priority 2), as in "no shedding at priority 2".
+VECTOR_CONFIG = """
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: prefix-cache-scorer
+- type: lora-affinity-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: queue-scorer
+  - pluginRef: kv-cache-utilization-scorer
+  - pluginRef: prefix-cache-scorer
+  - pluginRef: lora-affinity-scorer
+  - pluginRef: max-score-picker
+objectives:
+- name: critical
+  priority: 2
+"""
+
+
+def gie_body(model: str, prompt: str = "test1") -> bytes:
+    """GIE's request builder body: compact JSON with sorted keys."""
+    return json.dumps({"max_tokens": 100, "model": model, "prompt": prompt, "temperature": 0},
+                      separators=(",", ":"), sort_keys=True).encode()
+
+
+@pytest.fixture
+async def pods():
+    started = await start_pods(3)
+    yield started
+    for pod in started:
+        await pod.stop()
+
+
+@pytest.fixture
+async def picker(pods):
+    """A fresh picker per case (GIE starts a fresh runner per test): no prefix history carries over."""
+    server = await start_picker(VECTOR_CONFIG, [p.spec for p in pods])
+    client = ExtProcClient(server.grpc_port)
+    yield server, client
+    await client.close()
+    await server.stop(0)
+
+
+async def route(client: ExtProcClient, body: bytes, extra=(), metadata=None):
+    """One buffered request; returns (destination header, dynamic-metadata endpoint, forwarded body)."""
+    replies = await client.exchange([request_headers(extra=extra, metadata=metadata),
+                                     request_body(body, metadata=metadata)], expect=2)
+    assert replies[0].WhichOneof("response") == "request_headers", replies[0]
+    common = replies[0].request_headers.response
+    assert common.clear_route_cache is True
+    headers = headers_of(common.header_mutation)
+    assert headers["x-request-id"] == "test-request-id"
+    lb = replies[0].dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    streamed = replies[1].request_body.response.body_mutation.streamed_response
+    assert streamed.end_of_stream is True
+    assert headers["Content-Length"] == str(len(streamed.body))
+    return headers["x-gateway-destination-endpoint"], lb["x-gateway-destination-endpoint"].string_value, \
+        streamed.body
+
+
+async def immediate(client: ExtProcClient, requests) -> tuple[int, bytes]:
+    [reply] = await client.exchange(requests, expect=1)
+    assert reply.WhichOneof("response") == "immediate_response", reply
+    return reply.immediate_response.status.code, reply.immediate_response.body
+
+
+def set_pods(pods: list[FakeVllmPod], *values) -> None:
+    for pod, (queue, kv, *active) in zip(pods, values):
+        pod.set(queue, kv, active)
+
+
+REWRITE = ("x-gateway-model-name-rewrite", "my-model-12345")
+LORA_REWRITE = ("x-gateway-model-name-rewrite", "sql-lora-1fdg2")
+
+# (case, pods as (queue, kv, active adapters...), body model, extra headers, winning pod index)
+VECTORS = [
+    # queue .7/1/0 + kv .8/.9/.8 -> 1.5, 1.9, .8
+    ("lower queue+kv wins", [(3, .2), (0, .1), (10, .2)], "my-model", [REWRITE], 1),
+    # queue 1/1/0 + kv .8/.9/.8 + lora 0/1/0 -> 1.8, 2.9, .8
+    ("active LoRA wins", [(0, .2, "foo", "bar"), (0, .1, "foo", "sql-lora-1fdg2"), (10, .2, "foo")],
+     "sql-lora", [LORA_REWRITE], 1),
+    # queue 1/1/1 + kv .8/.6/.7 + lora 0/1/0 -> 1.8, 2.6, 1.7
+    ("LoRA beats KV", [(10, .2), (10, .4, "sql-lora-1fdg2"), (10, .3)], "sql-lora", [LORA_REWRITE], 1),
+    # saturated pool (mean of max(q/5, kv/.8) = 1.42) but priority 2 is not sheddable:
+    # queue .4/1/0 + kv .8/.15/.1 + lora 1/0/0 -> 2.2, 1.15, .1
+    ("no shedding at priority 2", [(6, .2, "sql-lora-1fdg2"), (0, .85), (10, .9)], "sql-lora",
+     [LORA_REWRITE, ("x-gateway-inference-objective", "critical")], 0),
+]
+
+
+@pytest.mark.parametrize("case, values, model, extra, winner", VECTORS, ids=[v[0] for v in VECTORS])
+async def test_picked_endpoint_follows_the_gie_formulas(pods, picker, case, values, model, extra, winner):
+    server, client = picker
+    set_pods(pods, *values)
+    await wait_for_scraped(server, pods)
+    destination, lb, forwarded = await route(client, gie_body(model), extra=extra)
+    assert destination == lb == pods[winner].hostport, case
+    target = dict(extra).get("x-gateway-model-name-rewrite")
+    assert json.loads(forwarded)["model"] == target
+
+
+async def test_subset_hint_narrows_the_candidates(pods, picker):
+    server, client = picker
+    set_pods(pods, (3, .2), (0, .1), (10, .2))
+    await wait_for_scraped(server, pods)
+    everyone = subset_metadata([p.hostport for p in pods])
+    assert (await route(client, gie_body("my-model"), metadata=everyone))[0] == pods[1].hostport
+    # Only the most loaded pod is allowed: it gets the request anyway.
+    only_third = subset_metadata([pods[2].hostport])
+    assert (await route(client, gie_body("my-model"), metadata=only_third))[0] == pods[2].hostport
+
+
+async def test_subset_hint_without_a_match_is_503(pods, picker):
+    server, client = picker
+    await wait_for_scraped(server, pods)
+    nowhere = subset_metadata([f"127.0.0.99:{pods[0].port}"])
+    status, body = await immediate(client, [request_headers(metadata=nowhere),
+                                            request_body(gie_body("my-model"), metadata=nowhere)])
+    assert (status, body) == (503, b"inference error: ServiceUnavailable - "
+                                   b"failed to find endpoint candidates for serving the request")
+
+
+async def test_body_without_a_model_is_400(pods, picker):
+    _, client = picker
+    status, body = await immediate(client, [request_headers(), request_body(b'{"prompt":"hello world"}')])
+    assert (status, body) == (400, b"inference error: BadRequest - model not found in request body")
+
+
+async def test_header_only_request_without_pods_is_500():
+    server = await start_picker(VECTOR_CONFIG, [])
+    client = ExtProcClient(server.grpc_port)
+    try:
+        status, body = await immediate(client, [request_headers(end_of_stream=True)])
+        assert (status, body) == (500, b"inference error: Internal - no pods available in datastore")
+    finally:
+        await client.close()
+        await server.stop(0)
