@@ -182,6 +182,14 @@ def main() -> None:
                   f"{r['steady_events_s']:,.0f} | {r['hit_p50_us']:.1f} | {r['hit_p99_us']:.1f} | "
                   f"{r['miss_p50_us']:.1f} | {r['keying_us']:.1f} | {r['index_mb']:.0f} |", flush=True)
             gc.collect()
+    payloads = [_stored_payload(list(range(i, i + BLOCKS_PER_EVENT)), list(range(BLOCK * BLOCKS_PER_EVENT)), i)
+                for i in range(20_000)]
+    t0 = time.perf_counter()
+    for payload in payloads:
+        decode_batch(payload)
+    decode_s = (time.perf_counter() - t0) / len(payloads)
+    print(f"\nDecoding one batch (1 BlockStored of {BLOCKS_PER_EVENT} blocks, {len(payloads[0])} bytes): "
+          f"{decode_s * 1e6:.1f} µs ({1 / decode_s:,.0f} batches/s)")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_model(Path(tmp) / "tiny", weights=False)
         print("\n## Tokenization (tiny byte-level BPE, 2k vocab; median ms)\n")

@@ -231,7 +231,11 @@ class KVEventSubscriber:
                 log.warning("KV event socket error: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
-            self.handle_message(frames, endpoint)
+            try:
+                self.handle_message(frames, endpoint)
+            except Exception:  # noqa: BLE001 - one bad message must not end the subscription
+                self.metrics.decode_errors.inc()
+                log.exception("KV event message from %s could not be applied", endpoint or "centralized socket")
             await self._maybe_yield()
 
     async def _maybe_yield(self) -> None:
