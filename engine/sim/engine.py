@@ -8,9 +8,11 @@ like vLLM). A request reserves the blocks for its prompt and its whole output at
 it is never preempted (a simplification of vLLM's incremental allocation with preemption).
 
 Time: simulated seconds advance by the profile's step time; wall time is simulated time times
-``time_scale`` (> 1 slows everything uniformly). When only non-streaming requests are decoding,
-the engine jumps to the next finish in one sleep (woken early by an arrival or an abort), so
-CPU cost grows with events, not with tokens. If the machine falls behind by more than
+``time_scale`` (> 1 slows everything uniformly). When requests are only decoding, the engine
+jumps to the next finish in one sleep (woken early by an arrival or an abort), so CPU cost grows
+with events, not with tokens; while a stream is decoding, a jump lasts at most ``stream_tick``
+wall seconds (default 2 ms), so steps shorter than that reach streaming clients in small bursts
+(slower profiles stream token by token). If the machine falls behind by more than
 ``lag_tolerance`` wall seconds, the simulated clock is resynchronised and ``lag_resyncs`` counts it.
 """
 
@@ -43,6 +45,7 @@ class EngineConfig:
     time_scale: float = 1.0
     lag_tolerance: float = 0.05
     hash_seed: str | None = None
+    stream_tick: float = 0.002
 
     def resolved(self) -> EngineConfig:
         """A copy with every None filled from the profile."""
@@ -58,6 +61,7 @@ class EngineConfig:
             time_scale=self.time_scale,
             lag_tolerance=self.lag_tolerance,
             hash_seed=self.hash_seed,
+            stream_tick=self.stream_tick,
         )
 
 
@@ -274,7 +278,11 @@ class SimEngine:
     async def _sleep_until(self, until_sim: float) -> None:
         loop = asyncio.get_running_loop()
         delay = self._wall(until_sim) - loop.time()
-        await asyncio.sleep(max(0.0, delay))
+        # The selector sleeps in whole milliseconds (rounded up), so sleeping for a sub-ms step
+        # would stretch every step to 1 ms and the clock would drift. Steps due within the timer
+        # resolution run now instead (early by < 1 ms); later sleeps absorb the difference, so
+        # the simulated clock stays within about 1 ms of the wall clock.
+        await asyncio.sleep(delay if delay >= _TIMER_RESOLUTION else 0)
 
     async def _run(self) -> None:
         while not self._stopped:
@@ -304,9 +312,12 @@ class SimEngine:
             start = self._clock
             # Whatever still waits after _admit stays blocked until a finish or an arrival, and
             # both end a jump early, so a batch of pure decodes can jump to its next finish.
-            steady = not prefill and decoding and not any(r.stream for r in decoding)
+            # Streams jump at most `stream_tick` of wall time, so their tokens keep flowing.
+            steady = not prefill and decoding
             if steady:
                 k = min(r.target_len - len(r.output) for r in decoding)
+                if any(r.stream for r in decoding):
+                    k = min(k, max(1, int(self.config.stream_tick / (step * self.config.time_scale))))
                 n = k
                 if k > 1 and await self._wait(start + k * step):
                     elapsed = self.now() - start
@@ -455,6 +466,9 @@ class SimEngine:
         events = self.cache.take_events()
         if events and self.publisher is not None:
             self.publisher.publish(events, ts=time.time())
+
+
+_TIMER_RESOLUTION = 1e-3
 
 
 def _resolve_false(fut: asyncio.Future) -> None:

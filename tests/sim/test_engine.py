@@ -57,6 +57,19 @@ async def test_ttft_is_one_prefill_step_and_cached_prefix_makes_it_shorter(engin
     assert engine.metrics.prefix_cache_hits == 144
 
 
+async def test_long_prompt_is_prefilled_in_chunks_of_the_token_budget():
+    profile = dataclasses.replace(PROFILE, max_num_batched_tokens=64)
+    e = SimEngine(EngineConfig(profile=profile, time_scale=0.2), output_token_pool=POOL)
+    e.start()
+    try:
+        r = e.new_request(list(range(1, 161)), 2)
+        await run(e, [r])
+        steps = [profile.step_time(64, 0), profile.step_time(64, 0), profile.step_time(32, 0)]
+        assert r.first_token - r.arrival == pytest.approx(sum(steps), abs=2e-3)
+    finally:
+        await e.stop()
+
+
 async def test_decode_time_per_token_grows_with_batch_size(engine):
     one = engine.new_request(list(range(1, 20)), 20)
     await run(engine, [one])

@@ -83,7 +83,7 @@ async def test_legacy_array_form(subscriber_factory):
 @pytest.fixture
 async def replica(tokenizer_dir):
     config = FleetConfig(replicas=1, tokenizer_dir=tokenizer_dir, num_gpu_blocks=24, cpu_blocks=8,
-                         disk_blocks=100)
+                         disk_blocks=100, lora_modules={"sql-lora": "/adapters/sql"})
     async with SimFleet(config) as fleet:
         yield fleet
 
@@ -185,3 +185,22 @@ async def test_sim_state_reports_tiers_and_event_counts(replica):
     assert state["gpu"]["capacity"] == 23 and state["gpu"]["cached"] > 0
     assert state["cpu"]["blocks"] > 0 and state["disk"]["blocks"] > 0
     assert state["kv_events"]["published"] >= 1 and state["kv_events"]["dropped"] == 0
+
+
+async def test_lora_requests_hash_differently_and_name_the_adapter(replica, subscriber_factory):
+    info = replica.info[0]
+    sub = subscriber_factory(info["kv_events_endpoint"])
+    await sub.ready()
+    prompt = "adapter data " * 20
+    async with aiohttp.ClientSession() as http:
+        for model in ("sim-model", "sql-lora"):
+            body = {"prompt": prompt, "max_tokens": 1, "model": model}
+            async with http.post(f"http://{info['endpoint']}/v1/completions", json=body) as r:
+                assert r.status == 200
+                assert (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    await sub.drain()
+    base, lora = [e for e in sub.events() if e["type"] == "BlockStored" and e["medium"] == "GPU"]
+    assert base["lora_name"] is None and lora["lora_name"] == "sql-lora"
+    assert base["token_ids"] == lora["token_ids"]
+    assert not set(base["block_hashes"]) & set(lora["block_hashes"])
+    assert all(k == ["sql-lora"] for k in lora["extra_keys"])
