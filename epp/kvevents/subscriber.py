@@ -233,7 +233,7 @@ class KVEventSubscriber:
                 continue
             try:
                 self.handle_message(frames, endpoint)
-            except Exception:  # noqa: BLE001 - one bad message must not end the subscription
+            except Exception:  # one bad message must not end the subscription
                 self.metrics.decode_errors.inc()
                 log.exception("KV event message from %s could not be applied", endpoint or "centralized socket")
             await self._maybe_yield()
