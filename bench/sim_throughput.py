@@ -76,16 +76,18 @@ async def main() -> None:
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--stream", action="store_true", help="SSE streaming requests")
+    parser.add_argument("--time-scale", type=float, default=1.0, help="wall seconds per simulated second")
     args = parser.parse_args()
     rows = []
     for procs in [int(p) for p in args.processes.split(",")]:
         # The fleet always runs in worker processes of its own, apart from the load clients.
-        config = FleetConfig(replicas=args.replicas, processes=procs, profile="fast")
+        config = FleetConfig(replicas=args.replicas, processes=procs, profile="fast", time_scale=args.time_scale)
         async with SimFleet(config) as fleet:
             r = await measure(fleet, args.concurrency, args.duration, args.stream, args.max_tokens)
         rows.append((procs, r))
     print(f"\nsimulator throughput: {args.replicas} replicas, profile fast, max_tokens {args.max_tokens}, "
-          f"{'SSE' if args.stream else 'JSON'}, concurrency {args.concurrency}, {args.duration:g} s")
+          f"{'SSE' if args.stream else 'JSON'}, concurrency {args.concurrency}, {args.duration:g} s, "
+          f"time scale {args.time_scale:g}")
     print(f"{'fleet processes':>15} | {'req/s':>8} | {'p50 ms':>7} | {'p99 ms':>7} | {'requests':>8} | {'errors':>6} | "
           "clock resyncs")
     print("-" * 84)
