@@ -11,17 +11,13 @@ import json
 
 import pytest
 
+from tests.blackbox.calls import gie_body, immediate, route
 from tests.blackbox.pods import FakeVllmPod, start_picker, start_pods, wait_for_scraped
-from tests.extproc_support import (
-    ExtProcClient,
-    headers_of,
-    request_body,
-    request_headers,
-    subset_metadata,
-)
+from tests.extproc_support import ExtProcClient, request_body, request_headers, subset_metadata
 
 # GIE's integration-test config: queue + kv + prefix + lora at weight 1, max-score picker.
-# `critical` is a non-sheddable objective (priority 2), as in "no shedding at priority 2".
+# `critical` is a non-sheddable objective (priority 2), as in "no shedding at priority 2";
+# `batch` (priority -1) is sheddable.
 VECTOR_CONFIG = """
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
@@ -42,13 +38,9 @@ schedulingProfiles:
 objectives:
 - name: critical
   priority: 2
+- name: batch
+  priority: -1
 """
-
-
-def gie_body(model: str, prompt: str = "test1") -> bytes:
-    """GIE's request builder body: compact JSON with sorted keys."""
-    return json.dumps({"max_tokens": 100, "model": model, "prompt": prompt, "temperature": 0},
-                      separators=(",", ":"), sort_keys=True).encode()
 
 
 @pytest.fixture
@@ -67,29 +59,6 @@ async def picker(pods):
     yield server, client
     await client.close()
     await server.stop(0)
-
-
-async def route(client: ExtProcClient, body: bytes, extra=(), metadata=None):
-    """One buffered request; returns (destination header, dynamic-metadata endpoint, forwarded body)."""
-    replies = await client.exchange([request_headers(extra=extra, metadata=metadata),
-                                     request_body(body, metadata=metadata)], expect=2)
-    assert replies[0].WhichOneof("response") == "request_headers", replies[0]
-    common = replies[0].request_headers.response
-    assert common.clear_route_cache is True
-    headers = headers_of(common.header_mutation)
-    assert headers["x-request-id"] == "test-request-id"
-    lb = replies[0].dynamic_metadata.fields["envoy.lb"].struct_value.fields
-    streamed = replies[1].request_body.response.body_mutation.streamed_response
-    assert streamed.end_of_stream is True
-    assert headers["Content-Length"] == str(len(streamed.body))
-    return headers["x-gateway-destination-endpoint"], lb["x-gateway-destination-endpoint"].string_value, \
-        streamed.body
-
-
-async def immediate(client: ExtProcClient, requests) -> tuple[int, bytes]:
-    [reply] = await client.exchange(requests, expect=1)
-    assert reply.WhichOneof("response") == "immediate_response", reply
-    return reply.immediate_response.status.code, reply.immediate_response.body
 
 
 def set_pods(pods: list[FakeVllmPod], *values) -> None:
@@ -125,6 +94,15 @@ async def test_picked_endpoint_follows_the_gie_formulas(pods, picker, case, valu
     assert destination == lb == pods[winner].hostport, case
     target = dict(extra).get("x-gateway-model-name-rewrite")
     assert json.loads(forwarded)["model"] == target
+
+
+async def test_the_priority_2_pool_does_shed_a_sheddable_request(pods, picker):
+    server, client = picker
+    set_pods(pods, *VECTORS[3][1])
+    await wait_for_scraped(server, pods)
+    extra = [LORA_REWRITE, ("x-gateway-inference-objective", "batch")]
+    status, body = await immediate(client, [request_headers(extra=extra), request_body(gie_body("sql-lora"))])
+    assert (status, body) == (429, b"inference error: ResourceExhausted - system saturated, sheddable request dropped")
 
 
 async def test_subset_hint_narrows_the_candidates(pods, picker):
