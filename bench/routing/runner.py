@@ -1,0 +1,260 @@
+"""Run a scenario: for every contender a fresh fleet, the router, the stages, the measurements.
+
+Every contender gets its own fleet (cold caches, zeroed counters) and the same trace: the
+workload iterator and the arrival times are seeded, so open-loop runs send the same requests
+at the same offsets to every router. Between stages the harness waits for in-flight requests
+(bounded by the scenario's drain time) and reads the replicas' counters, so each stage's cache
+hit rate is a clean delta.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import aiohttp
+
+from epp.engine.sim.fleet import SimFleet, default_tokenizer_dir
+from epp.engine.sim.profiles import get_profile
+
+from bench.routing.contenders import CONTENDERS, Contender, RunningRouter, Tuning, Unavailable, start_contender
+from bench.routing.loadgen import RequestRecord, StageResult, run_stage
+from bench.routing.measure import CpuMeter, ReplicaCounters, percentile, scrape_fleet
+from bench.routing.oracle import oracle_hits
+from bench.routing.scenarios import Scenario
+from bench.routing.workloads import BenchRequest
+
+
+@dataclass
+class StageSummary:
+    """The numbers of one stage (or of the whole run) for one contender."""
+
+    label: str
+    offered_rate: float | None
+    requests: int
+    ok: int
+    errors: int
+    seconds: float
+    output_tokens_per_s: float
+    requests_per_s: float
+    ttft_mean: float | None
+    ttft_p50: float | None
+    ttft_p90: float | None
+    ttft_p99: float | None
+    itl_p50: float | None
+    itl_p99: float | None
+    e2e_p50: float | None
+    hit_rate: float | None
+    oracle_hit_rate: float | None
+    per_replica: dict[str, int]
+    cpu: dict[str, float] = field(default_factory=dict)
+    lag_resyncs: int = 0
+    error_kinds: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def spread(self) -> float | None:
+        """Busiest replica's share over the mean share (1.0 = perfectly even)."""
+        counts = list(self.per_replica.values())
+        if not counts or not sum(counts):
+            return None
+        return max(counts) / (sum(counts) / len(counts))
+
+
+@dataclass
+class ContenderResult:
+    """One contender's run: status, version and per-stage summaries plus the whole run."""
+
+    name: str
+    description: str
+    status: str = "ok"
+    version: str = ""
+    stages: list[StageSummary] = field(default_factory=list)
+    overall: StageSummary | None = None
+
+
+def summarize(label: str, rate: float | None, records: list[RequestRecord], seconds: float,
+              counters: tuple[dict[str, ReplicaCounters], dict[str, ReplicaCounters]] | None,
+              oracle_rate: float | None, cpu: dict[str, float] | None = None) -> StageSummary:
+    """Statistics of a set of request records and the replica counter deltas around them."""
+    ok = [r for r in records if r.ok]
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    itl = [g for r in ok for g in r.itl]
+    e2e = [r.e2e for r in ok if r.e2e is not None]
+    out_tokens = sum(r.output_tokens for r in ok)
+    hit_rate = None
+    per_replica: dict[str, int] = {}
+    lag = 0
+    if counters is not None:
+        before, after = counters
+        dq = sum(after[n].queries - before[n].queries for n in after)
+        dh = sum(after[n].hits - before[n].hits for n in after)
+        hit_rate = dh / dq if dq else None
+        per_replica = {n: int(after[n].finished - before[n].finished) for n in sorted(after)}
+        lag = sum(after[n].lag_resyncs - before[n].lag_resyncs for n in after)
+    tagged = Counter(r.replica for r in ok if r.replica)
+    if ok and sum(tagged.values()) >= 0.9 * len(ok) and not per_replica:
+        per_replica = dict(sorted(tagged.items()))
+    seconds = max(seconds, 1e-9)
+    return StageSummary(
+        label=label, offered_rate=rate, requests=len(records), ok=len(ok), errors=len(records) - len(ok),
+        seconds=seconds, output_tokens_per_s=out_tokens / seconds, requests_per_s=len(ok) / seconds,
+        ttft_mean=statistics.fmean(ttft) if ttft else None, ttft_p50=percentile(ttft, 50),
+        ttft_p90=percentile(ttft, 90), ttft_p99=percentile(ttft, 99), itl_p50=percentile(itl, 50),
+        itl_p99=percentile(itl, 99), e2e_p50=percentile(e2e, 50), hit_rate=hit_rate,
+        oracle_hit_rate=oracle_rate, per_replica=per_replica, cpu=cpu or {}, lag_resyncs=lag,
+        error_kinds=dict(Counter(r.error for r in records if r.error)))
+
+
+def _busy_span(result: StageResult) -> float:
+    """From the stage's start to its last completion (the window its tokens were produced in)."""
+    ends = [r.sent + r.e2e for r in result.records if r.e2e is not None]
+    return (max(ends) if ends else result.issued_until) - result.started
+
+
+def tuning_for(scenario: Scenario) -> Tuning:
+    """Model knobs for contenders that need them (tokenizer, block size, prefill cost)."""
+    profile = get_profile(scenario.fleet.profile)
+    w = scenario.workload
+    mean_prompt = {"shared-prefix": lambda: w.system_tokens + w.question_tokens,  # type: ignore[union-attr]
+                   "multi-turn": lambda: w.system_tokens + w.turns * (w.user_tokens + w.answer_tokens) // 2,  # type: ignore[union-attr]
+                   "agentic": lambda: w.context_tokens + w.steps * w.tool_tokens // 2,  # type: ignore[union-attr]
+                   "no-sharing": lambda: w.prompt_tokens}[w.name]()  # type: ignore[union-attr]
+    return Tuning(tokenizer_dir=scenario.fleet.tokenizer_dir or default_tokenizer_dir(),
+                  block_size=scenario.fleet.block_size or profile.block_size,
+                  prefill_s_per_token=profile.prefill_per_token * scenario.fleet.time_scale,
+                  mean_prompt_tokens=mean_prompt)
+
+
+async def run_contender(scenario: Scenario, contender: Contender, workdir: Path, *, progress: bool = True,
+                        raw_dir: Path | None = None) -> ContenderResult:
+    """One contender through every stage of `scenario` on a fresh fleet."""
+    result = ContenderResult(contender.name, contender.description)
+    tuning = tuning_for(scenario)
+    requests: Iterator[BenchRequest] = scenario.workload.requests(tuning.tokenizer_dir)
+    first = next(requests)  # builds the prompts before the clock starts
+    requests = _chain(first, requests)
+    fleet = SimFleet(scenario.fleet, tokenizer_dir=tuning.tokenizer_dir)
+    await fleet.start()
+    router: RunningRouter | None = None
+    try:
+        try:
+            router = await start_contender(contender, fleet, tuning, workdir / contender.name)
+        except Unavailable as exc:
+            result.status = f"unavailable: {exc}"
+            return result
+        result.version = router.version
+        fleet_pids = [p.pid for p in getattr(fleet, "_procs", [])]
+        meter = CpuMeter({"router": router.pids, "fleet": fleet_pids})
+        issued: list[BenchRequest] = []
+        stage_results: list[tuple[StageResult, tuple, dict]] = []
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+            if not await _probe(session, router.base_url, first):
+                result.status = "failed: the router did not serve a probe request"
+                return result
+            async with aiohttp.ClientSession() as scrape:
+                before = await scrape_fleet(scrape, fleet.info)
+                start_counters = before
+                meter.sample()
+                for i, stage in enumerate(scenario.stages):
+                    sr = await run_stage(session, router.base_url, requests, stage, i, drain=scenario.drain,
+                                         request_timeout=scenario.request_timeout, progress=progress,
+                                         issued=issued)
+                    cpu = meter.sample()
+                    after = await scrape_fleet(scrape, fleet.info)
+                    stage_results.append((sr, (before, after), cpu))
+                    before = after
+        oracle = oracle_hits(issued, block_size=tuning.block_size, capacity_blocks=scenario.capacity_blocks,
+                             tokenizer_dir=tuning.tokenizer_dir)
+        offset = 0
+        all_records: list[RequestRecord] = []
+        total_seconds = 0.0
+        cpu_sum: Counter = Counter()
+        for sr, counters, cpu in stage_results:
+            n = len(sr.records)
+            span = _busy_span(sr)
+            total_seconds += span
+            for k, v in cpu.items():
+                cpu_sum[k] += v * (sr.finished - sr.started)
+            result.stages.append(summarize(sr.stage.label, sr.stage.rate or None, sr.records, span, counters,
+                                           oracle.rate(range(offset, offset + n)), cpu))
+            offset += n
+            all_records.extend(sr.records)
+        wall = sum(sr.finished - sr.started for sr, _, _ in stage_results) or 1e-9
+        result.overall = summarize("all stages", None, all_records, total_seconds,
+                                   (start_counters, stage_results[-1][1][1]) if stage_results else None,
+                                   oracle.rate(), {k: v / wall for k, v in cpu_sum.items()})
+        if raw_dir is not None:
+            raw_dir.mkdir(parents=True, exist_ok=True)
+            with open(raw_dir / f"{contender.name}.jsonl", "w", encoding="utf-8") as fh:
+                for rec in all_records:
+                    fh.write(json.dumps(asdict(rec)) + "\n")
+        return result
+    finally:
+        if router is not None:
+            await router.stop()
+        await fleet.stop()
+
+
+def _chain(first: BenchRequest, rest: Iterator[BenchRequest]) -> Iterator[BenchRequest]:
+    yield first
+    yield from rest
+
+
+async def _probe(session: aiohttp.ClientSession, base_url: str, req: BenchRequest) -> bool:
+    """One short request through the router before the clock starts (also warms connections)."""
+    body = {"model": req.body["model"], "prompt": "probe", "max_tokens": 1}
+    for _ in range(20):
+        try:
+            async with session.post(base_url + "/v1/completions", json=body,
+                                    timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                await resp.read()
+                if resp.status == 200:
+                    return True
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            pass
+        await asyncio.sleep(0.5)
+    return False
+
+
+async def run_scenario(scenario: Scenario, contenders: list[str], out_dir: Path, *, progress: bool = True,
+                       keep_raw: bool = True) -> list[ContenderResult]:
+    """Every contender in turn; prints one line per contender as it finishes."""
+    results = []
+    workdir = out_dir / "logs"
+    for name in contenders:
+        c = CONTENDERS[name]
+        t0 = time.perf_counter()
+        if progress:
+            print(f"[{scenario.name}/{scenario.scale}] {name}: {c.description}", flush=True)
+        try:
+            res = await run_contender(scenario, c, workdir, progress=progress,
+                                      raw_dir=out_dir / "raw" if keep_raw else None)
+        except Exception as exc:  # one broken contender must not lose the others' results
+            res = ContenderResult(name, c.description, status=f"failed: {type(exc).__name__}: {exc}")
+        results.append(res)
+        if progress:
+            o = res.overall
+            line = (f"  -> {res.status}" if o is None else
+                    f"  -> {o.ok}/{o.requests} ok, {o.output_tokens_per_s:.0f} tok/s, TTFT p90 "
+                    f"{_fmt_s(o.ttft_p90)}, hit {_fmt_pct(o.hit_rate)} (oracle {_fmt_pct(o.oracle_hit_rate)})")
+            print(f"{line}  [{time.perf_counter() - t0:.0f}s]", flush=True)
+    return results
+
+
+def _fmt_s(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}s"
+
+
+def _fmt_pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1%}"
+
+
+__all__ = ["ContenderResult", "StageSummary", "run_contender", "run_scenario", "summarize", "tuning_for"]
