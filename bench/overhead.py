@@ -133,7 +133,8 @@ async def run(args: argparse.Namespace) -> dict:
          "--metrics-port", str(metrics), "--bind-address", "127.0.0.1", "--endpoints", ",".join(endpoints),
          *args.epp_arg],
         start_new_session=True)
-    via_epp = EnvoyProcess(render_config(listen_port=l_epp, admin_port=a_epp, epp_port=grpc), a_epp)
+    via_epp = EnvoyProcess(render_config(listen_port=l_epp, admin_port=a_epp, epp_port=grpc,
+                                         response_processing=not args.request_only), a_epp)
     direct = EnvoyProcess(render_config(listen_port=l_rr, admin_port=a_rr, round_robin_backends=endpoints), a_rr)
     try:
         await _wait_http(f"http://127.0.0.1:{backend_ports[0]}/metrics")
@@ -167,6 +168,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1000, help="sequential requests for latency")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=10.0, help="duration of the throughput run")
+    parser.add_argument("--request-only", action="store_true",
+                        help="Envoy sends only the request phases to the picker (no response processing)")
     parser.add_argument("--epp-arg", action="append", default=[], help="extra argument for `epp serve`")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()

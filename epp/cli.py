@@ -83,7 +83,8 @@ def _run_envoy_config(args: argparse.Namespace) -> int:
     sys.stdout.write(render_config(listen_port=args.listen_port, admin_port=args.admin_port,
                                    epp_port=args.epp_port, epp_host=args.epp_host,
                                    listen_address=args.listen_address,
-                                   failure_mode_allow=args.failure_mode_allow, epp_tls=args.epp_tls))
+                                   failure_mode_allow=args.failure_mode_allow, epp_tls=args.epp_tls,
+                                   response_processing=not args.request_only))
     return 0
 
 
@@ -115,6 +116,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     envoy.add_argument("--epp-port", type=int, default=9002)
     envoy.add_argument("--failure-mode-allow", action="store_true")
     envoy.add_argument("--epp-tls", action="store_true")
+    envoy.add_argument("--request-only", action="store_true",
+                       help="send only request phases to the picker: lower overhead; no token-usage metrics, "
+                            "response hooks or model-name rewrite back")
     sub.add_parser("engine", help="model-server tools: `epp engine serve|disk-manager --help`")
     sub.add_parser("sim", help="the vLLM simulator: `epp sim --help`")
     args = parser.parse_args(argv)

@@ -44,11 +44,11 @@ _EXT_PROC_FILTER = """\
                   untyped: ["envoy.lb.subset_hint", "envoy.lb"]
               processing_mode:
                 request_header_mode: SEND
-                response_header_mode: SEND
+                response_header_mode: {response_header_mode}
                 request_body_mode: FULL_DUPLEX_STREAMED
-                response_body_mode: FULL_DUPLEX_STREAMED
+                response_body_mode: {response_body_mode}
                 request_trailer_mode: SEND
-                response_trailer_mode: SEND
+                response_trailer_mode: {response_header_mode}
 """
 
 _TEMPLATE = """\
@@ -142,16 +142,23 @@ _ROUND_ROBIN_CLUSTER = """\
 def render_config(*, listen_port: int = 8081, admin_port: int = 19000, epp_port: int = 9002,
                   epp_host: str = "127.0.0.1", listen_address: str = "127.0.0.1",
                   failure_mode_allow: bool = False, epp_tls: bool = False,
-                  message_timeout: str = "1000s", round_robin_backends: Sequence[str] = ()) -> str:
-    """Envoy bootstrap YAML: through the picker, or (with `round_robin_backends`) plain round-robin."""
+                  message_timeout: str = "1000s", round_robin_backends: Sequence[str] = (),
+                  response_processing: bool = True) -> str:
+    """Envoy bootstrap YAML: through the picker, or (with `round_robin_backends`) plain round-robin.
+
+    `response_processing=False` keeps responses away from the picker: two round trips fewer per
+    request, at the price of token-usage metrics, response hooks and the model-name rewrite back.
+    """
     if round_robin_backends:
         lines = "".join(
             f"        - endpoint: {{ address: {{ socket_address: {{ address: {hp.rpartition(':')[0]}, "
             f"port_value: {hp.rpartition(':')[2]} }} }} }}\n" for hp in round_robin_backends)
         filters, clusters, route = "", _ROUND_ROBIN_CLUSTER.format(endpoints=lines), "backends"
     else:
-        filters = _EXT_PROC_FILTER.format(failure_mode_allow=str(failure_mode_allow).lower(),
-                                          message_timeout=message_timeout)
+        filters = _EXT_PROC_FILTER.format(
+            failure_mode_allow=str(failure_mode_allow).lower(), message_timeout=message_timeout,
+            response_header_mode="SEND" if response_processing else "SKIP",
+            response_body_mode="FULL_DUPLEX_STREAMED" if response_processing else "NONE")
         clusters = _ORIGINAL_DST_CLUSTER + _EPP_CLUSTER.format(
             epp_host=epp_host, epp_port=epp_port, tls=_EPP_TLS if epp_tls else "")
         route = "original_destination_cluster"

@@ -156,3 +156,26 @@ async def test_picker_down_follows_failure_mode_allow(stack, fail_open):
     finally:
         await envoy.stop()
 
+
+
+async def test_request_only_envoy_config_routes_without_response_phases(stack):
+    envoy, port = await start_envoy(stack.epp.grpc_port, response_processing=False)
+    phases = {s.labels["phase"]: s.value for s in stack.epp.metrics.messages.collect()[0].samples
+              if s.name.endswith("_total")}
+    try:
+        for i in range(4):
+            status, headers, body = await post(f"http://127.0.0.1:{port}/v1/completions",
+                                               {"model": "m", "prompt": f"lean {i}"})
+            assert status == 200 and json.loads(body)["model"] == "m"
+        after = {s.labels["phase"]: s.value for s in stack.epp.metrics.messages.collect()[0].samples
+                 if s.name.endswith("_total")}
+        assert after["request_headers"] - phases.get("request_headers", 0) == 4
+        assert after.get("response_headers", 0) == phases.get("response_headers", 0)
+        # The picker still sees each request end (the ext_proc stream closes), so nothing stays in flight.
+        for _ in range(40):
+            if stack.epp.metrics.running_requests.labels("m")._value.get() == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert stack.epp.metrics.running_requests.labels("m")._value.get() == 0
+    finally:
+        await envoy.stop()
