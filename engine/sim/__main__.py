@@ -51,6 +51,8 @@ def _fleet_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--disk-low-watermark", type=float, default=0.50)
     p.add_argument("--disk-on-cpu-eviction", action="store_true",
                    help="write blocks to disk when the CPU tier evicts them (default: write-through)")
+    p.add_argument("--placeholder-tier-events", action="store_true",
+                   help="CPU/disk BlockStored events as vLLM's default placeholders (hash only), not self-describing")
     p.add_argument("--no-kv-events", action="store_true")
     p.add_argument("--kv-events-base-port", type=int, default=0,
                    help="PUB of replica i on base+2i, replay ROUTER on base+2i+1 (0: free ports)")
@@ -75,7 +77,8 @@ def _config(args: argparse.Namespace) -> FleetConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         hash_seed=args.hash_seed, cpu_blocks=args.cpu_blocks, disk_blocks=args.disk_blocks,
         disk_high_watermark=args.disk_high_watermark, disk_low_watermark=args.disk_low_watermark,
-        disk_write_through=not args.disk_on_cpu_eviction, kv_events=not args.no_kv_events,
+        disk_write_through=not args.disk_on_cpu_eviction,
+        self_describing_tier_events=not args.placeholder_tier_events, kv_events=not args.no_kv_events,
         kv_events_base_port=args.kv_events_base_port, kv_events_connect=args.kv_events_connect,
         enable_prompt_tokens_details=not args.no_prompt_tokens_details, legacy_array_events=args.legacy_array_events,
         processes=args.processes, name_prefix=args.name_prefix, lora_modules=_pairs(args.lora, "lora"),

@@ -53,6 +53,7 @@ class FleetConfig:
     disk_high_watermark: float = 0.85
     disk_low_watermark: float = 0.50
     disk_write_through: bool = True
+    self_describing_tier_events: bool = True
     kv_events: bool = True
     kv_events_base_port: int = 0
     kv_events_connect: str | None = None
@@ -75,7 +76,8 @@ class FleetConfig:
             tiers=TierConfig(cpu_blocks=self.cpu_blocks, disk_blocks=self.disk_blocks,
                              disk_high_watermark=self.disk_high_watermark,
                              disk_low_watermark=self.disk_low_watermark,
-                             disk_write_through=self.disk_write_through),
+                             disk_write_through=self.disk_write_through,
+                             self_describing_events=self.self_describing_tier_events),
             time_scale=self.time_scale, hash_seed=self.hash_seed,
         )
         kv_pub = kv_replay = None

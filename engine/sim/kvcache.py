@@ -6,7 +6,8 @@ count). Cached blocks whose reference count drops to 0 stay cached in an LRU fre
 evicted lazily, oldest first, only when an allocation needs the room; blocks still referenced
 are never evicted. A request frees its blocks tail first, so chains lose their tails first.
 
-Tiers (like vLLM's offloading connector with self-describing events): every block cached on
+Tiers (like vLLM's offloading connector; events self-describing by default, or vLLM's default
+hash-only placeholders with ``self_describing_events=False``): every block cached on
 the GPU is copied to the CPU tier, and from there to disk (write-through, or on CPU eviction);
 the CPU tier evicts LRU, the disk tier evicts by access time from its high watermark down to its
 low watermark. Lookup goes GPU -> CPU -> disk along the request's block chain; blocks found in
@@ -55,6 +56,7 @@ class TierConfig:
     disk_low_watermark: float = 0.50
     disk_write_through: bool = True
     disk_medium: str = MEDIUM_STORAGE
+    self_describing_events: bool = True
 
 
 def _removed_events(digests: list[bytes], medium: str) -> list[KVEvent]:
@@ -62,8 +64,17 @@ def _removed_events(digests: list[bytes], medium: str) -> list[KVEvent]:
     return [BlockRemoved(block_hashes=[external_hash(d)], medium=medium, group_idx=0) for d in digests]
 
 
-def _stored_events(blocks: list[BlockInfo], medium: str, block_size: int) -> list[KVEvent]:
+def _placeholder_events(blocks: list[BlockInfo], medium: str) -> list[KVEvent]:
+    """vLLM's default offload events: one per block, hash only (no tokens, no parent, size 0)."""
+    return [BlockStored(block_hashes=[external_hash(b.digest)], parent_block_hash=None, token_ids=[], block_size=0,
+                        lora_id=None, medium=medium, lora_name=None, group_idx=0) for b in blocks]
+
+
+def _stored_events(blocks: list[BlockInfo], medium: str, block_size: int,
+                   self_describing: bool = True) -> list[KVEvent]:
     """BlockStored events for `blocks`, one per contiguous parent chain run."""
+    if not self_describing:
+        return _placeholder_events(blocks, medium)
     out: list[KVEvent] = []
     run: list[BlockInfo] = []
     for b in blocks:
@@ -112,8 +123,9 @@ class LookupResult:
 class CpuTier:
     """Host-memory offload tier: LRU over a fixed number of blocks."""
 
-    def __init__(self, capacity: int, events: list[KVEvent], block_size: int) -> None:
+    def __init__(self, capacity: int, events: list[KVEvent], block_size: int, self_describing: bool = True) -> None:
         self.capacity = capacity
+        self._self_describing = self_describing
         self.blocks: OrderedDict[bytes, BlockInfo] = OrderedDict()
         self._events = events
         self._block_size = block_size
@@ -135,7 +147,7 @@ class CpuTier:
         if evicted:
             self.evicted += len(evicted)
             self._events.extend(_removed_events([b.digest for b in evicted], MEDIUM_CPU))
-        self._events.extend(_stored_events(new, MEDIUM_CPU, self._block_size))
+        self._events.extend(_stored_events(new, MEDIUM_CPU, self._block_size, self._self_describing))
         return evicted
 
     def touch(self, digest: bytes) -> None:
@@ -155,6 +167,7 @@ class DiskTier:
         self.high = max(1, int(config.disk_high_watermark * self.capacity))
         self.low = int(config.disk_low_watermark * self.capacity)
         self.medium = config.disk_medium
+        self._self_describing = config.self_describing_events
         self.blocks: dict[bytes, BlockInfo] = {}
         self.atime: dict[bytes, int] = {}
         self._clock = 0
@@ -177,7 +190,7 @@ class DiskTier:
             self.blocks[b.digest] = BlockInfo(b.digest, b.parent, b.tokens, b.extra, b.lora_name)
             self.atime[b.digest] = self._tick()
             new.append(b)
-        self._events.extend(_stored_events(new, self.medium, self._block_size))
+        self._events.extend(_stored_events(new, self.medium, self._block_size, self._self_describing))
         if len(self.blocks) > self.high:
             self._evict_to_low()
 
@@ -212,7 +225,8 @@ class KVCache:
         self.events: list[KVEvent] = []
         self.gpu_evicted = 0
         self.tiers = tiers
-        self.cpu = CpuTier(tiers.cpu_blocks, self.events, block_size) if tiers.cpu_blocks > 0 else None
+        self.cpu = (CpuTier(tiers.cpu_blocks, self.events, block_size, tiers.self_describing_events)
+                    if tiers.cpu_blocks > 0 else None)
         self.disk = DiskTier(tiers, self.events, block_size) if tiers.disk_blocks > 0 else None
 
     # -- accounting ------------------------------------------------------------------------

@@ -175,3 +175,15 @@ def test_clear_drops_every_tier_with_one_event_and_frees_held_blocks_later():
     assert cache.used_blocks == 2  # still held by the running request
     cache.release(held, 0)
     assert cache.used_blocks == 0
+
+
+def test_tier_events_can_be_vllm_default_placeholders():
+    tiers = TierConfig(cpu_blocks=4, disk_blocks=10, self_describing_events=False)
+    cache = KVCache(num_gpu_blocks=8, block_size=BS, tiers=tiers)
+    held = run_request(cache, list(range(8)))
+    events = [ev for ev in cache.take_events() if isinstance(ev, BlockStored)]
+    gpu = [ev for ev in events if ev.medium == "GPU"]
+    cpu = [ev for ev in events if ev.medium == "CPU"]
+    assert gpu[0].token_ids == list(range(8))  # GPU events always carry tokens
+    assert [ev.block_hashes for ev in cpu] == [[external_hash(b.digest)] for b in held]
+    assert all(ev.token_ids == [] and ev.block_size == 0 and ev.parent_block_hash is None for ev in cpu)
