@@ -28,24 +28,13 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from epp.envoy import EnvoyProcess, render_config  # noqa: E402
+from epp.netutil import free_ports  # noqa: E402
 
 METRICS_TEXT = (
     "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name=\"m\"} 0.0\n"
     "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name=\"m\"} 1.0\n"
     "# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{model_name=\"m\"} 0.1\n"
 )
-
-
-def _free_ports(n: int) -> list[int]:
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _backends_main(ports: list[int]) -> None:
@@ -123,7 +112,7 @@ def _pct(values: list[float], q: float) -> float:
 
 
 async def run(args: argparse.Namespace) -> dict:
-    ports = _free_ports(args.endpoints + 7)
+    ports = free_ports(args.endpoints + 7)
     backend_ports, (grpc, health, metrics, l_epp, a_epp, l_rr, a_rr) = ports[:args.endpoints], ports[args.endpoints:]
     endpoints = [f"127.0.0.1:{p}" for p in backend_ports]
     backends = multiprocessing.get_context("spawn").Process(target=_backends_main, args=(backend_ports,), daemon=True)

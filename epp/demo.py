@@ -13,7 +13,6 @@ import os
 import random
 import re
 import signal
-import socket
 import statistics
 import sys
 import time
@@ -24,19 +23,10 @@ from tqdm import tqdm
 
 from epp.engine.sim.fleet import FleetConfig, SimFleet
 from epp.envoy import EnvoyProcess, render_config
+from epp.netutil import free_ports
 
 _WORDS = ("cache route replica token prompt model server latency queue block prefix request "
           "system user answer question table query index memory tier offload batch decode").split()
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 @dataclass
@@ -154,7 +144,7 @@ def _fleet_config(replicas: int) -> FleetConfig:
 
 
 async def _run_with_picker(replicas: int, workload: list[DemoRequest], concurrency: int) -> RunResult:
-    grpc, health, metrics, listen, admin = _free_ports(5)
+    grpc, health, metrics, listen, admin = free_ports(5)
     async with SimFleet(_fleet_config(replicas)) as fleet:
         epp = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "epp.cli", "serve", "--grpc-port", str(grpc), "--grpc-health-port", str(health),
@@ -173,7 +163,7 @@ async def _run_with_picker(replicas: int, workload: list[DemoRequest], concurren
 
 
 async def _run_round_robin(replicas: int, workload: list[DemoRequest], concurrency: int) -> RunResult:
-    listen, admin = _free_ports(2)
+    listen, admin = free_ports(2)
     async with SimFleet(_fleet_config(replicas)) as fleet:
         envoy = EnvoyProcess(render_config(listen_port=listen, admin_port=admin,
                                            round_robin_backends=fleet.endpoints), admin)

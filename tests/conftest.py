@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
+
+from epp.netutil import free_ports
 
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ integration tests. Start-up takes ~40 s on 2 cores, so share one server per test
 from __future__ import annotations
 
 import os
-import socket
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,23 +16,10 @@ from epp.engine.vllm.env import VllmEnvNotFound, find_vllm_python
 from epp.engine.vllm.launcher import HostResources, LaunchOptions, build_plan, host_resources
 from epp.engine.vllm.process import VllmProcess
 
+from epp.netutil import free_ports  # noqa: F401  (re-exported for tests)
+
 TINY_MODEL_NAME = "tiny"
 TINY_BLOCK_SIZE = 32
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct ports that were free on 127.0.0.1 a moment ago (bound to port 0, then closed)."""
-    sockets, ports = [], []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-            ports.append(s.getsockname()[1])
-    finally:
-        for s in sockets:
-            s.close()
-    return ports
 
 
 def require_vllm_python() -> Path:
