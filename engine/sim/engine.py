@@ -308,7 +308,7 @@ class SimEngine:
                     prefill.append((r, chunk))
                     budget -= chunk
             prefill_tokens = sum(c for _, c in prefill)
-            step = self.profile.step_time(prefill_tokens, len(decoding), load_time)
+            step = max(self.profile.step_time(prefill_tokens, len(decoding), load_time), 1e-9)
             start = self._clock
             # Whatever still waits after _admit stays blocked until a finish or an arrival, and
             # both end a jump early, so a batch of pure decodes can jump to its next finish.
@@ -328,13 +328,14 @@ class SimEngine:
                 self._clock = start + n * step
                 self.steps += n
                 self._decode(decoding, n, step)
+                self.metrics.iteration_tokens.observe(len(decoding), n)
             else:
                 await self._sleep_until(start + step)
                 self._clock = start + step
                 self.steps += 1
                 self._decode(decoding, 1, step)
                 self._prefill(prefill)
-            self.metrics.observe_iteration(prefill_tokens + len(decoding))
+                self.metrics.iteration_tokens.observe(prefill_tokens + len(decoding))
             self._sweep_finished()
             self._publish()
 

@@ -58,10 +58,6 @@ class EngineMetrics:
     queue_time: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
     iteration_tokens: Histogram = field(default_factory=lambda: Histogram(ITERATION_TOKENS_BUCKETS))
 
-    def observe_iteration(self, tokens: int) -> None:
-        """Record the token count of one engine step."""
-        self.iteration_tokens.observe(tokens)
-
 
 def _fmt(v: float) -> str:
     if v == float("inf"):
