@@ -7,9 +7,10 @@ Modes:
 - per-endpoint: the EPP dials `tcp://<endpoint address>:<events port>` for every endpoint of
   the registry, following its listener callbacks as endpoints come and go.
 
-Ordering: each publisher's sequence numbers must be contiguous. On first contact, on a gap and
-on a restart (sequence goes back) the subscriber asks the replica's replay socket (ROUTER) for
-the missed batches with a DEALER (`[b"", start_seq]` → `[b"", topic, seq, payload]`... until the
+Ordering: each publisher's sequence numbers must be contiguous. When an endpoint appears (also
+at the picker's start, so a restarted picker rebuilds its view without waiting for traffic), on
+first contact, on a gap and on a restart (sequence goes back) the subscriber asks the replica's
+replay socket (ROUTER) for the missed batches with a DEALER (`[b"", start_seq]` → `[b"", topic, seq, payload]`... until the
 end marker), holding live messages meanwhile. A gap that cannot be repaired (no replay socket,
 timeout, the cooldown after a failed replay, or the publisher no longer buffers the missing batches) drops that
 endpoint's entries, counted in `epp_kv_events_endpoint_resets_total`.
@@ -176,17 +177,32 @@ class KVEventSubscriber:
             self._forget(name)
         for name in [n for n in self.index.endpoints() if n not in current]:
             self.index.remove_endpoint(name)
-        if self.config.mode != "per-endpoint":
+        if self.config.mode == "per-endpoint":
+            for name in [n for n in self._sockets if n not in current]:
+                self._forget(name)
+            for name, ep in current.items():
+                if name not in self._sockets:
+                    port = _label_port(ep, LABEL_EVENTS_PORT, self.config.events_port)
+                    sock = self._sub_socket()
+                    sock.connect(_tcp(ep.address, port))
+                    self._sockets[name] = (sock, self._spawn(self._receive(sock, name)))
+            self.metrics.subscriptions.set(len(self._sockets))
+        for name in current:
+            if name not in self._streams:
+                self._catch_up(name)
+
+    def _catch_up(self, name: str) -> None:
+        """Replay a newly known endpoint's buffered history now, not at its next event.
+
+        A picker that starts (or restarts) while the replicas are idle would otherwise know
+        nothing of their caches until each happens to publish again.
+        """
+        replay_address = self._replay_address(name, None)
+        if replay_address is None:
             return
-        for name in [n for n in self._sockets if n not in current]:
-            self._forget(name)
-        for name, ep in current.items():
-            if name not in self._sockets:
-                port = _label_port(ep, LABEL_EVENTS_PORT, self.config.events_port)
-                sock = self._sub_socket()
-                sock.connect(_tcp(ep.address, port))
-                self._sockets[name] = (sock, self._spawn(self._receive(sock, name)))
-        self.metrics.subscriptions.set(len(self._sockets))
+        stream = self._streams[name] = _Stream(name, replay_address)
+        stream.repairing = True
+        self._spawn(self._repair(stream, 0, "startup"))
 
     def _forget(self, name: str) -> None:
         entry = self._sockets.pop(name, None)
@@ -338,8 +354,10 @@ class KVEventSubscriber:
             return  # the endpoint left meanwhile
         ok = replayed is not None and (kind != "gap" or (replayed and replayed[0][0] == start))
         self.metrics.replays.labels("ok" if ok else "failed").inc()
-        if not ok:
-            stream.last_failed_replay_at = time.monotonic()  # no second try until the cooldown ends
+        if not ok and kind != "startup":
+            # No second try until the cooldown ends. (A replica not reachable at discovery gets
+            # its ordinary first-contact replay once its events flow.)
+            stream.last_failed_replay_at = time.monotonic()
         if not ok and kind == "gap":
             self._reset(stream, "gap_unrepairable")
         if ok:
