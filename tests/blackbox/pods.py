@@ -74,7 +74,7 @@ class FakeVllmPod:
     def set(self, queue: int = 0, kv: float = 0.0, active: Sequence[str] = (), waiting: Sequence[str] = (),
             max_lora: int = 0, running: int = 0) -> "FakeVllmPod":
         """What the pod reports from now on (GIE's `P(idx, queue, kv, activeModels...)`)."""
-        self.expected = (queue, kv, frozenset(active))
+        self.expected = (queue, kv, frozenset(active), frozenset(waiting), max_lora)
         self.state.waiting = queue
         self.state.running = running
         self.state.kv_usage = kv
@@ -133,9 +133,10 @@ def reports(endpoint: Endpoint | None, pod: FakeVllmPod) -> bool:
     """Whether the registry holds this pod's current values (scraped at least once since set())."""
     if endpoint is None or not endpoint.healthy or endpoint.metrics.update_time <= 0:
         return False
-    queue, kv, active = pod.expected
+    queue, kv, active, waiting, max_lora = pod.expected
     m = endpoint.metrics
-    return m.waiting_queue_size == queue and abs(m.kv_cache_usage - kv) < 1e-9 and m.active_models == active
+    return (m.waiting_queue_size == queue and abs(m.kv_cache_usage - kv) < 1e-9 and m.active_models == active
+            and m.waiting_models == waiting and m.max_active_models == max_lora)
 
 
 async def wait_for_scraped(server: EppServer, pods: Sequence[FakeVllmPod], timeout: float = 5.0) -> None:

@@ -96,6 +96,19 @@ async def test_picked_endpoint_follows_the_gie_formulas(pods, picker, case, valu
     assert json.loads(forwarded)["model"] == target
 
 
+async def test_free_lora_slot_beats_a_waiting_adapter(pods, picker):
+    # lora-affinity: active 1, free slot (running + waiting < max_lora) .8, target waiting .6, else 0.
+    server, client = picker
+    pods[0].set(0, .2, active=["foo", "bar"], max_lora=2)  # full, target not there: 0
+    pods[1].set(0, .2, active=["foo"], waiting=["sql-lora-1fdg2"], max_lora=2)  # full, target waiting: .6
+    pods[2].set(0, .2, active=["foo"], max_lora=2)  # one slot free: .8
+    await wait_for_scraped(server, pods)
+    assert (await route(client, gie_body("sql-lora"), extra=[LORA_REWRITE]))[0] == pods[2].hostport
+    pods[2].set(0, .2, active=["foo", "baz"], max_lora=2)  # now full too: the waiting adapter wins
+    await wait_for_scraped(server, pods)
+    assert (await route(client, gie_body("sql-lora", "test2"), extra=[LORA_REWRITE]))[0] == pods[1].hostport
+
+
 async def test_the_priority_2_pool_does_shed_a_sheddable_request(pods, picker):
     server, client = picker
     set_pods(pods, *VECTORS[3][1])
