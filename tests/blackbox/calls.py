@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from tests.extproc_support import ExtProcClient, headers_of, request_body, request_headers
+from tests.extproc_support import (
+    ExtProcClient,
+    headers_of,
+    request_body,
+    request_headers,
+)
 
 
 def gie_body(model: str, prompt: str = "test1") -> bytes:

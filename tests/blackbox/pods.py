@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from aiohttp import web
 
@@ -72,7 +72,7 @@ class FakeVllmPod:
         return EndpointSpec(self.host, self.port)
 
     def set(self, queue: int = 0, kv: float = 0.0, active: Sequence[str] = (), waiting: Sequence[str] = (),
-            max_lora: int = 0, running: int = 0) -> "FakeVllmPod":
+            max_lora: int = 0, running: int = 0) -> FakeVllmPod:
         """What the pod reports from now on (GIE's `P(idx, queue, kv, activeModels...)`)."""
         self.expected = (queue, kv, frozenset(active), frozenset(waiting), max_lora)
         self.state.waiting = queue
@@ -87,7 +87,7 @@ class FakeVllmPod:
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(text=vllm_metrics_page(self.state), content_type="text/plain", charset="utf-8")
 
-    async def start(self) -> "FakeVllmPod":
+    async def start(self) -> FakeVllmPod:
         """Listen on host:port (again after a stop(): the address is reused)."""
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)

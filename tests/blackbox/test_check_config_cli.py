@@ -43,7 +43,7 @@ def check_config(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]:
     path = tmp_path / "epp.yaml"
     path.write_text(text)
     return subprocess.run([str(EPP), "check-config", str(path)], capture_output=True, text=True, timeout=30,
-                          cwd=tmp_path)
+                          cwd=tmp_path, check=False)
 
 
 def test_valid_file_prints_the_resolved_pipeline_and_exits_0(tmp_path):
@@ -78,20 +78,20 @@ INVALID = [
      "plugins[4].parameters: plugin 'max-score-picker': parameter 'maxNumOfEndpoints' must be >= 1, got 0"),
     ("unknown reference",
      VALID.replace("  - pluginRef: prefix\n", "  - pluginRef: prefx\n"),
-     "schedulingProfiles[0].plugins[2].pluginRef: unknown plugin 'prefx'; defined plugins: queue-scorer, "
-     "kv-cache-utilization-scorer, prefix, lora-affinity-scorer, max-score-picker"),
+     ("schedulingProfiles[0].plugins[2].pluginRef: unknown plugin 'prefx'; defined plugins: queue-scorer, "
+      "kv-cache-utilization-scorer, prefix, lora-affinity-scorer, max-score-picker")),
     ("missing producer",
      VALID.replace("- type: lora-affinity-scorer", "- type: predicted-ttft-scorer")
           .replace("pluginRef: lora-affinity-scorer", "pluginRef: predicted-ttft-scorer"),
-     "plugins: plugin 'predicted-ttft-scorer' consumes data key 'prefix-cache-tier-match' but no plugin "
-     "produces it and no default producer is registered"),
+     ("plugins: plugin 'predicted-ttft-scorer' consumes data key 'prefix-cache-tier-match' but no plugin "
+      "produces it and no default producer is registered")),
     ("objective priority",
      VALID.replace("priority: -1", "priority: low"),
      "objectives[0].priority: must be an integer (negative = sheddable), got 'low'"),
     ("apiVersion",
      VALID.replace("x-k8s.io/v1alpha1", "x-k8s.io/v9"),
-     "apiVersion: unsupported apiVersion 'inference.networking.x-k8s.io/v9'; "
-     "allowed: inference.networking.x-k8s.io/v1alpha1"),
+     ("apiVersion: unsupported apiVersion 'inference.networking.x-k8s.io/v9'; "
+      "allowed: inference.networking.x-k8s.io/v1alpha1")),
 ]
 
 
@@ -106,6 +106,6 @@ def test_invalid_file_exits_1_naming_the_field(tmp_path, case, text, message):
 
 def test_missing_file_exits_1(tmp_path):
     done = subprocess.run([str(EPP), "check-config", str(tmp_path / "absent.yaml")], capture_output=True,
-                          text=True, timeout=30)
+                          text=True, timeout=30, check=False)
     assert done.returncode == 1
     assert done.stderr.startswith(f"error: {tmp_path / 'absent.yaml'}: cannot read config file")

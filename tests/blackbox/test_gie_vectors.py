@@ -13,7 +13,12 @@ import pytest
 
 from tests.blackbox.calls import gie_body, immediate, route
 from tests.blackbox.pods import FakeVllmPod, start_picker, start_pods, wait_for_scraped
-from tests.extproc_support import ExtProcClient, request_body, request_headers, subset_metadata
+from tests.extproc_support import (
+    ExtProcClient,
+    request_body,
+    request_headers,
+    subset_metadata,
+)
 
 # GIE's integration-test config: queue + kv + prefix + lora at weight 1, max-score picker.
 # `critical` is a non-sheddable objective (priority 2), as in "no shedding at priority 2";
@@ -135,8 +140,8 @@ async def test_subset_hint_without_a_match_is_503(pods, picker):
     nowhere = subset_metadata([f"127.0.0.99:{pods[0].port}"])
     status, body = await immediate(client, [request_headers(metadata=nowhere),
                                             request_body(gie_body("my-model"), metadata=nowhere)])
-    assert (status, body) == (503, b"inference error: ServiceUnavailable - "
-                                   b"failed to find endpoint candidates for serving the request")
+    assert (status, body) == (503, (b"inference error: ServiceUnavailable - "
+                                    b"failed to find endpoint candidates for serving the request"))
 
 
 async def test_body_without_a_model_is_400(pods, picker):

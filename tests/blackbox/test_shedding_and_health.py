@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.blackbox.pods import start_picker, start_pods, wait_for_scraped, wait_until
 from tests.blackbox.calls import gie_body, immediate, route
+from tests.blackbox.pods import start_picker, start_pods, wait_for_scraped, wait_until
 from tests.extproc_support import ExtProcClient, request_body, request_headers
 
 # Staleness is widened from GIE's 200 ms to 1 s so that a busy test machine (the scraper shares
