@@ -1,8 +1,9 @@
 """`epp demo`: real Envoy + the picker + simulated vLLM replicas on loopback, and a short workload.
 
 The same mixed workload (chat sessions sharing long system prompts, plus one-off prompts) runs
-through the picker and, for comparison, through Envoy round-robin on a fresh fleet; the demo
-prints where requests went, the replicas' prefix-cache hit rates and the latencies.
+through the picker with approximate prefix routing (GIE defaults), with precise prefix routing
+(from the replicas' KV events) and, for comparison, through Envoy round-robin, each on a fresh
+fleet; the demo prints where requests went, the replicas' prefix-cache hit rates and latencies.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from tqdm import tqdm
 
-from epp.engine.sim.fleet import FleetConfig, SimFleet
+from epp.engine.sim.fleet import FleetConfig, SimFleet, default_tokenizer_dir
 from epp.envoy import EnvoyProcess, render_config
 from epp.netutil import free_ports
 
@@ -139,22 +140,62 @@ async def _wait_ready(url: str, timeout: float = 30.0) -> None:
 def _fleet_config(replicas: int) -> FleetConfig:
     # A GPU cache of ~6k tokens holds two or three tenants' system prompts, not all of them:
     # where requests land decides the hit rate, as on a real fleet.
-    return FleetConfig(replicas=replicas, profile="h100-llama3-8b", num_gpu_blocks=400, processes=1,
-                       kv_events=False)
+    return FleetConfig(replicas=replicas, profile="h100-llama3-8b", num_gpu_blocks=400, processes=1)
 
 
-async def _run_with_picker(replicas: int, workload: list[DemoRequest], concurrency: int) -> RunResult:
+PRECISE_CONFIG = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: precise-prefix-cache-producer
+  parameters:
+    blockSizeTokens: {block_size}
+    tokenizers: {{"{model}": "{tokenizer_dir}"}}
+- type: prefix-cache-scorer
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: prefix-cache-scorer
+    weight: 3
+  - pluginRef: queue-scorer
+    weight: 2
+  - pluginRef: kv-cache-utilization-scorer
+    weight: 2
+"""
+
+
+def _port_of(zmq_endpoint: str) -> str:
+    return zmq_endpoint.rpartition(":")[2]
+
+
+def _picker_args(fleet: SimFleet, precise: bool) -> list[str]:
+    """`epp serve` arguments for a fleet: the GIE default config, or precise prefix routing from KV events."""
+    if not precise:
+        return ["--endpoints", fleet.endpoints_arg]
+    endpoints = ",".join(
+        f"{info['endpoint']}#kv-events-port={_port_of(info['kv_events_endpoint'])};"
+        f"kv-replay-port={_port_of(info['kv_replay_endpoint'])}" for info in fleet.info)
+    first = fleet.info[0]
+    config = PRECISE_CONFIG.format(block_size=first["block_size"], model=first["model"],
+                                   tokenizer_dir=fleet.config.tokenizer_dir or default_tokenizer_dir())
+    return ["--endpoints", endpoints, "--config-text", config]
+
+
+async def _run_with_picker(label: str, precise: bool, replicas: int, workload: list[DemoRequest],
+                           concurrency: int) -> RunResult:
     grpc, health, metrics, listen, admin = free_ports(5)
     async with SimFleet(_fleet_config(replicas)) as fleet:
         epp = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "epp.cli", "serve", "--grpc-port", str(grpc), "--grpc-health-port", str(health),
-            "--metrics-port", str(metrics), "--bind-address", "127.0.0.1", "--endpoints", fleet.endpoints_arg,
+            "--metrics-port", str(metrics), "--bind-address", "127.0.0.1", *_picker_args(fleet, precise),
             start_new_session=True)
         envoy = EnvoyProcess(render_config(listen_port=listen, admin_port=admin, epp_port=grpc), admin)
         try:
             await _wait_ready(f"http://127.0.0.1:{metrics}/metrics")
             await envoy.start()
-            return await _drive("through the picker", f"http://127.0.0.1:{listen}", workload, concurrency, fleet)
+            return await _drive(label, f"http://127.0.0.1:{listen}", workload, concurrency, fleet)
         finally:
             await envoy.stop()
             with contextlib.suppress(ProcessLookupError):
@@ -205,7 +246,8 @@ async def _demo(replicas: int, requests: int, concurrency: int, groups: int) -> 
     workload = build_workload(requests, groups)
     print(f"epp demo: {replicas} simulated vLLM replicas (H100 / Llama-3-8B latency profile), "
           f"{len(workload)} requests from {groups} tenants sharing long system prompts, concurrency {concurrency}")
-    results = [await _run_with_picker(replicas, workload, concurrency),
+    results = [await _run_with_picker("picker: approx. prefix", False, replicas, workload, concurrency),
+               await _run_with_picker("picker: precise prefix", True, replicas, workload, concurrency),
                await _run_round_robin(replicas, workload, concurrency)]
     print(_report(results, replicas))
     return 1 if any(res.errors for res in results) else 0
