@@ -154,11 +154,14 @@ plugins:
 - type: prefix-cache-scorer
 - type: queue-scorer
 - type: kv-cache-utilization-scorer
+- type: prefix-home-scorer
 schedulingProfiles:
 - name: default
   plugins:
   - pluginRef: prefix-cache-scorer
     weight: 3
+  - pluginRef: prefix-home-scorer
+    weight: 1
   - pluginRef: queue-scorer
     weight: 2
   - pluginRef: kv-cache-utilization-scorer
