@@ -15,7 +15,13 @@ from epp.engine.sim import FleetConfig, SimFleet
 from epp.engine.sim.fleet import default_tokenizer_dir
 
 from epp.kvevents.decoding import Tier
-from tests.precise.support import Picker, fleet_specs, post_completion, prompt_of, wait_until
+from tests.precise.support import (
+    Picker,
+    fleet_specs,
+    post_completion,
+    prompt_of,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
