@@ -8,9 +8,11 @@ import logging
 import shlex
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from bench.routing.contenders import CONTENDERS
+from bench.routing.loadgen import Stage
 from bench.routing.report import write_report
 from bench.routing.runner import run_scenario
 from bench.routing.scenarios import SCALES, SCENARIOS, get_scenario
@@ -28,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--contenders", default="all",
                      help=f"comma-separated subset of: {', '.join(CONTENDERS)} (default all)")
     run.add_argument("--out", help="output directory (default bench/results/<scenario>)")
+    run.add_argument("--rates", help="override the schedule: comma-separated open-loop rates (req/s, wall clock)")
+    run.add_argument("--stage-seconds", type=float, help="override every stage's duration")
+    run.add_argument("--arrivals", choices=("poisson", "constant"), help="override the arrival process")
+    run.add_argument("--concurrency", help="closed loop instead: comma-separated client counts, one stage each")
     run.add_argument("--no-raw", action="store_true", help="do not keep per-request records (raw/*.jsonl)")
     run.add_argument("--quiet", action="store_true", help="no progress output")
     sub.add_parser("list", help="list scenarios and contenders")
@@ -46,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     # Peers probe replicas with an HTTP/2 preface first; in-process replicas would log each probe.
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
     scenario = get_scenario(args.scenario, args.scale)
+    scenario.stages = _schedule(scenario.stages, args)
     out = Path(args.out) if args.out else RESULTS / args.scenario
     command = "python -m bench.routing " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
@@ -53,6 +60,18 @@ def main(argv: list[str] | None = None) -> int:
     md = write_report(scenario, results, out, command, started)
     print(f"report: {md}")
     return 0 if all(r.overall is not None or r.status.startswith("unavailable") for r in results) else 1
+
+
+def _schedule(stages: list[Stage], args: argparse.Namespace) -> list[Stage]:
+    """The scenario's stages with the command line's overrides applied."""
+    duration = args.stage_seconds or stages[0].duration
+    arrivals = args.arrivals or stages[0].arrivals
+    if args.concurrency:
+        return [Stage(duration, concurrency=int(c)) for c in args.concurrency.split(",")]
+    if args.rates:
+        return [Stage(duration, float(r), arrivals) for r in args.rates.split(",")]
+    return [replace(s, duration=args.stage_seconds or s.duration, arrivals=args.arrivals or s.arrivals)
+            for s in stages]
 
 
 if __name__ == "__main__":

@@ -81,6 +81,7 @@ class RunningRouter:
     pids: list[int] = field(default_factory=list)
     stoppers: list[Any] = field(default_factory=list)
     version: str = ""
+    metrics_url: str | None = None  # the router's own Prometheus page, when it has one
 
     async def stop(self) -> None:
         for stop in reversed(self.stoppers):
@@ -286,6 +287,7 @@ async def _start(c: Contender, fleet: SimFleet, tuning: Tuning, workdir: Path) -
                              "--endpoints", ",".join(endpoints)], log)
         router.pids.append(proc.pid)
         router.stoppers.append(lambda: _terminate(proc))
+        router.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
         try:
             await _wait_http(f"http://127.0.0.1:{metrics}/metrics", 60, proc, log)
             await _start_envoy(router, render_config(listen_port=listen, admin_port=admin, epp_port=grpc),
@@ -309,7 +311,7 @@ async def _start(c: Contender, fleet: SimFleet, tuning: Tuning, workdir: Path) -
                     argv += ["--kv-event-replay-source", f"{url}={d['kv_replay_endpoint']}"]
             argv += ["--kv-event-block-size", str(tuning.block_size), "--kv-event-model", "sim-model"]
         return await _start_peer(argv, port, workdir / "vllm-router.log",
-                                 f"vllm-router {_pip_version('vllm-router')}")
+                                 f"vllm-router {_pip_version('vllm-router')}", prom)
     if c.kind == "sglang-router":
         binary = peer_binary("sglang-router")
         port, prom = free_ports(2)
@@ -317,13 +319,14 @@ async def _start(c: Contender, fleet: SimFleet, tuning: Tuning, workdir: Path) -
                 "--policy", c.variant, "--prometheus-port", str(prom), "--log-level", "warn",
                 "--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "30"]
         return await _start_peer(argv, port, workdir / "sglang-router.log",
-                                 f"sglang-router {_pip_version('sglang-router')}")
+                                 f"sglang-router {_pip_version('sglang-router')}", prom)
     raise ValueError(f"unknown contender kind {c.kind!r}")
 
 
-async def _start_peer(argv: list[str], port: int, log: Path, version: str) -> RunningRouter:
+async def _start_peer(argv: list[str], port: int, log: Path, version: str, prom: int) -> RunningRouter:
     proc = await _spawn(argv, log)
-    router = RunningRouter(f"http://127.0.0.1:{port}", [proc.pid], [lambda: _terminate(proc)], version)
+    router = RunningRouter(f"http://127.0.0.1:{port}", [proc.pid], [lambda: _terminate(proc)], version,
+                           f"http://127.0.0.1:{prom}/metrics")
     try:
         await _wait_http(f"http://127.0.0.1:{port}/health", 60, proc, log)
     except BaseException:

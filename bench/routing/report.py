@@ -136,6 +136,12 @@ def write_report(scenario: Scenario, results: list[ContenderResult], out_dir: Pa
               "## Per stage", "", *stage_table(results), ""]
     if plots:
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
+    with_metrics = [r for r in results if r.router_metrics]
+    if with_metrics:
+        lines += ["## Router-side cache counters (end of run)", ""]
+        for r in with_metrics:
+            lines.append(f"- {r.name}: " + ", ".join(f"`{k}` {v:g}" for k, v in sorted(r.router_metrics.items())))
+        lines.append("")
     unavailable = [r for r in results if r.overall is None]
     if unavailable:
         lines += ["## Not measured", ""] + [f"- {r.name}: {r.status}" for r in unavailable] + [""]

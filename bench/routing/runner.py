@@ -10,7 +10,10 @@ hit rate is a clean delta.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import sys
 import statistics
 import time
 from collections import Counter
@@ -76,6 +79,7 @@ class ContenderResult:
     version: str = ""
     stages: list[StageSummary] = field(default_factory=list)
     overall: StageSummary | None = None
+    router_metrics: dict[str, float] = field(default_factory=dict)
 
 
 def summarize(label: str, rate: float | None, records: list[RequestRecord], seconds: float,
@@ -140,7 +144,9 @@ async def run_contender(scenario: Scenario, contender: Contender, workdir: Path,
     first = next(requests)  # builds the prompts before the clock starts
     requests = _chain(first, requests)
     fleet = SimFleet(scenario.fleet, tokenizer_dir=tuning.tokenizer_dir)
-    await fleet.start()
+    workdir.mkdir(parents=True, exist_ok=True)
+    with _stderr_to(workdir / f"{contender.name}-fleet.log"):
+        await fleet.start()
     router: RunningRouter | None = None
     try:
         try:
@@ -171,6 +177,8 @@ async def run_contender(scenario: Scenario, contender: Contender, workdir: Path,
                     after = await scrape_fleet(scrape, fleet.info)
                     stage_results.append((sr, (before, after), cpu))
                     before = after
+                if router.metrics_url:
+                    result.router_metrics = await _router_metrics(scrape, router.metrics_url)
         oracle = oracle_hits(issued, block_size=tuning.block_size, capacity_blocks=scenario.capacity_blocks,
                              tokenizer_dir=tuning.tokenizer_dir)
         offset = 0
@@ -201,6 +209,46 @@ async def run_contender(scenario: Scenario, contender: Contender, workdir: Path,
         if router is not None:
             await router.stop()
         await fleet.stop()
+
+
+# Router-side counters that tell whether a cache-aware router's index saw the replicas' caches.
+_ROUTER_SERIES = ("kv_placement_lookups_total", "kv_routing_inputs_total", "prefix_routing_decisions_total",
+                  "epp_kv_index_lookup_hit_blocks_total", "epp_kv_index_lookup_miss_blocks_total",
+                  "epp_kv_index_events_applied_total", "epp_kv_events_sequence_gaps_total")
+
+
+async def _router_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """Samples of the router's own metrics that describe its cache index (empty when unreachable)."""
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            text = await resp.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not any(k in line for k in _ROUTER_SERIES):
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+@contextlib.contextmanager
+def _stderr_to(path: Path) -> Iterator[None]:
+    """Point fd 2 at `path` while child processes are spawned, so they inherit it, then restore it."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(fd, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(fd)
 
 
 def _chain(first: BenchRequest, rest: Iterator[BenchRequest]) -> Iterator[BenchRequest]:

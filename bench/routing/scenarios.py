@@ -46,7 +46,7 @@ def _fleet(scale: str, replicas: int, blocks: int, time_scale: float, **kw) -> F
         # CI: the fast profile, replicas in the harness's own process (no worker start-up).
         return FleetConfig(replicas=replicas, profile="fast", num_gpu_blocks=blocks, processes=0, **kw)
     return FleetConfig(replicas=replicas, profile="h100-llama3-8b", num_gpu_blocks=blocks, time_scale=time_scale,
-                       processes=1, **kw)
+                       processes=2, **kw)
 
 
 def shared_prefix(scale: str) -> Scenario:
@@ -60,7 +60,7 @@ def shared_prefix(scale: str) -> Scenario:
         replicas, ts = 4, 5.0
         blocks = int(w.shared_tokens() / 16 / 0.73 / replicas) + 1  # 73 % of the fleet, ~2.9x one replica
         return Scenario("shared-prefix", scale, w, _fleet(scale, replicas, blocks, ts),
-                        ramp(2.0, 8.0, 4, 25.0), drain=40.0)
+                        [Stage(15.0, rate) for rate in (2.0, 4.0, 8.0, 12.0)], drain=30.0)
     w = SharedPrefix(groups=48, users=5, system_tokens=6000, question_tokens=1200, output_tokens=64)
     replicas, ts = 8, 2.0
     blocks = int(w.shared_tokens() / 16 / 0.73 / replicas) + 1

@@ -1,0 +1,121 @@
+"""Routing benchmark parts: seeded workloads, the oracle bound, the arrival schedule, statistics."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+from aiohttp import web
+import aiohttp
+
+from bench.routing.loadgen import Stage, ramp, run_stage
+from bench.routing.measure import counter_sum, percentile
+from bench.routing.oracle import belady_hits, oracle_hits, prompt_token_ids
+from bench.routing.workloads import Agentic, MultiTurn, NoSharing, SharedPrefix
+
+
+def test_workloads_are_reproducible_from_their_seed():
+    for w in (SharedPrefix(groups=3, users=2, system_tokens=64, question_tokens=16),
+              MultiTurn(sessions=3, active=2, turns=2, system_tokens=32, user_tokens=8, answer_tokens=8),
+              Agentic(agents=2, active=2, steps=2, context_tokens=64, tool_tokens=16), NoSharing(prompt_tokens=32)):
+        first = [r.body for r in itertools.islice(w.requests(), 10)]
+        again = [r.body for r in itertools.islice(w.requests(), 10)]
+        assert first == again
+
+
+def test_shared_prefix_prompts_have_the_asked_token_lengths_and_share_their_group_prefix():
+    w = SharedPrefix(groups=2, users=3, system_tokens=200, question_tokens=40)
+    reqs = list(itertools.islice(w.requests(), 20))
+    by_group: dict[str, list[list[int]]] = {}
+    for r in reqs:
+        ids = prompt_token_ids(r)
+        assert 200 + 40 - 2 <= len(ids) <= 200 + 40 + 4  # BOS, the joining newline, BPE merges at the cut
+        by_group.setdefault(r.group, []).append(ids)
+    assert len(by_group) == 2
+    for prompts in by_group.values():
+        assert all(p[:190] == prompts[0][:190] for p in prompts)
+    a, b = (prompts[0] for prompts in by_group.values())
+    assert a[1:20] != b[1:20]
+
+
+def test_multi_turn_requests_extend_their_session_history():
+    w = MultiTurn(sessions=2, active=1, turns=3, system_tokens=32, user_tokens=8, answer_tokens=8)
+    reqs = list(itertools.islice(w.requests(), 3))
+    assert len({r.group for r in reqs}) == 1
+    lengths = [len(r.body["messages"]) for r in reqs]
+    assert lengths == [2, 4, 6]
+    assert reqs[2].body["messages"][:4] == reqs[1].body["messages"][:3] + [reqs[2].body["messages"][3]]
+
+
+def test_belady_keeps_what_is_needed_soonest():
+    # capacity 2, cyclic 1,2,3: MIN keeps {1,2}, bypasses 3: 4 hits of 9 (LRU would get none).
+    assert sum(belady_hits([1, 2, 3] * 3, 2)) == 4
+    assert belady_hits([5, 5, 5], 1) == [False, True, True]
+    assert sum(belady_hits([1, 2, 3, 1, 2, 3], 3)) == 3
+
+
+def test_oracle_counts_shared_prefix_blocks_and_never_the_last_token():
+    w = SharedPrefix(groups=1, users=1, system_tokens=64, question_tokens=16)
+    reqs = list(itertools.islice(w.requests(), 3))
+    ids = prompt_token_ids(reqs[0])
+    res = oracle_hits(reqs, block_size=16, capacity_blocks=1000)
+    assert res.hits[0] == 0  # cold
+    assert res.hits[1] == res.hits[2] == (len(ids) - 1) // 16 * 16
+    assert 0.6 < res.rate() < 1.0
+    tight = oracle_hits(reqs, block_size=16, capacity_blocks=1)
+    assert tight.rate() <= res.rate()
+
+
+def test_counter_sum_adds_every_labelled_sample():
+    text = ('# TYPE vllm:request_success_total counter\n'
+            'vllm:request_success_total{finished_reason="stop",model_name="m"} 3.0\n'
+            'vllm:request_success_total{finished_reason="length",model_name="m"} 4.0\n'
+            'vllm:prefix_cache_hits_total{model_name="m"} 16.0\n')
+    assert counter_sum(text, "vllm:request_success_total") == 7.0
+    assert counter_sum(text, "vllm:prefix_cache_hits_total") == 16.0
+    assert counter_sum(text, "vllm:absent_total") == 0.0
+
+
+def test_percentile_interpolates():
+    assert percentile([], 90) is None
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
+    assert abs(percentile(list(map(float, range(101))), 90) - 90.0) < 1e-9
+
+
+def test_ramp_spreads_rates_evenly():
+    assert [s.rate for s in ramp(2.0, 8.0, 4, 10.0)] == [2.0, 4.0, 6.0, 8.0]
+
+
+async def test_open_loop_stage_streams_measures_ttft_and_is_bounded_in_time():
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "x-sim-replica": "r0"})
+        await resp.prepare(request)
+        await asyncio.sleep(0.02)
+        for tok in ("a", "b", "c"):
+            await resp.write(b'data: {"choices":[{"index":0,"text":"' + tok.encode() + b'"}]}\n\n')
+            await asyncio.sleep(0.005)
+        await resp.write(b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":3}}\n\n')
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        reqs = NoSharing(prompt_tokens=16).requests()
+        async with aiohttp.ClientSession() as session:
+            res = await run_stage(session, f"http://127.0.0.1:{port}", reqs, Stage(1.0, 20.0, "constant"), 0,
+                                  drain=5.0, progress=False)
+    finally:
+        await runner.cleanup()
+    assert 18 <= len(res.records) <= 20
+    assert res.issued_until - res.started < 1.5
+    for rec in res.records:
+        assert rec.ok, rec.error
+        assert rec.output_tokens == 3 and len(rec.itl) == 2
+        assert 0.015 < rec.ttft < rec.e2e
+        assert rec.replica == "r0"
