@@ -16,6 +16,13 @@ timeout, the cooldown after a failed replay, or the publisher no longer buffers 
 endpoint's entries, counted in `epp_kv_events_endpoint_resets_total`.
 Per-endpoint event ports come from the endpoint labels `kv-events-port` / `kv-replay-port`
 when present (several replicas on one host), else from the configured ports.
+
+A replica may have a second publisher: the disk-tier manager (engine/disk_tier) publishes the
+BlockRemoved events of the disk files it deletes, on the replica's topic but with sequence
+numbers of its own. In per-endpoint mode the label `kv-disk-events-port` makes the subscriber
+dial it too, as a secondary stream of that endpoint: ordered on its own, and its gaps or
+restarts never clear what the engine's stream built (a lost removal only leaves a disk entry
+stale until the engine reports the block again or it ages out).
 """
 
 from __future__ import annotations
@@ -50,6 +57,8 @@ log = logging.getLogger(__name__)
 END_SEQ = b"\xff" * 8
 LABEL_EVENTS_PORT = "kv-events-port"
 LABEL_REPLAY_PORT = "kv-replay-port"
+LABEL_DISK_EVENTS_PORT = "kv-disk-events-port"
+SECONDARY_SUFFIX = "|disk"
 MODES = ("centralized", "per-endpoint")
 
 
@@ -74,6 +83,11 @@ class SubscriberConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
 
 
+def _endpoint_of(stream_key: str) -> str:
+    """The endpoint a stream key belongs to (a secondary stream's key carries a suffix)."""
+    return stream_key.split(SECONDARY_SUFFIX, 1)[0]
+
+
 def _tcp(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
@@ -92,11 +106,16 @@ class _Stream:
 
     endpoint: str
     replay_address: str | None
+    key: str = ""  # the stream's own name: the endpoint, or endpoint + SECONDARY_SUFFIX
+    primary: bool = True  # the engine's own publisher (its restart means an empty cache)
     last_seq: int | None = None
     repairing: bool = False
     pending: list[tuple[int, bytes, bytes]] = field(default_factory=list)
     last_failed_replay_at: float = float("-inf")
     warned_no_model: bool = False
+
+    def __post_init__(self) -> None:
+        self.key = self.key or self.endpoint
 
 
 class KVEventSubscriber:
@@ -178,18 +197,25 @@ class KVEventSubscriber:
         for name in [n for n in self.index.endpoints() if n not in current]:
             self.index.remove_endpoint(name)
         if self.config.mode == "per-endpoint":
-            for name in [n for n in self._sockets if n not in current]:
-                self._forget(name)
+            for key in [k for k in self._sockets if _endpoint_of(k) not in current]:
+                self._forget(_endpoint_of(key))
             for name, ep in current.items():
-                if name not in self._sockets:
-                    port = _label_port(ep, LABEL_EVENTS_PORT, self.config.events_port)
-                    sock = self._sub_socket()
-                    sock.connect(_tcp(ep.address, port))
-                    self._sockets[name] = (sock, self._spawn(self._receive(sock, name)))
+                self._dial(name, _label_port(ep, LABEL_EVENTS_PORT, self.config.events_port), ep)
+                disk_port = _label_port(ep, LABEL_DISK_EVENTS_PORT, None)
+                if disk_port is not None:
+                    self._dial(name + SECONDARY_SUFFIX, disk_port, ep)
             self.metrics.subscriptions.set(len(self._sockets))
         for name in current:
             if name not in self._streams:
                 self._catch_up(name)
+
+    def _dial(self, key: str, port: int | None, ep: "Endpoint") -> None:
+        """Connect one SUB socket to a publisher of `ep`, once per stream key."""
+        if key in self._sockets or port is None:
+            return
+        sock = self._sub_socket()
+        sock.connect(_tcp(ep.address, port))
+        self._sockets[key] = (sock, self._spawn(self._receive(sock, key)))
 
     def _catch_up(self, name: str) -> None:
         """Replay a newly known endpoint's buffered history now, not at its next event.
@@ -205,12 +231,13 @@ class KVEventSubscriber:
         self._spawn(self._repair(stream, 0, "startup"))
 
     def _forget(self, name: str) -> None:
-        entry = self._sockets.pop(name, None)
-        if entry is not None:
-            sock, task = entry
-            task.cancel()
-            sock.close(linger=0)
-        self._streams.pop(name, None)
+        for key in (name, name + SECONDARY_SUFFIX):
+            entry = self._sockets.pop(key, None)
+            if entry is not None:
+                sock, task = entry
+                task.cancel()
+                sock.close(linger=0)
+            self._streams.pop(key, None)
         self.index.remove_endpoint(name)
 
     def _resolve(self, pod: str | None) -> str | None:
@@ -261,7 +288,7 @@ class KVEventSubscriber:
             self._last_yield = time.perf_counter()
 
     def handle_message(self, frames: list[bytes], endpoint: str | None = None) -> None:
-        """One live message `[topic, seq, payload]`; `endpoint` is known in per-endpoint mode."""
+        """One live message `[topic, seq, payload]`; `endpoint` (a stream key) is known in per-endpoint mode."""
         if len(frames) != 3 or len(frames[1]) < 8:
             self.metrics.decode_errors.inc()
             return
@@ -277,7 +304,10 @@ class KVEventSubscriber:
             pod = None
         stream = self._streams.get(endpoint)
         if stream is None:
-            stream = self._streams[endpoint] = _Stream(endpoint, self._replay_address(endpoint, pod))
+            name = _endpoint_of(endpoint)
+            primary = name == endpoint
+            replay = self._replay_address(name, pod) if primary else None
+            stream = self._streams[endpoint] = _Stream(name, replay, key=endpoint, primary=primary)
         self.metrics.messages.labels("live").inc()
         self._on_live(stream, seq, topic, payload)
 
@@ -296,13 +326,19 @@ class KVEventSubscriber:
                 return
         elif seq <= last:
             self.metrics.restarts.inc()
-            self.index.clear_endpoint(stream.endpoint)  # a restarted engine starts with an empty cache
             stream.last_seq = None
+            if not stream.primary:  # a restarted disk manager says nothing about the engine's cache
+                self._apply(stream, seq, topic, payload)
+                return
+            self.index.clear_endpoint(stream.endpoint)  # a restarted engine starts with an empty cache
             if self._can_replay(stream):
                 self._start_repair(stream, 0, "restart", (seq, topic, payload))
                 return
         elif seq != last + 1:
             self.metrics.gaps.inc()
+            if not stream.primary:  # lost removals leave stale disk entries; never drop the engine's view
+                self._apply(stream, seq, topic, payload)
+                return
             if self._can_replay(stream):
                 self._start_repair(stream, last + 1, "gap", (seq, topic, payload))
                 return
@@ -350,7 +386,7 @@ class KVEventSubscriber:
         except (TimeoutError, zmq.ZMQError, OSError) as exc:
             log.warning("KV event replay from %s failed: %r", stream.replay_address, exc)
             replayed = None
-        if self._streams.get(stream.endpoint) is not stream:
+        if self._streams.get(stream.key) is not stream:
             return  # the endpoint left meanwhile
         ok = replayed is not None and (kind != "gap" or (replayed and replayed[0][0] == start))
         self.metrics.replays.labels("ok" if ok else "failed").inc()
