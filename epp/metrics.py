@@ -13,11 +13,17 @@ _DURATION_BUCKETS = (0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5
                      8, 10, 15, 20, 30, 45, 60, 120, 180, 240, 300, 360, 480, 600, 900, 1200)
 
 
+OTHER_MODELS = "__other__"
+
+
 class EppMetrics:
     """Every metric the ext_proc path records; plugins register theirs on `registry` too."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, *, max_model_labels: int = 200) -> None:
         self.registry = registry or CollectorRegistry()
+        # Model names come from client bodies: without a cap, random names would grow the series forever.
+        self.max_model_labels = max_model_labels
+        self._model_labels: set[str] = set()
         r = self.registry
         self.requests = Counter(
             "inference_objective_request", "Requests by model.",
@@ -69,6 +75,15 @@ class EppMetrics:
             "request_headers", "request_body", "request_trailers", "response_headers", "response_body",
             "response_trailers")}
         self._plugin_children: dict[tuple[str, int], object] = {}
+
+    def model_label(self, model: str) -> str:
+        """`model` as a label value, or `__other__` once `max_model_labels` names have been seen."""
+        if model in self._model_labels:
+            return model
+        if len(self._model_labels) < self.max_model_labels:
+            self._model_labels.add(model)
+            return model
+        return OTHER_MODELS
 
     def observe_plugin(self, extension_point: str, plugin: object, seconds: float) -> None:
         """Record one plugin call; label children are cached because this runs per request."""

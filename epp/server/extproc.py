@@ -70,7 +70,8 @@ class _Stream:
 
     __slots__ = ("service", "headers", "body_parts", "body_size", "subset_hint", "request_id",
                  "request", "target", "state", "response", "rewriter", "response_parts",
-                 "response_size", "passthrough", "finished", "rejected", "started", "scheduled")
+                 "response_size", "passthrough", "finished", "rejected", "started", "scheduled",
+                 "model_labels")
 
     def __init__(self, service: "ExtProcService") -> None:
         self.service = service
@@ -91,6 +92,7 @@ class _Stream:
         self.rejected = False
         self.scheduled = False
         self.started = time.monotonic()
+        self.model_labels: tuple[str, str] = ("", "")
 
     # -- request path -------------------------------------------------------------------------
 
@@ -134,13 +136,15 @@ class _Stream:
         request, forwarded = service.parser.parse(
             request_id=self.request_id, headers=self.headers, body=body, subset_hint=self.subset_hint)
         self.request = request
-        service.metrics.requests.labels(request.model, request.target_model, str(request.priority)).inc()
-        service.metrics.request_sizes.labels(request.model, request.target_model).observe(len(body))
+        self.model_labels = (service.metrics.model_label(request.model),
+                             service.metrics.model_label(request.target_model))
+        service.metrics.requests.labels(*self.model_labels, str(request.priority)).inc()
+        service.metrics.request_sizes.labels(*self.model_labels).observe(len(body))
         result = await service.director.schedule(self.state, request)
         targets = result.targets
         self.target = targets[0]
         self.scheduled = True
-        service.metrics.running_requests.labels(request.model).inc()
+        service.metrics.running_requests.labels(self.model_labels[0]).inc()
         destination = ",".join(ep.hostport for ep in targets)
         set_headers = [(messages.DESTINATION_ENDPOINT_HEADER, destination), (REQUEST_ID_HEADER, self.request_id)]
         if forwarded:
@@ -215,21 +219,22 @@ class _Stream:
         if request is None:
             return
         metrics = self.service.metrics
-        metrics.running_requests.labels(request.model).dec()
+        labels = self.model_labels
+        metrics.running_requests.labels(labels[0]).dec()
         if not aborted:
-            metrics.request_duration.labels(request.model, request.target_model).observe(
+            metrics.request_duration.labels(*labels).observe(
                 time.monotonic() - self.started)
         usage = self.response.usage
         if usage:
             prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
             completion = usage.get("completion_tokens", usage.get("output_tokens"))
             if isinstance(prompt, int):
-                metrics.input_tokens.labels(request.model, request.target_model).observe(prompt)
+                metrics.input_tokens.labels(*labels).observe(prompt)
             if isinstance(completion, int):
-                metrics.output_tokens.labels(request.model, request.target_model).observe(completion)
+                metrics.output_tokens.labels(*labels).observe(completion)
             details = usage.get("prompt_tokens_details") or usage.get("prompt_token_details") or {}
             if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-                metrics.cached_tokens.labels(request.model, request.target_model).observe(details["cached_tokens"])
+                metrics.cached_tokens.labels(*labels).observe(details["cached_tokens"])
         self.service.director.response_complete(self.state, request, self.response, self.target)
 
 
@@ -258,9 +263,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                     replies = await self._dispatch(stream, req)
                 except InferenceError as err:
                     stream.rejected = True
-                    model = stream.request.model if stream.request else ""
-                    target = stream.request.target_model if stream.request else ""
-                    metrics.request_errors.labels(model, target, err.code.label).inc()
+                    metrics.request_errors.labels(*stream.model_labels, err.code.label).inc()
                     replies = [messages.immediate_response(err.code.http_status, err.body)]
                 except Exception:
                     log.exception("ext_proc stream failed (request id %s)", stream.request_id)

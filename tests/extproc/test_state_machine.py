@@ -335,3 +335,18 @@ async def test_shutdown_lets_in_flight_streams_finish():
         await asyncio.wait_for(stopping, 10)
     finally:
         await client.close()
+
+
+async def test_model_label_values_are_capped():
+    server = await started()
+    server.metrics.max_model_labels = 3
+    client = ExtProcClient(server.grpc_port)
+    try:
+        for i in range(6):
+            body = json.dumps({"model": f"random-{i}", "prompt": "x"}).encode()
+            await client.exchange([request_headers(), request_body(body)], expect=2)
+        labels = {s.labels["model_name"] for s in server.metrics.requests.collect()[0].samples}
+        assert labels == {"random-0", "random-1", "random-2", "__other__"}
+    finally:
+        await client.close()
+        await server.stop(0)
