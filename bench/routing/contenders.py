@@ -18,16 +18,15 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+from epp.engine.sim.fleet import SimFleet
 
 from epp.config.loader import API_VERSION, DEFAULT_CONFIG_YAML, KIND
-from epp.engine.sim.fleet import SimFleet
 from epp.envoy import EnvoyProcess, render_config
 
 
@@ -195,12 +194,10 @@ def _tail(log: Path | None, lines: int = 8) -> str:
 
 
 async def _spawn(argv: list[str], log: Path, env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
-    fh = open(log, "wb")
-    try:
+    fh = await asyncio.to_thread(open, log, "wb")
+    with fh:  # the child keeps its own copy of the descriptor
         return await asyncio.create_subprocess_exec(*argv, stdout=fh, stderr=fh, stdin=asyncio.subprocess.DEVNULL,
                                                     start_new_session=True, env=env)
-    finally:
-        fh.close()
 
 
 async def _terminate(proc: asyncio.subprocess.Process, grace: float = 5.0) -> None:
@@ -210,7 +207,7 @@ async def _terminate(proc: asyncio.subprocess.Process, grace: float = 5.0) -> No
         os.killpg(proc.pid, signal.SIGTERM)
     try:
         await asyncio.wait_for(proc.wait(), grace)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         await proc.wait()
@@ -222,7 +219,7 @@ async def _version(argv: list[str]) -> str:
                                                     stderr=asyncio.subprocess.STDOUT)
         out, _ = await asyncio.wait_for(proc.communicate(), 10)
         return out.decode(errors="replace").strip().splitlines()[0] if out else ""
-    except (OSError, asyncio.TimeoutError, IndexError):
+    except (TimeoutError, OSError, IndexError):
         return ""
 
 

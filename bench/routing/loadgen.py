@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import aiohttp
 import msgspec

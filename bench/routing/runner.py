@@ -13,20 +13,26 @@ import asyncio
 import contextlib
 import json
 import os
-import sys
 import statistics
+import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import aiohttp
-
 from epp.engine.sim.fleet import SimFleet, default_tokenizer_dir
 from epp.engine.sim.profiles import get_profile
 
-from bench.routing.contenders import CONTENDERS, Contender, RunningRouter, Tuning, Unavailable, start_contender
+from bench.routing.contenders import (
+    CONTENDERS,
+    Contender,
+    RunningRouter,
+    Tuning,
+    Unavailable,
+    start_contender,
+)
 from bench.routing.loadgen import RequestRecord, StageResult, run_stage
 from bench.routing.measure import CpuMeter, ReplicaCounters, percentile, scrape_fleet
 from bench.routing.oracle import oracle_hits
@@ -124,15 +130,10 @@ def _busy_span(result: StageResult) -> float:
 def tuning_for(scenario: Scenario) -> Tuning:
     """Model knobs for contenders that need them (tokenizer, block size, prefill cost)."""
     profile = get_profile(scenario.fleet.profile)
-    w = scenario.workload
-    mean_prompt = {"shared-prefix": lambda: w.system_tokens + w.question_tokens,  # type: ignore[union-attr]
-                   "multi-turn": lambda: w.system_tokens + w.turns * (w.user_tokens + w.answer_tokens) // 2,  # type: ignore[union-attr]
-                   "agentic": lambda: w.context_tokens + w.steps * w.tool_tokens // 2,  # type: ignore[union-attr]
-                   "no-sharing": lambda: w.prompt_tokens}[w.name]()  # type: ignore[union-attr]
     return Tuning(tokenizer_dir=scenario.fleet.tokenizer_dir or default_tokenizer_dir(),
                   block_size=scenario.fleet.block_size or profile.block_size,
                   prefill_s_per_token=profile.prefill_per_token * scenario.fleet.time_scale,
-                  mean_prompt_tokens=mean_prompt)
+                  mean_prompt_tokens=scenario.workload.mean_prompt_tokens())
 
 
 async def run_contender(scenario: Scenario, contender: Contender, workdir: Path, *, progress: bool = True,
@@ -200,10 +201,7 @@ async def run_contender(scenario: Scenario, contender: Contender, workdir: Path,
                                    (start_counters, stage_results[-1][1][1]) if stage_results else None,
                                    oracle.rate(), {k: v / wall for k, v in cpu_sum.items()})
         if raw_dir is not None:
-            raw_dir.mkdir(parents=True, exist_ok=True)
-            with open(raw_dir / f"{contender.name}.jsonl", "w", encoding="utf-8") as fh:
-                for rec in all_records:
-                    fh.write(json.dumps(asdict(rec)) + "\n")
+            await asyncio.to_thread(_write_raw, raw_dir / f"{contender.name}.jsonl", all_records)
         return result
     finally:
         if router is not None:
@@ -222,7 +220,7 @@ async def _router_metrics(session: aiohttp.ClientSession, url: str) -> dict[str,
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
             text = await resp.text()
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError):
         return {}
     out = {}
     for line in text.splitlines():
@@ -234,6 +232,13 @@ async def _router_metrics(session: aiohttp.ClientSession, url: str) -> dict[str,
         except ValueError:
             continue
     return out
+
+
+def _write_raw(path: Path, records: list[RequestRecord]) -> None:
+    """Per-request records as JSON lines (kept out of git)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.writelines(json.dumps(asdict(rec)) + "\n" for rec in records)
 
 
 @contextlib.contextmanager
@@ -266,7 +271,7 @@ async def _probe(session: aiohttp.ClientSession, base_url: str, req: BenchReques
                 await resp.read()
                 if resp.status == 200:
                     return True
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             pass
         await asyncio.sleep(0.5)
     return False
@@ -285,7 +290,7 @@ async def run_scenario(scenario: Scenario, contenders: list[str], out_dir: Path,
         try:
             res = await run_contender(scenario, c, workdir, progress=progress,
                                       raw_dir=out_dir / "raw" if keep_raw else None)
-        except Exception as exc:  # one broken contender must not lose the others' results
+        except Exception as exc:  # noqa: BLE001 - one broken contender must not lose the others' results
             res = ContenderResult(name, c.description, status=f"failed: {type(exc).__name__}: {exc}")
         results.append(res)
         if progress:

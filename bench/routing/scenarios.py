@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 from epp.engine.sim.fleet import FleetConfig
 
 from bench.routing.loadgen import Stage, ramp
-from bench.routing.workloads import Agentic, MultiTurn, NoSharing, SharedPrefix, Workload
+from bench.routing.workloads import (
+    Agentic,
+    MultiTurn,
+    NoSharing,
+    SharedPrefix,
+    Workload,
+)
 
 SCALES = ("tiny", "small", "medium")
 

@@ -18,18 +18,16 @@ replicas count them, whatever router sits in front.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Iterator
+from typing import Any
 
 from epp.engine.sim.fleet import default_tokenizer_dir
 from epp.engine.sim.tokenizer import SimTokenizer
 
 MODEL = "sim-model"
-_VOCAB = ("cache route replica token prompt model server latency queue block prefix request system user "
-          "answer question table query index memory tier offload batch decode schedule policy "
-          "invoice customer order region account report ticket invoice agent tool result file "
-          "function error trace metric window budget").split()
+_VOCAB = ["cache", "route", "replica", "token", "prompt", "model", "server", "latency", "queue", "block", "prefix", "request", "system", "user", "answer", "question", "table", "query", "index", "memory", "tier", "offload", "batch", "decode", "schedule", "policy", "invoice", "customer", "order", "region", "account", "report", "ticket", "invoice", "agent", "tool", "result", "file", "function", "error", "trace", "metric", "window", "budget"]
 
 
 @lru_cache(maxsize=2)
@@ -89,6 +87,10 @@ class SharedPrefix:
         return (f"{self.groups} groups x {self.users} users, system prompt {self.system_tokens} tokens, "
                 f"question {self.question_tokens} tokens, output {self.output_tokens} tokens")
 
+    def mean_prompt_tokens(self) -> int:
+        """Average prompt length, for contenders calibrated in seconds per prompt token."""
+        return self.system_tokens + self.question_tokens
+
     def shared_tokens(self) -> int:
         """Tokens of all distinct system prompts together (what must fit the fleet's cache)."""
         return self.groups * self.system_tokens
@@ -121,6 +123,10 @@ class MultiTurn:
     def describe(self) -> str:
         return (f"{self.sessions} sessions ({self.active} active at a time) x {self.turns} turns, system "
                 f"{self.system_tokens}, user {self.user_tokens}, answer {self.answer_tokens} tokens/turn")
+
+    def mean_prompt_tokens(self) -> int:
+        """Average prompt length over a session's turns."""
+        return self.system_tokens + (self.turns + 1) * (self.user_tokens + self.answer_tokens) // 2
 
     def requests(self, tokenizer_dir: str | None = None) -> Iterator[BenchRequest]:
         tok = tokenizer(tokenizer_dir)
@@ -164,6 +170,10 @@ class Agentic:
         return (f"{self.agents} agents ({self.active} active) x {self.steps} steps, initial context "
                 f"{self.context_tokens} tokens, +{self.tool_tokens} tool tokens/step, output {self.output_tokens}")
 
+    def mean_prompt_tokens(self) -> int:
+        """Average context length over an agent's steps."""
+        return self.context_tokens + (self.steps - 1) * self.tool_tokens // 2
+
     def requests(self, tokenizer_dir: str | None = None) -> Iterator[BenchRequest]:
         tok = tokenizer(tokenizer_dir)
         rng = random.Random(self.seed)
@@ -197,6 +207,10 @@ class NoSharing:
 
     def describe(self) -> str:
         return f"unique prompts of {self.prompt_tokens} tokens, output {self.output_tokens} tokens"
+
+    def mean_prompt_tokens(self) -> int:
+        """Every prompt has the same length."""
+        return self.prompt_tokens
 
     def requests(self, tokenizer_dir: str | None = None) -> Iterator[BenchRequest]:
         tok = tokenizer(tokenizer_dir)

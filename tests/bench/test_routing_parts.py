@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 
-from aiohttp import web
 import aiohttp
+from aiohttp import web
 
 from bench.routing.loadgen import Stage, ramp, run_stage
 from bench.routing.measure import counter_sum, percentile
