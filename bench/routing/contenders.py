@@ -124,6 +124,11 @@ def epp_config(kind: str, t: Tuning) -> str:
         return _config([_precise_producer(t), "- type: prefix-cache-scorer", "- type: queue-scorer",
                         "- type: kv-cache-utilization-scorer"],
                        [("prefix-cache-scorer", 3), ("queue-scorer", 2), ("kv-cache-utilization-scorer", 2)])
+    if kind == "precise-active":
+        # As "precise", with the picker's own in-flight count instead of the scraped queue depth.
+        return _config([_precise_producer(t), "- type: prefix-cache-scorer", "- type: active-request-scorer",
+                        "- type: kv-cache-utilization-scorer"],
+                       [("prefix-cache-scorer", 3), ("active-request-scorer", 2), ("kv-cache-utilization-scorer", 2)])
     if kind == "precise-ttft":
         # The predicted-TTFT scorer, calibrated to the simulated replica's prefill cost.
         queue_s = 0.5 * t.mean_prompt_tokens * t.prefill_s_per_token
@@ -148,6 +153,7 @@ class Contender:
     kind: str  # "envoy-rr" | "epp" | "vllm-router" | "sglang-router"
     variant: str = ""  # epp config kind or peer policy
     description: str = ""
+    default: bool = True  # part of `--contenders all`
 
     @property
     def is_peer(self) -> bool:
@@ -161,6 +167,8 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
     Contender("epp-approx", "epp", "approx", "our EPP: GIE default (queue 2, kv 2, approximate prefix 3)"),
     Contender("epp-precise", "epp", "precise", "our EPP: precise prefix from KV events 3, queue 2, kv 2"),
     Contender("epp-precise-ttft", "epp", "precise-ttft", "our EPP: precise prefix + predicted-TTFT 3, kv 1"),
+    Contender("epp-precise-active", "epp", "precise-active",
+              "our EPP: precise prefix 3, active-request (in-flight) 2, kv 2", default=False),
     Contender("vllm-router-rr", "vllm-router", "round_robin", "vllm-router --policy round_robin"),
     Contender("vllm-router-cache-aware", "vllm-router", "cache_aware", "vllm-router --policy cache_aware"),
     Contender("vllm-router-kv-aware", "vllm-router", "kv_aware",
