@@ -8,4 +8,5 @@ cd "$(dirname "$0")"
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,bench]'
 bash .ci/setup-vllm-env
+bash bench/setup-peers
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
