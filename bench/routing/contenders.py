@@ -138,8 +138,12 @@ def epp_config(kind: str, t: Tuning) -> str:
                 f"    queueSecondsPerWaitingRequest: {queue_s:.3e}\n"
                 f"    secondsPerRunningRequest: {queue_s / 20:.3e}\n"
                 f"    baseSeconds: {max(queue_s / 50, 1e-4):.3e}")
-        return _config([_precise_producer(t), ttft, "- type: kv-cache-utilization-scorer"],
-                       [("predicted-ttft-scorer", 3), ("kv-cache-utilization-scorer", 1)])
+        # prefix-cache-scorer breaks predicted-TTFT ties towards the endpoint that already holds
+        # the prefix: waiting behind a group's first prefill costs the same TTFT as recomputing
+        # elsewhere, but only the first keeps the fleet's caches partitioned.
+        return _config([_precise_producer(t), ttft, "- type: prefix-cache-scorer",
+                        "- type: kv-cache-utilization-scorer"],
+                       [("predicted-ttft-scorer", 3), ("prefix-cache-scorer", 1), ("kv-cache-utilization-scorer", 1)])
     raise ValueError(f"unknown epp config {kind!r}")
 
 
@@ -166,7 +170,7 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
     Contender("epp-load", "epp", "load", "our EPP: queue + kv-cache-utilization scorers"),
     Contender("epp-approx", "epp", "approx", "our EPP: GIE default (queue 2, kv 2, approximate prefix 3)"),
     Contender("epp-precise", "epp", "precise", "our EPP: precise prefix from KV events 3, queue 2, kv 2"),
-    Contender("epp-precise-ttft", "epp", "precise-ttft", "our EPP: precise prefix + predicted-TTFT 3, kv 1"),
+    Contender("epp-precise-ttft", "epp", "precise-ttft", "our EPP: predicted-TTFT 3 (precise prefix tiers, own pending prefills), prefix 1, kv 1"),
     Contender("epp-precise-active", "epp", "precise-active",
               "our EPP: precise prefix 3, active-request (in-flight) 2, kv 2", default=False),
     Contender("vllm-router-rr", "vllm-router", "round_robin", "vllm-router --policy round_robin"),

@@ -225,6 +225,29 @@ def test_predicted_ttft_without_tier_data_ranks_by_load():
     assert scores[idle.name] == 1.0 and 0.0 < scores[busy.name] < 1.0
 
 
+def test_predicted_ttft_books_its_own_picks_until_the_next_scrape_shows_them():
+    """A burst must not pile onto the endpoint that looked idle at the last scrape."""
+    from epp.framework.plugin import ProfileRunResult, SchedulingResult
+
+    scorer = _ttft({"prefillSecondsPerToken": 1e-3, "queueSecondsPerWaitingRequest": 0.5,
+                    "secondsPerRunningRequest": 0.0, "baseSeconds": 0.01})
+    a, b = _endpoint("10.0.0.1"), _endpoint("10.0.0.2")
+    state = CycleState()
+    for ep in (a, b):
+        state.put_endpoint_data(PREFIX_TIER_MATCH, ep.name, TierMatch(0, 0, 0, 1000))
+    assert scorer.score(state, request(), [a, b]) == {a.name: 1.0, b.name: 1.0}
+    scorer.pre_request(state, request(), SchedulingResult({"default": ProfileRunResult((a,))}, "default"))
+    # a now has ~1 s of prefill booked: the next identical request prefers b.
+    scores = scorer.score(state, request(), [a, b])
+    assert scores[b.name] == 1.0 and scores[a.name] == pytest.approx(1.01 / 2.01, rel=0.01)
+    # Once a scrape shows a longer queue than the booking, the scrape wins (max, not sum).
+    scraped = _endpoint("10.0.0.1", waiting=4)
+    assert scorer.queue_wait(scraped) == pytest.approx(2.0)
+    untracked = _ttft({"trackPendingPrefill": False, "prefillSecondsPerToken": 1e-3})
+    untracked.pre_request(state, request(), SchedulingResult({"default": ProfileRunResult((a,))}, "default"))
+    assert untracked.queue_wait(a) == 0.0
+
+
 CAPTURE = Path(__file__).parents[1] / "fixtures" / "vllm_capture"
 
 
