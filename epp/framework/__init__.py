@@ -1,6 +1,6 @@
 """The public plugin API of the endpoint picker.
 
-Everything a scorer author needs is importable from here (or from `epp` itself):
+Everything a scorer author needs is importable from here:
 data types, plugin interfaces, the registry and the per-request `CycleState`.
 """
 
