@@ -1,0 +1,62 @@
+"""--secure-serving: the ext_proc port speaks TLS (h2), with a given certificate or a self-signed one."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+
+import grpc
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from epp.server.runner import EppServer
+from epp.server.tls import self_signed_pair
+from tests.extproc_support import options, request_body, request_headers, simple_pipeline
+
+BODY = b'{"model":"m","prompt":"hello"}'
+
+
+async def exchange(channel: grpc.aio.Channel) -> list:
+    call = pb_grpc.ExternalProcessorStub(channel).Process()
+    await call.write(request_headers())
+    await call.write(request_body(BODY))
+    replies = [await call.read(), await call.read()]
+    await call.done_writing()
+    return replies
+
+
+async def test_tls_with_a_given_certificate(tmp_path):
+    key, cert = self_signed_pair("localhost")
+    (tmp_path / "tls.key").write_bytes(key)
+    (tmp_path / "tls.crt").write_bytes(cert)
+    server = EppServer(options(secure_serving=True, cert_path=str(tmp_path)), pipeline=simple_pipeline())
+    await server.start()
+    try:
+        creds = grpc.ssl_channel_credentials(root_certificates=cert)
+        async with grpc.aio.secure_channel(f"localhost:{server.grpc_port}", creds) as channel:
+            replies = await exchange(channel)
+        assert replies[0].HasField("request_headers") and replies[1].HasField("request_body")
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as plain:
+            with pytest.raises(grpc.aio.AioRpcError):  # plaintext is refused on a TLS port
+                await exchange(plain)
+    finally:
+        await server.stop(0)
+
+
+async def test_self_signed_certificate_when_no_path_is_given():
+    server = EppServer(options(secure_serving=True), pipeline=simple_pipeline())
+    await server.start()
+    try:
+        target = f"localhost:{server.grpc_port}"
+        # The certificate is generated at start: unknown to the system roots...
+        async with grpc.aio.secure_channel(target, grpc.ssl_channel_credentials()) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await exchange(ch)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        # ...and once a client trusts the certificate the server presents, requests are routed.
+        pem = await asyncio.to_thread(ssl.get_server_certificate, ("localhost", server.grpc_port))
+        async with grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(pem.encode())) as ch:
+            replies = await exchange(ch)
+        assert replies[0].HasField("request_headers")
+    finally:
+        await server.stop(0)
