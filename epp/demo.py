@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import os
 import random
-import re
 import signal
 import statistics
 import sys
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from tqdm import tqdm
 
+from epp.datalayer.promparse import parse_vllm_metrics
 from epp.engine.sim.fleet import FleetConfig, SimFleet, default_tokenizer_dir
 from epp.envoy import EnvoyProcess, render_config
 from epp.netutil import free_ports
@@ -92,16 +92,11 @@ async def _cache_counters(fleet: SimFleet) -> tuple[dict[str, float], dict[str, 
     async with aiohttp.ClientSession() as session:
         for info in fleet.info:
             async with session.get(f"http://{info['endpoint']}/metrics") as resp:
-                text = await resp.text()
+                page = parse_vllm_metrics(await resp.read())
             name = info.get("name", info["endpoint"])
-            hits[name] = _counter(text, "vllm:prefix_cache_hits_total")
-            queries[name] = _counter(text, "vllm:prefix_cache_queries_total")
+            hits[name] = page.prefix_cache_hits or 0.0
+            queries[name] = page.prefix_cache_queries or 0.0
     return hits, queries
-
-
-def _counter(text: str, name: str) -> float:
-    match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.M)
-    return float(match.group(1)) if match else 0.0
 
 
 async def _drive(label: str, url: str, workload: list[DemoRequest], concurrency: int,

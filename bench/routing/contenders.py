@@ -16,7 +16,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ import aiohttp
 from epp.engine.sim.fleet import SimFleet
 
 from epp.config.loader import API_VERSION, DEFAULT_CONFIG_YAML, KIND
+from epp.netutil import free_ports
 from epp.envoy import EnvoyProcess, render_config
 
 
@@ -48,18 +48,6 @@ def peer_binary(name: str) -> str:
     if found:
         return found
     raise Unavailable(f"{name} not installed (run bench/setup-peers; looked in {peers_venv()})")
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct free TCP ports on loopback."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @dataclass
