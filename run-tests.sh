@@ -9,4 +9,5 @@ cd "$(dirname "$0")"
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,bench]'
 bash .ci/setup-vllm-env
 bash bench/setup-peers
+.venv/bin/ruff check --quiet .
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -151,7 +151,7 @@ def launch_options(s: Settings, model_dir: Path, port: int, events_port: int, of
     )
 
 
-def plan_for(opts, assume_h200_host: bool = False) -> "launcher.LaunchPlan":
+def plan_for(opts, assume_h200_host: bool = False) -> launcher.LaunchPlan:
     """The launcher's plan on this host (or, for a dry run elsewhere, on the H200 box: 128 GiB RAM)."""
     host = launcher.host_resources("gpu")
     mem = 128 * GIB if assume_h200_host else host.mem_available_bytes

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 import msgspec
-from epp.engine.tinymodel import _WORDS, write_tiny_model
 
+from epp.engine.tinymodel import _WORDS, write_tiny_model
 from epp.kvevents.decoding import decode_batch
 from epp.kvevents.index import KVBlockIndex
 from epp.tokenization.pool import ModelTokenizer

@@ -166,7 +166,7 @@ def main() -> None:
     d, e = res["direct"], res["epp"]
     print(f"\n{args.endpoints} endpoints, {args.prompt_bytes}-byte prompts, "
           f"{args.requests} sequential requests, concurrency {args.concurrency} for {args.seconds:.0f}s\n")
-    print("| path | p50 ms | p99 ms | req/s (c=%d) | errors |" % args.concurrency)
+    print(f"| path | p50 ms | p99 ms | req/s (c={args.concurrency}) | errors |")
     print("|---|---|---|---|---|")
     for label, r in (("Envoy → backend (round-robin)", d), ("Envoy → EPP → backend", e)):
         print(f"| {label} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['rps']:.0f} | {r['errors']} |")

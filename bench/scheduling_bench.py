@@ -18,8 +18,8 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from types import MappingProxyType
-from typing import Sequence
 
 from epp.config import LoadedConfig, load_default_config
 from epp.framework import ApiKind, CycleState, Endpoint, EndpointMetrics, InferenceRequest

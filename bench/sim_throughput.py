@@ -17,6 +17,7 @@ import statistics
 import time
 
 import aiohttp
+
 from epp.engine.sim import FleetConfig, SimFleet
 
 PROMPTS = [

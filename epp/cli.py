@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import logging
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from epp.server.extproc import DEFAULT_MAX_BODY_BYTES
 

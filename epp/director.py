@@ -6,8 +6,9 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from epp.datalayer.registry import EndpointRegistry
 from epp.framework.errors import ErrorCode, InferenceError

@@ -14,8 +14,8 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 _EXT_PROC_FILTER = """\
           # A client (or an upstream filter) may narrow the candidates with a comma-separated header.
@@ -231,7 +231,7 @@ class EnvoyProcess:
                 pass
             try:
                 await asyncio.wait_for(self.process.wait(), 10)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 os.killpg(self.process.pid, 9)
                 await self.process.wait()
         self._dir.cleanup()

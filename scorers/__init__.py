@@ -6,8 +6,19 @@ from epp.framework.registry import PluginRegistry
 
 def register_builtin_plugins(registry: PluginRegistry) -> None:
     """Entry point of the `epp.plugins` group for the built-in plugins."""
-    from epp.scorers import (affinity, approx_prefix, conformance, datalayer_compat, inflight, label_filters,
-                             load, lora, pickers, prefix, profile_handlers)
+    from epp.scorers import (
+        affinity,
+        approx_prefix,
+        conformance,
+        datalayer_compat,
+        inflight,
+        label_filters,
+        load,
+        lora,
+        pickers,
+        prefix,
+        profile_handlers,
+    )
 
     for cls in (
         load.QueueScorer, load.KVCacheUtilizationScorer, load.RunningRequestsSizeScorer,

@@ -5,11 +5,18 @@ from __future__ import annotations
 import base64
 import binascii
 from collections import OrderedDict
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from epp.framework.datakeys import PREFIX_MATCH_INFO
-from epp.framework.plugin import (CycleState, PluginContext, PreRequestHook, ResponseHeadersHook, Scorer,
-                                  ScorerCategory, SchedulingResult)
+from epp.framework.plugin import (
+    CycleState,
+    PluginContext,
+    PreRequestHook,
+    ResponseHeadersHook,
+    SchedulingResult,
+    Scorer,
+    ScorerCategory,
+)
 from epp.framework.registry import PluginParams
 from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
@@ -29,7 +29,7 @@ class PrefixIndexMetrics:
     hit_bytes: Histogram
 
 
-_metrics_by_registry: "weakref.WeakKeyDictionary[CollectorRegistry, PrefixIndexMetrics]" = \
+_metrics_by_registry: weakref.WeakKeyDictionary[CollectorRegistry, PrefixIndexMetrics] = \
     weakref.WeakKeyDictionary()
 
 

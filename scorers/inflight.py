@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from prometheus_client import CollectorRegistry
 
 from epp.framework.datakeys import INFLIGHT_LOAD, InflightLoad
-from epp.framework.plugin import (CycleState, DataProducer, PluginContext, PreRequestHook,
-                                  ResponseCompleteHook, Scorer, ScorerCategory, SchedulingResult)
+from epp.framework.plugin import (
+    CycleState,
+    DataProducer,
+    PluginContext,
+    PreRequestHook,
+    ResponseCompleteHook,
+    SchedulingResult,
+    Scorer,
+    ScorerCategory,
+)
 from epp.framework.registry import PluginParams
 from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 from epp.scorers.durations import parse_duration

@@ -6,12 +6,12 @@ import itertools
 import time
 import weakref
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from prometheus_client import CollectorRegistry, Gauge
 
-_gauges: "weakref.WeakKeyDictionary[CollectorRegistry, Gauge]" = weakref.WeakKeyDictionary()
+_gauges: weakref.WeakKeyDictionary[CollectorRegistry, Gauge] = weakref.WeakKeyDictionary()
 
 
 def tracked_requests_gauge(registry: CollectorRegistry) -> Gauge:

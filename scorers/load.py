@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from epp.framework.datakeys import INFLIGHT_LOAD, InflightLoad
 from epp.framework.plugin import CycleState, PluginContext, Scorer, ScorerCategory

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from epp.framework.plugin import CycleState, PluginContext, Scorer, ScorerCategory
 from epp.framework.registry import PluginParams

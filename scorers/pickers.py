@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from typing import Sequence
+from collections.abc import Sequence
 
 from epp.framework.plugin import CycleState, Picker, PluginContext, ProfileRunResult, ScoredEndpoint
 from epp.framework.registry import PluginParams

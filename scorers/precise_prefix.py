@@ -19,7 +19,6 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from epp.scorers.durations import parse_duration
 from prometheus_client import CollectorRegistry
 
 from epp.framework.datakeys import (
@@ -42,6 +41,7 @@ from epp.kvevents.decoding import Tier
 from epp.kvevents.index import KVBlockIndex
 from epp.kvevents.metrics import KVIndexMetrics, KVSubscriberMetrics
 from epp.kvevents.subscriber import MODES, KVEventSubscriber, SubscriberConfig
+from epp.scorers.durations import parse_duration
 from epp.tokenization.pool import TokenizerPool, token_ids_of
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from epp.framework.datakeys import PREFIX_MATCH_INFO, PrefixMatchInfo
 from epp.framework.plugin import CycleState, PluginContext, Scorer, ScorerCategory

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from epp.framework.errors import ConfigError
-from epp.framework.plugin import (CycleState, PluginContext, ProfileHandler, ProfileRunResult,
-                                  SchedulingResult)
+from epp.framework.plugin import CycleState, PluginContext, ProfileHandler, ProfileRunResult, SchedulingResult
 from epp.framework.registry import PluginParams
 from epp.framework.types import InferenceRequest
 

@@ -7,7 +7,7 @@ are stale, missing or it is unhealthy; the pool's saturation is the mean (1.0 wi
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from epp.datalayer.staleness import is_stale
 from epp.framework.errors import ConfigError

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -13,7 +13,7 @@ from google.protobuf import struct_pb2
 
 from epp.datalayer.registry import parse_endpoint_list
 from epp.director import Pipeline
-from epp.framework.plugin import CycleState, Picker, ProfileHandler, ProfileRunResult, SchedulingResult
+from epp.framework.plugin import Picker, ProfileHandler, ProfileRunResult, SchedulingResult
 from epp.framework.scheduler import Scheduler, SchedulerProfile
 from epp.server.runner import EppServer, ServeOptions
 
@@ -137,7 +137,7 @@ def headers_of(mutation) -> dict[str, str]:
     return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
 
 
-async def no_reply_within(call, seconds: float) -> "asyncio.Future":
+async def no_reply_within(call, seconds: float) -> asyncio.Future:
     """Assert the stream sends nothing for `seconds`; returns the pending read to await later.
 
     (Cancelling a read would cancel the whole RPC, so the read is kept, not timed out.)

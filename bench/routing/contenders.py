@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from epp.engine.sim.fleet import SimFleet
 
 from epp.config.loader import API_VERSION, DEFAULT_CONFIG_YAML, KIND
-from epp.netutil import free_ports
+from epp.engine.sim.fleet import SimFleet
 from epp.envoy import EnvoyProcess, render_config
+from epp.netutil import free_ports
 
 
 class Unavailable(RuntimeError):

@@ -22,8 +22,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
-from epp.engine.sim.fleet import SimFleet, default_tokenizer_dir
-from epp.engine.sim.profiles import get_profile
 
 from bench.routing.contenders import (
     CONTENDERS,
@@ -38,6 +36,8 @@ from bench.routing.measure import CpuMeter, ReplicaCounters, percentile, scrape_
 from bench.routing.oracle import oracle_hits
 from bench.routing.scenarios import Scenario
 from bench.routing.workloads import BenchRequest
+from epp.engine.sim.fleet import SimFleet, default_tokenizer_dir
+from epp.engine.sim.profiles import get_profile
 
 
 @dataclass

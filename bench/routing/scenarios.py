@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from epp.engine.sim.fleet import FleetConfig
-
 from bench.routing.loadgen import Stage, ramp
 from bench.routing.workloads import (
     Agentic,
@@ -24,6 +22,7 @@ from bench.routing.workloads import (
     SharedPrefix,
     Workload,
 )
+from epp.engine.sim.fleet import FleetConfig
 
 SCALES = ("tiny", "small", "medium")
 

@@ -27,7 +27,13 @@ from epp.engine.sim.fleet import default_tokenizer_dir
 from epp.engine.sim.tokenizer import SimTokenizer
 
 MODEL = "sim-model"
-_VOCAB = ["cache", "route", "replica", "token", "prompt", "model", "server", "latency", "queue", "block", "prefix", "request", "system", "user", "answer", "question", "table", "query", "index", "memory", "tier", "offload", "batch", "decode", "schedule", "policy", "invoice", "customer", "order", "region", "account", "report", "ticket", "invoice", "agent", "tool", "result", "file", "function", "error", "trace", "metric", "window", "budget"]
+_VOCAB = [
+    "cache", "route", "replica", "token", "prompt", "model", "server", "latency", "queue", "block",
+    "prefix", "request", "system", "user", "answer", "question", "table", "query", "index",
+    "memory", "tier", "offload", "batch", "decode", "schedule", "policy", "invoice", "customer",
+    "order", "region", "account", "report", "ticket", "invoice", "agent", "tool", "result", "file",
+    "function", "error", "trace", "metric", "window", "budget",
+]
 
 
 @lru_cache(maxsize=2)

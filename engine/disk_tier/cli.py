@@ -7,8 +7,8 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from aiohttp import web
 

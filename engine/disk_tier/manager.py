@@ -30,9 +30,10 @@ import asyncio
 import collections
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal, Protocol, Sequence
+from typing import Literal, Protocol
 
 from epp.engine.disk_tier.membership import ChunkMembership
 from epp.engine.disk_tier.metrics import DiskTierMetrics
@@ -292,5 +293,5 @@ class DiskTierManager:
                 self.ready.set()
             try:
                 await asyncio.wait_for(stop.wait(), self.config.interval_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass

@@ -17,8 +17,8 @@ The mapping is a plain function so another layout can be plugged in (`BlockNamer
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 _BLOCK_NAME = re.compile(r"^(?P<hex>(?:[0-9a-f]{2})+)\.bin$")
 _GROUP_DIR = re.compile(r"_g(?P<group>\d+)$")

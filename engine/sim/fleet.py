@@ -169,7 +169,7 @@ class SimFleet:
                     "--indices", ",".join(map(str, group)),
                     stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL)
                 self._procs.append(proc)
-            for proc, group in zip(self._procs, groups):
+            for proc, _group in zip(self._procs, groups):
                 assert proc.stdout is not None
                 while True:
                     line = await asyncio.wait_for(proc.stdout.readline(), 60)

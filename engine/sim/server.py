@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
+
 from epp.engine.kv_publisher import KVEventPublisher, kv_topic
 from epp.engine.sim.engine import EngineConfig, EngineError, SimEngine, SimRequest
 from epp.engine.sim.hashing import HashContext

@@ -99,7 +99,7 @@ class SimTokenizer:
     def _plain_word_tokens(self) -> list[int]:
         """Ids that decode to a space-prefixed alphabetic word: readable pseudo output."""
         pool = []
-        for token, idx in sorted(self.tokenizer.get_vocab().items(), key=lambda kv: kv[1]):
+        for _token, idx in sorted(self.tokenizer.get_vocab().items(), key=lambda kv: kv[1]):
             if idx in self._special_ids:
                 continue
             text = self.tokenizer.decode([idx])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from epp.engine.vllm.env import VllmEnvNotFound, find_vllm_python
 from epp.engine.vllm.launcher import (

@@ -7,15 +7,14 @@ integration tests. Start-up takes ~40 s on 2 cores, so share one server per test
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from epp.engine.vllm.env import VllmEnvNotFound, find_vllm_python
 from epp.engine.vllm.launcher import HostResources, LaunchOptions, build_plan, host_resources
 from epp.engine.vllm.process import VllmProcess
-
 from epp.netutil import free_ports  # noqa: F401  (re-exported for tests)
 
 TINY_MODEL_NAME = "tiny"

@@ -12,7 +12,8 @@ import ipaddress
 import json
 import logging
 import os
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import yaml
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import functools
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 WAITING = b"vllm:num_requests_waiting"
 RUNNING = b"vllm:num_requests_running"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Callable, Iterable, Mapping
 
 from epp.framework.types import Endpoint, EndpointMetrics
 

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import random
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -148,7 +148,7 @@ class MetricsScraper:
             await self._session.close()
             self._session = None
 
-    async def __aenter__(self) -> "MetricsScraper":
+    async def __aenter__(self) -> MetricsScraper:
         await self.start()
         return self
 

@@ -4,13 +4,7 @@ Everything a scorer author needs is importable from here:
 data types, plugin interfaces, the registry and the per-request `CycleState`.
 """
 
-from epp.framework.types import (
-    ApiKind,
-    Endpoint,
-    EndpointMetrics,
-    InferenceRequest,
-    ResponseInfo,
-)
+from epp.framework.errors import ConfigError, ErrorCode, InferenceError
 from epp.framework.plugin import (
     Admitter,
     CycleState,
@@ -24,14 +18,20 @@ from epp.framework.plugin import (
     ProfileRunResult,
     ResponseCompleteHook,
     ResponseHeadersHook,
+    SchedulingResult,
     ScoredEndpoint,
     Scorer,
     ScorerCategory,
-    SchedulingResult,
     clamp_score,
 )
 from epp.framework.registry import PluginRegistry, PluginSpec, default_registry, register_plugin
-from epp.framework.errors import ConfigError, InferenceError, ErrorCode
+from epp.framework.types import (
+    ApiKind,
+    Endpoint,
+    EndpointMetrics,
+    InferenceRequest,
+    ResponseInfo,
+)
 
 __all__ = [
     "Admitter", "ApiKind", "ConfigError", "CycleState", "DataProducer", "Endpoint",

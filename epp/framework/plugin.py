@@ -8,8 +8,9 @@ producers are async and may await (off-loop tokenization, say) under a deadline.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 
@@ -91,7 +92,7 @@ class SchedulingResult:
 class PluginContext:
     """What a plugin factory may use: the endpoint source, a metrics registry and shared services."""
 
-    metrics_registry: "CollectorRegistry | None" = None
+    metrics_registry: CollectorRegistry | None = None
     endpoints: Any = None  # epp.datalayer.EndpointRegistry: endpoints and their metrics
     services: dict[str, Any] = field(default_factory=dict)
 

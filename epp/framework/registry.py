@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 from epp.framework.errors import ConfigError
 from epp.framework.plugin import Plugin, PluginContext

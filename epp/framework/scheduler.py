@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
 
 from epp.framework.errors import ErrorCode, InferenceError
 from epp.framework.plugin import (
@@ -13,9 +13,9 @@ from epp.framework.plugin import (
     Picker,
     ProfileHandler,
     ProfileRunResult,
+    SchedulingResult,
     ScoredEndpoint,
     Scorer,
-    SchedulingResult,
 )
 from epp.framework.types import Endpoint, InferenceRequest
 

@@ -209,7 +209,7 @@ class KVEventSubscriber:
             if name not in self._streams:
                 self._catch_up(name)
 
-    def _dial(self, key: str, port: int | None, ep: "Endpoint") -> None:
+    def _dial(self, key: str, port: int | None, ep: Endpoint) -> None:
         """Connect one SUB socket to a publisher of `ep`, once per stream key."""
         if key in self._sockets or port is None:
             return

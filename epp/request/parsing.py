@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from epp.framework.errors import ErrorCode, InferenceError
 from epp.framework.types import ApiKind, InferenceRequest

@@ -73,7 +73,7 @@ class _Stream:
                  "response_size", "passthrough", "finished", "rejected", "started", "scheduled",
                  "model_labels")
 
-    def __init__(self, service: "ExtProcService") -> None:
+    def __init__(self, service: ExtProcService) -> None:
         self.service = service
         self.headers: dict[str, str] = {}
         self.body_parts: list[bytes] = []

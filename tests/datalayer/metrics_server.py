@@ -27,7 +27,7 @@ class MetricsServer:
         return web.Response(text=self.page, status=self.status,
                             content_type="text/plain", charset="utf-8")
 
-    async def start(self) -> "MetricsServer":
+    async def start(self) -> MetricsServer:
         """Listen on a free port the first time, on the same port after a stop()."""
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)

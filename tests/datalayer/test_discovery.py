@@ -8,8 +8,7 @@ import os
 
 import pytest
 
-from epp.datalayer.discovery import (
-    EndpointFileError, FileDiscovery, StaticDiscovery, load_endpoint_file)
+from epp.datalayer.discovery import EndpointFileError, FileDiscovery, StaticDiscovery, load_endpoint_file
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
 
 

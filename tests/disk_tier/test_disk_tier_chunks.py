@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
-
 from disk_tier_files import block_hash_int, write_block
+
 from epp.engine.disk_tier.manager import DiskTierConfig, DiskTierManager
 from epp.engine.disk_tier.membership import ChunkMembership, follow_vllm_events
 from epp.engine.kv_publisher import MEDIUM_GPU, MEDIUM_STORAGE, BlockStored, KVEventPublisher

@@ -10,8 +10,8 @@ import time
 import msgspec
 import pytest
 import zmq
-
 from disk_tier_files import block_hash_int, remount, write_block
+
 from epp.engine.disk_tier.manager import DiskTierConfig, DiskTierManager
 from epp.engine.disk_tier.naming import vllm_fs_block_key
 from epp.engine.kv_publisher import KVEventPublisher

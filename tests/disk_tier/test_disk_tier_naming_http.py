@@ -8,6 +8,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from disk_tier_files import write_block
+
 from epp.engine.disk_tier import cli
 from epp.engine.disk_tier.http import build_app
 from epp.engine.disk_tier.manager import DiskTierConfig, DiskTierManager

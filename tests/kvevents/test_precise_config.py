@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from epp.scorers import precise_prefix, predicted_ttft, register_builtin_plugins
 from prometheus_client import CollectorRegistry
 
 from epp.config.loader import load_config_text
@@ -10,6 +9,7 @@ from epp.framework.plugin import CycleState, PluginContext
 from epp.framework.registry import PluginRegistry
 from epp.framework.types import ApiKind, Endpoint, InferenceRequest
 from epp.kvevents.decoding import decode_batch
+from epp.scorers import precise_prefix, predicted_ttft, register_builtin_plugins
 from tests.kvevents import wire
 
 CONFIG = """

@@ -8,12 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
-from epp.engine.tinymodel import write_tiny_model
-from epp.scorers import precise_prefix, predicted_ttft
-from epp.scorers.prefix import PrefixCacheScorer
 from prometheus_client import CollectorRegistry
 
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
+from epp.engine.tinymodel import write_tiny_model
 from epp.framework.datakeys import PREFIX_MATCH_INFO, PREFIX_TIER_MATCH, TierMatch
 from epp.framework.errors import ConfigError
 from epp.framework.plugin import (
@@ -25,6 +23,8 @@ from epp.framework.plugin import (
 from epp.framework.registry import PluginParams, PluginRegistry
 from epp.framework.types import ApiKind, Endpoint, EndpointMetrics, InferenceRequest
 from epp.kvevents.decoding import decode_batch
+from epp.scorers import precise_prefix, predicted_ttft
+from epp.scorers.prefix import PrefixCacheScorer
 from tests.kvevents import wire
 from tests.kvevents.publisher import FakePublisher
 
@@ -166,7 +166,9 @@ async def test_producer_subscribes_per_endpoint_and_indexes_live_events():
                  PluginContext(metrics_registry=metrics, endpoints=endpoints))
     await prod.start()
     try:
-        live = lambda: metrics.get_sample_value("epp_kv_events_messages_total", {"source": "live"}) or 0
+        def live() -> float:
+            return metrics.get_sample_value("epp_kv_events_messages_total", {"source": "live"}) or 0
+
         await pub.heartbeat_until(lambda: live() > 0)
         await pub.publish([wire.stored([1, 2, 3], TOKENS[:12])])
         for _ in range(500):

@@ -176,7 +176,9 @@ async def test_centralized_mode_binds_and_routes_by_topic():
     pubs = [FakePublisher("kv@127.0.0.1:9001@m", replay=False, connect_to=sub.bound_address),
             FakePublisher("kv@127.0.0.2@m", replay=False, connect_to=sub.bound_address)]  # IP-only topic
     try:
-        live = lambda: registry.get_sample_value("epp_kv_events_messages_total", {"source": "live"}) or 0
+        def live() -> float:
+            return registry.get_sample_value("epp_kv_events_messages_total", {"source": "live"}) or 0
+
         for pub in pubs:
             before = live()
             await pub.heartbeat_until(lambda before=before: live() > before)

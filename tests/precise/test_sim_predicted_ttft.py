@@ -15,9 +15,9 @@ import asyncio
 
 import aiohttp
 import pytest
+
 from epp.engine.sim import FleetConfig, SimFleet
 from epp.engine.sim.fleet import default_tokenizer_dir
-
 from epp.framework.types import ApiKind, InferenceRequest
 from epp.kvevents.decoding import Tier
 from tests.precise.support import (

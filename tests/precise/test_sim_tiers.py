@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import aiohttp
 import pytest
+
 from epp.engine.sim import FleetConfig, SimFleet
 from epp.engine.sim.fleet import default_tokenizer_dir
-
 from epp.kvevents.decoding import Tier
 from tests.precise.support import (
     Picker,

@@ -16,9 +16,9 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import pytest
-from epp.engine.vllm.testing import TinyVllmServer, require_vllm_python, start_tiny_vllm
 
 from epp.datalayer.registry import parse_endpoint_list
+from epp.engine.vllm.testing import TinyVllmServer, require_vllm_python, start_tiny_vllm
 from tests.precise.support import Picker, completion_body, prompt_of, wait_until
 
 pytestmark = pytest.mark.timeout(240)

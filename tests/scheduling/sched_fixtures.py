@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from epp.config import LoadedConfig
-from epp.framework import (ApiKind, CycleState, Endpoint, EndpointMetrics, InferenceRequest, PluginContext,
-                           PluginRegistry, SchedulingResult)
+from epp.framework import (
+    ApiKind,
+    CycleState,
+    Endpoint,
+    EndpointMetrics,
+    InferenceRequest,
+    PluginContext,
+    PluginRegistry,
+    SchedulingResult,
+)
 from epp.scorers import register_builtin_plugins
 
 

@@ -4,12 +4,12 @@ import base64
 
 import pytest
 from prometheus_client import CollectorRegistry
-from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
 
 from epp.framework import ConfigError, CycleState, PluginContext, ProfileRunResult, ResponseInfo, SchedulingResult
 from epp.framework.datakeys import INFLIGHT_LOAD, PREFIX_MATCH_INFO, InflightLoad, PrefixMatchInfo
 from epp.scorers.durations import parse_duration
 from epp.scorers.inflight_tracker import InflightTracker
+from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
 
 EPS = [endpoint(0), endpoint(1), endpoint(2)]
 

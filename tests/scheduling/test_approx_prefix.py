@@ -5,13 +5,13 @@ import struct
 import pytest
 import xxhash
 from prometheus_client import CollectorRegistry
-from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
 
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
 from epp.framework import ApiKind, ConfigError, CycleState, PluginContext, ProfileRunResult, SchedulingResult
 from epp.framework.datakeys import PREFIX_MATCH_INFO
 from epp.scorers.prefix_index import PrefixIndex
 from epp.scorers.prompt_text import user_input_bytes
+from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
 
 
 def reference_chain(data: bytes, block: int, model: str, salt: str = "") -> list[int]:

@@ -1,9 +1,9 @@
 """Label filters, the P/D role filters and the conformance test plugins."""
 
 import pytest
-from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
 
 from epp.framework import ConfigError, CycleState, ResponseInfo
+from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
 
 
 def kept(flt, endpoints, req=None):

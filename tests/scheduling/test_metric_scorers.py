@@ -1,10 +1,10 @@
 """Formulas of the scorers over scraped metrics: one table per scorer."""
 
 import pytest
-from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
 
 from epp.framework import ConfigError, CycleState
 from epp.framework.datakeys import INFLIGHT_LOAD, InflightLoad
+from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
 
 
 def scores(type_name, endpoints, params=None, req=None, state=None):

@@ -3,9 +3,9 @@
 from collections import Counter
 
 import pytest
-from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
 
 from epp.framework import ConfigError, CycleState, ScoredEndpoint
+from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
 
 
 def scored(*values):

@@ -7,7 +7,7 @@ from epp.framework.registry import PluginParams
 from epp.framework.types import ApiKind, Endpoint, InferenceRequest
 from epp.scorers.prefix_home import PrefixHomeScorer
 
-ENDPOINTS = [Endpoint("10.0.0.%d" % i, 8000) for i in range(1, 9)]
+ENDPOINTS = [Endpoint(f"10.0.0.{i}", 8000) for i in range(1, 9)]
 
 
 def chat(system: str, question: str, salt: str | None = None) -> InferenceRequest:

@@ -3,10 +3,10 @@
 from collections import Counter
 
 import pytest
-from tests.scheduling.sched_fixtures import builtin_registry, endpoint, request, run_cycle
 
 from epp.config import load_config_text, load_default_config
 from epp.framework import ErrorCode, InferenceError
+from tests.scheduling.sched_fixtures import builtin_registry, endpoint, request, run_cycle
 
 HEADER = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
 

@@ -8,6 +8,7 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
+
 from epp.engine.sim.fleet import default_tokenizer_dir
 from epp.engine.sim.tokenizer import SimTokenizer
 

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 
 import pytest
+
 from epp.engine.sim.engine import EngineConfig, EngineError, SimEngine
 from epp.engine.sim.profiles import FAST, H100_LLAMA3_8B, LatencyProfile, get_profile
 

@@ -9,8 +9,8 @@ import signal
 import sys
 
 import aiohttp
-from epp.engine.sim import FleetConfig, SimFleet
 
+from epp.engine.sim import FleetConfig, SimFleet
 from tests.conftest import free_port
 
 ENDPOINTS = re.compile(r"^127\.0\.0\.1:\d+(,127\.0\.0\.1:\d+)*$")

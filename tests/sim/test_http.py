@@ -7,8 +7,9 @@ import json
 
 import aiohttp
 import pytest
-from epp.engine.sim import FleetConfig, SimFleet
 from prometheus_client.parser import text_string_to_metric_families
+
+from epp.engine.sim import FleetConfig, SimFleet
 
 PROMPT = "System: you answer questions about the customer table. " * 6
 

@@ -9,6 +9,7 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
+
 from epp.engine.kv_publisher import (
     AllBlocksCleared,
     BlockRemoved,

@@ -24,10 +24,10 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
-from epp.engine.sim import FleetConfig, SimFleet
-from epp.engine.sim.fleet import default_tokenizer_dir
 from prometheus_client.parser import text_string_to_metric_families
 
+from epp.engine.sim import FleetConfig, SimFleet
+from epp.engine.sim.fleet import default_tokenizer_dir
 from tests.sim.conftest import EventSubscriber
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"

@@ -8,9 +8,9 @@ import random
 from pathlib import Path
 
 import pytest
-from epp.engine.tinymodel import _WORDS, write_tiny_model
 from prometheus_client import CollectorRegistry
 
+from epp.engine.tinymodel import _WORDS, write_tiny_model
 from epp.framework.types import ApiKind, InferenceRequest
 from epp.tokenization.chat_template import ChatTemplate, detect_content_format
 from epp.tokenization.pool import TokenizerPool

@@ -1,7 +1,6 @@
 """An outside scorer package for the LLM endpoint picker: `kv-headroom-scorer`."""
 
 from epp.framework import PluginRegistry
-
 from epp_kv_headroom.scorer import KVHeadroomScorer
 
 __all__ = ["KVHeadroomScorer", "register"]

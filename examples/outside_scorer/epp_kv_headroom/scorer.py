@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
-from epp.framework import (CycleState, Endpoint, InferenceRequest, PluginContext, Scorer, ScorerCategory,
-                           clamp_score)
+from epp.framework import CycleState, Endpoint, InferenceRequest, PluginContext, Scorer, ScorerCategory, clamp_score
 from epp.framework.registry import PluginParams
 
 
