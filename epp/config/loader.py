@@ -259,11 +259,13 @@ class _Builder:
 
     def default_picker(self) -> Picker:
         for entry in self.entries:
-            if entry.auto_created and entry.type_name == DEFAULT_PICKER_TYPE:
-                return entry.plugin  # type: ignore[return-value]
+            if entry.auto_created and entry.type_name == DEFAULT_PICKER_TYPE and isinstance(entry.plugin, Picker):
+                return entry.plugin
         entry = self.add_plugin(DEFAULT_PICKER_TYPE, self.free_name(DEFAULT_PICKER_TYPE), None,
                                 "schedulingProfiles", auto_created="profile without a picker")
-        return entry.plugin  # type: ignore[return-value]
+        if not isinstance(entry.plugin, Picker):
+            raise self.fail("schedulingProfiles", f"the default picker type {DEFAULT_PICKER_TYPE} is no picker")
+        return entry.plugin
 
     def build_profile(self, name: str, refs: list[tuple[PluginEntry, Any, str]], path: str) -> SchedulerProfile:
         filters: list[Filter] = []
@@ -341,7 +343,9 @@ class _Builder:
                 check(list(profiles))
             except ConfigError as exc:
                 raise self.fail("schedulingProfiles", f"profile handler {entry.name!r}: {exc}") from None
-        return entry.plugin  # type: ignore[return-value]
+        if not isinstance(entry.plugin, ProfileHandler):
+            raise self.fail("plugins", f"the default profile handler type {entry.type_name} is no profile handler")
+        return entry.plugin
 
     # -- data producers -------------------------------------------------------------------------
 
@@ -417,7 +421,8 @@ class _Builder:
                 raise self.fail("plugins", "data producers depend on each other in a cycle: "
                                            + ", ".join(e.name for e in remaining))
             for entry in ready:
-                ordered.append(entry.plugin)  # type: ignore[arg-type]
+                if isinstance(entry.plugin, DataProducer):
+                    ordered.append(entry.plugin)
                 placed.add(entry.name)
             remaining = [e for e in remaining if e.name not in placed]
         return tuple(ordered)

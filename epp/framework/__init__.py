@@ -24,7 +24,7 @@ from epp.framework.plugin import (
     ScorerCategory,
     clamp_score,
 )
-from epp.framework.registry import PluginRegistry, PluginSpec, default_registry, register_plugin
+from epp.framework.registry import PluginParams, PluginRegistry, PluginSpec, default_registry, register_plugin
 from epp.framework.types import (
     ApiKind,
     Endpoint,
@@ -36,7 +36,7 @@ from epp.framework.types import (
 __all__ = [
     "Admitter", "ApiKind", "ConfigError", "CycleState", "DataProducer", "Endpoint",
     "EndpointMetrics", "ErrorCode", "Filter", "InferenceError", "InferenceRequest", "Picker",
-    "Plugin", "PluginContext", "PluginRegistry", "PluginSpec", "PreRequestHook",
+    "Plugin", "PluginContext", "PluginParams", "PluginRegistry", "PluginSpec", "PreRequestHook",
     "ProfileHandler", "ProfileRunResult", "ResponseCompleteHook", "ResponseHeadersHook",
     "ResponseInfo", "ScoredEndpoint", "Scorer", "ScorerCategory", "SchedulingResult",
     "clamp_score", "default_registry", "register_plugin",
