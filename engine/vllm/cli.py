@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from epp.engine.vllm.env import VllmEnvNotFound, find_vllm_python
 from epp.engine.vllm.launcher import (
     HASH_ALGOS,
+    HostResources,
     LaunchError,
     LaunchOptions,
     build_plan,
@@ -53,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sleep-mode", action="store_true", help="--enable-sleep-mode and the /sleep dev routes")
     p.add_argument("--hash-seed", type=int, default=0, help="PYTHONHASHSEED, the same on every replica")
     p.add_argument("--hash-algo", default="sha256", choices=HASH_ALGOS)
-    p.add_argument("--platform", default="auto", choices=["auto", "gpu", "cpu"])
+    p.add_argument("--platform", default="auto", choices=["auto", "gpu", "cpu"],
+                   help="auto: this machine's; with --dry-run, gpu or cpu previews the command for a machine of "
+                        "that kind (this machine's RAM and disk are not checked)")
     p.add_argument("--force", action="store_true",
                    help="build the command even where the platform refuses offload or sleep mode")
     p.add_argument("--dry-run", action="store_true", help="print the exact command and environment, start nothing")
@@ -89,12 +92,21 @@ def _default_python() -> str:
         return "python3"  # in a vLLM container image the system python has vLLM
 
 
+def _host(args: argparse.Namespace) -> HostResources:
+    """This machine; but a dry run for a named platform previews another machine's command (a GPU pod's,
+    from a laptop), so this machine's RAM and free disk are not the limits then."""
+    if args.dry_run and args.platform != "auto":
+        return HostResources(mem_available_bytes=sys.maxsize, disk_free_bytes=lambda _path: sys.maxsize,
+                             platform=args.platform)
+    return host_resources(args.platform)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Validate, then print (--dry-run) or exec the vLLM server; 2 on invalid options."""
     args = build_parser().parse_args(argv)
     opts = options_from_args(args, args.python or _default_python())
     try:
-        plan = build_plan(opts, host_resources(args.platform))
+        plan = build_plan(opts, _host(args))
     except LaunchError as exc:
         print("epp engine serve: cannot start this replica:", file=sys.stderr)
         for problem in exc.problems:

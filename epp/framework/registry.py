@@ -7,6 +7,7 @@ plugins in `epp.scorers` register through that same group, exactly like an outsi
 from __future__ import annotations
 
 import builtins
+import difflib
 import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping
@@ -119,6 +120,12 @@ class PluginParams:
             )
 
 
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """` (did you mean 'x'?)` when a known name is close to `word` (a typo), else ``."""
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 PluginFactory = Callable[[str, PluginParams, PluginContext], Plugin]
 
 
@@ -155,7 +162,8 @@ class PluginRegistry:
             return self._specs[type_name]
         except KeyError:
             raise ConfigError(
-                f"unknown plugin type {type_name!r}; registered types: {', '.join(sorted(self._specs))}"
+                f"unknown plugin type {type_name!r}{did_you_mean(type_name, self._specs)}; "
+                f"registered types: {', '.join(sorted(self._specs))}"
             ) from None
 
     def types(self) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from epp.config.loader import LoadedConfig, load_config_text, load_default_config
+from epp.config.loader import LoadedConfig, load_config, load_config_text, load_default_config
 from epp.datalayer.discovery import Discovery, FileDiscovery, StaticDiscovery
 from epp.datalayer.registry import EndpointRegistry
 from epp.datalayer.scraper import MetricsScraper
@@ -19,9 +19,10 @@ class Stoppable(Protocol):
 
 def load_config_for(options: Any, context: PluginContext) -> LoadedConfig:
     """The config of `options` (file or text), or GIE's system defaults when none is given."""
+    if options.config_file:
+        return load_config(options.config_file, context=context)
     if options.config_text:
-        return load_config_text(options.config_text, source=options.config_file or "<config-text>",
-                                context=context)
+        return load_config_text(options.config_text, context=context)
     return load_default_config(context=context)
 
 

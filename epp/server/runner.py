@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +24,10 @@ from epp.server.health import HealthService
 from epp.server.tls import server_credentials
 
 log = logging.getLogger(__name__)
+
+
+class BindError(OSError):
+    """A port `epp serve` was told to listen on cannot be bound (in use, or not an address of this host)."""
 
 
 @dataclass
@@ -85,18 +91,19 @@ class EppServer:
                         ("grpc.max_send_message_length", 64 * 1024 * 1024)]
         self._grpc = grpc.aio.server(options=grpc_options)
         pb_grpc.add_ExternalProcessorServicer_to_server(service, self._grpc)
-        address = f"{opts.bind_address}:{opts.grpc_port}"
-        if opts.secure_serving:
-            self.grpc_port = self._grpc.add_secure_port(address, server_credentials(opts.cert_path))
-        else:
-            self.grpc_port = self._grpc.add_insecure_port(address)
+        credentials = server_credentials(opts.cert_path) if opts.secure_serving else None
+        self.grpc_port = _bind(self._grpc, opts.bind_address, opts.grpc_port, "--grpc-port", credentials)
         self._health = grpc.aio.server()
         health_pb2_grpc.add_HealthServicer_to_server(HealthService(self.is_ready), self._health)
-        self.health_port = self._health.add_insecure_port(f"{opts.bind_address}:{opts.grpc_health_port}")
+        self.health_port = _bind(self._health, opts.bind_address, opts.grpc_health_port, "--grpc-health-port")
         await self._grpc.start()
         await self._health.start()
-        self._metrics_http, _thread = start_http_server(opts.metrics_port, opts.bind_address,
-                                                        registry=self.metrics.registry)
+        try:
+            self._metrics_http, _thread = start_http_server(opts.metrics_port, opts.bind_address,
+                                                            registry=self.metrics.registry)
+        except OSError as exc:
+            raise BindError(f"cannot listen on {opts.bind_address}:{opts.metrics_port} (--metrics-port): "
+                            f"{exc.strerror or exc}") from None
         self.metrics_port = self._metrics_http.server_port
         self.metrics.ready_endpoints.set_function(
             lambda: sum(1 for ep in self.endpoints.snapshot() if ep.healthy))
@@ -140,12 +147,43 @@ class EppServer:
             await self._grpc.wait_for_termination()
 
 
-async def serve_forever(options: ServeOptions) -> None:
-    """Run until SIGTERM/SIGINT, then drain within the grace period."""
+def _bind(server: grpc.aio.Server, host: str, port: int, flag: str,
+          credentials: grpc.ServerCredentials | None = None) -> int:
+    """Add a listening port to a gRPC server; the port bound, or BindError naming the flag."""
+    address = f"{host}:{port}"
+    if port != 0:
+        # gRPC reports a taken port only as a core log line and a bare RuntimeError: probe it first
+        # for the reason. SO_REUSEADDR as gRPC sets it, so only a live listener counts as taken.
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as exc:
+                raise BindError(f"cannot listen on {address} ({flag}): {exc.strerror or exc}") from None
+    try:
+        bound = (server.add_secure_port(address, credentials) if credentials is not None
+                 else server.add_insecure_port(address))
+    except RuntimeError:  # taken between the probe and now
+        bound = 0
+    if bound == 0:
+        raise BindError(f"cannot listen on {address} ({flag}): the port is in use or the address is not local")
+    return bound
+
+
+async def serve_forever(options: ServeOptions, on_started: Callable[[EppServer], None] | None = None) -> None:
+    """Run until SIGTERM/SIGINT, then drain within the grace period; `on_started` is called once serving."""
     import signal
 
     server = EppServer(options)
-    await server.start()
+    try:
+        await server.start()
+    except BaseException:
+        # What did start (discovery, scrapers' HTTP sessions, plugins) is stopped before the error surfaces.
+        await server.stop(0)
+        raise
+    if on_started is not None:
+        on_started(server)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

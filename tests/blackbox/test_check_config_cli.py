@@ -66,10 +66,20 @@ def test_valid_file_prints_the_resolved_pipeline_and_exits_0(tmp_path):
 INVALID = [
     ("unknown plugin type",
      VALID.replace("- type: lora-affinity-scorer", "- type: lora-affinity-scorr"),
-     "plugins[3].type: unknown plugin type 'lora-affinity-scorr'; registered types: "),
+     "plugins[3].type: unknown plugin type 'lora-affinity-scorr' (did you mean 'lora-affinity-scorer'?); "
+     "registered types: "),
     ("unknown field",
      VALID.replace("    weight: 3", "    wieght: 3"),
-     "schedulingProfiles[0].plugins[2].wieght: unknown field; allowed fields: pluginRef, weight"),
+     "schedulingProfiles[0].plugins[2].wieght: unknown field (did you mean 'weight'?); "
+     "allowed fields: pluginRef, weight"),
+    ("empty weight",
+     VALID.replace("    weight: 3", "    weight:"),
+     "schedulingProfiles[0].plugins[2].weight: is empty; give a non-negative number, or leave the field out "
+     "for the default 1"),
+    ("YAML syntax",
+     VALID.replace("    maxNumOfEndpoints: 2", "    maxNumOfEndpoints: [2"),
+     "invalid YAML: line 12, column 19: expected ',' or ']', but got ':' "
+     "(while parsing a flow sequence at line 11, column 24)"),
     ("bad weight",
      VALID.replace("    weight: 3", "    weight: -3"),
      "schedulingProfiles[0].plugins[2].weight: must be a non-negative number, got -3"),
