@@ -8,35 +8,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.configs import endpoint_picker_config, objectives, plugin
+
 EPP = Path(sys.executable).with_name("epp")
 
-VALID = """\
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- name: prefix
-  type: prefix-cache-scorer
-- type: lora-affinity-scorer
-- type: max-score-picker
-  parameters:
-    maxNumOfEndpoints: 2
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: queue-scorer
-    weight: 2
-  - pluginRef: kv-cache-utilization-scorer
-    weight: 2
-  - pluginRef: prefix
-    weight: 3
-  - pluginRef: lora-affinity-scorer
-  - pluginRef: max-score-picker
-objectives:
-- name: batch
-  priority: -1
-"""
+# The cases below edit this document's text: a typo, a bad value, a broken line.
+VALID = endpoint_picker_config(
+    ["queue-scorer", "kv-cache-utilization-scorer", plugin("prefix-cache-scorer", name="prefix"),
+     "lora-affinity-scorer", plugin("max-score-picker", maxNumOfEndpoints=2)],
+    {"queue-scorer": 2, "kv-cache-utilization-scorer": 2, "prefix": 3, "lora-affinity-scorer": None,
+     "max-score-picker": None},
+    objectives=objectives(batch=-1))
 
 
 def check_config(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]:

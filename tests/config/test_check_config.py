@@ -1,20 +1,9 @@
 """`epp check-config FILE`: prints the resolved pipeline (exit 0) or the error (exit 1)."""
 
 from epp.config.check import check_config_main
+from tests.configs import endpoint_picker_config
 
-GOOD = """apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: queue-scorer
-- type: prefix-cache-scorer
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: queue-scorer
-    weight: 2
-  - pluginRef: prefix-cache-scorer
-    weight: 3
-"""
+GOOD = endpoint_picker_config(["queue-scorer", "prefix-cache-scorer"], {"queue-scorer": 2, "prefix-cache-scorer": 3})
 
 
 def test_valid_config_prints_the_pipeline(tmp_path, capsys):
