@@ -7,7 +7,7 @@ import asyncio
 import importlib
 import logging
 import sys
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
@@ -16,9 +16,6 @@ from epp.server.extproc import DEFAULT_MAX_BODY_BYTES
 if TYPE_CHECKING:  # pragma: no cover
     from epp.datalayer.registry import EndpointSpec
     from epp.server.runner import EppServer, ServeOptions
-
-# Endpoint labels that name ports of the replica (the KV-event subscriber dials them).
-PORT_LABELS = ("kv-events-port", "kv-replay-port", "kv-disk-events-port")
 
 # `epp engine TOOL`: the module whose main() takes the rest of the line, and what it does.
 ENGINE_TOOLS = {
@@ -70,12 +67,15 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 
 def check_endpoints(specs: Sequence[EndpointSpec], where: str) -> None:
     """Refuse duplicate endpoints and port labels that are no port; `where` names the source in the error."""
+    # Labels naming ports of the replica, which the KV-event subscriber dials.
+    from epp.kvevents.subscriber import LABEL_DISK_EVENTS_PORT, LABEL_EVENTS_PORT, LABEL_REPLAY_PORT
+
     seen: set[str] = set()
     for spec in specs:
         if spec.name in seen:
             raise UsageError(f"{where}: endpoint {spec.name} is listed twice")
         seen.add(spec.name)
-        for label in PORT_LABELS:
+        for label in (LABEL_EVENTS_PORT, LABEL_REPLAY_PORT, LABEL_DISK_EVENTS_PORT):
             value = spec.labels.get(label)
             if value is not None and not (value.isdigit() and 0 < int(value) < 65536):
                 raise UsageError(f"{where}: endpoint {spec.name}: label {label}={value!r} must be a port 1-65535")
@@ -109,7 +109,7 @@ def _endpoints_of(args: argparse.Namespace) -> list[EndpointSpec]:
     return specs
 
 
-def _start_line(options: ServeOptions) -> Any:
+def _start_line(options: ServeOptions) -> Callable[[EppServer], None]:
     """The one line `epp serve` prints on stdout once it serves (logs and errors go to stderr):
     where it listens, what it routes to, which config."""
 

@@ -191,8 +191,9 @@ class _Builder:
             raise self.fail(path, f"must be a mapping with fields {list(allowed)}, got {type(value).__name__}")
         for key in value:
             if key not in allowed:
+                hint = did_you_mean(str(key), allowed)
                 raise self.fail(f"{path}.{key}" if path else str(key),
-                                f"unknown field{did_you_mean(str(key), allowed)}; allowed fields: {', '.join(allowed)}")
+                                f"unknown field{hint}; allowed fields: {', '.join(allowed)}")
         for key in required:
             if value.get(key) in (None, ""):
                 raise self.fail(f"{path}.{key}" if path else key, "is required")
