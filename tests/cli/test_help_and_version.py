@@ -74,6 +74,13 @@ def test_every_flag_and_argument_has_help_text(command):
 
 
 @pytest.mark.parametrize("command", ["serve", "check-config", "demo", "envoy-config"])
+def test_every_flag_of_engine_serve_has_help_text():
+    from epp.engine.vllm.cli import build_parser as engine_serve_parser
+
+    assert [action.dest for action in engine_serve_parser()._actions if not action.help] == []
+
+
+@pytest.mark.parametrize("command", ["serve", "check-config", "demo", "envoy-config"])
 def test_command_help_exits_0(capsys, command):
     code, out, _ = run(capsys, command, "--help")
     assert code == 0
