@@ -73,7 +73,6 @@ def test_every_flag_and_argument_has_help_text(command):
     assert parser.description
 
 
-@pytest.mark.parametrize("command", ["serve", "check-config", "demo", "envoy-config"])
 def test_every_flag_of_engine_serve_has_help_text():
     from epp.engine.vllm.cli import build_parser as engine_serve_parser
 
