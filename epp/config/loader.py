@@ -215,7 +215,8 @@ class _Builder:
         name = self.string(value, path)
         entry = self.by_name.get(name)
         if entry is None:
-            raise self.fail(path, f"unknown plugin {name!r}; defined plugins: {', '.join(self.by_name) or 'none'}")
+            raise self.fail(path, f"unknown plugin {name!r}{did_you_mean(name, self.by_name)}; "
+                                  f"defined plugins: {', '.join(self.by_name) or 'none'}")
         return entry
 
     # -- plugins --------------------------------------------------------------------------------

@@ -70,7 +70,8 @@ INVALID = [
      "plugins[4].parameters: plugin 'max-score-picker': parameter 'maxNumOfEndpoints' must be >= 1, got 0"),
     ("unknown reference",
      VALID.replace("  - pluginRef: prefix\n", "  - pluginRef: prefx\n"),
-     ("schedulingProfiles[0].plugins[2].pluginRef: unknown plugin 'prefx'; defined plugins: queue-scorer, "
+     ("schedulingProfiles[0].plugins[2].pluginRef: unknown plugin 'prefx' (did you mean 'prefix'?); "
+      "defined plugins: queue-scorer, "
       "kv-cache-utilization-scorer, prefix, lora-affinity-scorer, max-score-picker")),
     ("missing producer",
      VALID.replace("- type: lora-affinity-scorer", "- type: predicted-ttft-scorer")
