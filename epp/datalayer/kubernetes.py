@@ -418,6 +418,12 @@ def _http_error(code: int, body: bytes) -> ApiError:
     return cls(code, "", body[:200].decode("utf-8", "replace"))
 
 
+def _log_crash(task: asyncio.Task[None]) -> None:
+    # A reflector only ends by cancellation; anything else is a bug that must not pass silently.
+    if not task.cancelled() and task.exception() is not None:
+        log.error("kubernetes discovery: %s stopped", task.get_name(), exc_info=task.exception())
+
+
 def _describe(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
@@ -539,6 +545,7 @@ class KubernetesDiscovery(Discovery):
     def _spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)
         task.set_name(f"k8s-{name}")
+        task.add_done_callback(_log_crash)
         self._tasks.append(task)
         return task
 
@@ -617,6 +624,7 @@ class KubernetesDiscovery(Discovery):
                               label_selector=selector, watch_timeout_s=self.watch_timeout_s)
         self._pod_task = asyncio.ensure_future(reflector.run())
         self._pod_task.set_name("k8s-pods")
+        self._pod_task.add_done_callback(_log_crash)
 
     def _stop_pods(self) -> None:
         if self._pod_task is not None:
