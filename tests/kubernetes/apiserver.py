@@ -10,9 +10,10 @@ It serves the real paths (`/api/v1/namespaces/{ns}/pods`,
   replaying history after the given resourceVersion, then live; an object leaving (entering) a
   label selector is DELETED (ADDED) for that watcher; a resourceVersion older than the compacted
   history gets one ERROR event with a 410 `Status` (reason Expired);
+- create (POST on the collection, 409 if it exists), replace (PUT on the item), delete (DELETE);
 - bearer-token auth (401 `Status`), 404 `Status` for resources it does not serve.
-Tests change objects with `apply()`/`delete()` and inject faults with `drop_watches()`,
-`compact()` and `fail_next()`.
+Tests in the same process change objects with `apply()`/`delete()` and inject faults with
+`drop_watches()`, `compact()` and `fail_next()`; a benchmark in another process uses the HTTP verbs.
 """
 
 from __future__ import annotations
@@ -122,6 +123,12 @@ class FakeApiServer:
         app = web.Application()
         app.router.add_get("/api/{version}/namespaces/{namespace}/{plural}", self._core)
         app.router.add_get("/apis/{group}/{version}/namespaces/{namespace}/{plural}", self._grouped)
+        app.router.add_post("/api/{version}/namespaces/{namespace}/{plural}", self._write)
+        app.router.add_put("/api/{version}/namespaces/{namespace}/{plural}/{name}", self._write)
+        app.router.add_delete("/api/{version}/namespaces/{namespace}/{plural}/{name}", self._write)
+        app.router.add_post("/apis/{group}/{version}/namespaces/{namespace}/{plural}", self._write)
+        app.router.add_put("/apis/{group}/{version}/namespaces/{namespace}/{plural}/{name}", self._write)
+        app.router.add_delete("/apis/{group}/{version}/namespaces/{namespace}/{plural}/{name}", self._write)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
@@ -253,6 +260,34 @@ class FakeApiServer:
         if kind is None:
             return None
         return {"type": kind, "object": self._typed(watcher.resource, event.obj)}
+
+    async def _write(self, request: web.Request) -> web.Response:
+        if request.headers.get("Authorization") != f"Bearer {self.token}":
+            return web.json_response(status(401, "Unauthorized", "Unauthorized"), status=401)
+        info = request.match_info
+        resource = self.resources.get((info.get("group", ""), info["version"], info["plural"]))
+        if resource is None:
+            return web.json_response(
+                status(404, "NotFound", "the server could not find the requested resource"), status=404)
+        namespace = info["namespace"]
+        if request.method == "DELETE":
+            key = {"apiVersion": f"{resource[0]}/{resource[1]}".lstrip("/"), "kind": resource[3],
+                   "metadata": {"name": info["name"], "namespace": namespace}}
+            if self.get(key) is None:
+                return web.json_response(status(404, "NotFound", f'{info["plural"]} "{info["name"]}" not found'),
+                                         status=404)
+            self.delete(key)
+            return web.json_response(status(200, "", "deleted") | {"status": "Success"})
+        obj = await request.json()
+        obj.setdefault("metadata", {})["namespace"] = namespace
+        exists = self.get(obj) is not None
+        if request.method == "POST" and exists:
+            return web.json_response(status(409, "AlreadyExists", f'"{obj["metadata"]["name"]}" already exists'),
+                                     status=409)
+        if request.method == "PUT" and (not exists or obj["metadata"]["name"] != info["name"]):
+            return web.json_response(status(404, "NotFound", f'{info["plural"]} "{info["name"]}" not found'),
+                                     status=404)
+        return web.json_response(self.apply(obj), status=201 if request.method == "POST" else 200)
 
     async def _core(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "", request.match_info["version"])
