@@ -42,6 +42,8 @@ LABEL_ENDPOINT = "llm-epp.io/endpoint"
 # Pages of a full list: bounded memory and decode time per step on the event loop.
 LIST_PAGE_SIZE = 500
 RESTART_REASONS = ("closed", "expired", "error")
+# The openai-parser reads HTTP/1.1 or HTTP/2 OpenAI bodies; `kubernetes.io/h2c` pools are vLLM gRPC.
+SUPPORTED_APP_PROTOCOLS = frozenset({"http"})
 
 _decode = msgspec.json.Decoder().decode
 
@@ -582,20 +584,19 @@ class KubernetesDiscovery(Discovery):
 
     def _set_pool(self, pool: dict | None) -> None:
         if pool is None:
-            self.pool_error = (f"{self.pool_label} does not exist; not ready until it is created "
-                               "(check --pool-name, --pool-namespace and --pool-group)")
-            if self._last_errors.get("pool") != self.pool_error:
-                log.error("kubernetes discovery: %s", self.pool_error)
-                self._last_errors["pool"] = self.pool_error
-            self.view = None
-            self._stop_pods()
-            self._schedule_publish()
+            self._unusable_pool(f"{self.pool_label} does not exist; not ready until it is created "
+                                "(check --pool-name, --pool-namespace and --pool-group)")
             return
         try:
             view = pool_view_of(pool)
         except PoolSpecError as exc:
             self.pool_error = f"{self.pool_label}: {exc}; keeping the previous view"
             log.error("kubernetes discovery: %s", self.pool_error)
+            return
+        if view.app_protocol not in SUPPORTED_APP_PROTOCOLS:
+            # As GIE: a pool whose protocol the request parser cannot read is not served at all.
+            self._unusable_pool(f"{self.pool_label}: appProtocol {view.app_protocol!r} is not supported "
+                                f"(the picker parses {sorted(SUPPORTED_APP_PROTOCOLS)}); not ready")
             return
         self.pool_error = None
         self._last_errors.pop("pool", None)
@@ -608,6 +609,16 @@ class KubernetesDiscovery(Discovery):
             log.info("kubernetes discovery: %s target ports now %s", self.pool_label, list(view.target_ports))
             self._pod_specs = {name: pod_endpoints(pod, view) for name, pod in self._pods.items()}
             self._schedule_publish()
+
+    def _unusable_pool(self, error: str) -> None:
+        """No pool to serve: no endpoints (so not ready), and the reason logged once."""
+        self.pool_error = error
+        if self._last_errors.get("pool") != error:
+            log.error("kubernetes discovery: %s", error)
+            self._last_errors["pool"] = error
+        self.view = None
+        self._stop_pods()
+        self._schedule_publish()
 
     # -- pods --------------------------------------------------------------------------------------
     def _restart_pods(self) -> None:

@@ -112,6 +112,7 @@ class FakeApiServer:
         self.requests: list[tuple[str, dict[str, str]]] = []
         self._failures: list[tuple[int, str]] = []
         self._snapshots: dict[str, tuple[int, list[dict]]] = {}
+        self._compact_after_page = False
         self._uids = itertools.count(1)
         self._runner: web.AppRunner | None = None
 
@@ -205,6 +206,10 @@ class FakeApiServer:
         self.compacted_rv = self.rv
         self.history.clear()
         self._snapshots.clear()
+
+    def expire_continue_tokens(self) -> None:
+        """Compact once the next paged list has handed out its first continue token."""
+        self._compact_after_page = True
 
     def fail_next(self, count: int, code: int = 500) -> None:
         """The next `count` requests get `code` with a Status body."""
@@ -349,6 +354,9 @@ class FakeApiServer:
             metadata["continue"] = base64.urlsafe_b64encode(
                 json.dumps({"id": snapshot_id, "offset": start + limit}).encode()).decode()
             metadata["remainingItemCount"] = len(items) - start - limit
+            if self._compact_after_page:
+                self._compact_after_page = False
+                self.compact()
         return web.json_response({"kind": f"{watcher.resource[3]}List",
                                   "apiVersion": f"{watcher.resource[0]}/{watcher.resource[1]}".lstrip("/"),
                                   "metadata": metadata, "items": page})

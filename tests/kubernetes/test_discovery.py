@@ -13,8 +13,10 @@ from epp.datalayer.kubernetes import (
     KubernetesDiscovery,
     KubernetesDiscoveryError,
     ObjectivePriorities,
+    PoolSpecError,
     parse_selector,
     parse_target_ports,
+    pool_view_of,
 )
 from epp.datalayer.registry import EndpointRegistry
 from tests.kubernetes.apiserver import (
@@ -339,3 +341,52 @@ async def test_a_thousand_pods_churning_end_in_exactly_the_ready_set(api, rig):
     await wait_for(lambda: names(r.registry) == set(ready.values()), 5.0, "final ready set")
     assert len(r.registry.snapshot()) == len(ready)
     assert r.metric("epp_kubernetes_discovered_endpoints") == len(ready)
+
+
+async def test_a_pool_with_an_unsupported_app_protocol_is_not_served(api, rig):
+    pool = inference_pool("pool", {"app": "vllm"}, [8000])
+    pool["spec"]["appProtocol"] = "kubernetes.io/h2c"
+    api.apply(pool)
+    api.apply(pod("a", "10.1.0.1"))
+    r = rig()
+    assert await r.discovery.start(1.0) is False
+    assert "appProtocol 'kubernetes.io/h2c' is not supported" in r.discovery.pool_error
+    pool["spec"]["appProtocol"] = "http"
+    api.apply(pool)
+    await wait_for(lambda: names(r.registry) == {"10.1.0.1:8000"}, 3.0, "pool served once it speaks http")
+
+
+async def test_v1alpha2_pools_are_read_with_pool_group_x_k8s(api, rig):
+    api.apply({"apiVersion": "inference.networking.x-k8s.io/v1alpha2", "kind": "InferencePool",
+               "metadata": {"name": "old-pool", "namespace": "default"},
+               "spec": {"selector": {"app": "vllm"}, "targetPortNumber": 8000,
+                        "extensionRef": {"name": "epp"}}})
+    api.apply(pod("a", "10.1.0.1"))
+    r = rig(pool_name="old-pool", pool_group="inference.networking.x-k8s.io")
+    assert await r.discovery.start(5.0)
+    assert names(r.registry) == {"10.1.0.1:8000"}
+    assert api.list_requests("inferencepools")[0] == {"limit": "500", "fieldSelector": "metadata.name=old-pool"}
+    assert any(p.startswith("/apis/inference.networking.x-k8s.io/v1alpha2/") for p, _ in api.requests)
+
+
+def test_pool_specs_that_cannot_be_used_name_the_field():
+    for spec, field in (({"targetPorts": [{"number": 8000}]}, "spec.selector"),
+                        ({"selector": {"matchLabels": {"a": "b"}}}, "spec.targetPorts"),
+                        ({"selector": {"matchLabels": {"a": "b"}}, "targetPorts": [{"number": 0}]}, "spec.targetPorts"),
+                        ({"selector": {"matchLabels": {"a": "b"}},
+                          "targetPorts": [{"number": 8000}, {"number": 8000}]}, "spec.targetPorts")):
+        with pytest.raises(PoolSpecError, match=field):
+            pool_view_of({"spec": spec})
+
+
+async def test_an_expired_continue_token_restarts_the_list(api, rig):
+    api.apply(inference_pool("pool", {"app": "vllm"}, [8000]))
+    for i in range(600):  # two pages
+        api.apply(pod(f"p{i}", f"10.1.{i // 250}.{i % 250 + 1}"))
+    api.expire_continue_tokens()
+    r = rig()
+    assert await r.discovery.start(5.0)
+    assert len(names(r.registry)) == 600
+    pages = [q for q in api.list_requests("pods")]
+    assert [("continue" in q) for q in pages] == [False, True, False, True]  # 410 on page 2, then a new list
+    assert r.metric("epp_kubernetes_watch_restarts_total", {"resource": "pods", "reason": "expired"}) == 1
