@@ -33,6 +33,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     k8s.add_argument("--endpoint-selector",
                      help="standalone mode without CRDs: pods matching app=x,tier=y are the endpoints")
     k8s.add_argument("--endpoint-target-ports", help="standalone mode: the pods' serving ports, 8000[,8001]")
+    k8s.add_argument("--ha-enable-leader-election", action="store_true",
+                     help="active-passive HA: only the replica holding the pool's Lease reports ready")
     k8s.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster service account, "
                                           "else $KUBECONFIG or ~/.kube/config)")
     p.add_argument("--secure-serving", action="store_true",
@@ -100,7 +102,10 @@ def _kubernetes_options(args: argparse.Namespace) -> dict:
         raise ValueError("--endpoint-target-ports goes with --endpoint-selector (a pool names its own ports)")
     if (args.pool_name or args.endpoint_selector) and (args.endpoints or args.endpoints_file):
         raise ValueError("Kubernetes discovery excludes --endpoints and --endpoints-file")
+    if args.ha_enable_leader_election and not args.pool_name:
+        raise ValueError("--ha-enable-leader-election needs --pool-name (the lease is the pool's)")
     options: dict = {"pool_name": args.pool_name, "pool_group": args.pool_group, "kubeconfig": args.kubeconfig,
+                     "ha_enable_leader_election": args.ha_enable_leader_election,
                      "pool_namespace": args.pool_namespace or os.environ.get("NAMESPACE") or "default"}
     if args.endpoint_selector:
         if not args.endpoint_target_ports:

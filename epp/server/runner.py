@@ -51,6 +51,8 @@ class ServeOptions:
     endpoint_selector: dict[str, str] | None = None
     endpoint_target_ports: tuple[int, ...] = ()
     kubeconfig: str | None = None
+    # Active-passive HA (GIE): only the holder of the pool's Lease reports ready.
+    ha_enable_leader_election: bool = False
 
 
 class EppServer:
@@ -74,10 +76,12 @@ class EppServer:
         self.draining = False
         self.director: Director | None = None
         self.objectives = ObjectivePriorities()
+        self.leader: Any = None
 
     def is_ready(self) -> bool:
-        """Ready once discovery produced endpoints, until shutdown starts."""
-        return not self.draining and self.endpoints.synced and len(self.endpoints) > 0
+        """Ready once discovery produced endpoints (and, with leader election, while leader), until shutdown."""
+        return not self.draining and self.endpoints.synced and len(self.endpoints) > 0 and \
+            (self.leader is None or self.leader.is_leader)
 
     async def start(self) -> None:
         opts = self.options
@@ -87,6 +91,15 @@ class EppServer:
         self.director = Director(pipeline, self.endpoints, self.metrics, admission,
                                  use_subset_hint=not opts.disable_endpoint_subset_filter)
         await self._start_discovery()
+        if opts.ha_enable_leader_election:
+            from epp.server.leader_election import LeaderElection, lease_name
+
+            if not opts.pool_name:
+                raise ValueError("--ha-enable-leader-election needs --pool-name (the lease is the pool's)")
+            self.leader = LeaderElection(namespace=opts.pool_namespace, name=lease_name(opts.pool_namespace,
+                                                                                        opts.pool_name),
+                                         kubeconfig=opts.kubeconfig, metrics_registry=self.metrics.registry)
+            await self.leader.start()
         for plugin in pipeline.plugins:
             await plugin.start()
         parser = RequestParser(objectives)
@@ -131,6 +144,8 @@ class EppServer:
     async def stop(self, grace: float | None = None) -> None:
         """Stop taking new streams, let in-flight ones finish within `grace` seconds, then stop all."""
         self.draining = True
+        if self.leader is not None:  # hand the lease over first: a standby becomes ready meanwhile
+            await self.leader.stop()
         grace = self.options.grace_period_s if grace is None else grace
         if self._grpc is not None:
             await self._grpc.stop(grace)

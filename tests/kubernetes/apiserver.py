@@ -10,7 +10,8 @@ It serves the real paths (`/api/v1/namespaces/{ns}/pods`,
   replaying history after the given resourceVersion, then live; an object leaving (entering) a
   label selector is DELETED (ADDED) for that watcher; a resourceVersion older than the compacted
   history gets one ERROR event with a 410 `Status` (reason Expired);
-- create (POST on the collection, 409 if it exists), replace (PUT on the item), delete (DELETE);
+- get (GET on the item), create (POST on the collection, 409 if it exists), replace (PUT on the
+  item, 409 Conflict when its metadata.resourceVersion is not the stored one), delete (DELETE);
 - bearer-token auth (401 `Status`), 404 `Status` for resources it does not serve.
 Tests in the same process change objects with `apply()`/`delete()` and inject faults with
 `drop_watches()`, `compact()` and `fail_next()`; a benchmark in another process uses the HTTP verbs.
@@ -36,6 +37,7 @@ POOLS = ("inference.networking.k8s.io", "v1", "inferencepools", "InferencePool")
 POOLS_ALPHA = ("inference.networking.x-k8s.io", "v1alpha2", "inferencepools", "InferencePool")
 OBJECTIVES = ("inference.networking.x-k8s.io", "v1alpha2", "inferenceobjectives", "InferenceObjective")
 PODS = ("", "v1", "pods", "Pod")
+LEASES = ("coordination.k8s.io", "v1", "leases", "Lease")
 
 
 @dataclass
@@ -98,7 +100,7 @@ class FakeApiServer:
     """The API server's list/watch protocol for pods, InferencePools and InferenceObjectives."""
 
     def __init__(self, *, token: str = "test-token",
-                 resources: Iterable[tuple[str, str, str, str]] = (PODS, POOLS, POOLS_ALPHA, OBJECTIVES),
+                 resources: Iterable[tuple[str, str, str, str]] = (PODS, POOLS, POOLS_ALPHA, OBJECTIVES, LEASES),
                  bookmark_interval: float = 0.5) -> None:
         self.token = token
         self.resources = {(g, v, p): (g, v, p, k) for g, v, p, k in resources}
@@ -124,12 +126,14 @@ class FakeApiServer:
         app = web.Application()
         app.router.add_get("/api/{version}/namespaces/{namespace}/{plural}", self._core)
         app.router.add_get("/apis/{group}/{version}/namespaces/{namespace}/{plural}", self._grouped)
-        app.router.add_post("/api/{version}/namespaces/{namespace}/{plural}", self._write)
-        app.router.add_put("/api/{version}/namespaces/{namespace}/{plural}/{name}", self._write)
-        app.router.add_delete("/api/{version}/namespaces/{namespace}/{plural}/{name}", self._write)
-        app.router.add_post("/apis/{group}/{version}/namespaces/{namespace}/{plural}", self._write)
-        app.router.add_put("/apis/{group}/{version}/namespaces/{namespace}/{plural}/{name}", self._write)
-        app.router.add_delete("/apis/{group}/{version}/namespaces/{namespace}/{plural}/{name}", self._write)
+        app.router.add_get("/api/{version}/namespaces/{namespace}/{plural}/{name}", self._object)
+        app.router.add_get("/apis/{group}/{version}/namespaces/{namespace}/{plural}/{name}", self._object)
+        app.router.add_post("/api/{version}/namespaces/{namespace}/{plural}", self._object)
+        app.router.add_put("/api/{version}/namespaces/{namespace}/{plural}/{name}", self._object)
+        app.router.add_delete("/api/{version}/namespaces/{namespace}/{plural}/{name}", self._object)
+        app.router.add_post("/apis/{group}/{version}/namespaces/{namespace}/{plural}", self._object)
+        app.router.add_put("/apis/{group}/{version}/namespaces/{namespace}/{plural}/{name}", self._object)
+        app.router.add_delete("/apis/{group}/{version}/namespaces/{namespace}/{plural}/{name}", self._object)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
@@ -229,7 +233,7 @@ class FakeApiServer:
         for resource in self.resources.values():
             if resource[0] == group and resource[1] == version and resource[3] == kind:
                 return resource
-        for g, v, p, k in (PODS, POOLS, POOLS_ALPHA, OBJECTIVES):  # kinds the server does not serve
+        for g, v, p, k in (PODS, POOLS, POOLS_ALPHA, OBJECTIVES, LEASES):  # kinds the server does not serve
             if g == group and v == version and k == kind:
                 return g, v, p, k
         raise KeyError(f"no resource for {api_version} {kind}")
@@ -266,7 +270,7 @@ class FakeApiServer:
             return None
         return {"type": kind, "object": self._typed(watcher.resource, event.obj)}
 
-    async def _write(self, request: web.Request) -> web.Response:
+    async def _object(self, request: web.Request) -> web.Response:
         if request.headers.get("Authorization") != f"Bearer {self.token}":
             return web.json_response(status(401, "Unauthorized", "Unauthorized"), status=401)
         info = request.match_info
@@ -275,12 +279,14 @@ class FakeApiServer:
             return web.json_response(
                 status(404, "NotFound", "the server could not find the requested resource"), status=404)
         namespace = info["namespace"]
-        if request.method == "DELETE":
+        if request.method in ("DELETE", "GET"):
             key = {"apiVersion": f"{resource[0]}/{resource[1]}".lstrip("/"), "kind": resource[3],
                    "metadata": {"name": info["name"], "namespace": namespace}}
             if self.get(key) is None:
                 return web.json_response(status(404, "NotFound", f'{info["plural"]} "{info["name"]}" not found'),
                                          status=404)
+            if request.method == "GET":
+                return web.json_response(self._typed(resource, self.get(key)))
             self.delete(key)
             return web.json_response(status(200, "", "deleted") | {"status": "Success"})
         obj = await request.json()
@@ -292,6 +298,12 @@ class FakeApiServer:
         if request.method == "PUT" and (not exists or obj["metadata"]["name"] != info["name"]):
             return web.json_response(status(404, "NotFound", f'{info["plural"]} "{info["name"]}" not found'),
                                      status=404)
+        wanted = obj["metadata"].get("resourceVersion")
+        if request.method == "PUT" and wanted and wanted != self.get(obj)["metadata"]["resourceVersion"]:
+            return web.json_response(status(
+                409, "Conflict", f'Operation cannot be fulfilled on {info["plural"]} "{info["name"]}": the object '
+                                 "has been modified; please apply your changes to the latest version and try again"),
+                status=409)
         return web.json_response(self.apply(obj), status=201 if request.method == "POST" else 200)
 
     async def _core(self, request: web.Request) -> web.StreamResponse:

@@ -105,8 +105,8 @@ def test_every_object_lands_in_the_serving_namespace(rendered, overlay):
     for obj in rendered[overlay]:
         if obj["kind"] != "Namespace":
             assert obj["metadata"].get("namespace") == NAMESPACE, f"{obj['kind']}/{obj['metadata']['name']}"
-    binding = one(rendered[overlay], "RoleBinding")
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "epp", "namespace": NAMESPACE}]
+    for binding in (o for o in rendered[overlay] if o["kind"] == "RoleBinding"):
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "epp", "namespace": NAMESPACE}]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -156,7 +156,7 @@ def test_pool_pods_picker_and_traffic_refer_to_each_other(rendered, overlay):
 
 
 def test_the_picker_role_only_reads_what_discovery_needs(rendered):
-    role = one(rendered["gateway"], "Role")
+    role = one(rendered["gateway"], "Role", "epp")
     granted = {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
                for resource in rule["resources"] for verb in rule["verbs"]}
     assert granted == {(g, r, v) for g, r in [("", "pods"), ("inference.networking.k8s.io", "inferencepools"),
@@ -186,9 +186,14 @@ def test_the_picker_config_in_the_config_map_loads(rendered):
     assert loaded.objectives == {"batch": -1}
 
 
-def test_production_scales_and_keeps_two_pickers(rendered):
+def test_production_scales_and_keeps_two_pickers_one_ready_by_leader_election(rendered):
     objects = rendered["production"]
-    assert one(objects, "Deployment", "epp")["spec"]["replicas"] == 2
+    picker = one(objects, "Deployment", "epp")
+    assert picker["spec"]["replicas"] == 2
+    assert "--ha-enable-leader-election" in picker["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert one(objects, "Role", "epp-leader-election")["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]}]
+    assert not any(o["kind"] == "Role" and o["metadata"]["name"] == "epp-leader-election" for o in rendered["gateway"])
     assert one(objects, "PodDisruptionBudget", "epp")["spec"]["minAvailable"] == 1
     assert one(objects, "PodMonitor")["spec"]["selector"]["matchLabels"] == {"app": "vllm"}
     assert one(objects, "ServiceMonitor")["spec"]["selector"]["matchLabels"] == {"app": "epp"}
