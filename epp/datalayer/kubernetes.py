@@ -19,6 +19,7 @@ import asyncio
 import logging
 import os
 import random
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -326,8 +327,11 @@ class Reflector:
                     self.metrics.lists.labels(self.resource).inc()
                     self.on_replace(items)
                     self.backoff.reset()
+                opened = time.monotonic()
                 await self._watch()
                 self.metrics.watch_restarts.labels(self.resource, "closed").inc()
+                if time.monotonic() - opened < 1.0:  # closed at once (a proxy?): do not spin
+                    await self.backoff.sleep()
             except ResourceExpired:
                 log.info("%s: resourceVersion %s expired (410 Gone); relisting", self.resource,
                          self.resource_version)
@@ -500,6 +504,7 @@ class KubernetesDiscovery(Discovery):
         self._publish_pending = False
         self._tasks: list[asyncio.Task[None]] = []
         self._last_errors: dict[str, str] = {}
+        self._objective_items: dict[str, dict] = {}
 
     @property
     def pool_label(self) -> str:
@@ -529,7 +534,6 @@ class KubernetesDiscovery(Discovery):
                         on_replace=self._objectives_replaced, on_event=self._objective_event,
                         metrics=self.metrics, on_error=lambda exc: self._api_failed("inferenceobjectives", exc),
                         watch_timeout_s=self.watch_timeout_s, backoff=Backoff(1.0, 60.0))
-                    self._objective_items: dict[str, dict] = {}
                     self._spawn(objectives.run(), "inferenceobjectives")
             await asyncio.Event().wait()  # the reflectors run until stop() cancels this task
         finally:

@@ -85,6 +85,8 @@ class EppServer:
 
     async def start(self) -> None:
         opts = self.options
+        if opts.ha_enable_leader_election and not opts.pool_name:
+            raise ValueError("--ha-enable-leader-election needs --pool-name (the lease is the pool's)")
         pipeline, admission, objectives = self._build_pipeline()
         # Static objectives from the config; Kubernetes discovery layers InferenceObjectives over them.
         self.objectives = ObjectivePriorities(objectives)
@@ -94,8 +96,7 @@ class EppServer:
         if opts.ha_enable_leader_election:
             from epp.server.leader_election import LeaderElection, lease_name
 
-            if not opts.pool_name:
-                raise ValueError("--ha-enable-leader-election needs --pool-name (the lease is the pool's)")
+            assert opts.pool_name is not None
             self.leader = LeaderElection(namespace=opts.pool_namespace, name=lease_name(opts.pool_namespace,
                                                                                         opts.pool_name),
                                          kubeconfig=opts.kubeconfig, metrics_registry=self.metrics.registry)
