@@ -390,3 +390,17 @@ async def test_an_expired_continue_token_restarts_the_list(api, rig):
     pages = [q for q in api.list_requests("pods")]
     assert [("continue" in q) for q in pages] == [False, True, False, True]  # 410 on page 2, then a new list
     assert r.metric("epp_kubernetes_watch_restarts_total", {"resource": "pods", "reason": "expired"}) == 1
+
+
+async def test_pod_metadata_changes_reach_the_endpoint_labels(api, rig):
+    api.apply(inference_pool("pool", {"app": "vllm"}, [8000]))
+    api.apply(pod("a", "10.1.0.1", annotations={"llm-epp.io/kv-events-port": "5557"}))
+    api.apply(pod("b", "10.1.0.2"))
+    r = rig()
+    assert await r.discovery.start(5.0)
+    untouched = r.registry.get("10.1.0.2:8000")
+    api.apply(pod("a", "10.1.0.1", labels={"app": "vllm", "role": "prefill"},
+                  annotations={"llm-epp.io/kv-events-port": "6000"}))
+    await wait_for(lambda: r.registry.get("10.1.0.1:8000").labels.get("kv-events-port") == "6000", 2.0, "relabel")
+    assert r.registry.get("10.1.0.1:8000").labels["role"] == "prefill"
+    assert r.registry.get("10.1.0.2:8000") is untouched  # the other endpoint (and its metrics) kept as it was
