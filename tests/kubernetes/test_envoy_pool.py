@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 
 import aiohttp
@@ -161,12 +162,13 @@ async def readiness(port: int) -> int | None:
 
 async def test_epp_serve_stays_not_serving_until_the_pool_exists(api, kubeconfig):
     grpc_port, health_port, metrics_port = free_ports(3)
+    # The pool's namespace comes from $NAMESPACE (the downward API in the manifests).
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "epp.cli", "serve", "--grpc-port", str(grpc_port), "--grpc-health-port",
         str(health_port), "--metrics-port", str(metrics_port), "--bind-address", "127.0.0.1",
-        "--pool-name", "late-pool", "--pool-namespace", "default", "--kubeconfig", kubeconfig,
+        "--pool-name", "late-pool", "--kubeconfig", kubeconfig,
         "--refresh-metrics-interval", "60", "--grace-period", "1",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        env={**os.environ, "NAMESPACE": "llm"}, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     try:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 30
@@ -174,8 +176,9 @@ async def test_epp_serve_stays_not_serving_until_the_pool_exists(api, kubeconfig
             assert loop.time() < deadline, "health port never answered"
             await asyncio.sleep(0.2)
         assert status == health_pb2.HealthCheckResponse.NOT_SERVING
-        api.apply(pod("p0", "10.1.0.1"))
-        api.apply(inference_pool("late-pool", {"app": "vllm"}, [8000]))
+        api.apply(pod("elsewhere", "10.1.0.9"))  # same labels, other namespace: not in the pool
+        api.apply(pod("p0", "10.1.0.1", namespace="llm"))
+        api.apply(inference_pool("late-pool", {"app": "vllm"}, [8000], namespace="llm"))
         deadline = loop.time() + 5
         while await readiness(health_port) != health_pb2.HealthCheckResponse.SERVING:
             assert loop.time() < deadline, "not ready after the pool was created"
@@ -187,7 +190,7 @@ async def test_epp_serve_stays_not_serving_until_the_pool_exists(api, kubeconfig
         proc.terminate()
         output = (await asyncio.wait_for(proc.communicate(), 15))[0].decode()
         assert proc.returncode == 0
-        assert "InferencePool default/late-pool (inference.networking.k8s.io/v1) does not exist" in output
+        assert "InferencePool llm/late-pool (inference.networking.k8s.io/v1) does not exist" in output
     finally:
         if proc.returncode is None:
             proc.kill()
