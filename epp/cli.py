@@ -51,6 +51,20 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     discovery.add_argument("--endpoints",
                            help="static discovery: ip:port[#label=value;...],... (labels feed the label filters)")
     discovery.add_argument("--endpoints-file", help="file discovery: YAML/JSON list of endpoints, re-read on change")
+    k8s = p.add_argument_group("Kubernetes discovery (needs the 'kubernetes' extra)")
+    k8s.add_argument("--pool-name", help="InferencePool to serve: its Ready pods become the endpoints")
+    k8s.add_argument("--pool-namespace", default=None,
+                     help="namespace of the pool and its pods (default: $NAMESPACE, else 'default')")
+    k8s.add_argument("--pool-group", default="inference.networking.k8s.io",
+                     help="API group of the InferencePool (default inference.networking.k8s.io; "
+                          "inference.networking.x-k8s.io for v1alpha2 pools)")
+    k8s.add_argument("--endpoint-selector",
+                     help="standalone mode without CRDs: pods matching app=x,tier=y are the endpoints")
+    k8s.add_argument("--endpoint-target-ports", help="standalone mode: the pods' serving ports, 8000[,8001]")
+    k8s.add_argument("--ha-enable-leader-election", action="store_true",
+                     help="active-passive HA: only the replica holding the pool's Lease reports ready")
+    k8s.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster service account, "
+                                          "else $KUBECONFIG or ~/.kube/config)")
     p.add_argument("--secure-serving", action="store_true",
                    help="serve ext_proc over TLS (h2 ALPN); self-signed unless --cert-path")
     p.add_argument("--cert-path", help="directory holding tls.crt and tls.key")
@@ -121,8 +135,12 @@ def _start_line(options: ServeOptions) -> Callable[[EppServer], None]:
             names = [spec.name for spec in options.endpoints]
             shown = ", ".join(names[:5]) + (f", ... ({len(names) - 5} more)" if len(names) > 5 else "")
             pool = f"{len(names)} endpoint(s) {shown}"
+        elif options.pool_name:
+            pool = f"InferencePool {options.pool_namespace}/{options.pool_name} ({len(server.endpoints)} endpoints now)"
+        elif options.endpoint_selector:
+            pool = f"pods selected by labels ({len(server.endpoints)} endpoints now)"
         else:
-            pool = "no endpoints (give --endpoints or --endpoints-file)"
+            pool = "no endpoints (give --endpoints, --endpoints-file or --pool-name)"
         config = options.config_file or ("--config-text" if options.config_text else "GIE default pipeline")
         tls = " (TLS)" if options.secure_serving else ""
         print(f"epp serve: ext_proc on {host}:{server.grpc_port}{tls}, health on {host}:{server.health_port}, "
@@ -141,22 +159,54 @@ def _run_serve(args: argparse.Namespace) -> int:
         print(f"epp serve: {exc}", file=sys.stderr)
         return 2
     # The loader reads --config-file itself, so its errors name the file (and a missing file is one).
+    try:
+        k8s = _kubernetes_options(args)
+    except ValueError as exc:
+        print(f"epp serve: {exc}", file=sys.stderr)
+        return 2
     options = ServeOptions(
         grpc_port=args.grpc_port, grpc_health_port=args.grpc_health_port, metrics_port=args.metrics_port,
         bind_address=args.bind_address, config_text=args.config_text, config_file=args.config_file,
         endpoints=endpoints, endpoints_file=args.endpoints_file, secure_serving=args.secure_serving,
         cert_path=args.cert_path, max_body_bytes=args.max_request_body_bytes,
         grace_period_s=args.grace_period, refresh_metrics_interval_s=args.refresh_metrics_interval,
-        disable_endpoint_subset_filter=args.disable_endpoint_subset_filter)
+        disable_endpoint_subset_filter=args.disable_endpoint_subset_filter, **k8s)
+    from epp.datalayer.kubernetes import KubernetesDiscoveryError
+
     try:
         _run_loop(serve_forever(options, on_started=_start_line(options)))
     except ConfigError as exc:
         print(f"epp serve: invalid configuration: {exc}", file=sys.stderr)
         return 2
-    except BindError as exc:
+    except (BindError, KubernetesDiscoveryError) as exc:
         print(f"epp serve: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _kubernetes_options(args: argparse.Namespace) -> dict:
+    """ServeOptions fields for Kubernetes discovery; ValueError names the flag that is wrong."""
+    import os
+
+    from epp.datalayer.kubernetes import parse_selector, parse_target_ports
+
+    if args.pool_name and args.endpoint_selector:
+        raise ValueError("--pool-name and --endpoint-selector exclude each other (pool or standalone mode)")
+    if args.endpoint_target_ports and not args.endpoint_selector:
+        raise ValueError("--endpoint-target-ports goes with --endpoint-selector (a pool names its own ports)")
+    if (args.pool_name or args.endpoint_selector) and (args.endpoints or args.endpoints_file):
+        raise ValueError("Kubernetes discovery excludes --endpoints and --endpoints-file")
+    if args.ha_enable_leader_election and not args.pool_name:
+        raise ValueError("--ha-enable-leader-election needs --pool-name (the lease is the pool's)")
+    options: dict = {"pool_name": args.pool_name, "pool_group": args.pool_group, "kubeconfig": args.kubeconfig,
+                     "ha_enable_leader_election": args.ha_enable_leader_election,
+                     "pool_namespace": args.pool_namespace or os.environ.get("NAMESPACE") or "default"}
+    if args.endpoint_selector:
+        if not args.endpoint_target_ports:
+            raise ValueError("--endpoint-selector needs --endpoint-target-ports")
+        options["endpoint_selector"] = parse_selector(args.endpoint_selector)
+        options["endpoint_target_ports"] = parse_target_ports(args.endpoint_target_ports)
+    return options
 
 
 def _run_loop(coro: Coroutine[Any, Any, None]) -> None:

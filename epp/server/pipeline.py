@@ -50,10 +50,19 @@ def load_pipeline(options: Any, context: PluginContext) -> tuple[Pipeline, Admis
     return pipeline_of(loaded), admission, dict(loaded.objectives)
 
 
-async def start_data_layer(options: Any, registry: EndpointRegistry, metrics: EppMetrics) -> list[Stoppable]:
+async def start_data_layer(options: Any, registry: EndpointRegistry, metrics: EppMetrics,
+                           objectives: Any = None) -> list[Stoppable]:
     """Start discovery and metrics scraping; returns what must be stopped on shutdown."""
     discovery: Discovery
-    if options.endpoints_file:
+    if getattr(options, "pool_name", None) or getattr(options, "endpoint_selector", None):
+        from epp.datalayer.kubernetes import KubernetesDiscovery
+
+        discovery = KubernetesDiscovery(
+            registry, namespace=options.pool_namespace, pool_name=options.pool_name,
+            pool_group=options.pool_group, selector=options.endpoint_selector,
+            target_ports=options.endpoint_target_ports, kubeconfig=options.kubeconfig,
+            objectives=objectives, metrics_registry=metrics.registry)
+    elif options.endpoints_file:
         discovery = FileDiscovery(registry, options.endpoints_file)
     else:
         discovery = StaticDiscovery(registry, options.endpoints)

@@ -14,6 +14,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2_grpc
 from prometheus_client import start_http_server
 
+from epp.datalayer.kubernetes import ObjectivePriorities
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
 from epp.director import AdmissionPolicy, Director, Pipeline
 from epp.framework.plugin import PluginContext
@@ -49,6 +50,15 @@ class ServeOptions:
     refresh_metrics_interval_s: float = 0.05
     scrape_metrics: bool = True
     disable_endpoint_subset_filter: bool = False
+    # Kubernetes discovery: an InferencePool, or standalone a label selector and target ports.
+    pool_name: str | None = None
+    pool_namespace: str = "default"
+    pool_group: str = "inference.networking.k8s.io"
+    endpoint_selector: dict[str, str] | None = None
+    endpoint_target_ports: tuple[int, ...] = ()
+    kubeconfig: str | None = None
+    # Active-passive HA (GIE): only the holder of the pool's Lease reports ready.
+    ha_enable_leader_election: bool = False
 
 
 class EppServer:
@@ -71,20 +81,37 @@ class EppServer:
         self._background: list[Any] = []
         self.draining = False
         self.director: Director | None = None
+        self.objectives = ObjectivePriorities()
+        self.leader: Any = None
 
     def is_ready(self) -> bool:
-        """Ready once discovery produced endpoints, until shutdown starts."""
-        return not self.draining and self.endpoints.synced and len(self.endpoints) > 0
+        """Ready once discovery produced endpoints (and, with leader election, while leader), until shutdown."""
+        return not self.draining and self.endpoints.synced and len(self.endpoints) > 0 and \
+            (self.leader is None or self.leader.is_leader)
 
     async def start(self) -> None:
         opts = self.options
+        if opts.ha_enable_leader_election and not opts.pool_name:
+            raise ValueError("--ha-enable-leader-election needs --pool-name (the lease is the pool's)")
         pipeline, admission, objectives = self._build_pipeline()
+        # Static objectives from the config; Kubernetes discovery layers InferenceObjectives over them.
+        self.objectives = ObjectivePriorities(objectives)
         self.director = Director(pipeline, self.endpoints, self.metrics, admission,
                                  use_subset_hint=not opts.disable_endpoint_subset_filter)
         await self._start_discovery()
+        if opts.ha_enable_leader_election:
+            from epp.server.leader_election import LeaderElection, lease_name
+
+            assert opts.pool_name is not None
+            self.leader = LeaderElection(namespace=opts.pool_namespace, name=lease_name(opts.pool_namespace,
+                                                                                        opts.pool_name),
+                                         kubeconfig=opts.kubeconfig, metrics_registry=self.metrics.registry)
+            await self.leader.start()
         for plugin in pipeline.plugins:
             await plugin.start()
-        service = ExtProcService(self.director, RequestParser(objectives), self.metrics,
+        parser = RequestParser(objectives)
+        parser.objective_priorities = self.objectives  # a live view: InferenceObjectives change at run time
+        service = ExtProcService(self.director, parser, self.metrics,
                                  max_body_bytes=opts.max_body_bytes)
         # Large bodies arrive in Envoy-sized pieces; the cap on whole messages only needs headroom.
         grpc_options = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -120,11 +147,13 @@ class EppServer:
     async def _start_discovery(self) -> None:
         from epp.server.pipeline import start_data_layer
 
-        self._background.extend(await start_data_layer(self.options, self.endpoints, self.metrics))
+        self._background.extend(await start_data_layer(self.options, self.endpoints, self.metrics, self.objectives))
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop taking new streams, let in-flight ones finish within `grace` seconds, then stop all."""
         self.draining = True
+        if self.leader is not None:  # hand the lease over first: a standby becomes ready meanwhile
+            await self.leader.stop()
         grace = self.options.grace_period_s if grace is None else grace
         if self._grpc is not None:
             await self._grpc.stop(grace)
