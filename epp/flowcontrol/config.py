@@ -88,7 +88,8 @@ class FlowControlConfig:
 
         ttl = f"{self.default_request_ttl:g}s" if self.default_request_ttl else "none (until the client leaves)"
         lines = [f"global: {limits(self.max_bytes, self.max_requests)}; defaultRequestTTL {ttl}",
-                 f"usage limit policy: {self.usage_limit.name} (type {self.usage_limit.type_name})"]
+                 f"usage limit policy: {self.usage_limit.name} (type {self.usage_limit.type_name}; "
+                 f"{self.usage_limit.describe()})"]
         for band in sorted(self.bands, key=lambda b: -b.priority):
             lines.append(f"band priority {band.priority}: {limits(band.max_bytes, band.max_requests)}; "
                          f"fairness {band.fairness.name}, ordering {band.ordering.name}")

@@ -50,7 +50,7 @@ def test_fields_bands_and_policy_refs():
     fc = load("""- name: rr
   type: round-robin-fairness-policy
 - type: static-usage-limit-policy
-  parameters: {threshold: 0.8}
+  parameters: {threshold: 0.8, priorityThresholds: {-1: 0.5}}
 featureGates: [flowControl]
 flowControl:
   maxBytes: 2Gi
@@ -63,7 +63,7 @@ flowControl:
   - {priority: -1, maxRequests: 5}
 """).flow_control
     assert (fc.max_bytes, fc.max_requests, fc.default_request_ttl) == (2 * 2**30, 1000, 90.0)
-    assert fc.usage_limit.threshold == 0.8
+    assert fc.usage_limit.ceiling(100, 0.0) == 0.8 and fc.usage_limit.ceiling(-1, 0.0) == 0.5
     high, low, other = fc.band_for(100), fc.band_for(-1), fc.band_for(3)
     assert (high.max_bytes, high.max_requests, isinstance(high.fairness, RoundRobinFairnessPolicy)) == \
         (500_000_000, 0, True)

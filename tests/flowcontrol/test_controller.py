@@ -11,6 +11,7 @@ import yaml
 
 from epp.flowcontrol.config import parse_flow_control
 from epp.flowcontrol.controller import FlowController
+from epp.flowcontrol.usage import StaticUsageLimitPolicy
 from epp.framework.errors import InferenceError
 from epp.framework.types import ApiKind, Endpoint, EndpointMetrics, InferenceRequest
 from epp.scorers.saturation import UtilizationDetector
@@ -134,3 +135,17 @@ async def test_fairness_ids_beyond_the_label_budget_share_one_series():
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     assert fc.queued_requests == 0
+
+
+async def test_a_lower_ceiling_holds_room_back_for_higher_bands():
+    pool = Pool(0, 0, 0, 0)
+    fc = controller(pool)
+    fc.config = dataclasses.replace(fc.config, usage_limit=StaticUsageLimitPolicy(priority_thresholds={0: 0.5}))
+    low = [asyncio.ensure_future(fc.admit(request(f"low{i}", 0), 1)) for i in range(4)]
+    await asyncio.sleep(0.01)
+    assert sum(t.done() for t in low) == 2  # two of four endpoints busy: saturation 0.5 stops priority 0
+    high = asyncio.ensure_future(fc.admit(request("high", 10), 1))
+    await asyncio.sleep(0.01)
+    assert high.done()  # priority 10 keeps the default ceiling 1.0
+    for t in (*low, high):
+        t.cancel()
