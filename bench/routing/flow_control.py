@@ -18,8 +18,10 @@ off (GIE's default: everything goes on to the replicas, where it waits in vLLM's
 Reported: the interactive class's TTFT p90 (and its ratio to the idle value), goodput (output
 tokens/s of answered requests whose TTFT met the SLO), answers by class (200 / 429 / 503),
 requests lost without an answer (timeouts, resets), and Jain's fairness index of the tokens
-each tenant was served during the overload window, each tenant's tokens divided by its max-min
-fair share of what the fleet served (Jain's original normalisation: 1.0 = every tenant got its
+each tenant was served during the overload (requests whose first token came between
+`warmup_seconds` after the load started and its end, so the first seconds, before any queue
+forms, do not count), each tenant's tokens divided by its max-min fair share of what the fleet
+served (Jain's original normalisation: 1.0 = every tenant got its
 fair share; tenants asking for less than an equal share count as fair when fully served).
 """
 
@@ -62,8 +64,9 @@ class FlowBench:
     output_tokens: int = 128
     interactive_share: float = 0.10
     overload: float = 2.0
-    idle_requests: int = 20
-    load_seconds: float = 45.0
+    idle_requests: int = 30
+    load_seconds: float = 60.0
+    warmup_seconds: float = 10.0
     request_timeout: float = 120.0
     ttl: str = "15s"
     standard_ceiling: float = 0.75  # usage limit of priority 0: room held back for interactive
@@ -273,13 +276,16 @@ def summarize(mode: str, capacity: float, idle: list[Sent], load: list[Sent], lo
         by_class[status] = by_class.get(status, 0) + 1
         by_tenant = tenant_answers.setdefault(f"{s.tenant}/{s.klass}", {})
         by_tenant[status] = by_tenant.get(status, 0) + 1
-    # Fairness: tokens served inside the overload window, against each tenant's max-min fair share.
+    # Fairness: tokens whose service started inside the window, against each tenant's max-min fair share
+    # of them; demand is what each tenant sent in the window (requests that could have been served there).
+    window = (load_start + bench.warmup_seconds, load_end)
     served = {t: 0 for t, _ in TENANTS}
     demand = {t: 0.0 for t, _ in TENANTS}
     for s in load:
-        demand[s.tenant] += bench.output_tokens
-        end = s.record.sent + (s.record.e2e or 0.0)
-        if s.record.ok and load_start <= end <= load_end:
+        if s.record.sent <= window[1]:
+            demand[s.tenant] += bench.output_tokens
+        first = s.record.sent + (s.record.ttft or 0.0)
+        if s.record.ok and window[0] <= first <= window[1]:
             served[s.tenant] += s.record.output_tokens
     fair = max_min_shares(demand, sum(served.values()))
     ratios = [served[t] / fair[t] for t in served if fair.get(t)]
@@ -290,6 +296,29 @@ def summarize(mode: str, capacity: float, idle: list[Sent], load: list[Sent], lo
         goodput_tokens_per_s=good / span, served_tokens_per_s=sum(s.record.output_tokens for s in ok) / span,
         answers=answers, lost=lost, jain=jain(ratios), tenant_tokens=served, tenant_fair=fair,
         tenant_answers=dict(sorted(tenant_answers.items())))
+
+
+_TRACED = ("inference_extension_flow_control_pool_saturation", "inference_extension_flow_control_queue_size",
+           "inference_extension_flow_control_requests_total")
+
+
+async def trace_picker(router: RunningRouter, path: Path) -> None:
+    """Every second, the picker's flow-control series (saturation, queue sizes, outcomes) to `path`."""
+    lines: list[str] = []
+    start = time.perf_counter()
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+            while True:
+                try:
+                    async with session.get(router.metrics_url or "") as resp:
+                        text = await resp.text()
+                except (TimeoutError, aiohttp.ClientError):
+                    text = ""
+                t = time.perf_counter() - start
+                lines += [f"{t:7.2f} {line}" for line in text.splitlines() if line.startswith(_TRACED)]
+                await asyncio.sleep(1.0)
+    finally:
+        path.write_text("\n".join(lines) + "\n")
 
 
 def nominal_capacity(bench: FlowBench) -> float:
@@ -313,7 +342,12 @@ async def run_mode(bench: FlowBench, flow_control: bool, capacity: float, texts:
         async with Traffic(bench, router.base_url, texts) as traffic:
             idle = await traffic.one_by_one(bench.idle_requests, 4)
             load_start = time.perf_counter()
-            load = await traffic.open_loop(bench.overload * capacity, bench.load_seconds, random.Random(bench.seed))
+            tracer = asyncio.ensure_future(trace_picker(router, workdir / f"flow-control-{mode}" / "trace.txt"))
+            try:
+                load = await traffic.open_loop(bench.overload * capacity, bench.load_seconds,
+                                               random.Random(bench.seed))
+            finally:
+                tracer.cancel()
             load_end = load_start + bench.load_seconds
         return summarize(mode, capacity, idle, load, load_start, load_end, bench)
     finally:
@@ -343,12 +377,12 @@ def table(results: list[ModeResult], bench: FlowBench) -> str:
     return "\n".join(lines)
 
 
-async def main_async(bench: FlowBench, out: Path) -> list[ModeResult]:
+async def main_async(bench: FlowBench, out: Path, modes: tuple[bool, ...] = (False, True)) -> list[ModeResult]:
     texts = await asyncio.to_thread(prompts, bench, 4000)
     results: list[ModeResult] = []
     capacity = nominal_capacity(bench)
     print(f"fleet capacity {capacity:.2f} req/s; offered {bench.overload * capacity:.2f} req/s", flush=True)
-    for flow_control in (False, True):
+    for flow_control in modes:
         print(f"flow control {'on' if flow_control else 'off'}", flush=True)
         try:
             result = await run_mode(bench, flow_control, capacity, texts, out / "logs")
@@ -371,12 +405,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--standard-ceiling", type=float, default=FlowBench.standard_ceiling,
                         help="usage-limit ceiling of priority 0 (1.0 = no room held back)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "results" / "flow-control"))
+    parser.add_argument("--modes", default="off,on", help="which runs, in order: off, on or both")
     args = parser.parse_args(argv)
     bench = FlowBench(load_seconds=args.load_seconds, output_tokens=args.output_tokens,
                       standard_ceiling=args.standard_ceiling)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = asyncio.run(main_async(bench, out))
+    modes = tuple(m.strip() == "on" for m in args.modes.split(","))
+    results = asyncio.run(main_async(bench, out, modes))
     md = table(results, bench)
     print(md)
     (out / "flow-control.md").write_text(md + "\n")
