@@ -71,7 +71,7 @@ class FlowBench:
     warmup_seconds: float = 10.0
     request_timeout: float = 120.0
     ttl: str = "15s"
-    standard_ceiling: float = 0.75  # usage limit of priority 0: room held back for interactive
+    standard_ceiling: float = 0.6  # usage limit of priority 0: room held back for interactive
     ttft_slo: float = 2.0  # seconds, for goodput
     seed: int = 7
 
