@@ -8,7 +8,7 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from epp.datalayer.registry import EndpointRegistry
 from epp.framework.errors import ErrorCode, InferenceError
@@ -25,6 +25,9 @@ from epp.framework.plugin import (
 from epp.framework.scheduler import Scheduler
 from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 from epp.metrics import EppMetrics
+
+if TYPE_CHECKING:
+    from epp.flowcontrol.controller import Dispatch, FlowController
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,8 @@ class Pipeline:
     response_headers_hooks: Sequence[ResponseHeadersHook] = ()
     response_complete_hooks: Sequence[ResponseCompleteHook] = ()
     plugins: Sequence[Plugin] = field(default_factory=list)
+    # With the `flowControl` feature gate: queues requests while the pool is saturated (replaces shedding).
+    flow_control: FlowController | None = None
 
 
 def match_subset(endpoints: Sequence[Endpoint], hint: Sequence[str]) -> list[Endpoint]:
@@ -97,13 +102,26 @@ class Director:
                                      "failed to find endpoint candidates for serving the request")
         return random.choice(endpoints)
 
-    async def schedule(self, state: CycleState, request: InferenceRequest) -> SchedulingResult:
-        """Pick the target endpoints of a request or raise `InferenceError`."""
+    async def schedule(self, state: CycleState, request: InferenceRequest, size_bytes: int = 0) -> SchedulingResult:
+        """Pick the target endpoints of a request or raise `InferenceError` (`size_bytes`: its body)."""
+        flow_control = self.pipeline.flow_control
+        if flow_control is None:
+            return await self._schedule(state, request)
+        dispatch: Dispatch = await flow_control.admit(request, size_bytes)  # waits while the pool is saturated
+        target = None
+        try:
+            result = await self._schedule(state, request)
+            target = result.targets[0].name
+            return result
+        finally:
+            dispatch.placed(target)
+
+    async def _schedule(self, state: CycleState, request: InferenceRequest) -> SchedulingResult:
         started = time.perf_counter()
         timer = self.metrics.observe_plugin
         try:
             candidates = self.candidates(request)
-            if self.admission is not None:
+            if self.admission is not None and self.pipeline.flow_control is None:
                 self.admission.admit(request, candidates)
             if not candidates:
                 raise InferenceError(ErrorCode.SERVICE_UNAVAILABLE,
@@ -165,6 +183,8 @@ class Director:
     def response_complete(self, state: CycleState, request: InferenceRequest,
                           response: ResponseInfo, target: Endpoint | None) -> None:
         """Run the completion hooks once per picked request, also when the stream died."""
+        if self.pipeline.flow_control is not None:
+            self.pipeline.flow_control.on_request_complete()
         for hook in self.pipeline.response_complete_hooks:
             t0 = time.perf_counter()
             try:

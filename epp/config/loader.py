@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from epp.flowcontrol.config import FEATURE_GATE as FLOW_CONTROL_GATE
+from epp.flowcontrol.config import FlowControlConfig, parse_flow_control
 from epp.framework.errors import ConfigError
 from epp.framework.plugin import (
     Admitter,
@@ -35,7 +37,7 @@ API_VERSION = "inference.networking.x-k8s.io/v1alpha1"
 KIND = "EndpointPickerConfig"
 KNOWN_FEATURE_GATES = ("flowControl", "enableLegacyMetrics", "dataLayer")
 TOP_LEVEL_FIELDS = ("apiVersion", "kind", "plugins", "schedulingProfiles", "saturationDetector", "featureGates",
-                    "dataLayer", "parser", "objectives")
+                    "dataLayer", "parser", "objectives", "flowControl")
 PLUGIN_FIELDS = ("name", "type", "parameters")
 PROFILE_FIELDS = ("name", "plugins")
 PROFILE_PLUGIN_FIELDS = ("pluginRef", "weight")
@@ -113,6 +115,15 @@ class LoadedConfig:
     plugins: tuple[PluginEntry, ...]
     data_sources: tuple[DataSourceConfig, ...] = ()
     parser: Plugin | None = None
+    # The `flowControl` section, validated even when the feature gate is off; used only with the gate.
+    flow_control_section: FlowControlConfig | None = None
+
+    @property
+    def flow_control(self) -> FlowControlConfig | None:
+        """The flow-control config when the `flowControl` feature gate is on (GIE: off by default)."""
+        if FLOW_CONTROL_GATE not in self.feature_gates:
+            return None
+        return self.flow_control_section or FlowControlConfig()
 
     @property
     def saturation_detector_ref(self) -> str | None:
@@ -522,6 +533,14 @@ class _Builder:
         handler = self.profile_handler(profiles)
         detector = self.saturation_detector(doc)
         producers = self.producers(profiles)
+        flow_control = None
+        if "flowControl" in doc or FLOW_CONTROL_GATE in gates:
+            flow_control = parse_flow_control(doc.get("flowControl"), source=self.source,
+                                              plugins={e.name: e.plugin for e in self.entries})
+            if FLOW_CONTROL_GATE in gates and not callable(getattr(detector, "saturation", None)):
+                raise self.fail("saturationDetector", "flow control needs a saturation detector (a plugin with "
+                                                      f"a saturation rating, e.g. {DEFAULT_SATURATION_DETECTOR_TYPE})"
+                                                      f"; got {detector!r}")
         plugins = [e.plugin for e in self.entries]
         return LoadedConfig(
             source=self.source,
@@ -537,6 +556,7 @@ class _Builder:
             plugins=tuple(self.entries),
             data_sources=data_sources,
             parser=parser,
+            flow_control_section=flow_control,
         )
 
 
@@ -642,6 +662,14 @@ def describe(loaded: LoadedConfig) -> str:
     for ds in loaded.data_sources:
         lines.append(f"  data source: {ds.source.name} (extractors: {_names(ds.extractors)})")
     lines.append(f"  feature gates: {', '.join(sorted(loaded.feature_gates)) or 'none'}")
+    if loaded.flow_control is not None:
+        lines.append("  flow control: on (requests queue in the picker while the pool is saturated)")
+        lines += [f"    {line}" for line in loaded.flow_control.describe()]
+    elif loaded.flow_control_section is not None:
+        lines.append(f"  flow control: off (the flowControl section is valid but feature gate "
+                     f"{FLOW_CONTROL_GATE!r} is not set)")
+    else:
+        lines.append("  flow control: off")
     objectives = ", ".join(f"{k}={v}" for k, v in loaded.objectives.items())
     lines.append(f"  objectives (x-gateway-inference-objective -> priority): {objectives or 'none'}")
     return "\n".join(lines) + "\n"

@@ -60,6 +60,7 @@ class EndpointRegistry:
         self._endpoints: dict[str, Endpoint] = {}
         self._snapshot: tuple[Endpoint, ...] = ()
         self._listeners: list[EndpointListener] = []
+        self._metrics_listeners: list[Callable[[Endpoint], None]] = []
         self.synced = False
 
     def snapshot(self) -> tuple[Endpoint, ...]:
@@ -80,6 +81,10 @@ class EndpointRegistry:
         """Stop calling `listener`; unknown listeners are ignored."""
         if listener in self._listeners:
             self._listeners.remove(listener)
+
+    def add_metrics_listener(self, listener: Callable[[Endpoint], None]) -> None:
+        """Call `listener(endpoint)` after each swap of an endpoint's metrics or health."""
+        self._metrics_listeners.append(listener)
 
     def set_endpoints(self, specs: Iterable[EndpointSpec]) -> None:
         """Replace the set of endpoints (discovery's full view); metrics of kept ones survive."""
@@ -117,8 +122,10 @@ class EndpointRegistry:
             changes["metrics"] = metrics
         if healthy is not None:
             changes["healthy"] = healthy
-        self._endpoints[name] = dataclasses.replace(old, **changes)
+        new = self._endpoints[name] = dataclasses.replace(old, **changes)
         self._rebuild()
+        for listener in self._metrics_listeners:
+            listener(new)
 
     def _rebuild(self) -> None:
         self._snapshot = tuple(self._endpoints.values())

@@ -140,7 +140,7 @@ class _Stream:
                              service.metrics.model_label(request.target_model))
         service.metrics.requests.labels(*self.model_labels, str(request.priority)).inc()
         service.metrics.request_sizes.labels(*self.model_labels).observe(len(body))
-        result = await service.director.schedule(self.state, request)
+        result = await service.director.schedule(self.state, request, len(body))
         targets = result.targets
         self.target = targets[0]
         self.scheduled = True

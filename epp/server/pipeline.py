@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from epp.config.loader import LoadedConfig, load_config, load_config_text, load_default_config
 from epp.datalayer.discovery import Discovery, FileDiscovery, StaticDiscovery
@@ -11,6 +11,9 @@ from epp.datalayer.scraper import MetricsScraper
 from epp.director import AdmissionPolicy, Pipeline
 from epp.framework.plugin import PluginContext
 from epp.metrics import EppMetrics
+
+if TYPE_CHECKING:
+    from epp.flowcontrol.controller import FlowController
 
 
 class Stoppable(Protocol):
@@ -42,12 +45,29 @@ def pipeline_of(loaded: LoadedConfig) -> Pipeline:
 def load_pipeline(options: Any, context: PluginContext) -> tuple[Pipeline, AdmissionPolicy | None, dict[str, int]]:
     """The configured pipeline, its admission policy and the objective → priority map."""
     loaded = load_config_for(options, context)
+    pipeline = pipeline_of(loaded)
+    if loaded.flow_control is not None:
+        pipeline.flow_control = flow_controller_of(loaded, context)
+        return pipeline, None, dict(loaded.objectives)  # flow control replaces shedding, as in GIE
     admission = None
     if loaded.saturation_detector is not None:
         from epp.admission import AdmissionController
 
         admission = AdmissionController(loaded.saturation_detector, metrics_registry=context.metrics_registry)
-    return pipeline_of(loaded), admission, dict(loaded.objectives)
+    return pipeline, admission, dict(loaded.objectives)
+
+
+def flow_controller_of(loaded: LoadedConfig, context: PluginContext) -> FlowController:
+    """The flow controller of a config with the `flowControl` gate, woken by the endpoint registry."""
+    from epp.flowcontrol.controller import FlowController
+    from epp.flowcontrol.metrics import FlowControlMetrics
+
+    assert loaded.flow_control is not None and context.endpoints is not None
+    controller = FlowController(loaded.flow_control, loaded.saturation_detector,  # type: ignore[arg-type]
+                                context.endpoints, FlowControlMetrics(context.metrics_registry))
+    context.endpoints.add_metrics_listener(controller.on_metrics_update)
+    context.endpoints.add_listener(controller.forget_endpoints)
+    return controller
 
 
 async def start_data_layer(options: Any, registry: EndpointRegistry, metrics: EppMetrics,

@@ -193,7 +193,7 @@ INVALID = [
     ("", "epp.yaml: the document is empty; expected an EndpointPickerConfig"),
     ("plugins: [\n", "epp.yaml: invalid YAML:"),
     ("- a\n", "epp.yaml: must be a mapping with fields ['apiVersion', 'kind', 'plugins', 'schedulingProfiles', "
-              "'saturationDetector', 'featureGates', 'dataLayer', 'parser', 'objectives'], got list"),
+              "'saturationDetector', 'featureGates', 'dataLayer', 'parser', 'objectives', 'flowControl'], got list"),
     ("kind: EndpointPickerConfig\n", "epp.yaml: apiVersion: is required"),
     ("apiVersion: v1\nkind: EndpointPickerConfig\n",
      "epp.yaml: apiVersion: unsupported apiVersion 'v1'; allowed: inference.networking.x-k8s.io/v1alpha1"),

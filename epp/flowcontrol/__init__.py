@@ -1,0 +1,10 @@
+"""Flow control: hold requests in the picker while the pool is saturated (GIE's `flowControl` layer).
+
+- `config`: the `flowControl` section of the EndpointPickerConfig (field names and defaults of GIE).
+- `ordering`: which request of a flow goes first (`fcfs-ordering-policy`, `edf-ordering-policy`).
+- `fairness`: which flow of a priority band goes next (`global-strict-`, `round-robin-fairness-policy`).
+- `usage`: the saturation ceiling per priority (`static-usage-limit-policy`).
+- `queues`: the bounded per-flow queues of one priority band.
+- `controller`: admission, the event-driven dispatch cycle, TTL expiry and cancellation.
+- `metrics`: queue sizes, bytes, wait times and outcomes with bounded labels.
+"""

@@ -1,0 +1,227 @@
+"""The `flowControl` section of the EndpointPickerConfig, validated strictly (GIE field names and defaults).
+
+```yaml
+featureGates: [flowControl]
+flowControl:
+  maxBytes: 2Gi                # all bands together; 0 or absent = unlimited
+  maxRequests: 1000            # all bands together; 0 or absent = unlimited
+  defaultRequestTTL: 30s       # longest wait in the queue; 0 or absent = until the client leaves
+  usageLimitPolicyPluginRef: static-usage-limit-policy
+  defaultPriorityBand:         # template for priorities without their own band
+    maxBytes: 1G
+  priorityBands:
+  - priority: 100
+    maxBytes: 500M             # default 1,000,000,000
+    maxRequests: 200           # default unlimited
+    fairnessPolicyRef: round-robin-fairness-policy   # default global-strict-fairness-policy
+    orderingPolicyRef: edf-ordering-policy           # default fcfs-ordering-policy
+```
+
+Policy references name a plugin of the `plugins` list or, as GIE's defaults do, a policy type.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from epp.flowcontrol.fairness import DEFAULT_FAIRNESS_POLICY, FAIRNESS_POLICIES, FairnessPolicy
+from epp.flowcontrol.ordering import DEFAULT_ORDERING_POLICY, ORDERING_POLICIES, OrderingPolicy
+from epp.flowcontrol.usage import DEFAULT_USAGE_LIMIT_POLICY, USAGE_LIMIT_POLICIES, UsageLimitPolicy
+from epp.framework.errors import ConfigError
+from epp.framework.plugin import Plugin
+from epp.framework.registry import PluginRegistry
+from epp.scorers.durations import parse_duration
+
+FEATURE_GATE = "flowControl"
+FLOW_CONTROL_FIELDS = ("maxBytes", "maxRequests", "defaultRequestTTL", "defaultPriorityBand", "priorityBands",
+                       "usageLimitPolicyPluginRef")
+BAND_FIELDS = ("priority", "maxBytes", "maxRequests", "fairnessPolicyRef", "orderingPolicyRef")
+DEFAULT_BAND_FIELDS = tuple(f for f in BAND_FIELDS if f != "priority")
+DEFAULT_BAND_MAX_BYTES = 1_000_000_000  # GIE's per-band default
+
+_QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
+_SUFFIX = {None: 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+
+P = TypeVar("P", bound=Plugin)
+
+
+@dataclass(frozen=True)
+class BandConfig:
+    """Limits and policies of one priority band (limits: 0 = unlimited)."""
+
+    priority: int
+    max_bytes: int
+    max_requests: int
+    fairness: FairnessPolicy
+    ordering: OrderingPolicy
+
+
+@dataclass(frozen=True)
+class FlowControlConfig:
+    """The resolved `flowControl` section; `band_for` gives the band of any priority."""
+
+    max_bytes: int = 0
+    max_requests: int = 0
+    default_request_ttl: float = 0.0
+    usage_limit: UsageLimitPolicy = field(default_factory=lambda: USAGE_LIMIT_POLICIES[DEFAULT_USAGE_LIMIT_POLICY]())
+    default_band: BandConfig = field(default_factory=lambda: BandConfig(
+        0, DEFAULT_BAND_MAX_BYTES, 0, FAIRNESS_POLICIES[DEFAULT_FAIRNESS_POLICY](),
+        ORDERING_POLICIES[DEFAULT_ORDERING_POLICY]()))
+    bands: tuple[BandConfig, ...] = ()
+
+    def band_for(self, priority: int) -> BandConfig:
+        """The configured band of `priority`, or the default band's template for it."""
+        for band in self.bands:
+            if band.priority == priority:
+                return band
+        d = self.default_band
+        return BandConfig(priority, d.max_bytes, d.max_requests, d.fairness, d.ordering)
+
+    def describe(self) -> list[str]:
+        """Readable lines for `epp check-config`."""
+        def limits(max_bytes: int, max_requests: int) -> str:
+            return (f"maxBytes {max_bytes or 'unlimited'}, maxRequests {max_requests or 'unlimited'}")
+
+        ttl = f"{self.default_request_ttl:g}s" if self.default_request_ttl else "none (until the client leaves)"
+        lines = [f"global: {limits(self.max_bytes, self.max_requests)}; defaultRequestTTL {ttl}",
+                 f"usage limit policy: {self.usage_limit.name} (type {self.usage_limit.type_name}; "
+                 f"{self.usage_limit.describe()})"]
+        for band in sorted(self.bands, key=lambda b: -b.priority):
+            lines.append(f"band priority {band.priority}: {limits(band.max_bytes, band.max_requests)}; "
+                         f"fairness {band.fairness.name}, ordering {band.ordering.name}")
+        d = self.default_band
+        lines.append(f"other priorities (defaultPriorityBand): {limits(d.max_bytes, d.max_requests)}; "
+                     f"fairness {d.fairness.name}, ordering {d.ordering.name}")
+        return lines
+
+
+def parse_quantity(value: Any, what: str) -> int:
+    """A Kubernetes quantity (`1000`, `500M`, `2Gi`) or a non-negative integer, as an integer."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}: must be a non-negative integer or a quantity such as 500M or 2Gi, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{what}: must be >= 0, got {value}")
+        return value
+    match = _QUANTITY.match(value.strip()) if isinstance(value, str) else None
+    if match is None:
+        raise ConfigError(f"{what}: must be a non-negative integer or a quantity such as 500M or 2Gi, got {value!r}")
+    return int(float(match.group(1)) * _SUFFIX[match.group(2)])
+
+
+class _Parser:
+    """One parse of a `flowControl` section; errors name `source`, the field path and what is allowed."""
+
+    def __init__(self, source: str, plugins: Mapping[str, Plugin]) -> None:
+        self.source = source
+        self.plugins = plugins
+        self.builtins: dict[str, Plugin] = {}  # one instance per policy type named directly
+
+    def fail(self, path: str, message: str) -> ConfigError:
+        return ConfigError(f"{self.source}: {path}: {message}")
+
+    def mapping(self, raw: Any, path: str, allowed: tuple[str, ...]) -> Mapping[str, Any]:
+        if raw is None:
+            return {}
+        if not isinstance(raw, dict):
+            raise self.fail(path, f"must be a mapping with fields {list(allowed)}, got {type(raw).__name__}")
+        for key in raw:
+            if key not in allowed:
+                raise self.fail(f"{path}.{key}", f"unknown field; allowed fields: {', '.join(allowed)}")
+        return raw
+
+    def quantity(self, item: Mapping[str, Any], key: str, path: str, default: int) -> int:
+        if item.get(key) is None:
+            return default
+        try:
+            return parse_quantity(item[key], f"{self.source}: {path}.{key}")
+        except ConfigError:
+            raise
+        except (ValueError, OverflowError):
+            raise self.fail(f"{path}.{key}", f"not a quantity: {item[key]!r}") from None
+
+    def policy(self, raw: Any, path: str, kind: type[P], catalogue: Mapping[str, type[P]], what: str) -> P:
+        if not isinstance(raw, str) or not raw:
+            raise self.fail(path, f"must be the name of a {what} plugin or type, got {raw!r}")
+        configured = self.plugins.get(raw)
+        if configured is not None:
+            if not isinstance(configured, kind):
+                article = "an" if what[0] in "aeiou" else "a"
+                raise self.fail(path, f"plugin {raw!r} (type {configured.type_name}) is not {article} {what}; allowed "
+                                      f"types: {', '.join(catalogue)}")
+            return configured
+        if raw in catalogue:
+            if raw not in self.builtins:
+                self.builtins[raw] = catalogue[raw]()
+            return self.builtins[raw]  # type: ignore[return-value]
+        raise self.fail(path, f"unknown {what} {raw!r}; allowed: a plugin of type {', '.join(catalogue)}, "
+                              "or one of those type names")
+
+    def band(self, raw: Any, path: str, fields: tuple[str, ...], template: BandConfig | None) -> BandConfig:
+        item = self.mapping(raw, path, fields)
+        priority = 0
+        if "priority" in fields:
+            priority = item.get("priority")
+            if not isinstance(priority, int) or isinstance(priority, bool):
+                raise self.fail(f"{path}.priority", f"is required and must be an integer, got {priority!r}")
+        fairness = (self.policy(item["fairnessPolicyRef"], f"{path}.fairnessPolicyRef", FairnessPolicy,
+                                FAIRNESS_POLICIES, "fairness policy")
+                    if item.get("fairnessPolicyRef") is not None
+                    else template.fairness if template else self.policy(
+                        DEFAULT_FAIRNESS_POLICY, path, FairnessPolicy, FAIRNESS_POLICIES, "fairness policy"))
+        ordering = (self.policy(item["orderingPolicyRef"], f"{path}.orderingPolicyRef", OrderingPolicy,
+                                ORDERING_POLICIES, "ordering policy")
+                    if item.get("orderingPolicyRef") is not None
+                    else template.ordering if template else self.policy(
+                        DEFAULT_ORDERING_POLICY, path, OrderingPolicy, ORDERING_POLICIES, "ordering policy"))
+        max_bytes = self.quantity(item, "maxBytes", path, template.max_bytes if template else DEFAULT_BAND_MAX_BYTES)
+        max_requests = self.quantity(item, "maxRequests", path, template.max_requests if template else 0)
+        return BandConfig(priority, max_bytes, max_requests, fairness, ordering)
+
+    def parse(self, raw: Any) -> FlowControlConfig:
+        item = self.mapping(raw, "flowControl", FLOW_CONTROL_FIELDS)
+        ttl = item.get("defaultRequestTTL")
+        if ttl is None:
+            ttl_s = 0.0
+        elif isinstance(ttl, str):
+            ttl_s = parse_duration(ttl, what=f"{self.source}: flowControl.defaultRequestTTL")
+        elif isinstance(ttl, (int, float)) and not isinstance(ttl, bool) and ttl >= 0:
+            ttl_s = float(ttl)
+        else:
+            raise self.fail("flowControl.defaultRequestTTL", f"must be a duration such as 30s, got {ttl!r}")
+        usage_ref = item.get("usageLimitPolicyPluginRef") or DEFAULT_USAGE_LIMIT_POLICY
+        usage = self.policy(usage_ref, "flowControl.usageLimitPolicyPluginRef", UsageLimitPolicy,
+                            USAGE_LIMIT_POLICIES, "usage limit policy")
+        default_band = self.band(item.get("defaultPriorityBand"), "flowControl.defaultPriorityBand",
+                                 DEFAULT_BAND_FIELDS, None)
+        raw_bands = item.get("priorityBands")
+        if raw_bands is not None and not isinstance(raw_bands, list):
+            raise self.fail("flowControl.priorityBands", f"must be a list of bands, got {type(raw_bands).__name__}")
+        bands: list[BandConfig] = []
+        for i, raw_band in enumerate(raw_bands or ()):
+            path = f"flowControl.priorityBands[{i}]"
+            band = self.band(raw_band, path, BAND_FIELDS, None)
+            if any(b.priority == band.priority for b in bands):
+                raise self.fail(f"{path}.priority", f"priority {band.priority} has two bands; allowed: one per priority")
+            bands.append(band)
+        return FlowControlConfig(
+            max_bytes=self.quantity(item, "maxBytes", "flowControl", 0),
+            max_requests=self.quantity(item, "maxRequests", "flowControl", 0),
+            default_request_ttl=ttl_s, usage_limit=usage, default_band=default_band, bands=tuple(bands))
+
+
+def parse_flow_control(raw: Any, *, source: str = "<config>", plugins: Mapping[str, Plugin] | None = None
+                       ) -> FlowControlConfig:
+    """The `flowControl` section (None = every default) with policy refs resolved against `plugins`."""
+    return _Parser(source, plugins or {}).parse(raw)
+
+
+def register(registry: PluginRegistry) -> None:
+    """Entry point of the `epp.plugins` group: the flow-control policies, usable in `plugins`."""
+    for catalogue in (ORDERING_POLICIES, FAIRNESS_POLICIES, USAGE_LIMIT_POLICIES):
+        for cls in catalogue.values():
+            registry.register_class(cls)

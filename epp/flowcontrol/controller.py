@@ -1,0 +1,258 @@
+"""The flow controller: holds requests while the pool is saturated and dispatches them by priority.
+
+A request is queued in the band of its priority, in the queue of its flow (its fairness id). A
+dispatch cycle runs on events only: a request arrives, a request completes, an endpoint's metrics
+snapshot is swapped in, or a dispatched request fails to be placed. Each cycle walks the bands
+from the highest priority down; while the saturation detector rates the pool below the band's
+ceiling (usage-limit policy), the band's fairness policy picks a flow and its ordering policy the
+request. A band over its ceiling stops the cycle (head-of-line blocking: lower bands wait too).
+
+Scraped metrics lag the requests just sent, so the detector is shown each endpoint with the
+requests dispatched to it since its last scrape added to its waiting queue, and requests still
+being scheduled spread over the least-loaded endpoints; otherwise one stale snapshot would let a
+whole queue through at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from epp.flowcontrol.config import FlowControlConfig
+from epp.flowcontrol.metrics import FlowControlMetrics
+from epp.flowcontrol.ordering import QueuedRequest
+from epp.flowcontrol.queues import PriorityBand
+from epp.framework.errors import ErrorCode, InferenceError
+from epp.framework.types import Endpoint, InferenceRequest
+
+log = logging.getLogger(__name__)
+
+CAPACITY_MESSAGE = "request rejected by flow control: queue capacity exceeded"
+TTL_MESSAGE = "request timed out in queue"
+# Envoy's own deadline for the request (set from the route timeout): the EDF ordering uses it.
+ENVOY_TIMEOUT_HEADER = "x-envoy-expected-rq-timeout-ms"
+# A dispatched request reaches its replica a little after the picker answers Envoy: a scrape
+# finished within this window may not count it yet.
+PLACEMENT_GRACE_S = 0.02
+MAX_UNSEEN_PER_ENDPOINT = 10_000
+
+
+class SaturationDetector(Protocol):
+    """Rates endpoints: >= 1.0 means saturated (e.g. `utilization-detector`)."""
+
+    def saturation(self, endpoints: Sequence[Endpoint]) -> float: ...
+
+
+class EndpointPool(Protocol):
+    """The pool the controller watches (the `EndpointRegistry`)."""
+
+    def snapshot(self) -> Sequence[Endpoint]: ...
+
+
+class Dispatch:
+    """A request let through: `placed` must be called once scheduling has picked (or failed to pick)."""
+
+    __slots__ = ("_controller", "_done")
+
+    def __init__(self, controller: FlowController) -> None:
+        self._controller = controller
+        self._done = False
+
+    def placed(self, endpoint: str | None) -> None:
+        """Scheduling sent the request to `endpoint` (None: it failed and holds no room)."""
+        if self._done:
+            return
+        self._done = True
+        self._controller._placed(endpoint)
+
+
+class FlowController:
+    """GIE-style flow control in front of the scheduler (one per picker process)."""
+
+    def __init__(self, config: FlowControlConfig, detector: SaturationDetector, pool: EndpointPool,
+                 metrics: FlowControlMetrics | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.detector = detector
+        self.pool = pool
+        self.metrics = metrics or FlowControlMetrics()
+        self.clock = clock
+        self._bands: dict[int, PriorityBand] = {}
+        self._priorities: list[int] = []  # highest first
+        self.queued_requests = 0
+        self.queued_bytes = 0
+        self._unplaced = 0  # let through, not yet placed by the scheduler
+        self._unseen: dict[str, deque[float]] = {}  # endpoint -> dispatch times its metrics may not show
+        self._sequence = itertools.count()
+        self._wake_scheduled = False
+        self._in_cycle = False
+
+    # -- admission ------------------------------------------------------------------------------
+
+    async def admit(self, request: InferenceRequest, size_bytes: int) -> Dispatch:
+        """Wait for room; raise InferenceError 429 (over capacity) or 503 (TTL). Cancel = leave the queue."""
+        band = self._band(request.priority)
+        labels = (request.priority, request.fairness_id)
+        if not self._has_capacity(band, size_bytes):
+            self.metrics.finished(request.priority, "rejected", None)
+            raise InferenceError(ErrorCode.RESOURCE_EXHAUSTED, CAPACITY_MESSAGE)
+        now = self.clock()
+        loop = asyncio.get_running_loop()
+        item = QueuedRequest(request.request_id, request.fairness_id, request.priority, size_bytes, now,
+                             next(self._sequence), deadline=now + self._deadline_s(request),
+                             waiter=loop.create_future())
+        band.push(item)
+        self.queued_requests += 1
+        self.queued_bytes += size_bytes
+        self.metrics.queued(*labels, size_bytes, 1)
+        ttl = self.config.default_request_ttl
+        timer = loop.call_later(ttl, self._expire, band, item) if ttl > 0 else None
+        self._cycle()  # room now: dispatched before we wait
+        try:
+            return await item.waiter
+        except asyncio.CancelledError:
+            if item.waiter.done() and not item.waiter.cancelled() and item.waiter.exception() is None:
+                item.waiter.result().placed(None)  # let through, but the client left before scheduling
+            elif not item.removed:
+                self._leave(band, item, "cancelled")
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def _deadline_s(self, request: InferenceRequest) -> float:
+        """Seconds this request may wait: the TTL, or Envoy's route deadline when that is sooner."""
+        budgets = [self.config.default_request_ttl] if self.config.default_request_ttl > 0 else []
+        raw = request.headers.get(ENVOY_TIMEOUT_HEADER)
+        if raw and raw.isdigit() and int(raw) > 0:
+            budgets.append(int(raw) / 1000.0)
+        return min(budgets) if budgets else math.inf
+
+    def _has_capacity(self, band: PriorityBand, size_bytes: int) -> bool:
+        cfg = self.config
+        if cfg.max_requests and self.queued_requests + 1 > cfg.max_requests:
+            return False
+        if cfg.max_bytes and self.queued_bytes + size_bytes > cfg.max_bytes:
+            return False
+        return band.has_room(size_bytes)
+
+    def _band(self, priority: int) -> PriorityBand:
+        band = self._bands.get(priority)
+        if band is None:
+            # Priorities come from configured objectives (or 0), so bands stay few.
+            cfg = self.config.band_for(priority)
+            band = self._bands[priority] = PriorityBand(
+                priority, max_requests=cfg.max_requests, max_bytes=cfg.max_bytes, ordering=cfg.ordering,
+                fairness=cfg.fairness)
+            self._priorities = sorted(self._bands, reverse=True)
+        return band
+
+    def _leave(self, band: PriorityBand, item: QueuedRequest, outcome: str) -> None:
+        band.discard(item)
+        self.queued_requests -= 1
+        self.queued_bytes -= item.size_bytes
+        self.metrics.queued(item.priority, item.fairness_id, item.size_bytes, -1)
+        self.metrics.finished(item.priority, outcome, self.clock() - item.enqueued)
+
+    def _expire(self, band: PriorityBand, item: QueuedRequest) -> None:
+        if item.removed or item.waiter.done():
+            return
+        self._leave(band, item, "expired")
+        item.waiter.set_exception(InferenceError(ErrorCode.SERVICE_UNAVAILABLE, TTL_MESSAGE))
+
+    # -- dispatch -------------------------------------------------------------------------------
+
+    def wake(self) -> None:
+        """Run a dispatch cycle soon (coalesced); safe to call from any event on the loop."""
+        if self._wake_scheduled or not self.queued_requests:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop (e.g. registry updated at start-up): the next request runs a cycle
+        self._wake_scheduled = True
+        loop.call_soon(self._woken)
+
+    def _woken(self) -> None:
+        self._wake_scheduled = False
+        self._cycle()
+
+    def on_request_complete(self) -> None:
+        """A dispatched request finished: a replica may have room."""
+        self.wake()
+
+    def on_metrics_update(self, *_args: object) -> None:
+        """An endpoint's metrics (or the set of endpoints) changed: the detector may see room."""
+        self.wake()
+
+    def _cycle(self) -> None:
+        if self._in_cycle:
+            return
+        self._in_cycle = True
+        try:
+            while self.queued_requests:
+                saturation = self.saturation()
+                self.metrics.pool_saturation.set(saturation)
+                band = next((self._bands[p] for p in self._priorities if self._bands[p].requests), None)
+                if band is None:
+                    return
+                if saturation >= self.config.usage_limit.ceiling(band.priority, saturation):
+                    return  # head-of-line blocking: nothing below this band may pass it
+                flow = band.next_flow()
+                if flow is None:
+                    return
+                item = band.pop(flow)
+                self.queued_requests -= 1
+                self.queued_bytes -= item.size_bytes
+                self.metrics.queued(item.priority, item.fairness_id, item.size_bytes, -1)
+                self.metrics.finished(item.priority, "dispatched", self.clock() - item.enqueued)
+                self._unplaced += 1
+                item.waiter.set_result(Dispatch(self))
+        finally:
+            self._in_cycle = False
+
+    def _placed(self, endpoint: str | None) -> None:
+        self._unplaced -= 1
+        if endpoint is None:
+            self.wake()
+            return
+        times = self._unseen.get(endpoint)
+        if times is None:
+            times = self._unseen[endpoint] = deque(maxlen=MAX_UNSEEN_PER_ENDPOINT)
+        times.append(self.clock())
+
+    def saturation(self) -> float:
+        """The detector's rating of the pool, counting dispatches its metrics do not show yet."""
+        endpoints = [ep for ep in self.pool.snapshot() if ep.healthy]
+        if not endpoints:
+            return self.detector.saturation(endpoints)
+        extra: list[int] = []
+        for ep in endpoints:
+            times = self._unseen.get(ep.name)
+            if times:
+                seen_until = ep.metrics.update_time - PLACEMENT_GRACE_S
+                while times and times[0] <= seen_until:
+                    times.popleft()
+            extra.append(len(times) if times else 0)
+        if self._unplaced:
+            # Not placed yet: assume the scheduler sends each to the least-loaded endpoint.
+            order = sorted(range(len(endpoints)), key=lambda i: endpoints[i].metrics.waiting_queue_size + extra[i])
+            for n in range(self._unplaced):
+                extra[order[n % len(order)]] += 1
+        if any(extra):
+            endpoints = [ep if not add else dataclasses.replace(
+                ep, metrics=dataclasses.replace(ep.metrics, waiting_queue_size=ep.metrics.waiting_queue_size + add))
+                for ep, add in zip(endpoints, extra, strict=True)]
+        return self.detector.saturation(endpoints)
+
+    def forget_endpoints(self, added: Sequence[Endpoint], removed: Sequence[Endpoint]) -> None:
+        """Drop the dispatch history of removed endpoints and run a cycle (new endpoints mean room)."""
+        for ep in removed:
+            self._unseen.pop(ep.name, None)
+        self.wake()

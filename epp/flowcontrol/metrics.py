@@ -1,0 +1,66 @@
+"""Flow-control metrics: queue length and bytes per band and flow, wait time, outcomes.
+
+Fairness ids come from a client header, so each is cut to `MAX_FAIRNESS_LABEL_CHARS` and only the
+first `max_flow_labels` distinct ids get their own series; later ones share `OTHER_FLOWS`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+OTHER_FLOWS = "__other__"
+MAX_FAIRNESS_LABEL_CHARS = 64
+DEFAULT_MAX_FLOW_LABELS = 100
+OUTCOMES = ("dispatched", "rejected", "expired", "cancelled")
+# Queue waits range from nothing (room at once) to the TTL (tens of seconds).
+_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
+
+
+class FlowControlMetrics:
+    """The series the flow controller keeps, on the picker's registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, *,
+                 max_flow_labels: int = DEFAULT_MAX_FLOW_LABELS) -> None:
+        r = registry if registry is not None else CollectorRegistry()
+        self.max_flow_labels = max_flow_labels
+        self._flow_labels: set[str] = set()
+        self.queue_size = Gauge(
+            "inference_extension_flow_control_queue_size", "Requests waiting in the flow-control queues.",
+            ["priority", "fairness_id"], registry=r)
+        self.queue_bytes = Gauge(
+            "inference_extension_flow_control_queue_bytes", "Body bytes of the requests waiting in the queues.",
+            ["priority", "fairness_id"], registry=r)
+        self.queue_duration = Histogram(
+            "inference_extension_flow_control_request_queue_duration_seconds",
+            "Time from enqueue to leaving the queue, by outcome.",
+            ["priority", "outcome"], buckets=_WAIT_BUCKETS, registry=r)
+        self.outcomes = Counter(
+            "inference_extension_flow_control_requests",
+            "Requests through flow control by outcome (dispatched, rejected, expired, cancelled).",
+            ["priority", "outcome"], registry=r)
+        self.pool_saturation = Gauge(
+            "inference_extension_flow_control_pool_saturation",
+            "Pool saturation seen by the last dispatch cycle (>= the band's ceiling: nothing dispatched).",
+            registry=r)
+
+    def flow_label(self, fairness_id: str) -> str:
+        """The label of a fairness id: itself (cut short) while the label budget lasts."""
+        label = fairness_id[:MAX_FAIRNESS_LABEL_CHARS]
+        if label in self._flow_labels:
+            return label
+        if len(self._flow_labels) >= self.max_flow_labels:
+            return OTHER_FLOWS
+        self._flow_labels.add(label)
+        return label
+
+    def queued(self, priority: int, fairness_id: str, size_bytes: int, sign: int) -> None:
+        """A request entered (`sign` 1) or left (`sign` -1) a flow queue."""
+        labels = (str(priority), self.flow_label(fairness_id))
+        self.queue_size.labels(*labels).inc(sign)
+        self.queue_bytes.labels(*labels).inc(sign * size_bytes)
+
+    def finished(self, priority: int, outcome: str, waited: float | None) -> None:
+        """One request's flow-control outcome and, if it was queued, how long it waited."""
+        self.outcomes.labels(str(priority), outcome).inc()
+        if waited is not None:
+            self.queue_duration.labels(str(priority), outcome).observe(waited)

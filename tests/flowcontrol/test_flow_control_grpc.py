@@ -1,0 +1,217 @@
+"""Flow control through real gRPC: a picker scraping a simulated replica's `/metrics` page.
+
+The replica reports `num_requests_waiting`; with `queueDepthThreshold: 1` one waiting request
+saturates it. Each test opens ext_proc streams as Envoy does and watches what comes back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+from aiohttp import web
+
+from epp.server.runner import EppServer
+from tests.conftest import free_port
+from tests.datalayer.vllm_page import VllmState, vllm_metrics_page
+from tests.extproc_support import ExtProcClient, no_reply_within, options, request_body, request_headers
+
+pytestmark = pytest.mark.timeout(60)
+
+CONFIG = """apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+featureGates: [flowControl]
+objectives:
+- {{name: interactive, priority: 10}}
+- {{name: batch, priority: 0}}
+plugins:
+- type: random-picker
+- type: utilization-detector
+  parameters: {{queueDepthThreshold: 1, metricsStalenessThreshold: 5s}}
+schedulingProfiles:
+- name: default
+  plugins: [{{pluginRef: random-picker}}]
+flowControl: {flow_control}
+"""
+BODY = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 4}).encode()
+
+
+class SimulatedReplica:
+    """A replica that only serves its vLLM `/metrics` page; `state.waiting` is what the picker scrapes."""
+
+    def __init__(self) -> None:
+        self.state = VllmState(waiting=1)  # saturated until a test frees it
+        self.port = free_port()
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        app = web.Application()
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(text=vllm_metrics_page(self.state))
+
+        app.router.add_get("/metrics", metrics)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+@pytest.fixture
+async def replica():
+    r = SimulatedReplica()
+    await r.start()
+    yield r
+    await r.stop()
+
+
+async def picker(replica: SimulatedReplica, flow_control: str, gate: bool = True) -> tuple[EppServer, ExtProcClient]:
+    config = CONFIG.format(flow_control=flow_control)
+    if not gate:
+        config = config.replace("featureGates: [flowControl]\n", "")
+    opts = options(f"127.0.0.1:{replica.port}", config_text=config)
+    opts.scrape_metrics = True
+    server = EppServer(opts)
+    await server.start()
+    deadline = time.monotonic() + 10
+    while server.endpoints.snapshot()[0].metrics.update_time == 0:  # first scrape
+        assert time.monotonic() < deadline, "the replica was never scraped"
+        await asyncio.sleep(0.02)
+    return server, ExtProcClient(server.grpc_port)
+
+
+async def send(client: ExtProcClient, objective: str | None = None, tenant: str | None = None):
+    """Open a stream and send one request as Envoy does; returns the open call."""
+    extra = [("x-gateway-inference-objective", objective)] if objective else []
+    if tenant:
+        extra.append(("x-gateway-inference-fairness-id", tenant))
+    call = await client.open()
+    await call.write(request_headers(extra=extra))
+    await call.write(request_body(BODY))
+    return call
+
+
+def sample(server: EppServer, name: str, **labels: str) -> float:
+    return server.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+async def test_saturated_pool_queues_and_dispatches_by_priority_when_the_replica_frees(replica):
+    server, client = await picker(replica, "{defaultRequestTTL: 30s}")
+    try:
+        batch1 = await send(client, "batch", "tenant-a")
+        batch2 = await send(client, "batch", "tenant-b")
+        urgent = await send(client, "interactive", "tenant-a")
+        reads = {name: await no_reply_within(call, 0.3)
+                 for name, call in (("batch1", batch1), ("batch2", batch2), ("urgent", urgent))}
+        assert sample(server, "inference_extension_flow_control_queue_size", priority="0", fairness_id="tenant-a") == 1
+        assert sample(server, "inference_extension_flow_control_queue_size", priority="10", fairness_id="tenant-a") == 1
+
+        replica.state.waiting = 0  # the replica frees: one request at a time fits (threshold 1)
+        order = []
+        pending = {asyncio.ensure_future(read): name for name, read in reads.items()}
+        async with asyncio.timeout(10):
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for fut in sorted(done, key=lambda f: pending[f]):
+                    reply = fut.result()
+                    assert reply.HasField("request_headers"), reply  # the headers reply: dispatched
+                    order.append(pending.pop(fut))
+        assert order == ["urgent", "batch1", "batch2"]
+        assert sample(server, "inference_extension_flow_control_requests_total", priority="0",
+                      outcome="dispatched") == 2
+        assert sample(server, "inference_extension_flow_control_request_queue_duration_seconds_count",
+                      priority="10", outcome="dispatched") == 1
+        for call in (batch1, batch2, urgent):
+            call.cancel()
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
+async def test_a_request_waiting_past_the_ttl_gets_503(replica):
+    server, client = await picker(replica, "{defaultRequestTTL: 500ms}")
+    try:
+        started = time.monotonic()
+        call = await send(client)
+        reply = await asyncio.wait_for(call.read(), 5)
+        waited = time.monotonic() - started
+        assert reply.immediate_response.status.code == 503
+        assert reply.immediate_response.body == b"inference error: ServiceUnavailable - request timed out in queue"
+        assert 0.45 <= waited < 1.5
+        assert sample(server, "inference_extension_flow_control_requests_total", priority="0", outcome="expired") == 1
+        assert sample(server, "inference_extension_flow_control_queue_size", priority="0",
+                      fairness_id="default-flow") == 0
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
+async def test_over_capacity_is_rejected_at_once_with_429(replica):
+    server, client = await picker(replica, "{maxRequests: 2, priorityBands: [{priority: 10, maxRequests: 1}]}")
+    try:
+        queued = [await send(client, "interactive"), await send(client)]
+        held = [await no_reply_within(call, 0.2) for call in queued]
+        for extra in (await send(client, "interactive"), await send(client, "batch")):  # band full, then global full
+            reply = await asyncio.wait_for(extra.read(), 1.0)
+            assert reply.immediate_response.status.code == 429
+            assert reply.immediate_response.body == (b"inference error: ResourceExhausted - request rejected by flow "
+                                                     b"control: queue capacity exceeded")
+        assert sample(server, "inference_extension_flow_control_requests_total", priority="10",
+                      outcome="rejected") == 1
+        assert sample(server, "inference_extension_flow_control_requests_total", priority="0", outcome="rejected") == 1
+        for call, read in zip(queued, held, strict=True):
+            read.cancel()
+            call.cancel()
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
+async def test_a_client_that_leaves_is_dropped_from_the_queue_and_never_dispatched(replica):
+    server, client = await picker(replica, "{defaultRequestTTL: 30s}")
+    try:
+        leaver = await send(client, "interactive", "tenant-a")
+        read = await no_reply_within(leaver, 0.2)
+        leaver.cancel()  # Envoy resets the stream when its client goes away
+        with pytest.raises(asyncio.CancelledError):
+            await read
+        deadline = time.monotonic() + 2
+        while sample(server, "inference_extension_flow_control_requests_total", priority="10",
+                     outcome="cancelled") < 1:
+            assert time.monotonic() < deadline, "the cancelled request is still queued"
+            await asyncio.sleep(0.01)
+        assert sample(server, "inference_extension_flow_control_queue_size", priority="10",
+                      fairness_id="tenant-a") == 0
+
+        stayer = await send(client, "batch")
+        replica.state.waiting = 0
+        reply = await asyncio.wait_for(stayer.read(), 5)
+        assert reply.HasField("request_headers")
+        assert sample(server, "inference_extension_flow_control_requests_total", priority="10",
+                      outcome="dispatched") == 0
+        assert sample(server, "inference_extension_flow_control_requests_total", priority="0",
+                      outcome="dispatched") == 1
+        assert server.metrics.registry.get_sample_value("inference_extension_scheduler_attempts_total",
+                                                        {"status": "success"}) == 1
+        stayer.cancel()
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
+async def test_without_the_feature_gate_requests_go_on_to_a_saturated_replica(replica):
+    server, client = await picker(replica, "{defaultRequestTTL: 1s}", gate=False)
+    try:
+        assert server.director.pipeline.flow_control is None
+        call = await send(client)
+        reply = await asyncio.wait_for(call.read(), 5)
+        assert reply.HasField("request_headers")
+        call.cancel()
+    finally:
+        await client.close()
+        await server.stop(0)
+
