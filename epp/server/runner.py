@@ -14,9 +14,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2_grpc
 from prometheus_client import start_http_server
 
+from epp.datalayer.freshness import freshness_window
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
 from epp.director import AdmissionPolicy, Director, Pipeline
 from epp.framework.plugin import PluginContext
+from epp.limits import Limits
 from epp.metrics import EppMetrics
 from epp.request.parsing import RequestParser
 from epp.server.extproc import DEFAULT_MAX_BODY_BYTES, ExtProcService
@@ -49,6 +51,7 @@ class ServeOptions:
     refresh_metrics_interval_s: float = 0.05
     scrape_metrics: bool = True
     disable_endpoint_subset_filter: bool = False
+    limits: Limits = field(default_factory=Limits)
 
 
 class EppServer:
@@ -57,7 +60,7 @@ class EppServer:
     def __init__(self, options: ServeOptions, *, pipeline: Pipeline | None = None,
                  admission: AdmissionPolicy | None = None) -> None:
         self.options = options
-        self.metrics = EppMetrics()
+        self.metrics = EppMetrics(max_label_value_length=options.limits.max_label_value_length)
         self.endpoints = EndpointRegistry()
         self.context = PluginContext(metrics_registry=self.metrics.registry, endpoints=self.endpoints)
         self._pipeline = pipeline
@@ -79,13 +82,16 @@ class EppServer:
     async def start(self) -> None:
         opts = self.options
         pipeline, admission, objectives = self._build_pipeline()
+        freshness = freshness_window(opts.refresh_metrics_interval_s) if opts.scrape_metrics else None
         self.director = Director(pipeline, self.endpoints, self.metrics, admission,
-                                 use_subset_hint=not opts.disable_endpoint_subset_filter)
+                                 use_subset_hint=not opts.disable_endpoint_subset_filter,
+                                 metrics_freshness_s=freshness)
         await self._start_discovery()
         for plugin in pipeline.plugins:
             await plugin.start()
-        service = ExtProcService(self.director, RequestParser(objectives), self.metrics,
-                                 max_body_bytes=opts.max_body_bytes)
+        limits = opts.limits
+        service = ExtProcService(self.director, RequestParser(objectives, max_json_depth=limits.max_json_depth),
+                                 self.metrics, max_body_bytes=opts.max_body_bytes, limits=limits)
         # Large bodies arrive in Envoy-sized pieces; the cap on whole messages only needs headroom.
         grpc_options = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
                         ("grpc.max_send_message_length", 64 * 1024 * 1024)]
