@@ -20,7 +20,9 @@ from pathlib import Path
 # Headers only the picker may set (GIE §1.3 system-owned routing headers). A client's copies are
 # dropped before anything can read them: with the picker down and failure_mode_allow, a forged
 # destination would otherwise send the request to any host:port the client names.
-CLIENT_STRIPPED_HEADERS = ("x-gateway-destination-endpoint", "x-gateway-destination-endpoint-served")
+# The prefiller header too: a client must never choose where a disaggregated prefill goes.
+CLIENT_STRIPPED_HEADERS = ("x-gateway-destination-endpoint", "x-gateway-destination-endpoint-served",
+                           "x-prefiller-host-port")
 
 _STRIP_FILTER_HEAD = """\
           # Routing headers belong to the picker: clients' copies are removed before ext_proc runs.

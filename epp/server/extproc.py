@@ -161,6 +161,9 @@ class _Stream:
         set_headers = [(messages.DESTINATION_ENDPOINT_HEADER, destination), (REQUEST_ID_HEADER, self.request_id)]
         if forwarded:
             set_headers.append(("Content-Length", str(len(forwarded))))
+        # Headers the pre-request hooks set (the prefiller's ip:port, say); routing headers stay ours.
+        set_headers.extend((k, v) for k, v in self.state.request_headers().items()
+                           if k not in (messages.DESTINATION_ENDPOINT_HEADER, REQUEST_ID_HEADER))
         replies = [messages.request_headers_response(set_headers, destination=destination)]
         replies.extend(messages.request_body_response(piece, eos)
                        for piece, eos in messages.streamed_body_chunks(forwarded, end_of_stream=end_of_stream))
