@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # pragma: no cover
 ENGINE_TOOLS = {
     "serve": ("epp.engine.vllm.cli", "start one vLLM replica wired to the picker (--dry-run prints the command)"),
     "disk-manager": ("epp.engine.disk_tier.cli", "keep a vLLM disk KV tier within budget, publish its evictions"),
+    "pd-sidecar": ("epp.engine.pd_sidecar", "decode pod's P/D sidecar: prefill on the picked prefiller, decode here"),
 }
 
 
