@@ -28,10 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run every topology at every load and write bench/results/pd/report.md."""
     d = Settings()
     p = argparse.ArgumentParser(prog="python -m bench.pd", description=__doc__)
-    p.add_argument("--rates", type=_floats, default=d.rates, help="loads in simulated req/s (default 1,2,4,6,8)")
+    p.add_argument("--rates", type=_floats, default=d.rates, help="loads in simulated req/s (default 1,2,4,6,8,10)")
     p.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens, help="tokens per prompt (default 8192)")
     p.add_argument("--output-tokens", type=int, default=d.output_tokens, help="tokens per answer (default 256)")
-    p.add_argument("--stage-seconds", type=float, default=d.stage_seconds, help="wall seconds per load (default 30)")
+    p.add_argument("--stage-seconds", type=float, default=d.stage_seconds, help="wall seconds per load (default 25)")
     p.add_argument("--time-scale", type=float, default=d.time_scale,
                    help="wall seconds per simulated second (default 2: the machine drives half-speed GPUs)")
     p.add_argument("--topologies", default=",".join(TOPOLOGIES), help=f"comma list of: {', '.join(TOPOLOGIES)}")
