@@ -9,7 +9,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from bench.pd.run import TOPOLOGIES, Settings, run
+from bench.pd.run import TOPOLOGIES, Settings, rewrite_report, run
 
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "pd"
 
@@ -37,7 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--topologies", default=",".join(TOPOLOGIES), help=f"comma list of: {', '.join(TOPOLOGIES)}")
     p.add_argument("--out", type=Path, default=RESULTS, help="output directory (default bench/results/pd)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--report-only", action="store_true", help="rewrite report.md from the results.json in --out")
     args = p.parse_args(argv)
+    if args.report_only:
+        print(rewrite_report(args.out))
+        return 0
     topologies = tuple(t.strip() for t in args.topologies.split(","))
     unknown = [t for t in topologies if t not in TOPOLOGIES]
     if unknown:

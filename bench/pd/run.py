@@ -273,7 +273,7 @@ def report(results: list[TopologyResult], s: Settings, command: str, started: st
     for r in results:
         for role, row in sorted(r.roles.items()):
             lines.append(f"| {r.topology} | {role} | {row['replicas']:g} | {row['prefill_legs']:g} | "
-                         f"{row['decode_legs']:g} | {row['remote_tokens']:g} | {row['transfer_seconds']:.2f} | "
+                         f"{row['decode_legs']:g} | {row['remote_tokens']:.0f} | {row['transfer_seconds']:.2f} | "
                          f"{row['load_failures']:g} |")
         if r.pd_decisions:
             lines.append(f"| {r.topology} | picker | | {json.dumps(r.pd_decisions)} | | | | |")
@@ -288,13 +288,28 @@ async def run(s: Settings, out: Path, command: str, progress: bool = True) -> st
     results = []
     for name in s.topologies:
         print(f"{name}:", flush=True)
-        results.append(await run_topology(name, s, out / name.replace(" ", "-"), progress))
-    md = report(results, s, command, started, time.perf_counter() - t0)
+        # Process logs go under raw/ (not kept in git).
+        results.append(await run_topology(name, s, out / "raw" / name.replace(" ", "-"), progress))
+    wall = time.perf_counter() - t0
+    md = report(results, s, command, started, wall)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text(md)
-    (out / "results.json").write_text(json.dumps({"settings": asdict(s), "results": [asdict(r) for r in results]},
+    (out / "results.json").write_text(json.dumps({"settings": asdict(s), "command": command, "started": started,
+                                                  "wall_s": wall, "results": [asdict(r) for r in results]},
                                                  indent=1))
     return md
 
 
-__all__ = ["Settings", "TOPOLOGIES", "crossover", "long_prompts", "run"]
+def rewrite_report(out: Path) -> str:
+    """report.md again from results.json (same numbers; after a change to the report's layout)."""
+    data = json.loads((out / "results.json").read_text())
+    settings = data["settings"]
+    s = Settings(**{**settings, "rates": tuple(settings["rates"]), "topologies": tuple(settings["topologies"])})
+    results = [TopologyResult(r["topology"], [LoadResult(**load) for load in r["loads"]], r["roles"],
+                              r["pd_decisions"]) for r in data["results"]]
+    md = report(results, s, data["command"], data["started"], data["wall_s"])
+    (out / "report.md").write_text(md)
+    return md
+
+
+__all__ = ["Settings", "TOPOLOGIES", "crossover", "long_prompts", "rewrite_report", "run"]
