@@ -61,7 +61,11 @@ class CycleState:
 
     def set_request_header(self, name: str, value: str) -> None:
         """Add a header to the request sent upstream (pre-request hooks; replaces a client's copy)."""
-        self._request_headers[name.lower()] = value
+        key = name.lower()
+        # Pseudo-headers and framing belong to Envoy and the picker's body handling.
+        if not key or key.startswith(":") or key in ("content-length", "host", "transfer-encoding"):
+            raise ValueError(f"a plugin may not set the request header {name!r}")
+        self._request_headers[key] = value
 
     def request_headers(self) -> Mapping[str, str]:
         """Headers plugins asked to set on the upstream request, by lower-case name."""

@@ -172,3 +172,9 @@ def test_header_handler_ignores_a_result_without_prefill():
     hook.pre_request(state, request(), SchedulingResult(
         {"decode": ProfileRunResult((DECODE[0],)), "prefill": ProfileRunResult((PREFILL[1],))}, "decode"))
     assert state.request_headers() == {PREFILLER_HOST_PORT_HEADER: PREFILL[1].hostport}
+
+
+@pytest.mark.parametrize("name", [":path", "Content-Length", "host", ""])
+def test_plugins_cannot_set_framing_or_pseudo_headers(name):
+    with pytest.raises(ValueError, match="may not set the request header"):
+        CycleState().set_request_header(name, "x")
