@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -68,6 +69,7 @@ class Stack:
     fleet: SimFleet
     sidecar: PDSidecar
     closers: list = field(default_factory=list)
+    epp: Any = None
 
     @property
     def prefiller(self):
@@ -83,7 +85,7 @@ async def start_stack():
     """Start sims, the sidecar, the picker and Envoy; `prefill` replaces P in the pool when given."""
     stacks: list[Stack] = []
 
-    async def start(prefill: EndpointSpec | None = None) -> Stack:
+    async def start(prefill: EndpointSpec | None = None, config: str = CONFIG) -> Stack:
         fleet = SimFleet(FleetConfig(replicas=2, roles=["prefill", "decode"], tokenizer_dir=default_tokenizer_dir(),
                                      kv_transfer_window=5.0))
         await fleet.start()
@@ -93,9 +95,13 @@ async def start_stack():
         stack.closers.append(fleet.stop)
         await stack.sidecar.start()
         stack.closers.append(stack.sidecar.stop)
-        pool = [prefill or EndpointSpec("127.0.0.1", stack.prefiller.port, {ROLE: "prefill"}),
-                EndpointSpec("127.0.0.1", stack.sidecar.bound_port, {ROLE: "decode"})]
-        epp = await start_picker(CONFIG, pool)
+        # KV-event ports as labels: the decode pod's events come from the replica behind its sidecar.
+        events = [{"kv-events-port": d["kv_events_endpoint"].rpartition(":")[2],
+                   "kv-replay-port": d["kv_replay_endpoint"].rpartition(":")[2]} for d in fleet.info]
+        pool = [prefill or EndpointSpec("127.0.0.1", stack.prefiller.port, {ROLE: "prefill", **events[0]}),
+                EndpointSpec("127.0.0.1", stack.sidecar.bound_port, {ROLE: "decode", **events[1]})]
+        epp = await start_picker(config, pool)
+        stack.epp = epp
         stack.closers.append(lambda: epp.stop(0))
         await wait_until(lambda: all(ep.metrics.update_time > 0 for ep in epp.endpoints.snapshot()),
                          "both pods' /metrics (the decode pod's through the sidecar) to be scraped")
@@ -189,3 +195,41 @@ async def test_a_decode_leg_error_is_answered_clearly(start_stack):
     assert "max_tokens" in json.loads(raw)["error"]["message"]
     assert headers[USED_PREFILLER_HEADER] == stack.prefiller.endpoint
     assert stack.prefiller.pd.stats.prefill_legs == 1 and stack.decoder.pd.stats.decode_legs == 0
+
+
+# Precise mode: the picker subscribes to both replicas' KV events. The decode replica publishes the
+# blocks it received from the prefiller, so the picker sees them in the decode pool, and the same
+# long prompt (with a short question) then needs no remote prefill: the decision is exact.
+PRECISE = CONFIG.replace("- type: pd-profile-handler\n", f"""- type: precise-prefix-cache-producer
+  parameters:
+    blockSizeTokens: 16
+    tokenizers: {{sim-model: "{default_tokenizer_dir()}"}}
+- type: pd-profile-handler
+""", 1)
+
+
+async def test_precise_mode_sees_the_transferred_blocks_in_the_decode_pool(start_stack):
+    from epp.kvevents.index import DEFAULT_POOL
+    from epp.scorers.precise_prefix import PrecisePrefixCacheProducer
+
+    assert PRECISE != CONFIG
+    stack = await start_stack(config=PRECISE)
+    [producer] = [p for p in stack.epp.director.pipeline.plugins if isinstance(p, PrecisePrefixCacheProducer)]
+    index = producer.index
+    decode_pod = f"127.0.0.1:{stack.sidecar.bound_port}"
+    async with aiohttp.ClientSession() as session:
+        status, headers, _ = await complete(session, stack, LONG)
+        assert status == 200 and headers[USED_PREFILLER_HEADER] == stack.prefiller.endpoint
+        tokens = stack.decoder.tokenizer.encode(LONG)
+        keys = index.keyer.request_keys(tokens, "sim-model", None)
+
+        def transferred() -> bool:
+            found = index.lookup(keys, pool="decode")
+            return len(found.get(decode_pod, ())) >= len(keys) - 1
+
+        await wait_until(transferred, "the decode replica's events for the transferred blocks", 10)
+        assert index.pool_of(decode_pod) == "decode" and index.pool_of(stack.prefiller.endpoint) == "prefill"
+        assert set(index.pools_holding(keys[0])) == {"decode", "prefill"} and index.pool_entries()[DEFAULT_POOL] == 0
+        status, headers, _ = await complete(session, stack, LONG + " And in one word?")
+        assert status == 200 and USED_PREFILLER_HEADER not in headers  # cached on the decode pod: no remote prefill
+    assert stack.prefiller.pd.stats.prefill_legs == 1
