@@ -16,6 +16,14 @@ Phases (one replica each, started by our launcher, `epp.engine.vllm.launcher`):
    replica without offload but the same GPU KV cap: output tokens/s each.
 Compared with the seeds' figures: 12.8x faster TTFT from the CPU tier at ~65K tokens, 1.85x
 tokens/s with offload. The table goes to stdout and, with --readme, into bench/README.md.
+3. P/D (`--phases pd`, or `offload,pd`): two vLLM processes on the one GPU, a prefiller and a
+   decoder, both with vLLM's NixlConnector (launcher `--pd-role`, each a share of GPU memory), and
+   `epp engine pd-sidecar` in front of the decoder (needs this repo importable: `pip install -e .`).
+   - correctness: a greedy completion through the sidecar with `x-prefiller-host-port` (prefill on
+     the prefiller, KV over NIXL, decode on the decoder) equals the same completion computed
+     entirely on the prefiller;
+   - the decoder computed almost none of those prompts itself (`vllm:request_prefill_kv_computed_tokens`);
+   - TTFT of fresh --pd-prompt-tokens prompts, disaggregated vs prefilled on the decoder itself.
 
 `--dry-run` prints the plan and the exact vLLM commands, starting nothing (runs anywhere).
 Budget: under 8 minutes on an H200 (two server starts ~1.5 min each, ~20 long prefills, two
@@ -120,6 +128,10 @@ class Settings:
     throughput_seconds: float
     deadline_s: float
     enforce_eager: bool
+    phases: tuple[str, ...] = ("offload",)
+    pd_prompt_tokens: int = 8192
+    pd_requests: int = 6
+    pd_gpu_share: float = 0.4
 
     @property
     def prompt_gib(self) -> float:
@@ -156,6 +168,23 @@ def plan_for(opts, assume_h200_host: bool = False) -> launcher.LaunchPlan:
     host = launcher.host_resources("gpu")
     mem = 128 * GIB if assume_h200_host else host.mem_available_bytes
     return launcher.build_plan(opts, launcher.HostResources(mem, host.disk_free_bytes, "gpu"))
+
+
+def pd_launch_options(s: Settings, model_dir: Path, role: str, port: int, events_port: int, side_port: int,
+                      sidecar_port: int | None = None, has_tokenizer: bool | None = None):
+    """Launcher options of the P/D run's prefiller or decoder (one GPU shared by both)."""
+    extra = ["--load-format", "dummy", "--max-num-seqs", "16", "--seed", "0"]
+    if has_tokenizer is None:
+        has_tokenizer = (model_dir / "tokenizer.json").exists()
+    if not has_tokenizer:
+        extra.append("--skip-tokenizer-init")
+    return launcher.LaunchOptions(
+        model=str(model_dir), served_model_name="bench", python=s.python, host="127.0.0.1", port=port,
+        block_size=s.block_size, max_model_len=s.pd_prompt_tokens + 1024, dtype="bfloat16",
+        enforce_eager=s.enforce_eager, gpu_memory_utilization=s.pd_gpu_share, kv_events_port=events_port,
+        kv_replay_port=None, pd_role=role, nixl_side_channel_port=side_port, pd_sidecar_port=sidecar_port,
+        extra_args=tuple(extra),
+    )
 
 
 class Server:
@@ -298,6 +327,112 @@ async def throughput_phase(s: Settings, server: Server) -> dict:
     return {**totals, "seconds": elapsed, "tokens_per_s": totals["output_tokens"] / elapsed}
 
 
+async def _completion(session, url: str, ids: list[int], headers: dict | None = None, max_tokens: int = 16):
+    body = {"model": "bench", "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    async with session.post(url + "/v1/completions", json=body, headers=headers or {}) as resp:
+        resp.raise_for_status()
+        return dict(resp.headers), await resp.json()
+
+
+async def _ttft_via(session, url: str, ids: list[int], headers: dict | None = None) -> float:
+    body = {"model": "bench", "prompt": ids, "max_tokens": 2, "stream": True, "temperature": 0.0}
+    start = time.perf_counter()
+    async with session.post(url + "/v1/completions", json=body, headers=headers or {}) as resp:
+        resp.raise_for_status()
+        elapsed = None
+        async for line in resp.content:
+            if elapsed is None and line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                elapsed = time.perf_counter() - start
+    if elapsed is None:
+        raise RuntimeError("no token streamed")
+    return elapsed
+
+
+async def pd_requests(s: Settings, prefiller: Server, decoder: Server, sidecar_url: str, prefiller_hp: str) -> dict:
+    """Correctness, locally computed prompt tokens, and TTFT of the P/D pair."""
+    import aiohttp
+
+    header = {"x-prefiller-host-port": prefiller_hp}
+    out: dict = {}
+    computed = "vllm:request_prefill_kv_computed_tokens_sum"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        await _completion(session, prefiller.url, prompt_ids(98, 256))  # warm-up both engines
+        await _completion(session, decoder.url, prompt_ids(99, 256))
+        probe = prompt_ids(7, s.pd_prompt_tokens)
+        before = counter(decoder.metrics(), computed)
+        headers, split = await _completion(session, sidecar_url, probe, header)
+        out["decoder_computed_tokens"] = counter(decoder.metrics(), computed) - before
+        out["used_prefiller"] = headers.get("x-pd-prefiller")
+        out["fallback"] = headers.get("x-pd-fallback")
+        _, whole = await _completion(session, prefiller.url, probe)
+        out["output_matches"] = split["choices"][0]["text"] == whole["choices"][0]["text"]
+        out["disaggregated_ttft_s"] = [await _ttft_via(session, sidecar_url, prompt_ids(300 + i, s.pd_prompt_tokens),
+                                                       header) for i in range(s.pd_requests)]
+        out["local_ttft_s"] = [await _ttft_via(session, sidecar_url, prompt_ids(400 + i, s.pd_prompt_tokens))
+                               for i in range(s.pd_requests)]
+        out["nixl_metrics"] = [line for line in decoder.metrics().splitlines() if line.startswith("vllm:nixl")]
+    return out
+
+
+def pd_phase(s: Settings, model_dir: Path, workdir: Path, deadline: float) -> dict:
+    """Prefiller + decoder on one GPU with NIXL, the sidecar in front of the decoder."""
+    if importlib.util.find_spec("epp") is None:
+        raise RuntimeError("the P/D phase runs `epp engine pd-sidecar`: pip install -e . first")
+    p_port, p_events, p_side, d_port, d_events, d_side, sidecar_port = (free_port() for _ in range(7))
+    servers = []
+    sidecar = None
+    try:
+        for role, port, events, side, front in (("prefill", p_port, p_events, p_side, None),
+                                                ("decode", d_port, d_events, d_side, sidecar_port)):
+            plan = plan_for(pd_launch_options(s, model_dir, role, port, events, side, front))
+            servers.append(Server(plan, workdir / f"vllm-{role}.log", port))
+        started = {role: server.wait_healthy(max(60.0, deadline - time.monotonic() - 60))
+                   for role, server in zip(("prefill", "decode"), servers)}
+        log = open(workdir / "sidecar.log", "ab")
+        sidecar = subprocess.Popen([sys.executable, "-m", "epp.engine.pd_sidecar", "--host", "127.0.0.1", "--port",
+                                    str(sidecar_port), "--vllm-port", str(d_port)], stdout=log,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+        Server.wait_healthy(_Probe(f"http://127.0.0.1:{sidecar_port}", sidecar, workdir / "sidecar.log"), 30)
+        out = asyncio.run(pd_requests(s, servers[0], servers[1], f"http://127.0.0.1:{sidecar_port}",
+                                      f"127.0.0.1:{p_port}"))
+        out["startup_s"] = started
+        return out
+    finally:
+        if sidecar is not None:
+            sidecar.terminate()
+            sidecar.wait(10)
+        for server in servers:
+            server.stop()
+
+
+@dataclass
+class _Probe:
+    """Just enough of a Server for `Server.wait_healthy` on the sidecar."""
+
+    url: str
+    proc: subprocess.Popen
+    log: Path
+
+
+def pd_table(pd: dict) -> str:
+    """The P/D rows: correctness and TTFT, disaggregated vs local."""
+    def median(values):
+        return None if not values else sorted(values)[len(values) // 2]
+
+    dis, loc = median(pd.get("disaggregated_ttft_s")), median(pd.get("local_ttft_s"))
+    def fmt(x):
+        return "n/a" if x is None else f"{x:.3f} s"
+
+    return "\n".join([
+        "| P/D measure | value |",
+        "|---|---|",
+        f"| greedy output, P/D = prefiller alone | {pd.get('output_matches', 'n/a')} |",
+        f"| prompt tokens the decoder computed (P/D request) | {pd.get('decoder_computed_tokens', 'n/a')} |",
+        f"| TTFT median, disaggregated (prefill on the prefiller) | {fmt(dis)} |",
+        f"| TTFT median, prefilled on the decoder | {fmt(loc)} |",
+    ])
+
+
 def table(results: dict, s: Settings) -> str:
     t = results.get("ttft", {})
     cold, cpu, disk = t.get("cold_s"), t.get("cpu_s"), t.get("disk_s")
@@ -332,10 +467,20 @@ def print_plan(s: Settings) -> None:
           f"{s.disk_fill_prompts} filler prompts push P1 from CPU to disk")
     print(f"multi-turn: {s.conversations} conversations x {s.turns} turns, context {s.context_tokens}, "
           f"+{s.turn_tokens} per turn, {s.output_tokens} output tokens, at most {s.throughput_seconds} s per run")
-    for offload in (True, False):
-        plan = plan_for(launch_options(s, model_dir, 8000, 5557, offload, True), assume_h200_host=True)
-        print(f"\n# replica {'with' if offload else 'without'} offload")
-        print(plan.render())
+    if "offload" in s.phases:
+        for offload in (True, False):
+            plan = plan_for(launch_options(s, model_dir, 8000, 5557, offload, True), assume_h200_host=True)
+            print(f"\n# replica {'with' if offload else 'without'} offload")
+            print(plan.render())
+    if "pd" in s.phases:
+        print(f"\nP/D: prefiller and decoder on one GPU, {s.pd_gpu_share} of its memory each, "
+              f"{s.pd_requests} prompts of {s.pd_prompt_tokens} tokens each way")
+        for role, port, events, side, front in (("prefill", 8100, 5560, 5600, None),
+                                                ("decode", 8201, 5561, 5601, 8200)):
+            plan = plan_for(pd_launch_options(s, model_dir, role, port, events, side, front, True),
+                            assume_h200_host=True)
+            print(f"\n# P/D {role} replica")
+            print(plan.render())
 
 
 def parse_args(argv):
@@ -357,6 +502,11 @@ def parse_args(argv):
     p.add_argument("--throughput-seconds", type=float, default=75.0)
     p.add_argument("--deadline", type=float, default=470.0, help="seconds for the whole run")
     p.add_argument("--enforce-eager", action="store_true", help="skip CUDA graph capture (faster start)")
+    p.add_argument("--phases", default="offload",
+                   help="comma list: offload (TTFT from tiers, multi-turn), pd (prefill/decode with NIXL)")
+    p.add_argument("--pd-prompt-tokens", type=int, default=8192, help="P/D run: prompt length")
+    p.add_argument("--pd-requests", type=int, default=6, help="P/D run: prompts timed each way")
+    p.add_argument("--pd-gpu-share", type=float, default=0.4, help="P/D run: GPU memory share of each process")
     p.add_argument("--out", type=Path, default=None, help="write results JSON here")
     p.add_argument("--readme", action="store_true", help="append the table to bench/README.md")
     p.add_argument("--dry-run", action="store_true", help="print the plan and commands, start nothing")
@@ -368,7 +518,12 @@ def main(argv=None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="gpu-offload-"))
     s = Settings(a.python, a.shape, a.prompt_tokens, a.gpu_kv_gib, a.cpu_gib, a.disk_gib,
                  a.disk_path or workdir / "kv-disk", a.block_size, a.conversations, a.turns, a.context_tokens,
-                 a.turn_tokens, a.output_tokens, a.throughput_seconds, a.deadline, a.enforce_eager)
+                 a.turn_tokens, a.output_tokens, a.throughput_seconds, a.deadline, a.enforce_eager,
+                 tuple(p.strip() for p in a.phases.split(",")), a.pd_prompt_tokens, a.pd_requests, a.pd_gpu_share)
+    unknown = [p for p in s.phases if p not in ("offload", "pd")]
+    if unknown:
+        print(f"--phases: unknown {unknown}; use offload and/or pd", file=sys.stderr)
+        return 2
     if a.dry_run:
         print_plan(s)
         shutil.rmtree(workdir, ignore_errors=True)
@@ -378,7 +533,7 @@ def main(argv=None) -> int:
     model_dir = write_model_dir(workdir / "model", s.shape, s.prompt_tokens + 1024)
     results: dict = {"settings": {k: str(v) for k, v in vars(s).items()}}
     try:
-        for offload in (True, False):
+        for offload in ((True, False) if "offload" in s.phases else ()):
             if time.monotonic() > deadline - 60:
                 results["stopped"] = "deadline"
                 break
@@ -395,9 +550,13 @@ def main(argv=None) -> int:
                     results["throughput_no_offload"] = asyncio.run(throughput_phase(s, server))
             finally:
                 server.stop()
+        if "pd" in s.phases and time.monotonic() < deadline - 120:
+            results["pd"] = pd_phase(s, model_dir, workdir, deadline)
     finally:
         results["total_s"] = time.monotonic() - t0
-        text = table(results, s)
+        text = table(results, s) if "offload" in s.phases else ""
+        if "pd" in results:
+            text = (text + "\n\n" if text else "") + pd_table(results["pd"])
         print(text)
         print(json.dumps(results, indent=1, default=str))
         if a.out:

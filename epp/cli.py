@@ -11,6 +11,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
+from epp import limits as lim
 from epp.server.extproc import DEFAULT_MAX_BODY_BYTES
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -21,6 +22,7 @@ if TYPE_CHECKING:  # pragma: no cover
 ENGINE_TOOLS = {
     "serve": ("epp.engine.vllm.cli", "start one vLLM replica wired to the picker (--dry-run prints the command)"),
     "disk-manager": ("epp.engine.disk_tier.cli", "keep a vLLM disk KV tier within budget, publish its evictions"),
+    "pd-sidecar": ("epp.engine.pd_sidecar", "decode pod's P/D sidecar: prefill on the picked prefiller, decode here"),
 }
 
 
@@ -76,6 +78,18 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds between /metrics scrapes of each endpoint (default 0.05)")
     p.add_argument("--disable-endpoint-subset-filter", action="store_true",
                    help="ignore the subset hint from the data plane")
+    p.add_argument("--max-concurrent-streams", type=int, default=lim.DEFAULT_MAX_CONCURRENT_STREAMS,
+                   help="ext_proc streams at once; more get 429 (default %(default)s)")
+    p.add_argument("--stream-idle-timeout", type=float, default=lim.DEFAULT_STREAM_IDLE_TIMEOUT_S,
+                   help="seconds an unanswered request may send nothing; then 408 (default %(default)s)")
+    p.add_argument("--max-request-headers", type=int, default=lim.DEFAULT_MAX_REQUEST_HEADERS,
+                   help="request headers per request; more get 431 (default %(default)s)")
+    p.add_argument("--max-request-header-bytes", type=int, default=lim.DEFAULT_MAX_REQUEST_HEADER_BYTES,
+                   help="bytes of request header names and values; more get 431 (default %(default)s)")
+    p.add_argument("--max-json-depth", type=int, default=lim.DEFAULT_MAX_JSON_DEPTH,
+                   help="nesting of a request's JSON body; deeper gets 400 (default %(default)s)")
+    p.add_argument("--max-label-value-length", type=int, default=lim.DEFAULT_MAX_LABEL_VALUE_LENGTH,
+                   help="characters of a client-chosen metric label value; longer is cut (default %(default)s)")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logs (-v info, -vv debug)")
 
 
@@ -158,6 +172,14 @@ def _run_serve(args: argparse.Namespace) -> int:
     except UsageError as exc:
         print(f"epp serve: {exc}", file=sys.stderr)
         return 2
+    try:
+        limits = lim.Limits(
+            max_concurrent_streams=args.max_concurrent_streams, stream_idle_timeout_s=args.stream_idle_timeout,
+            max_request_headers=args.max_request_headers, max_request_header_bytes=args.max_request_header_bytes,
+            max_json_depth=args.max_json_depth, max_label_value_length=args.max_label_value_length)
+    except ValueError as exc:
+        print(f"epp serve: {exc}", file=sys.stderr)
+        return 2
     # The loader reads --config-file itself, so its errors name the file (and a missing file is one).
     try:
         k8s = _kubernetes_options(args)
@@ -170,7 +192,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         endpoints=endpoints, endpoints_file=args.endpoints_file, secure_serving=args.secure_serving,
         cert_path=args.cert_path, max_body_bytes=args.max_request_body_bytes,
         grace_period_s=args.grace_period, refresh_metrics_interval_s=args.refresh_metrics_interval,
-        disable_endpoint_subset_filter=args.disable_endpoint_subset_filter, **k8s)
+        disable_endpoint_subset_filter=args.disable_endpoint_subset_filter, limits=limits, **k8s)
     from epp.datalayer.kubernetes import KubernetesDiscoveryError
 
     try:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from epp.datalayer.freshness import prefer_fresh
 from epp.datalayer.registry import EndpointRegistry
 from epp.framework.errors import ErrorCode, InferenceError
 from epp.framework.plugin import (
@@ -24,6 +25,7 @@ from epp.framework.plugin import (
 )
 from epp.framework.scheduler import Scheduler
 from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
+from epp.logutil import log_failure
 from epp.metrics import EppMetrics
 
 if TYPE_CHECKING:
@@ -76,18 +78,23 @@ class Director:
     """Runs admission, candidate selection, producers, scheduling and hooks for each request."""
 
     def __init__(self, pipeline: Pipeline, endpoints: EndpointRegistry, metrics: EppMetrics,
-                 admission: AdmissionPolicy | None = None, *, use_subset_hint: bool = True) -> None:
+                 admission: AdmissionPolicy | None = None, *, use_subset_hint: bool = True,
+                 metrics_freshness_s: float | None = None) -> None:
         self.pipeline = pipeline
         self.endpoints = endpoints
         self.metrics = metrics
         self.admission = admission
         self.use_subset_hint = use_subset_hint
+        # With scraping on: endpoints without fresh metrics are left out while others have them.
+        self.metrics_freshness_s = metrics_freshness_s
 
     def candidates(self, request: InferenceRequest) -> list[Endpoint]:
-        """Healthy pool endpoints, narrowed by the request's subset hint."""
+        """Healthy pool endpoints, narrowed by the request's subset hint, known load preferred."""
         endpoints = [ep for ep in self.endpoints.snapshot() if ep.healthy]
         if self.use_subset_hint and request.subset_hint is not None:
             endpoints = match_subset(endpoints, request.subset_hint)
+        if self.metrics_freshness_s is not None:
+            endpoints = prefer_fresh(endpoints, self.metrics_freshness_s)
         return endpoints
 
     def random_endpoint(self, subset_hint: Sequence[str] | None = None) -> Endpoint:
@@ -100,6 +107,8 @@ class Director:
             if not endpoints:
                 raise InferenceError(ErrorCode.SERVICE_UNAVAILABLE,
                                      "failed to find endpoint candidates for serving the request")
+        if self.metrics_freshness_s is not None:
+            endpoints = prefer_fresh(endpoints, self.metrics_freshness_s)
         return random.choice(endpoints)
 
     async def schedule(self, state: CycleState, request: InferenceRequest, size_bytes: int = 0) -> SchedulingResult:
@@ -135,7 +144,7 @@ class Director:
                 except InferenceError:
                     raise
                 except Exception as exc:  # an admitter that fails denies, as GIE does
-                    log.warning("admitter %s failed: %s", admitter.name, exc)
+                    log_failure(log, logging.WARNING, "admitter %s failed", exc, admitter.name)
                     raise InferenceError(ErrorCode.INTERNAL, "request cannot be admitted") from exc
                 finally:
                     timer("Admitter", admitter, time.perf_counter() - t0)
@@ -147,8 +156,8 @@ class Director:
             t0 = time.perf_counter()
             try:
                 hook.pre_request(state, request, result)
-            except Exception:  # a broken hook must not fail a request that is already scheduled
-                log.exception("pre-request hook %s failed", hook.name)
+            except Exception as exc:  # a broken hook must not fail a request that is already scheduled
+                log_failure(log, logging.ERROR, "pre-request hook %s failed", exc, hook.name)
             timer("PreRequest", hook, time.perf_counter() - t0)
         self.metrics.scheduler_attempts.labels("success").inc()
         self.metrics.scheduler_e2e.observe(time.perf_counter() - started)
@@ -166,7 +175,8 @@ class Director:
             try:
                 await asyncio.wait_for(producer.prepare(state, request, candidates), remaining)
             except Exception as exc:  # producers are best effort: scoring goes on without their data
-                log.warning("data producer %s failed: %r", producer.name, exc)
+                # Never the message at this level: a UnicodeEncodeError's message quotes the prompt.
+                log_failure(log, logging.WARNING, "data producer %s failed", exc, producer.name)
             self.metrics.observe_plugin("PrepareData", producer, time.perf_counter() - t0)
 
     def response_headers(self, state: CycleState, request: InferenceRequest,
@@ -176,8 +186,8 @@ class Director:
             t0 = time.perf_counter()
             try:
                 hook.on_response_headers(state, request, response, target)
-            except Exception:
-                log.exception("response-headers hook %s failed", hook.name)
+            except Exception as exc:
+                log_failure(log, logging.ERROR, "response-headers hook %s failed", exc, hook.name)
             self.metrics.observe_plugin("ResponseReceived", hook, time.perf_counter() - t0)
 
     def response_complete(self, state: CycleState, request: InferenceRequest,
@@ -189,6 +199,6 @@ class Director:
             t0 = time.perf_counter()
             try:
                 hook.on_response_complete(state, request, response, target)
-            except Exception:
-                log.exception("response-complete hook %s failed", hook.name)
+            except Exception as exc:
+                log_failure(log, logging.ERROR, "response-complete hook %s failed", exc, hook.name)
             self.metrics.observe_plugin("ResponseComplete", hook, time.perf_counter() - t0)

@@ -17,6 +17,24 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+# Headers only the picker may set (GIE §1.3 system-owned routing headers). A client's copies are
+# dropped before anything can read them: with the picker down and failure_mode_allow, a forged
+# destination would otherwise send the request to any host:port the client names.
+# The prefiller header too: a client must never choose where a disaggregated prefill goes.
+CLIENT_STRIPPED_HEADERS = ("x-gateway-destination-endpoint", "x-gateway-destination-endpoint-served",
+                           "x-prefiller-host-port")
+
+_STRIP_FILTER_HEAD = """\
+          # Routing headers belong to the picker: clients' copies are removed before ext_proc runs.
+          - name: envoy.filters.http.header_mutation
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation
+              mutations:
+                request_mutations:
+"""
+_STRIP_FILTER = _STRIP_FILTER_HEAD + "".join(
+    f"                - remove: {name}\n" for name in CLIENT_STRIPPED_HEADERS)
+
 _EXT_PROC_FILTER = """\
           # A client (or an upstream filter) may narrow the candidates with a comma-separated header.
           - name: envoy.filters.http.header_to_metadata
@@ -155,7 +173,7 @@ def render_config(*, listen_port: int = 8081, admin_port: int = 19000, epp_port:
             f"port_value: {hp.rpartition(':')[2]} }} }} }}\n" for hp in round_robin_backends)
         filters, clusters, route = "", _ROUND_ROBIN_CLUSTER.format(endpoints=lines), "backends"
     else:
-        filters = _EXT_PROC_FILTER.format(
+        filters = _STRIP_FILTER + _EXT_PROC_FILTER.format(
             failure_mode_allow=str(failure_mode_allow).lower(), message_timeout=message_timeout,
             response_header_mode="SEND" if response_processing else "SKIP",
             response_body_mode="FULL_DUPLEX_STREAMED" if response_processing else "NONE")

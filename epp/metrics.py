@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from epp.limits import DEFAULT_MAX_LABEL_VALUE_LENGTH
+
 # Scheduling takes tens of microseconds to a few milliseconds: sub-millisecond buckets matter.
 _LATENCY_BUCKETS = (0.00005, 0.0001, 0.0002, 0.0003, 0.0004, 0.0005, 0.0006, 0.0008, 0.001,
                     0.002, 0.003, 0.004, 0.005, 0.01, 0.02, 0.05, 0.1)
@@ -19,11 +21,15 @@ OTHER_MODELS = "__other__"
 class EppMetrics:
     """Every metric the ext_proc path records; plugins register theirs on `registry` too."""
 
-    def __init__(self, registry: CollectorRegistry | None = None, *, max_model_labels: int = 200) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, *, max_model_labels: int = 200,
+                 max_label_value_length: int = DEFAULT_MAX_LABEL_VALUE_LENGTH) -> None:
         self.registry = registry or CollectorRegistry()
-        # Model names come from client bodies: without a cap, random names would grow the series forever.
+        # Model names come from client bodies: without a cap, random names would grow the series forever,
+        # and without a length bound three 1 MiB names make a 100 MB scrape.
         self.max_model_labels = max_model_labels
+        self.max_label_value_length = max_label_value_length
         self._model_labels: set[str] = set()
+        self._model_pairs: set[tuple[str, str]] = set()
         r = self.registry
         self.requests = Counter(
             "inference_objective_request", "Requests by model.",
@@ -69,6 +75,10 @@ class EppMetrics:
         self.stream_errors = Counter(
             "epp_extproc_stream_errors", "ext_proc streams ended by an unexpected error.",
             ["reason"], registry=r)
+        self.unreadable_responses = Counter(
+            "epp_extproc_unreadable_responses",
+            "Model-server responses the picker could not read (passed through unchanged), by reason.",
+            ["reason"], registry=r)
         self.messages = Counter(
             "epp_extproc_messages", "ext_proc messages received, by phase.", ["phase"], registry=r)
         self.messages_by_phase = {phase: self.messages.labels(phase) for phase in (
@@ -76,8 +86,36 @@ class EppMetrics:
             "response_trailers")}
         self._plugin_children: dict[tuple[str, int], Histogram] = {}
 
+    def label_value(self, value: str) -> str:
+        """A client-chosen string as a safe label value: encodable as UTF-8, at most the length limit.
+
+        A lone surrogate would make every later scrape fail to encode; it is shown escaped instead.
+        """
+        limit = self.max_label_value_length
+        cut = len(value) > limit
+        value = value[:limit]
+        if not value.isascii():
+            value = value.encode("utf-8", "backslashreplace").decode("utf-8")
+            cut = cut or len(value) > limit
+        return value[:limit - 1] + "…" if cut else value
+
+    def model_labels(self, model: str, target_model: str) -> tuple[str, str]:
+        """`(model_name, target_model_name)` label values; both `__other__` once `max_model_labels` pairs exist.
+
+        Pairs are capped, not only names: independent caps on each would still allow 200 × 200 series.
+        """
+        pair = (self.label_value(model), self.label_value(target_model))
+        if pair in self._model_pairs:
+            return pair
+        if len(self._model_pairs) < self.max_model_labels:
+            self._model_pairs.add(pair)
+            self._model_labels.update(pair)
+            return pair
+        return OTHER_MODELS, OTHER_MODELS
+
     def model_label(self, model: str) -> str:
         """`model` as a label value, or `__other__` once `max_model_labels` names have been seen."""
+        model = self.label_value(model)
         if model in self._model_labels:
             return model
         if len(self._model_labels) < self.max_model_labels:

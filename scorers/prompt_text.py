@@ -9,7 +9,8 @@ from epp.framework.types import ApiKind, InferenceRequest
 
 
 def _compact(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+    # surrogatepass: a lone surrogate must not make hashing fail (the parser rejects such bodies anyway).
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass")
 
 
 def _prompt_text(prompt: Any) -> str:

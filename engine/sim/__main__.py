@@ -66,6 +66,10 @@ def _fleet_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name-prefix", default="sim")
     p.add_argument("--lora", action="append", default=[], help="LoRA adapter NAME=PATH (repeatable)")
     p.add_argument("--label", action="append", default=[], help="label KEY=VALUE for every replica (repeatable)")
+    p.add_argument("--roles", default=None,
+                   help="P/D roles by replica, cycling, e.g. prefill,decode,decode (label llm-d.ai/role)")
+    p.add_argument("--kv-transfer-window", type=float, default=30.0,
+                   help="simulated seconds a prefill keeps its KV for the decoder (default 30)")
 
 
 def _config(args: argparse.Namespace) -> FleetConfig:
@@ -83,7 +87,18 @@ def _config(args: argparse.Namespace) -> FleetConfig:
         enable_prompt_tokens_details=not args.no_prompt_tokens_details, legacy_array_events=args.legacy_array_events,
         processes=args.processes, name_prefix=args.name_prefix, lora_modules=_pairs(args.lora, "lora"),
         labels=_pairs(args.label, "label"),
+        roles=_roles(args.roles), kv_transfer_window=args.kv_transfer_window,
     )
+
+
+def _roles(text: str | None) -> list[str] | None:
+    if not text:
+        return None
+    roles = [r.strip() for r in text.split(",")]
+    bad = [r for r in roles if r not in ("prefill", "decode", "both")]
+    if bad:
+        raise SystemExit(f"--roles: {bad} are not roles; use prefill, decode or both")
+    return roles
 
 
 async def _run_fleet(config: FleetConfig) -> None:

@@ -90,6 +90,10 @@ class SimRequest:
     aborted: bool = False
     seed: int = 0
     waiter: asyncio.Future | None = None
+    # P/D (see engine/sim/pd.py): prompt tokens whose KV a remote prefiller sent (decode side), and
+    # how long, in simulated seconds, a finished prefill keeps its blocks for the decoder to pull.
+    remote_tokens: int = 0
+    hold_for_transfer: float = 0.0
 
     @property
     def finished(self) -> bool:
@@ -145,6 +149,8 @@ class SimEngine:
         self._wake: asyncio.Future | None = None
         self._task: asyncio.Task | None = None
         self._stopped = False
+        # Finished prefills whose blocks wait for a decoder's pull: request id -> (held, private).
+        self.transfers: dict[str, tuple[list[BlockInfo], int]] = {}
 
     # -- public API --------------------------------------------------------------------------
     def start(self) -> None:
@@ -371,6 +377,10 @@ class SimEngine:
             r.private = r.total_blocks - len(r.held)
             r.num_cached_tokens = hit.num_blocks * bs
             r.num_computed = r.num_cached_tokens
+            if r.remote_tokens > r.num_computed:
+                # KV received from the prefiller: committed (BlockStored) like computed blocks.
+                r.num_computed = r.remote_tokens
+                self._cache_full_blocks(r, r.remote_tokens)
             r.scheduled = self._clock
             gpu_hit = len(hit.gpu) * bs
             m.prefix_cache_queries += n
@@ -445,7 +455,10 @@ class SimEngine:
         r.finish_reason = reason
         r.finished_at = self._clock
         if r.scheduled is not None:
-            self.cache.release(r.held, r.private)
+            if r.hold_for_transfer > 0 and reason != "abort":
+                self._hold_for_transfer(r)
+            else:
+                self.cache.release(r.held, r.private)
             r.held = []
             r.private = 0
         m = self.metrics
@@ -455,6 +468,21 @@ class SimEngine:
         if reason != "abort":
             m.e2e.observe(max(0.0, self._clock - r.arrival))
         r.notify()
+
+    def _hold_for_transfer(self, r: SimRequest) -> None:
+        """Keep a finished prefill's blocks until the decoder pulls them or the window ends."""
+        self.transfers[r.request_id] = (r.held, r.private)
+        loop = asyncio.get_running_loop()
+        loop.call_later(r.hold_for_transfer * self.config.time_scale, self.release_transfer, r.request_id)
+
+    def release_transfer(self, request_id: str) -> bool:
+        """Free the blocks a finished prefill kept for `request_id`; False if none are kept (any more)."""
+        kept = self.transfers.pop(request_id, None)
+        if kept is None:
+            return False
+        self.cache.release(*kept)
+        self._interrupt()  # freed blocks may admit a waiting request
+        return True
 
     def _sweep_finished(self) -> None:
         if any(r.aborted or r.finished for r in self.running):

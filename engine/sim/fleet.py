@@ -25,6 +25,7 @@ from typing import Any, Self
 
 from epp.engine.sim.engine import EngineConfig
 from epp.engine.sim.kvcache import TierConfig
+from epp.engine.sim.pd import ROLE_LABEL
 from epp.engine.sim.profiles import get_profile
 from epp.engine.sim.server import ReplicaConfig, SimReplica
 from epp.engine.sim.tokenizer import SimTokenizer
@@ -64,6 +65,9 @@ class FleetConfig:
     lora_modules: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
     enable_prompt_tokens_details: bool = True
+    # P/D: role of replica i (label llm-d.ai/role: prefill, decode or both), cycling; None: no label.
+    roles: list[str] | None = None
+    kv_transfer_window: float = 30.0
 
     def replica_config(self, i: int, tokenizer_dir: str) -> ReplicaConfig:
         """The configuration of replica `i` (profiles cycle over `profiles` when given)."""
@@ -87,6 +91,8 @@ class FleetConfig:
         if self.kv_events_connect:
             kv_pub = self.kv_events_connect  # centralized mode: every PUB dials one bound SUB
         labels = {"replica": f"{self.name_prefix}-{i}", "profile": profile.name, **self.labels}
+        if self.roles:
+            labels[ROLE_LABEL] = self.roles[i % len(self.roles)]
         return ReplicaConfig(
             name=f"{self.name_prefix}-{i}", model=self.model, tokenizer_dir=tokenizer_dir, host=self.host,
             port=self.base_port + i if self.base_port else 0, engine=engine, kv_events=self.kv_events,
@@ -94,6 +100,7 @@ class FleetConfig:
             legacy_array_events=self.legacy_array_events, lora_modules=dict(self.lora_modules), labels=labels,
             enable_prompt_tokens_details=self.enable_prompt_tokens_details,
             kv_events_bind=None if self.kv_events_connect else True,
+            kv_transfer_window=self.kv_transfer_window,
         )
 
 

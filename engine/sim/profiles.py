@@ -14,6 +14,8 @@ context, 128 MiB, 0.05 ms) and its share of compute (0.03 ms) -> 0.08 ms per run
 CPU-tier loads move 128 KiB/token over PCIe Gen5 x16 at an effective 25 GB/s -> 5.2 us/token;
 disk-tier loads at an effective 5 GB/s of NVMe -> 26 us/token. The KV capacity follows from
 (80 GB x 0.9 - 16.1 GB weights - ~2 GB activations) / (16 tokens x 128 KiB) ~ 26,000 blocks.
+P/D KV transfers (NIXL over one 400 Gb/s RDMA NIC at an effective 40 GB/s) move 128 KiB/token in
+3.3 us/token, plus about 1 ms per request for the handshake and completion notice.
 They are estimates, not measurements (no GPU was available to calibrate them); replace them with
 measured numbers (``LatencyProfile(...)``) when one is.
 """
@@ -39,6 +41,13 @@ class LatencyProfile:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 8192
+    # P/D: moving prompt KV from a prefill replica (NIXL); not scaled with the GPU (it is the network).
+    kv_transfer_base: float = 1.0e-3
+    kv_transfer_per_token: float = 3.3e-6
+
+    def kv_transfer_time(self, tokens: int) -> float:
+        """Seconds to receive `tokens` tokens of KV from a remote prefiller (0 when nothing moves)."""
+        return self.kv_transfer_base + self.kv_transfer_per_token * tokens if tokens > 0 else 0.0
 
     def step_time(self, prefill_tokens: int, decoding_seqs: int, load_time: float = 0.0) -> float:
         """Duration of one forward pass with this much work."""
@@ -91,6 +100,8 @@ FAST = LatencyProfile(
     max_num_seqs=256,
     max_num_batched_tokens=8192,
     max_model_len=8192,
+    kv_transfer_base=0.2e-3,
+    kv_transfer_per_token=0.5e-6,
 )
 
 PROFILES: dict[str, LatencyProfile] = {p.name: p for p in (H100_LLAMA3_8B, FAST)}

@@ -20,6 +20,7 @@ from epp.engine.kv_publisher import KVEventPublisher, kv_topic
 from epp.engine.sim.engine import EngineConfig, EngineError, SimEngine, SimRequest
 from epp.engine.sim.hashing import HashContext
 from epp.engine.sim.metrics import MetricsRenderer
+from epp.engine.sim.pd import TRANSFER_ROUTE, PDSupport
 from epp.engine.sim.tokenizer import ChatTemplateError, SimTokenizer
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ class ReplicaConfig:
     chat_output_len: tuple[int, int] = (16, 128)
     enable_prompt_tokens_details: bool = True
     labels: dict[str, str] = field(default_factory=dict)
+    # P/D: simulated seconds a finished prefill keeps its KV for the decoder (vLLM NIXL: minutes).
+    kv_transfer_window: float = 30.0
 
 
 class RequestError(Exception):
@@ -87,6 +90,7 @@ class SimReplica:
         self.config = config
         self.tokenizer = tokenizer
         self.engine = SimEngine(config.engine, output_token_pool=tokenizer.output_token_pool)
+        self.pd = PDSupport(config, self.engine)
         self._token_text = {t: tokenizer.decode([t]) for t in tokenizer.output_token_pool}
         self.publisher: KVEventPublisher | None = None
         self.port = config.port
@@ -133,6 +137,7 @@ class SimReplica:
         r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         r.add_get("/kv_event_sources", self.kv_event_sources)
         r.add_get("/sim/state", self.sim_state)
+        r.add_post(TRANSFER_ROUTE, self.pd.handle_pull)
         return app
 
     async def start(self) -> None:
@@ -144,7 +149,7 @@ class SimReplica:
         await site.start()
         server = site._server  # the bound socket tells the real port when port=0 was asked
         assert server is not None
-        self.port = server.sockets[0].getsockname()[1]
+        self.port = self.pd.port = server.sockets[0].getsockname()[1]
         c = self.config
         if c.kv_events:
             topic = c.kv_topic if c.kv_topic is not None else kv_topic(c.host, self.port, c.model)
@@ -161,6 +166,7 @@ class SimReplica:
     async def stop(self) -> None:
         """Stop serving and close the sockets."""
         await self.engine.stop()
+        await self.pd.close()
         if self._runner is not None:
             await self._runner.cleanup()
         if self.publisher is not None:
@@ -281,6 +287,7 @@ class SimReplica:
             max_tokens = self._int_field(body, "max_tokens")
             r = self.engine.new_request(ids, 16 if max_tokens is None else max_tokens, stream=stream, ctx=ctx,
                                         request_id=_request_id(body, "cmpl"))
+            self.pd.accept(r, body)
         except RequestError as exc:
             return error_response(str(exc), exc.status, exc.err_type, exc.param)
         except EngineError as exc:
@@ -297,6 +304,7 @@ class SimReplica:
             r = self.engine.new_request(ids, max_tokens, stream=stream, ctx=ctx,
                                         natural_len=self._natural_len(ids),
                                         request_id=_request_id(body, "chatcmpl"))
+            self.pd.accept(r, body)
         except RequestError as exc:
             return error_response(str(exc), exc.status, exc.err_type, exc.param)
         except EngineError as exc:
@@ -322,8 +330,9 @@ class SimReplica:
         loop = asyncio.get_running_loop()
         model = body.get("model") or self.config.model
         created = int(time.time())
-        self.engine.submit(r)
         try:
+            await self.pd.before_submit(r)  # a decode leg receives its prompt's KV first
+            self.engine.submit(r)
             if not r.stream:
                 while not r.finished:
                     r.waiter = loop.create_future()
@@ -342,7 +351,7 @@ class SimReplica:
                     obj = "text_completion"
                 resp = {"id": r.request_id, "object": obj, "created": created, "model": model,
                         "choices": [choice], "usage": self._usage(r), "system_fingerprint": None,
-                        "prompt_logprobs": None, "kv_transfer_params": None}
+                        "prompt_logprobs": None, "kv_transfer_params": self.pd.response_params(r)}
                 return web.Response(body=_json_encode(resp), content_type="application/json")
             return await self._stream(request, r, model, created, chat=chat, include_usage=include_usage)
         finally:
@@ -460,7 +469,7 @@ class SimReplica:
         text = self._renderer.render(
             running=len(e.running), waiting=len(e.waiting), kv_usage=e.cache.usage,
             sleep_level=e.sleep_level if e.sleeping else None, m=e.metrics,
-            cpu_usage=(len(cpu.blocks) / cpu.capacity) if cpu is not None else None)
+            cpu_usage=(len(cpu.blocks) / cpu.capacity) if cpu is not None else None) + self.pd.render_metrics()
         return web.Response(text=text, content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type-Options": "nosniff"})
 
@@ -518,6 +527,7 @@ class SimReplica:
             "disk": None if c.disk is None else {"capacity": c.disk.capacity, "blocks": len(c.disk.blocks),
                                                  "evicted": c.disk.evicted, "eviction_runs": c.disk.evictions_runs},
             "kv_events": None if p is None else {"published": p.published, "dropped": p.dropped},
+            "pd": self.pd.state(),
         }
         return web.json_response(state)
 

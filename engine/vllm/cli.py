@@ -61,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--platform", default="auto", choices=["auto", "gpu", "cpu"],
                    help="auto: this machine's; with --dry-run, gpu or cpu previews the command for a machine of "
                         "that kind (this machine's RAM and disk are not checked)")
+    p.add_argument("--pd-role", choices=["prefill", "decode", "both"],
+                   help="P/D disaggregation role: runs vLLM's NixlConnector; label the pod llm-d.ai/role=ROLE")
+    p.add_argument("--kv-connector", default="nixl", choices=["nixl"],
+                   help="KV transfer connector between prefill and decode replicas (default nixl)")
+    p.add_argument("--nixl-side-channel-port", type=int, default=5600,
+                   help="port of NIXL's handshake side channel (VLLM_NIXL_SIDE_CHANNEL_PORT, default 5600)")
+    p.add_argument("--pd-sidecar-port", type=int,
+                   help="decode pods: the pod's port, where `epp engine pd-sidecar` listens (vLLM stays on --port)")
     p.add_argument("--force", action="store_true",
                    help="build the command even where the platform refuses offload or sleep mode")
     p.add_argument("--dry-run", action="store_true", help="print the exact command and environment, start nothing")
@@ -86,6 +94,8 @@ def options_from_args(args: argparse.Namespace, python: str) -> LaunchOptions:
         disk_manager_events_port=args.disk_manager_events_port, kv_events=args.kv_events, kv_events_port=args.kv_events_port,
         kv_replay_port=args.kv_replay_port, sleep_mode=args.sleep_mode, hash_seed=args.hash_seed,
         hash_algo=args.hash_algo, extra_args=tuple(extra), force=args.force,
+        pd_role=args.pd_role, kv_connector=args.kv_connector, nixl_side_channel_port=args.nixl_side_channel_port,
+        pd_sidecar_port=args.pd_sidecar_port,
     )
 
 

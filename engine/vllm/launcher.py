@@ -19,6 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from epp.engine.vllm.pd import (
+    DEFAULT_NIXL_SIDE_CHANNEL_PORT,
+    ROLE_LABEL,
+    pd_env,
+    pd_transfer_config,
+    sidecar_argv,
+    validate_pd,
+)
+
 Platform = Literal["gpu", "cpu"]
 
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
@@ -158,6 +167,11 @@ class LaunchOptions:
     cpu_threads_bind: str = "nobind"
     extra_args: tuple[str, ...] = ()
     force: bool = False
+    # P/D disaggregation (engine/vllm/pd.py): role, KV connector, NIXL side channel, decode sidecar.
+    pd_role: str | None = None
+    kv_connector: str = "nixl"
+    nixl_side_channel_port: int = DEFAULT_NIXL_SIDE_CHANNEL_PORT
+    pd_sidecar_port: int | None = None
 
     @property
     def model_name(self) -> str:
@@ -175,8 +189,9 @@ class LaunchOptions:
 
     @property
     def kv_events_topic(self) -> str:
-        """`kv@<pod ip>:<http port>@<model>`: the picker maps events to the endpoint by this topic."""
-        return f"kv@{self.topic_ip}:{self.port}@{self.model_name}"
+        """`kv@<pod ip>:<pod port>@<model>`: the picker maps events to the endpoint by this topic
+        (on a decode pod the pod's port is the P/D sidecar's)."""
+        return f"kv@{self.topic_ip}:{self.pd_sidecar_port or self.port}@{self.model_name}"
 
 
 @dataclass(frozen=True)
@@ -187,14 +202,20 @@ class LaunchPlan:
     env: dict[str, str]
     topic: str | None
     disk_manager_argv: list[str] | None = field(default=None)
+    pd_sidecar_argv: list[str] | None = field(default=None)
+    pd_role: str | None = None
 
     def render(self) -> str:
         """Shell text an operator can read or paste: env assignments, then the command."""
-        lines = ["# environment"]
+        lines = [f"# P/D role {self.pd_role}: label the pod {ROLE_LABEL}={self.pd_role}"] if self.pd_role else []
+        lines += ["# environment"]
         lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(self.env.items())]
         lines += ["# command", shlex.join(self.argv)]
         if self.disk_manager_argv:
             lines += ["# disk-tier capacity manager (run beside vLLM)", shlex.join(self.disk_manager_argv)]
+        if self.pd_sidecar_argv:
+            lines += ["# P/D sidecar (run beside vLLM; the pod's port, which the picker routes to)",
+                      shlex.join(self.pd_sidecar_argv)]
         return "\n".join(lines)
 
 
@@ -294,6 +315,7 @@ def validate(opts: LaunchOptions, host: HostResources) -> list[str]:
         flag = arg.split("=", 1)[0]
         if flag in MANAGED_FLAGS:
             problems.append(f"{flag} is set by the launcher's own options; do not pass it in extra args")
+    problems += validate_pd(opts, host)
     return problems
 
 
@@ -370,6 +392,8 @@ def build_plan(opts: LaunchOptions, host: HostResources | None = None) -> Launch
     if opts.kv_events:
         argv += ["--kv-events-config", json.dumps(kv_events_config(opts), separators=(",", ":"))]
     transfer = kv_transfer_config(opts)
+    if opts.pd_role is not None:
+        transfer = pd_transfer_config(opts, transfer)
     if transfer is not None:
         argv += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
     if opts.sleep_mode:
@@ -380,6 +404,8 @@ def build_plan(opts: LaunchOptions, host: HostResources | None = None) -> Launch
     env = {"PYTHONHASHSEED": str(opts.hash_seed)}
     if opts.sleep_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"  # registers /sleep, /wake_up, /is_sleeping
+    if opts.pd_role is not None:
+        env.update(pd_env(opts))
     if host.platform == "cpu":
         kv_gib = max(1, math.ceil((opts.kv_cache_bytes or GIB) / GIB))
         env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
@@ -402,4 +428,4 @@ def build_plan(opts: LaunchOptions, host: HostResources | None = None) -> Launch
             # A second publisher on the replica's topic: BlockRemoved(STORAGE) for evicted files.
             manager += ["--events-endpoint", f"tcp://*:{opts.disk_manager_events_port}"]
     return LaunchPlan(argv=argv, env=env, topic=opts.kv_events_topic if opts.kv_events else None,
-                      disk_manager_argv=manager)
+                      disk_manager_argv=manager, pd_sidecar_argv=sidecar_argv(opts), pd_role=opts.pd_role)

@@ -5,6 +5,7 @@ data types, plugin interfaces, the registry and the per-request `CycleState`.
 """
 
 from epp.framework.errors import ConfigError, ErrorCode, InferenceError
+from epp.framework.headers import PREFILLER_HOST_PORT_HEADER
 from epp.framework.plugin import (
     Admitter,
     CycleState,
@@ -36,6 +37,7 @@ from epp.framework.types import (
 __all__ = [
     "Admitter", "ApiKind", "ConfigError", "CycleState", "DataProducer", "Endpoint",
     "EndpointMetrics", "ErrorCode", "Filter", "InferenceError", "InferenceRequest", "Picker",
+    "PREFILLER_HOST_PORT_HEADER",
     "Plugin", "PluginContext", "PluginParams", "PluginRegistry", "PluginSpec", "PreRequestHook",
     "ProfileHandler", "ProfileRunResult", "ResponseCompleteHook", "ResponseHeadersHook",
     "ResponseInfo", "ScoredEndpoint", "Scorer", "ScorerCategory", "SchedulingResult",

@@ -32,11 +32,12 @@ class CycleState:
     also keep private per-request state under their own name.
     """
 
-    __slots__ = ("_endpoint_data", "_plugin_state")
+    __slots__ = ("_endpoint_data", "_plugin_state", "_request_headers")
 
     def __init__(self) -> None:
         self._endpoint_data: dict[str, dict[str, Any]] = {}
         self._plugin_state: dict[str, Any] = {}
+        self._request_headers: dict[str, str] = {}
 
     def put_endpoint_data(self, key: str, endpoint: str, value: Any) -> None:
         """Publish `value` for endpoint name `endpoint` under data key `key`."""
@@ -57,6 +58,18 @@ class CycleState:
     def get(self, plugin_name: str, default: Any = None) -> Any:
         """Read a plugin's private per-request state."""
         return self._plugin_state.get(plugin_name, default)
+
+    def set_request_header(self, name: str, value: str) -> None:
+        """Add a header to the request sent upstream (pre-request hooks; replaces a client's copy)."""
+        key = name.lower()
+        # Pseudo-headers and framing belong to Envoy and the picker's body handling.
+        if not key or key.startswith(":") or key in ("content-length", "host", "transfer-encoding"):
+            raise ValueError(f"a plugin may not set the request header {name!r}")
+        self._request_headers[key] = value
+
+    def request_headers(self) -> Mapping[str, str]:
+        """Headers plugins asked to set on the upstream request, by lower-case name."""
+        return self._request_headers
 
 
 @dataclass(frozen=True, slots=True)

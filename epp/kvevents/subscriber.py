@@ -45,7 +45,7 @@ from epp.kvevents.decoding import (
     pod_endpoint_name,
     pod_host,
 )
-from epp.kvevents.index import KVBlockIndex
+from epp.kvevents.index import DEFAULT_POOL, KVBlockIndex
 from epp.kvevents.metrics import KVSubscriberMetrics
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -58,6 +58,8 @@ END_SEQ = b"\xff" * 8
 LABEL_EVENTS_PORT = "kv-events-port"
 LABEL_REPLAY_PORT = "kv-replay-port"
 LABEL_DISK_EVENTS_PORT = "kv-disk-events-port"
+# The P/D role label (llm-d's): the index files an endpoint's blocks under this pool.
+LABEL_ROLE = "llm-d.ai/role"
 SECONDARY_SUFFIX = "|disk"
 MODES = ("centralized", "per-endpoint")
 
@@ -196,6 +198,8 @@ class KVEventSubscriber:
             self._forget(name)
         for name in [n for n in self.index.endpoints() if n not in current]:
             self.index.remove_endpoint(name)
+        for name, ep in current.items():
+            self.index.set_pool(name, ep.labels.get(LABEL_ROLE, DEFAULT_POOL))
         if self.config.mode == "per-endpoint":
             for key in [k for k in self._sockets if _endpoint_of(k) not in current]:
                 self._forget(_endpoint_of(key))

@@ -6,12 +6,28 @@ import json
 from typing import Any
 
 
+class UnreadableBody(ValueError):
+    """A response body the picker cannot read (JSON nested deeper than the parser's stack allows)."""
+
+
+def _loads(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise UnreadableBody("JSON nested too deep to parse") from None
+
+
 def parse_usage(body: bytes, *, sse: bool) -> dict[str, Any] | None:
-    """The `usage` object of a JSON response, or of the first SSE event that carries one."""
+    """The `usage` object of a JSON response, or of the first SSE event that carries one.
+
+    Raises `UnreadableBody` when the body is valid but too deep to parse; the caller passes it on as is.
+    """
     if not sse:
         try:
-            parsed = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
+            parsed = _loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            if isinstance(exc, UnreadableBody):
+                raise
             return None
         usage = parsed.get("usage") if isinstance(parsed, dict) else None
         return usage if isinstance(usage, dict) else None
@@ -23,13 +39,16 @@ def parse_usage(body: bytes, *, sse: bool) -> dict[str, Any] | None:
         if not payload or payload == b"[DONE]" or b"usage" not in payload:
             continue
         try:
-            event = json.loads(payload)
+            event = _loads(payload)
+        except UnreadableBody:
+            raise
         except (ValueError, UnicodeDecodeError):
             continue
         if not isinstance(event, dict):
             continue
         if event.get("type") == "response.completed":
-            usage = (event.get("response") or {}).get("usage")
+            inner = event.get("response")
+            usage = inner.get("usage") if isinstance(inner, dict) else None
         else:
             usage = event.get("usage")
         if isinstance(usage, dict):

@@ -17,14 +17,17 @@ from typing import Any
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf.message import DecodeError
 
 from epp.director import Director
 from epp.framework.errors import ErrorCode, InferenceError
 from epp.framework.plugin import CycleState
 from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
+from epp.limits import Limits
+from epp.logutil import Throttled, log_failure
 from epp.metrics import EppMetrics
 from epp.request.parsing import RequestParser
-from epp.request.response import ResponseRewriter, parse_usage
+from epp.request.response import ResponseRewriter, UnreadableBody, parse_usage
 from epp.server import messages
 
 log = logging.getLogger(__name__)
@@ -34,6 +37,15 @@ SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_HINT_KEY = "x-gateway-destination-endpoint-subset"
 SERVED_ENDPOINT_KEY = "x-gateway-destination-endpoint-served"
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+RESPONSE_PHASES = frozenset({"response_headers", "response_body", "response_trailers"})
+# Token counts beyond this are not counts (and would overflow a float): they are not observed.
+_MAX_TOKEN_COUNT = 2**53
+
+
+def _token_count(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_TOKEN_COUNT:
+        return value
+    return None
 
 
 def _header_map(header_map: Any) -> dict[str, str]:
@@ -97,6 +109,7 @@ class _Stream:
     # -- request path -------------------------------------------------------------------------
 
     async def on_request_headers(self, msg: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
+        self.service.check_request_headers(msg.headers)
         self.headers = _header_map(msg.headers)
         self.request_id = self.headers.get(REQUEST_ID_HEADER) or str(uuid.uuid4())
         if not msg.end_of_stream:
@@ -136,8 +149,7 @@ class _Stream:
         request, forwarded = service.parser.parse(
             request_id=self.request_id, headers=self.headers, body=body, subset_hint=self.subset_hint)
         self.request = request
-        self.model_labels = (service.metrics.model_label(request.model),
-                             service.metrics.model_label(request.target_model))
+        self.model_labels = service.metrics.model_labels(request.model, request.target_model)
         service.metrics.requests.labels(*self.model_labels, str(request.priority)).inc()
         service.metrics.request_sizes.labels(*self.model_labels).observe(len(body))
         result = await service.director.schedule(self.state, request, len(body))
@@ -149,6 +161,9 @@ class _Stream:
         set_headers = [(messages.DESTINATION_ENDPOINT_HEADER, destination), (REQUEST_ID_HEADER, self.request_id)]
         if forwarded:
             set_headers.append(("Content-Length", str(len(forwarded))))
+        # Headers the pre-request hooks set (the prefiller's ip:port, say); routing headers stay ours.
+        set_headers.extend((k, v) for k, v in self.state.request_headers().items()
+                           if k not in (messages.DESTINATION_ENDPOINT_HEADER, REQUEST_ID_HEADER))
         replies = [messages.request_headers_response(set_headers, destination=destination)]
         replies.extend(messages.request_body_response(piece, eos)
                        for piece, eos in messages.streamed_body_chunks(forwarded, end_of_stream=end_of_stream))
@@ -181,7 +196,7 @@ class _Stream:
             if self.rewriter is not None:
                 chunk = self.rewriter.rewrite(chunk)
             if response.streaming and response.usage is None and b"usage" in chunk:
-                response.usage = parse_usage(chunk, sse=True)
+                response.usage = self._usage_of(chunk, sse=True)
             replies = [messages.response_body_response(chunk, msg.end_of_stream)]
         else:
             self.response_parts.append(chunk)
@@ -198,7 +213,7 @@ class _Stream:
             self.response_parts = []
             if self.rewriter is not None:
                 body = self.rewriter.rewrite(body)
-            response.usage = parse_usage(body, sse=False)
+            response.usage = self._usage_of(body, sse=False)
             replies = [messages.response_body_response(piece, eos)
                        for piece, eos in messages.streamed_body_chunks(body)]
         if msg.end_of_stream:
@@ -208,6 +223,27 @@ class _Stream:
     def on_response_trailers(self) -> list[pb.ProcessingResponse]:
         self.complete()
         return [messages.response_trailers_response()]
+
+    def _usage_of(self, body: bytes, *, sse: bool) -> dict[str, Any] | None:
+        """Token usage of a response body; a body the picker cannot read is counted and passed on."""
+        try:
+            return parse_usage(body, sse=sse)
+        except UnreadableBody:
+            self.service.unreadable_response("too_deep")
+            return None
+
+    def pass_through(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        """The reply to a response message the picker failed on: the model server's bytes, unchanged."""
+        kind = req.WhichOneof("request")
+        if kind == "response_headers":
+            return [messages.response_headers_response()]
+        if kind == "response_trailers":
+            return [messages.response_trailers_response()]
+        msg = req.response_body
+        held, self.response_parts = b"".join(self.response_parts) + msg.body, []
+        self.passthrough = True
+        return [messages.response_body_response(piece, eos)
+                for piece, eos in messages.streamed_body_chunks(held, end_of_stream=msg.end_of_stream)]
 
     def complete(self, *, aborted: bool = False) -> None:
         """Finish the request once: metrics and completion hooks (also when the stream died)."""
@@ -226,15 +262,16 @@ class _Stream:
                 time.monotonic() - self.started)
         usage = self.response.usage
         if usage:
-            prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
-            completion = usage.get("completion_tokens", usage.get("output_tokens"))
-            if isinstance(prompt, int):
+            prompt = _token_count(usage.get("prompt_tokens", usage.get("input_tokens")))
+            completion = _token_count(usage.get("completion_tokens", usage.get("output_tokens")))
+            if prompt is not None:
                 metrics.input_tokens.labels(*labels).observe(prompt)
-            if isinstance(completion, int):
+            if completion is not None:
                 metrics.output_tokens.labels(*labels).observe(completion)
             details = usage.get("prompt_tokens_details") or usage.get("prompt_token_details") or {}
-            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-                metrics.cached_tokens.labels(*labels).observe(details["cached_tokens"])
+            cached = _token_count(details.get("cached_tokens")) if isinstance(details, dict) else None
+            if cached is not None:
+                metrics.cached_tokens.labels(*labels).observe(cached)
         self.service.director.response_complete(self.state, request, self.response, self.target)
 
 
@@ -242,19 +279,55 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
     """`envoy.service.ext_proc.v3.ExternalProcessor` implemented as the GIE endpoint picker."""
 
     def __init__(self, director: Director, parser: RequestParser, metrics: EppMetrics, *,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, limits: Limits | None = None) -> None:
         self.director = director
         self.parser = parser
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
+        self.limits = limits or Limits()
+        self.active_streams = 0
+        self._throttled = Throttled(log)
+        self._unreadable_logged = False
+
+    def check_request_headers(self, headers: Any) -> None:
+        """Raise 431 when request headers exceed the count or size limit."""
+        entries = headers.headers
+        limits = self.limits
+        if len(entries) > limits.max_request_headers:
+            raise InferenceError(ErrorCode.HEADERS_TOO_LARGE,
+                                 f"more than {limits.max_request_headers} request headers")
+        size = sum(len(h.key) + (len(h.raw_value) if h.raw_value else len(h.value)) for h in entries)
+        if size > limits.max_request_header_bytes:
+            raise InferenceError(ErrorCode.HEADERS_TOO_LARGE,
+                                 f"request headers exceed {limits.max_request_header_bytes} bytes")
+
+    def unreadable_response(self, reason: str) -> None:
+        """Count a response body passed on unread; the first one is logged (the counter has the rest)."""
+        self.metrics.unreadable_responses.labels(reason).inc()
+        if not self._unreadable_logged:
+            self._unreadable_logged = True
+            log.warning("a model server's response could not be read (%s) and was passed through unchanged; "
+                        "epp_extproc_unreadable_responses_total counts every such response (logged once)", reason)
+
+    async def _read(self, context: grpc.aio.ServicerContext, stream: _Stream) -> Any:
+        """The next message; waits at most the idle timeout while the request is not answered yet."""
+        if stream.scheduled:
+            return await context.read()
+        async with asyncio.timeout(self.limits.stream_idle_timeout_s):
+            return await context.read()
 
     async def Process(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         stream = _Stream(self)
         metrics = self.metrics
         metrics.streams_active.inc()
+        self.active_streams += 1
+        req: Any = None
         try:
+            if self.active_streams > self.limits.max_concurrent_streams:
+                await self._refuse(context, stream)
+                return
             while True:
-                req = await context.read()
+                req = await self._read(context, stream)
                 if req is grpc.aio.EOF:
                     break
                 if stream.rejected:
@@ -265,20 +338,53 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                     stream.rejected = True
                     metrics.request_errors.labels(*stream.model_labels, err.code.label).inc()
                     replies = [messages.immediate_response(err.code.http_status, err.body)]
-                except Exception:
-                    log.exception("ext_proc stream failed (request id %s)", stream.request_id)
-                    metrics.stream_errors.labels("internal").inc()
-                    stream.rejected = True
-                    replies = [messages.immediate_response(
-                        500, InferenceError(ErrorCode.INTERNAL, "internal error while processing request").body)]
+                except Exception as exc:
+                    replies = self._on_failure(stream, req, exc)
                 for reply in replies:
                     await context.write(reply)
+        except TimeoutError:
+            metrics.stream_errors.labels("idle").inc()
+            if not stream.rejected:
+                err = InferenceError(ErrorCode.REQUEST_TIMEOUT,
+                                     f"no request data for {self.limits.stream_idle_timeout_s:g} s")
+                await context.write(messages.immediate_response(err.code.http_status, err.body))
+        except DecodeError:
+            # A message that is not a ProcessingRequest: one log line (throttled), no traceback.
+            metrics.stream_errors.labels("bad_message").inc()
+            self._throttled.log(logging.WARNING, "bad_message",
+                                "ext_proc stream sent a message that is not a ProcessingRequest: stream closed")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed ProcessingRequest")
         except asyncio.CancelledError:
             metrics.stream_errors.labels("cancelled").inc()
             raise
         finally:
+            self.active_streams -= 1
             metrics.streams_active.dec()
             stream.complete(aborted=True)
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, stream: _Stream) -> None:
+        """Answer a stream over the concurrency limit with 429 once its first message arrives."""
+        self.metrics.stream_errors.labels("over_capacity").inc()
+        first = await self._read(context, stream)
+        if first is grpc.aio.EOF:
+            return
+        err = InferenceError(ErrorCode.RESOURCE_EXHAUSTED,
+                             f"too many concurrent requests (limit {self.limits.max_concurrent_streams})")
+        await context.write(messages.immediate_response(err.code.http_status, err.body))
+
+    def _on_failure(self, stream: _Stream, req: pb.ProcessingRequest, exc: Exception) -> list[pb.ProcessingResponse]:
+        """An unexpected error: a request gets 500; a response is passed through, never replaced."""
+        kind = req.WhichOneof("request")
+        if kind in RESPONSE_PHASES:
+            log_failure(log, logging.ERROR, "response phase %s failed (request id %s); passed through",
+                        exc, kind, stream.request_id)
+            self.metrics.stream_errors.labels("response_internal").inc()
+            return stream.pass_through(req)
+        log_failure(log, logging.ERROR, "ext_proc stream failed (request id %s)", exc, stream.request_id)
+        self.metrics.stream_errors.labels("internal").inc()
+        stream.rejected = True
+        return [messages.immediate_response(
+            500, InferenceError(ErrorCode.INTERNAL, "internal error while processing request").body)]
 
     async def _dispatch(self, stream: _Stream, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         kind = req.WhichOneof("request")

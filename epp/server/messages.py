@@ -9,6 +9,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from epp.framework.headers import PREFILLER_HOST_PORT_HEADER
+
 # Some Envoy deployments cap streamed body messages at 64 KiB; GIE re-emits bodies in 62,000-byte pieces.
 BODY_CHUNK_LIMIT = 62_000
 
@@ -16,11 +18,20 @@ DESTINATION_ENDPOINT_HEADER = "x-gateway-destination-endpoint"
 LB_METADATA_NAMESPACE = "envoy.lb"
 
 
+# Routing headers only the picker may set (GIE §1.3). The request-headers reply drops any other
+# copy, so a client's forged value cannot sit next to (or instead of) the picked endpoint.
+SERVED_ENDPOINT_HEADER = "x-gateway-destination-endpoint-served"
+PICKER_OWNED_HEADERS = (DESTINATION_ENDPOINT_HEADER, SERVED_ENDPOINT_HEADER, PREFILLER_HOST_PORT_HEADER)
+
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+
 def header_mutation(set_headers: Iterable[tuple[str, str]],
                     remove: Iterable[str] = ()) -> pb.HeaderMutation:
-    """Headers to set (values as `raw_value`, as Envoy expects) and headers to remove."""
+    """Headers to set, replacing any existing value (as `raw_value`, as Envoy expects), and headers to remove."""
     return pb.HeaderMutation(
-        set_headers=[base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, raw_value=v.encode()))
+        set_headers=[base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, raw_value=v.encode()),
+                                                append_action=_OVERWRITE)
                      for k, v in set_headers],
         remove_headers=list(remove),
     )
@@ -35,10 +46,16 @@ def destination_metadata(endpoints: str) -> struct_pb2.Struct:
 
 def request_headers_response(set_headers: Iterable[tuple[str, str]], *,
                              destination: str | None) -> pb.ProcessingResponse:
-    """The held request-headers reply: route to `destination`, with its LB metadata."""
+    """The held request-headers reply: route to `destination`, with its LB metadata.
+
+    Picker-owned headers that this reply does not set are removed (a client's copies never pass).
+    """
+    set_headers = list(set_headers)
+    setting = {key.lower() for key, _ in set_headers}
+    remove = [name for name in PICKER_OWNED_HEADERS if name not in setting]
     response = pb.ProcessingResponse(
         request_headers=pb.HeadersResponse(response=pb.CommonResponse(
-            header_mutation=header_mutation(set_headers), clear_route_cache=True)))
+            header_mutation=header_mutation(set_headers, remove), clear_route_cache=True)))
     if destination is not None:
         response.dynamic_metadata.CopyFrom(destination_metadata(destination))
     return response

@@ -14,10 +14,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2_grpc
 from prometheus_client import start_http_server
 
+from epp.datalayer.freshness import freshness_window
 from epp.datalayer.kubernetes import ObjectivePriorities
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
 from epp.director import AdmissionPolicy, Director, Pipeline
 from epp.framework.plugin import PluginContext
+from epp.limits import Limits
 from epp.metrics import EppMetrics
 from epp.request.parsing import RequestParser
 from epp.server.extproc import DEFAULT_MAX_BODY_BYTES, ExtProcService
@@ -59,6 +61,7 @@ class ServeOptions:
     kubeconfig: str | None = None
     # Active-passive HA (GIE): only the holder of the pool's Lease reports ready.
     ha_enable_leader_election: bool = False
+    limits: Limits = field(default_factory=Limits)
 
 
 class EppServer:
@@ -67,7 +70,7 @@ class EppServer:
     def __init__(self, options: ServeOptions, *, pipeline: Pipeline | None = None,
                  admission: AdmissionPolicy | None = None) -> None:
         self.options = options
-        self.metrics = EppMetrics()
+        self.metrics = EppMetrics(max_label_value_length=options.limits.max_label_value_length)
         self.endpoints = EndpointRegistry()
         self.context = PluginContext(metrics_registry=self.metrics.registry, endpoints=self.endpoints)
         self._pipeline = pipeline
@@ -96,8 +99,10 @@ class EppServer:
         pipeline, admission, objectives = self._build_pipeline()
         # Static objectives from the config; Kubernetes discovery layers InferenceObjectives over them.
         self.objectives = ObjectivePriorities(objectives)
+        freshness = freshness_window(opts.refresh_metrics_interval_s) if opts.scrape_metrics else None
         self.director = Director(pipeline, self.endpoints, self.metrics, admission,
-                                 use_subset_hint=not opts.disable_endpoint_subset_filter)
+                                 use_subset_hint=not opts.disable_endpoint_subset_filter,
+                                 metrics_freshness_s=freshness)
         await self._start_discovery()
         if opts.ha_enable_leader_election:
             from epp.server.leader_election import LeaderElection, lease_name
@@ -109,10 +114,11 @@ class EppServer:
             await self.leader.start()
         for plugin in pipeline.plugins:
             await plugin.start()
-        parser = RequestParser(objectives)
+        limits = opts.limits
+        parser = RequestParser(objectives, max_json_depth=limits.max_json_depth)
         parser.objective_priorities = self.objectives  # a live view: InferenceObjectives change at run time
-        service = ExtProcService(self.director, parser, self.metrics,
-                                 max_body_bytes=opts.max_body_bytes)
+        service = ExtProcService(self.director, parser, self.metrics, max_body_bytes=opts.max_body_bytes,
+                                 limits=limits)
         # Large bodies arrive in Envoy-sized pieces; the cap on whole messages only needs headroom.
         grpc_options = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
                         ("grpc.max_send_message_length", 64 * 1024 * 1024)]

@@ -41,3 +41,26 @@ def test_result_table_reports_speedups_against_the_seeds():
     assert "| TTFT from CPU tier | 0.500 s | 8.000x | 12.8x |" in text
     assert "| TTFT from disk tier | n/a | n/a | |" in text
     assert "| 1.500x | 1.85x |" in text
+
+
+def test_pd_dry_run_prints_a_nixl_prefiller_and_a_decoder_behind_the_sidecar(capsys):
+    bench = _bench_module()
+    assert bench.main(["--dry-run", "--python", "/gpu/venv/bin/python", "--phases", "pd"]) == 0
+    out = capsys.readouterr().out
+    assert "# replica with offload" not in out
+    prefill, decode = out.split("# P/D decode replica")
+    for part in (prefill, decode):
+        assert '"kv_connector":"NixlConnector"' in part and "--gpu-memory-utilization 0.4" in part
+        assert "VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1" in part
+    assert "VLLM_NIXL_SIDE_CHANNEL_PORT=5600" in prefill and "VLLM_NIXL_SIDE_CHANNEL_PORT=5601" in decode
+    assert "epp engine pd-sidecar --port 8200 --vllm-port 8201" in decode and "pd-sidecar" not in prefill
+    assert bench.main(["--dry-run", "--phases", "pd,gpus"]) == 2
+
+
+def test_pd_table_reports_correctness_and_ttft():
+    bench = _bench_module()
+    text = bench.pd_table({"output_matches": True, "decoder_computed_tokens": 1.0,
+                           "disaggregated_ttft_s": [0.3, 0.2, 0.4], "local_ttft_s": [0.5, 0.6, 0.7]})
+    assert "| greedy output, P/D = prefiller alone | True |" in text
+    assert "| TTFT median, disaggregated (prefill on the prefiller) | 0.300 s |" in text
+    assert "| TTFT median, prefilled on the decoder | 0.600 s |" in text

@@ -1,0 +1,129 @@
+"""Each limit of epp/limits.py reached gives its defined answer (README "Limits")."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from epp.limits import Limits
+from tests.extproc_support import ExtProcClient, no_reply_within, request_body, request_headers, started
+
+BODY = b'{"model":"m","prompt":"hello"}'
+
+
+async def with_limits(**limits):
+    server = await started(limits=Limits(**limits))
+    return server, ExtProcClient(server.grpc_port)
+
+
+def immediate(reply) -> tuple[int, str]:
+    assert reply.HasField("immediate_response"), reply
+    return reply.immediate_response.status.code, reply.immediate_response.body.decode()
+
+
+async def test_a_stream_over_the_concurrency_limit_gets_429_and_the_slot_comes_back():
+    server, client = await with_limits(max_concurrent_streams=2)
+    try:
+        held = [await client.open() for _ in range(2)]
+        for call in held:
+            await call.write(request_headers())
+        await asyncio.sleep(0.2)
+        replies = await client.exchange([request_headers(), request_body(BODY)], expect=1)
+        assert immediate(replies[0]) == (429, "inference error: ResourceExhausted - too many concurrent requests "
+                                              "(limit 2)")
+        for call in held:
+            await call.write(request_body(BODY))
+            assert (await asyncio.wait_for(call.read(), 5)).HasField("request_headers")
+            await call.read()
+            await call.done_writing()
+            await call.code()
+        replies = await client.exchange([request_headers(), request_body(BODY)], expect=2)
+        assert replies[0].HasField("request_headers")
+        assert server.metrics.stream_errors.labels("over_capacity")._value.get() == 1
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
+async def test_an_unanswered_request_idle_past_the_timeout_gets_408():
+    server, client = await with_limits(stream_idle_timeout_s=0.5)
+    try:
+        call = await client.open()
+        await call.write(request_headers())
+        await call.write(request_body(BODY[:10], end_of_stream=False))
+        pending = await no_reply_within(call, 0.3)
+        reply = await asyncio.wait_for(pending, 5)
+        assert immediate(reply) == (408, "inference error: RequestTimeout - no request data for 0.5 s")
+        assert server.metrics.streams_active._value.get() == 0
+        assert server.metrics.stream_errors.labels("idle")._value.get() == 1
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
+async def test_the_idle_timeout_does_not_cut_an_answered_request():
+    server, client = await with_limits(stream_idle_timeout_s=0.3)
+    try:
+        call = await client.open()
+        await call.write(request_headers())
+        await call.write(request_body(BODY))
+        assert (await asyncio.wait_for(call.read(), 5)).HasField("request_headers")
+        await call.read()
+        await asyncio.sleep(0.8)  # a model server thinking: the stream stays open
+        assert server.metrics.streams_active._value.get() == 1
+        await call.done_writing()
+        await call.code()
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
+@pytest.mark.parametrize("extra,message", [
+    ([(f"x-h{i}", "v") for i in range(20)], "more than 10 request headers"),
+    ([("x-big", "v" * 2000)], "request headers exceed 1024 bytes"),
+], ids=["count", "size"])
+async def test_too_many_or_too_large_request_headers_get_431(extra, message):
+    server, client = await with_limits(max_request_headers=10, max_request_header_bytes=1024)
+    try:
+        replies = await client.exchange([request_headers(extra=extra), request_body(BODY)], expect=1)
+        assert immediate(replies[0]) == (431, f"inference error: RequestHeaderFieldsTooLarge - {message}")
+        ok = await client.exchange([request_headers(extra=[("x-h", "v")]), request_body(BODY)], expect=2)
+        assert ok[0].HasField("request_headers")
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
+async def test_json_depth_limit_is_configurable():
+    server, client = await with_limits(max_json_depth=4)
+    try:
+        ok = json.dumps({"model": "m", "prompt": [[1, 2]], "x": {"y": [1]}}).encode()
+        assert (await client.exchange([request_headers(), request_body(ok)], expect=2))[0].HasField("request_headers")
+        deep = json.dumps({"model": "m", "prompt": "x", "x": {"y": [[[1]]]}}).encode()
+        replies = await client.exchange([request_headers(), request_body(deep)], expect=1)
+        assert immediate(replies[0]) == (400, "inference error: BadRequest - request body nests objects/arrays "
+                                              "deeper than 4 levels")
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
+async def test_label_value_length_limit_cuts_model_labels():
+    server, client = await with_limits(max_label_value_length=16)
+    try:
+        body = json.dumps({"model": "a-rather-long-model-name-indeed", "prompt": "x"}).encode()
+        await client.exchange([request_headers(), request_body(body)], expect=2)
+        names = {s.labels["model_name"] for s in server.metrics.requests.collect()[0].samples}
+        assert names == {"a-rather-long-m…"}
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
+def test_limits_reject_nonsense_values():
+    with pytest.raises(ValueError, match="max_json_depth"):
+        Limits(max_json_depth=0)
+    with pytest.raises(ValueError, match="stream_idle_timeout_s"):
+        Limits(stream_idle_timeout_s=0)
