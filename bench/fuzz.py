@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,6 +94,8 @@ async def main_async(args: argparse.Namespace) -> int:
         def progress(done: int, report) -> None:
             if done % 10_000 == 0:
                 rss, fds = process_usage(proc.pid)
+                if done % 50_000 == 0 and done != args.streams:
+                    rows.append((f"after {done:,} streams", rss, fds))
                 print(f"  {done:>7,} streams  {time.monotonic() - began:5.0f} s  violations {len(report.violations)}  "
                       f"rss {rss:.1f} MiB  fds {fds}", flush=True)
 
@@ -124,6 +127,12 @@ async def main_async(args: argparse.Namespace) -> int:
     print("\n| picker process | RSS (MiB) | open fds |\n|---|---:|---:|")
     for label, rss, fds in rows:
         print(f"| {label} | {rss:.1f} | {fds} |")
+    # The server's log at its default level, one row per distinct message (timestamps dropped).
+    messages = Counter(line.split(" ", 2)[2] if line[:4].isdigit() and line.count(" ") >= 2 else line
+                       for line in log_lines)
+    print("\n| server log line (default level) | times |\n|---|---:|")
+    for message, count in messages.most_common(10):
+        print(f"| {message[:160]} | {count} |")
     for violation in violations[:20]:
         print("VIOLATION", violation)
     if args.json:
