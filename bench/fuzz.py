@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -151,6 +152,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=18)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--json", help="also write the results here")
+    # SIGTERM unwinds like Ctrl-C, so the picker process this started is stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     return asyncio.run(main_async(parser.parse_args()))
 
 
