@@ -198,24 +198,26 @@ class _Stream:
             if response.streaming and response.usage is None and b"usage" in chunk:
                 response.usage = self._usage_of(chunk, sse=True)
             replies = [messages.response_body_response(chunk, msg.end_of_stream)]
-        else:
+        # Held parts are dropped only once their reply is built: `pass_through` re-sends them on a failure.
+        elif self.response_size + len(chunk) > self.service.max_body_bytes:
+            # Too big to buffer: send what we hold and stream the rest through unmodified.
+            self.passthrough = True
+            held = b"".join(self.response_parts) + chunk
+            replies = [messages.response_body_response(piece, eos) for piece, eos in
+                       messages.streamed_body_chunks(held, end_of_stream=msg.end_of_stream)]
+            self.response_parts = []
+        elif not msg.end_of_stream:
             self.response_parts.append(chunk)
             self.response_size += len(chunk)
-            if self.response_size > self.service.max_body_bytes:
-                # Too big to buffer: send what we hold and stream the rest through unmodified.
-                self.passthrough = True
-                held, self.response_parts = b"".join(self.response_parts), []
-                return [messages.response_body_response(piece, eos) for piece, eos in
-                        messages.streamed_body_chunks(held, end_of_stream=msg.end_of_stream)]
-            if not msg.end_of_stream:
-                return []
-            body = b"".join(self.response_parts)
-            self.response_parts = []
+            return []
+        else:
+            body = b"".join(self.response_parts) + chunk
             if self.rewriter is not None:
                 body = self.rewriter.rewrite(body)
             response.usage = self._usage_of(body, sse=False)
             replies = [messages.response_body_response(piece, eos)
                        for piece, eos in messages.streamed_body_chunks(body)]
+            self.response_parts = []
         if msg.end_of_stream:
             self.complete()
         return replies
@@ -260,6 +262,14 @@ class _Stream:
         if not aborted:
             metrics.request_duration.labels(*labels).observe(
                 time.monotonic() - self.started)
+        try:
+            self._observe_usage(labels)
+        except Exception as exc:  # metrics of a finished request never fail the response
+            log_failure(log, logging.ERROR, "token usage of request %s not recorded", exc, self.request_id)
+        self.service.director.response_complete(self.state, request, self.response, self.target)
+
+    def _observe_usage(self, labels: tuple[str, str]) -> None:
+        metrics = self.service.metrics
         usage = self.response.usage
         if usage:
             prompt = _token_count(usage.get("prompt_tokens", usage.get("input_tokens")))
@@ -272,7 +282,6 @@ class _Stream:
             cached = _token_count(details.get("cached_tokens")) if isinstance(details, dict) else None
             if cached is not None:
                 metrics.cached_tokens.labels(*labels).observe(cached)
-        self.service.director.response_complete(self.state, request, self.response, self.target)
 
 
 class ExtProcService(pb_grpc.ExternalProcessorServicer):

@@ -233,3 +233,21 @@ async def test_garbage_protobuf_logs_one_line_without_traceback(picker, caplog):
     assert len(noisy) == 1 and noisy[0].exc_info is None
     assert "not a ProcessingRequest" in noisy[0].getMessage()
     assert server.metrics.stream_errors.labels("bad_message")._value.get() == 2
+
+
+async def test_any_failure_in_a_response_phase_passes_the_bytes_through(picker, monkeypatch):
+    server, client = picker
+    import epp.server.extproc as extproc
+
+    def unreadable(body, *, sse):
+        raise LookupError("a bug in reading usage")
+
+    monkeypatch.setattr(extproc, "parse_usage", unreadable)
+    chunks = [b'{"usage":{"prompt_tokens":', b"3}", b',"x":1}']
+    replies = await client.exchange(
+        [request_headers(), request_body(b'{"model":"m","prompt":"hello"}'),
+         response_headers([(":status", "200"), ("content-type", "application/json")]),
+         *[response_body(c, end_of_stream=i == len(chunks) - 1) for i, c in enumerate(chunks)]], expect=4)
+    assert not any(r.HasField("immediate_response") for r in replies)
+    assert streamed_bodies(replies) == b"".join(chunks)
+    assert server.metrics.stream_errors.labels("response_internal")._value.get() == 1

@@ -127,3 +127,13 @@ def test_limits_reject_nonsense_values():
         Limits(max_json_depth=0)
     with pytest.raises(ValueError, match="stream_idle_timeout_s"):
         Limits(stream_idle_timeout_s=0)
+
+
+@pytest.mark.parametrize("flag,value,name", [("--max-json-depth", "0", "max_json_depth"),
+                                             ("--stream-idle-timeout", "-1", "stream_idle_timeout_s"),
+                                             ("--max-concurrent-streams", "0", "max_concurrent_streams")])
+def test_serve_refuses_nonsense_limits_with_exit_2(capsys, flag, value, name):
+    from epp.cli import main
+
+    assert main(["serve", flag, value]) == 2
+    assert name in capsys.readouterr().err

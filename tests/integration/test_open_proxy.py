@@ -130,15 +130,37 @@ def _filters_of(config: dict) -> list[dict]:
             for f in hcm["typed_config"].get("http_filters", [])]
 
 
-@pytest.mark.parametrize("source", ["rendered", *sorted(p.name for p in (REPO / "deploy" / "envoy").glob("*.yaml"))])
+def _envoy_configs_in(path: Path) -> list[dict]:
+    """Envoy bootstraps in a YAML file: the file itself, or embedded in a ConfigMap's data."""
+    found = []
+    for doc in yaml.safe_load_all(path.read_text()):
+        if not isinstance(doc, dict):
+            continue
+        if "static_resources" in doc:
+            found.append(doc)
+        for value in (doc.get("data") or {}).values() if doc.get("kind") == "ConfigMap" else ():
+            try:
+                inner = yaml.safe_load(value)
+            except yaml.YAMLError:
+                continue
+            if isinstance(inner, dict) and "static_resources" in inner:
+                found.append(inner)
+    return found
+
+
+SHIPPED = sorted(str(p.relative_to(REPO)) for p in (REPO / "deploy").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("source", ["rendered", *SHIPPED])
 def test_every_shipped_config_strips_client_routing_headers_before_ext_proc(source):
     if source == "rendered":
-        texts = [render_config(failure_mode_allow=a, response_processing=b) for a in (0, 1) for b in (0, 1)]
+        configs = [yaml.safe_load(render_config(failure_mode_allow=a, response_processing=b))
+                   for a in (False, True) for b in (False, True)]
     else:
-        texts = [(REPO / "deploy" / "envoy" / source).read_text()]
+        configs = _envoy_configs_in(REPO / source)
     assert set(FORGED) <= set(CLIENT_STRIPPED_HEADERS)
-    for text in texts:
-        filters = _filters_of(yaml.safe_load(text))
+    for config in configs:
+        filters = _filters_of(config)
         names = [f["name"] for f in filters]
         if "envoy.filters.http.ext_proc" not in names:
             continue
