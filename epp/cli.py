@@ -34,6 +34,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds between /metrics scrapes of each endpoint (default 0.05)")
     p.add_argument("--disable-endpoint-subset-filter", action="store_true",
                    help="ignore the subset hint from the data plane")
+    p.add_argument("--token-accounting-tenant", default="fairness",
+                   help="tenant label of the token counters: fairness (id header), objective, header:<name> "
+                        "or none (default fairness)")
+    p.add_argument("--prefill-capacity-tokens-per-second", type=float, default=0.0,
+                   help="prefill tokens/s one replica computes; adds the pool's prefill capacity gauges")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logs (-v info, -vv debug)")
 
 
@@ -50,13 +55,22 @@ def _run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"epp serve: --endpoints: {exc}", file=sys.stderr)
         return 2
+    from epp.fleet.accounting import parse_tenant_source
+
+    try:
+        parse_tenant_source(args.token_accounting_tenant)
+    except ValueError as exc:
+        print(f"epp serve: --token-accounting-tenant: {exc}", file=sys.stderr)
+        return 2
     options = ServeOptions(
         grpc_port=args.grpc_port, grpc_health_port=args.grpc_health_port, metrics_port=args.metrics_port,
         bind_address=args.bind_address, config_text=config_text, config_file=args.config_file,
         endpoints=endpoints, endpoints_file=args.endpoints_file, secure_serving=args.secure_serving,
         cert_path=args.cert_path, max_body_bytes=args.max_request_body_bytes,
         grace_period_s=args.grace_period, refresh_metrics_interval_s=args.refresh_metrics_interval,
-        disable_endpoint_subset_filter=args.disable_endpoint_subset_filter)
+        disable_endpoint_subset_filter=args.disable_endpoint_subset_filter,
+        token_accounting_tenant=args.token_accounting_tenant,
+        prefill_capacity_tokens_per_s=args.prefill_capacity_tokens_per_second)
     from epp.framework.errors import ConfigError
 
     try:
@@ -94,6 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Model-server tools have their own argument parsers; hand them the rest of the line.
     if argv[:1] == ["engine"]:
         return _engine(argv[1:])
+    if argv[:1] == ["cost"]:
+        from epp.fleet.cost import main as cost_main
+
+        return cost_main(argv[1:])
     if argv[:1] == ["sim"]:
         from epp.engine.sim.__main__ import main as sim_main
 
@@ -121,6 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "response hooks or model-name rewrite back")
     sub.add_parser("engine", help="model-server tools: `epp engine serve|disk-manager --help`")
     sub.add_parser("sim", help="the vLLM simulator: `epp sim --help`")
+    sub.add_parser("cost", help="what cached tokens saved over a window of the picker's counters: `epp cost --help`")
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * getattr(args, "verbose", 1)
     logging.basicConfig(level=max(level, logging.DEBUG), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -14,6 +14,7 @@ from epp.datalayer.registry import EndpointRegistry
 from epp.framework.errors import ErrorCode, InferenceError
 from epp.framework.plugin import (
     Admitter,
+    CapacityGate,
     CycleState,
     DataProducer,
     Plugin,
@@ -48,6 +49,7 @@ class Pipeline:
     pre_request_hooks: Sequence[PreRequestHook] = ()
     response_headers_hooks: Sequence[ResponseHeadersHook] = ()
     response_complete_hooks: Sequence[ResponseCompleteHook] = ()
+    capacity_gates: Sequence[CapacityGate] = ()
     plugins: Sequence[Plugin] = field(default_factory=list)
 
 
@@ -79,15 +81,20 @@ class Director:
         self.use_subset_hint = use_subset_hint
 
     def candidates(self, request: InferenceRequest) -> list[Endpoint]:
-        """Healthy pool endpoints, narrowed by the request's subset hint."""
-        endpoints = [ep for ep in self.endpoints.snapshot() if ep.healthy]
+        """Healthy, awake pool endpoints, narrowed by the request's subset hint.
+
+        A sleeping vLLM accepts a request and holds it unserved until someone wakes it, so
+        sleeping replicas are left out here, for every configuration (a filter could be
+        forgotten in a GIE config; this cannot), exactly like unhealthy ones.
+        """
+        endpoints = [ep for ep in self.endpoints.snapshot() if ep.healthy and not ep.metrics.sleeping]
         if self.use_subset_hint and request.subset_hint is not None:
             endpoints = match_subset(endpoints, request.subset_hint)
         return endpoints
 
     def random_endpoint(self, subset_hint: Sequence[str] | None = None) -> Endpoint:
-        """Any healthy endpoint (within the subset hint), for requests without a body."""
-        endpoints = [ep for ep in self.endpoints.snapshot() if ep.healthy]
+        """Any healthy, awake endpoint (within the subset hint), for requests without a body."""
+        endpoints = [ep for ep in self.endpoints.snapshot() if ep.healthy and not ep.metrics.sleeping]
         if not endpoints:
             raise InferenceError(ErrorCode.INTERNAL, "no pods available in datastore")
         if self.use_subset_hint and subset_hint is not None:
@@ -103,6 +110,8 @@ class Director:
         timer = self.metrics.observe_plugin
         try:
             candidates = self.candidates(request)
+            for gate in self.pipeline.capacity_gates:
+                candidates = list(await gate.ensure_capacity(state, request, candidates))
             if self.admission is not None:
                 self.admission.admit(request, candidates)
             if not candidates:

@@ -14,7 +14,9 @@ context, 128 MiB, 0.05 ms) and its share of compute (0.03 ms) -> 0.08 ms per run
 CPU-tier loads move 128 KiB/token over PCIe Gen5 x16 at an effective 25 GB/s -> 5.2 us/token;
 disk-tier loads at an effective 5 GB/s of NVMe -> 26 us/token. The KV capacity follows from
 (80 GB x 0.9 - 16.1 GB weights - ~2 GB activations) / (16 tokens x 128 KiB) ~ 26,000 blocks.
-They are estimates, not measurements (no GPU was available to calibrate them); replace them with
+Waking from sleep level 1 copies the weights back from pinned CPU memory over the same PCIe link
+(16.1 GB at 25 GB/s -> 0.64 s) and re-allocates the KV cache: about 0.7 s, against tens of
+seconds for a cold start. They are estimates, not measurements (no GPU was available to calibrate them); replace them with
 measured numbers (``LatencyProfile(...)``) when one is.
 """
 
@@ -39,6 +41,8 @@ class LatencyProfile:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 8192
+    # Seconds `/wake_up` takes to bring a level-1 sleeping engine back (weights CPU -> GPU).
+    wake_seconds: float = 0.0
 
     def step_time(self, prefill_tokens: int, decoding_seqs: int, load_time: float = 0.0) -> float:
         """Duration of one forward pass with this much work."""
@@ -74,6 +78,7 @@ H100_LLAMA3_8B = LatencyProfile(
     max_num_seqs=256,
     max_num_batched_tokens=8192,
     max_model_len=8192,
+    wake_seconds=0.7,
 )
 
 # Fast enough that a test request completes in milliseconds, still shaped like a GPU:
@@ -91,6 +96,7 @@ FAST = LatencyProfile(
     max_num_seqs=256,
     max_num_batched_tokens=8192,
     max_model_len=8192,
+    wake_seconds=0.05,
 )
 
 PROFILES: dict[str, LatencyProfile] = {p.name: p for p in (H100_LLAMA3_8B, FAST)}

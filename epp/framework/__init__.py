@@ -7,6 +7,7 @@ data types, plugin interfaces, the registry and the per-request `CycleState`.
 from epp.framework.errors import ConfigError, ErrorCode, InferenceError
 from epp.framework.plugin import (
     Admitter,
+    CapacityGate,
     CycleState,
     DataProducer,
     Filter,
@@ -34,7 +35,7 @@ from epp.framework.types import (
 )
 
 __all__ = [
-    "Admitter", "ApiKind", "ConfigError", "CycleState", "DataProducer", "Endpoint",
+    "Admitter", "ApiKind", "CapacityGate", "ConfigError", "CycleState", "DataProducer", "Endpoint",
     "EndpointMetrics", "ErrorCode", "Filter", "InferenceError", "InferenceRequest", "Picker",
     "Plugin", "PluginContext", "PluginRegistry", "PluginSpec", "PreRequestHook",
     "ProfileHandler", "ProfileRunResult", "ResponseCompleteHook", "ResponseHeadersHook",
