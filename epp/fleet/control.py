@@ -42,11 +42,19 @@ class ReplicaControl:
             self._session = None
 
     async def sleep(self, endpoint: Endpoint, level: int = 1) -> None:
-        """`POST /sleep?level=N`; raises ControlError unless the replica says it sleeps."""
-        answer = await self._post(endpoint, f"/sleep?level={level}", self.timeout)
-        if isinstance(answer, dict) and answer.get("status") not in (None, "sleeping"):
-            raise ControlError(f"{endpoint.name} answered /sleep with {answer!r}")
+        """`POST /sleep?level=N&mode=wait`; raises ControlError unless the replica says it sleeps.
+
+        The replica is marked asleep before the call, so no request is routed to it while it goes
+        down (vLLM's default mode aborts running requests; `mode=wait` lets them finish).
+        """
         self._mark(endpoint, sleeping=True)
+        try:
+            answer = await self._post(endpoint, f"/sleep?level={level}&mode=wait", self.timeout)
+            if isinstance(answer, dict) and answer.get("status") not in (None, "sleeping"):
+                raise ControlError(f"{endpoint.name} answered /sleep with {answer!r}")
+        except ControlError:
+            self._mark(endpoint, sleeping=False)
+            raise
 
     async def wake(self, endpoint: Endpoint, timeout: float | None = None) -> None:
         """`POST /wake_up`; vLLM answers once the weights are back. Raises ControlError otherwise."""
