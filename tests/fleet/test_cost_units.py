@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import subprocess
 import sys
 
@@ -11,7 +13,9 @@ from prometheus_client import CollectorRegistry
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
 from epp.fleet.cost import PriceError, cost_lines, load_prices, read_counters, window_counters
 from epp.fleet.pool_gauges import PoolGauges, RateWindow
-from epp.framework.types import EndpointMetrics
+from epp.framework.plugin import CycleState
+from epp.framework.types import ApiKind, EndpointMetrics, InferenceRequest, ResponseInfo
+from epp.server.runner import EppServer, ServeOptions
 
 PAGE = """# TYPE epp_prompt_tokens_reported counter
 epp_prompt_tokens_reported_total{{kind="cached",model="m",tenant="t"}} {cached}
@@ -103,3 +107,26 @@ def test_rate_window_forgets_old_buckets():
     assert window.rate(now=6.0) == pytest.approx(20.0)
     assert window.rate(now=12.0) == pytest.approx(10.0)
     assert window.rate(now=30.0) == 0.0
+
+
+async def test_cost_command_scrapes_a_live_picker_twice(tmp_path):
+    """`--metrics-url` takes the window between two scrapes: what was counted before it is left out."""
+    server = EppServer(ServeOptions(grpc_port=0, grpc_health_port=0, metrics_port=0, bind_address="127.0.0.1",
+                                    scrape_metrics=False))
+    await server.start()
+    try:
+        request = InferenceRequest("r", ApiKind.COMPLETIONS, "m", "m", {})
+        usage = {"prompt_tokens": 100, "completion_tokens": 5, "prompt_tokens_details": {"cached_tokens": 60}}
+        server.accounting.on_response_complete(CycleState(), request, ResponseInfo(usage=usage), None)
+        (tmp_path / "p.yaml").write_text("default: {input: 1, cached: 0.5, output: 2}\n")
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "epp.cli", "cost", "--prices", str(tmp_path / "p.yaml"), "--json",
+            "--metrics-url", f"http://127.0.0.1:{server.metrics_port}/metrics", "--window", "0.2",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+    finally:
+        await server.stop(0)
+    assert proc.returncode == 0, err.decode()
+    report = json.loads(out)
+    assert report["window_seconds"] == 0.2
+    assert report["total"]["prompt_tokens"] == 0 and report["total"]["input_cost"] == 0
