@@ -69,8 +69,7 @@ class SleepWakePolicy(CapacityGate, PreRequestHook, ResponseCompleteHook):
 
     def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
         super().__init__(name)
-        if context.endpoints is None:
-            raise ConfigError(f"plugin {name!r}: needs the endpoint registry")
+        # None only where a config is checked, not served (`epp check-config`).
         self.registry = context.endpoints
         self.model_label = params.str("modelLabel", "model") or "model"
         self.gpu_label = params.str("gpuLabel", None)
@@ -105,6 +104,8 @@ class SleepWakePolicy(CapacityGate, PreRequestHook, ResponseCompleteHook):
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        if self.registry is None:
+            raise RuntimeError(f"{self.name}: the plugin context has no endpoint registry")
         await self.control.start()
         if self.idle_sleep_s > 0:
             self._idle_task = asyncio.get_running_loop().create_task(self._idle_loop(), name=f"{self.name} idle")
