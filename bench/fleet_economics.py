@@ -8,6 +8,8 @@ while B only trickles, then the reverse. Two set-ups get the same request sequen
   awake. The picker's `sleep-wake-policy` (gpuLabel) wakes a replica of a model whose awake
   replicas are saturated (putting the idle other-model replica of that GPU to sleep), and puts
   replicas idle for a while to sleep, keeping one awake per model;
+- `sleep-wake-last`: the same, but the last awake replica of a model may be put to sleep too
+  (`sleepLastReplica: true`), so a busy model can take all four GPUs;
 - `all-awake`: every replica always awake with half the KV cache (two models in one GPU's memory).
 
 Reported per model: TTFT p90, requests served (HTTP 200) and failed, replica-seconds awake.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import random
 import time
@@ -78,7 +81,9 @@ POLICY = """
     wakeCooldownSeconds: 1
     maxHoldSeconds: 10
     idleSleepSeconds: 5
-    idleCheckSeconds: 0.5"""
+    idleCheckSeconds: 0.5
+    sleepLastReplica: {sleep_last}"""
+SETUPS = ("sleep-wake", "sleep-wake-last", "all-awake")
 
 
 @dataclass
@@ -126,7 +131,7 @@ async def start_stack(config_text: str | None, specs: list[EndpointSpec]) -> tup
 
 
 async def run_setup(name: str, phases: int, phase_s: float, rate: float, trickle: float, seed: int) -> SetupResult:
-    sleep_wake = name == "sleep-wake"
+    sleep_wake = name.startswith("sleep-wake")
     blocks = FULL_KV_BLOCKS if sleep_wake else FULL_KV_BLOCKS // 2
     fleets = {m: await SimFleet(fleet_config(m, blocks)).start() for m in MODELS}
     specs = []
@@ -141,7 +146,8 @@ async def run_setup(name: str, phases: int, phase_s: float, rate: float, trickle
                 asleep = "model-b" if gpu < GPUS // 2 else "model-a"
                 async with session.post(f"http://{fleets[asleep].endpoints[gpu]}/sleep?level=1") as resp:
                     assert resp.status == 200
-        server, envoy, base = await start_stack(SCORERS.format(extra=POLICY if sleep_wake else ""), specs)
+        policy = POLICY.format(sleep_last=str(name == "sleep-wake-last").lower()) if sleep_wake else ""
+        server, envoy, base = await start_stack(SCORERS.format(extra=policy), specs)
         try:
             await asyncio.sleep(1.0)  # first scrapes
             streams = {m: model_requests(m, seed + i) for i, m in enumerate(MODELS)}
@@ -246,19 +252,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cost-seconds", type=float, default=30.0, help="length of the shared-prefix cost run")
     p.add_argument("--cost-rate", type=float, default=4.0)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated subset of {', '.join(SETUPS)}")
     p.add_argument("--out", default="bench/results/fleet-economics")
     args = p.parse_args(argv)
     wake = get_profile(PROFILE).wake_seconds
     results = [asyncio.run(run_setup(name, args.phases, args.phase_seconds, args.rate, args.trickle, args.seed))
-               for name in ("sleep-wake", "all-awake")]
+               for name in args.setups.split(",")]
     cost = asyncio.run(cost_run(args.cost_seconds, args.cost_rate, args.seed))
     head = ["set-up", "model", "TTFT p50 ms", "TTFT p90 ms", "served", "failed", "replica-s awake"]
     rows = [r.row(m) for r in results for m in MODELS]
+    errors = {f"{r.name}/{m}": dict(collections.Counter(rec.error for rec in r.records[m] if not rec.ok))
+              for r in results for m in MODELS}
     table = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
     lines = [f"Sleep/wake: {args.phases} phases x {args.phase_seconds:g} s, busy model {args.rate:g} req/s, idle "
              f"model {args.trickle:g} req/s; profile {PROFILE} (wake {wake:g} s simulated), time scale {TIME_SCALE:g}, "
              f"max_num_seqs {MAX_NUM_SEQS}, KV {FULL_KV_BLOCKS} blocks (all-awake: {FULL_KV_BLOCKS // 2})", "",
-             *table, "", f"sleep-wake: {results[0].wakes:.0f} wakes, {results[0].sleeps:.0f} sleeps by the picker", "",
+             *table, "", "; ".join(f"{r.name}: {r.wakes:.0f} wakes, {r.sleeps:.0f} sleeps" for r in results
+                                   if r.name.startswith("sleep-wake")),
+             f"failures by cause: {json.dumps({k: v for k, v in errors.items() if v})}", "",
              f"Cost report, shared-prefix run ({args.cost_seconds:g} s at {args.cost_rate:g} req/s), example prices "
              f"per million tokens: input $3.00, cached input $0.30, output $15.00:", "", "```", cost.rstrip(), "```"]
     text = "\n".join(lines) + "\n"
@@ -268,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "report.md").write_text(text)
     (out / "results.json").write_text(json.dumps({
         "setups": [{"name": r.name, "awake_seconds": r.awake_seconds, "wakes": r.wakes, "sleeps": r.sleeps,
-                    "rows": [r.row(m) for m in MODELS]} for r in results], "cost": cost}, indent=2))
+                    "rows": [r.row(m) for m in MODELS]} for r in results], "errors": errors, "cost": cost}, indent=2))
     return 0
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 
 import aiohttp
@@ -84,9 +83,6 @@ class ReplicaControl:
             raise ControlError(f"{endpoint.name}: {path} failed: {type(exc).__name__}: {exc}") from None
 
     def _mark(self, endpoint: Endpoint, *, sleeping: bool) -> None:
-        current = self.registry.get(endpoint.name)  # type: ignore[attr-defined]
-        if current is None:
-            return
-        self.registry.update(  # type: ignore[attr-defined]
-            endpoint.name, metrics=dataclasses.replace(current.metrics, sleeping=sleeping))
+        # Held until a scrape shows it: a page fetched before the call must not undo it.
+        self.registry.expect_sleeping(endpoint.name, sleeping, self.timeout)  # type: ignore[attr-defined]
         log.info("%s is %s", endpoint.name, "asleep" if sleeping else "awake")

@@ -13,7 +13,7 @@ from epp.datalayer.registry import EndpointRegistry, EndpointSpec
 from epp.datalayer.scraper import MetricsScraper
 from epp.framework.errors import InferenceError
 from epp.framework.plugin import CycleState
-from epp.framework.types import ApiKind, InferenceRequest
+from epp.framework.types import ApiKind, EndpointMetrics, InferenceRequest
 from tests.blackbox.pods import start_picker, wait_until
 from tests.conftest import free_port
 from tests.fleet.support import config, spec, start_fleet
@@ -129,3 +129,20 @@ async def test_a_sleeping_simulated_replica_is_never_picked(with_config):
     finally:
         await epp.stop(0)
         await fleet.stop()
+
+
+def test_a_page_fetched_before_a_sleep_call_does_not_wake_the_replica_again():
+    registry = EndpointRegistry()
+    registry.set_endpoints([EndpointSpec("127.0.0.1", 8000)])
+    name = "127.0.0.1:8000"
+    registry.expect_sleeping(name, True, for_seconds=30)
+    assert registry.get(name).metrics.sleeping
+    registry.update(name, metrics=EndpointMetrics(sleeping=False, update_time=1.0))  # the stale page
+    assert registry.get(name).metrics.sleeping
+    registry.update(name, metrics=EndpointMetrics(sleeping=True, update_time=2.0))  # the replica agrees
+    registry.update(name, metrics=EndpointMetrics(sleeping=False, update_time=3.0))  # woken by someone else
+    assert not registry.get(name).metrics.sleeping
+    # A hold that times out gives way to what the pages say.
+    registry.expect_sleeping(name, True, for_seconds=0)
+    registry.update(name, metrics=EndpointMetrics(sleeping=False, update_time=4.0))
+    assert not registry.get(name).metrics.sleeping
