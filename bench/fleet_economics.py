@@ -113,9 +113,9 @@ def model_requests(model: str, seed: int) -> Iterator[BenchRequest]:
         yield replace(req, body={**req.body, "model": model}, group=f"{model}/{req.group}")
 
 
-def fleet_config(model: str, blocks: int) -> FleetConfig:
+def fleet_config(model: str, blocks: int, time_scale: float) -> FleetConfig:
     return FleetConfig(replicas=GPUS, model=model, profile=PROFILE, num_gpu_blocks=blocks, max_num_seqs=MAX_NUM_SEQS,
-                       time_scale=TIME_SCALE, kv_events=False, processes=1, name_prefix=model[-1],
+                       time_scale=time_scale, kv_events=False, processes=1, name_prefix=model[-1],
                        tokenizer_dir=default_tokenizer_dir())
 
 
@@ -130,10 +130,11 @@ async def start_stack(config_text: str | None, specs: list[EndpointSpec]) -> tup
     return server, envoy, f"http://127.0.0.1:{listen}"
 
 
-async def run_setup(name: str, phases: int, phase_s: float, rate: float, trickle: float, seed: int) -> SetupResult:
+async def run_setup(name: str, phases: int, phase_s: float, rate: float, trickle: float, seed: int,
+                    time_scale: float) -> SetupResult:
     sleep_wake = name.startswith("sleep-wake")
     blocks = FULL_KV_BLOCKS if sleep_wake else FULL_KV_BLOCKS // 2
-    fleets = {m: await SimFleet(fleet_config(m, blocks)).start() for m in MODELS}
+    fleets = {m: await SimFleet(fleet_config(m, blocks, time_scale)).start() for m in MODELS}
     specs = []
     for m, fleet in fleets.items():
         for gpu, endpoint in enumerate(fleet.endpoints):
@@ -252,11 +253,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cost-seconds", type=float, default=30.0, help="length of the shared-prefix cost run")
     p.add_argument("--cost-rate", type=float, default=4.0)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--time-scale", type=float, default=TIME_SCALE,
+                   help=f"simulated time runs this much slower than the wall clock (default {TIME_SCALE:g})")
     p.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated subset of {', '.join(SETUPS)}")
     p.add_argument("--out", default="bench/results/fleet-economics")
     args = p.parse_args(argv)
     wake = get_profile(PROFILE).wake_seconds
-    results = [asyncio.run(run_setup(name, args.phases, args.phase_seconds, args.rate, args.trickle, args.seed))
+    results = [asyncio.run(run_setup(name, args.phases, args.phase_seconds, args.rate, args.trickle, args.seed,
+                                     args.time_scale))
                for name in args.setups.split(",")]
     cost = asyncio.run(cost_run(args.cost_seconds, args.cost_rate, args.seed))
     head = ["set-up", "model", "TTFT p50 ms", "TTFT p90 ms", "served", "failed", "replica-s awake"]
@@ -265,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
               for r in results for m in MODELS}
     table = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
     lines = [f"Sleep/wake: {args.phases} phases x {args.phase_seconds:g} s, busy model {args.rate:g} req/s, idle "
-             f"model {args.trickle:g} req/s; profile {PROFILE} (wake {wake:g} s simulated), time scale {TIME_SCALE:g}, "
+             f"model {args.trickle:g} req/s; profile {PROFILE} (wake {wake:g} s simulated), time scale {args.time_scale:g}, "
              f"max_num_seqs {MAX_NUM_SEQS}, KV {FULL_KV_BLOCKS} blocks (all-awake: {FULL_KV_BLOCKS // 2})", "",
              *table, "", "; ".join(f"{r.name}: {r.wakes:.0f} wakes, {r.sleeps:.0f} sleeps" for r in results
                                    if r.name.startswith("sleep-wake")),
