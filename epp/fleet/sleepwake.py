@@ -84,6 +84,9 @@ class SleepWakePolicy(CapacityGate, PreRequestHook, ResponseCompleteHook):
         if self.sleep_level > 2:
             raise ConfigError(f"plugin {name!r}: parameter 'sleepLevel' must be 0, 1 or 2, got {self.sleep_level}")
         self.sleep_last_replica = params.bool("sleepLastReplica", False)
+        # A replica picked, finished or woken this recently is not idle: requests held for a wake
+        # are dispatched to it just after, and scraped queues lag by a scrape or more.
+        self.min_idle_s = params.float("minIdleSeconds", 2.0, minimum=0.0)
         self.control = ReplicaControl(self.registry, timeout=params.float("sleepTimeoutSeconds", 30.0, minimum=0.01))
         self._inflight: dict[str, int] = {}
         self._last_active: dict[str, float] = {}
@@ -130,11 +133,16 @@ class SleepWakePolicy(CapacityGate, PreRequestHook, ResponseCompleteHook):
         m = endpoint.metrics
         return m.waiting_queue_size >= self.queue_threshold or m.kv_cache_usage >= self.kv_threshold
 
-    def idle(self, endpoint: Endpoint) -> bool:
-        """Nothing in flight through the picker and nothing running or waiting on the replica."""
+    def working(self, endpoint: Endpoint) -> bool:
+        """Requests in flight through the picker, running or waiting on it, or a call in progress."""
         m = endpoint.metrics
-        return (not self._inflight.get(endpoint.name) and m.running_requests_size == 0
-                and m.waiting_queue_size == 0 and endpoint.name not in self._busy)
+        return bool(self._inflight.get(endpoint.name) or m.running_requests_size or m.waiting_queue_size
+                    or endpoint.name in self._busy)
+
+    def idle(self, endpoint: Endpoint) -> bool:
+        """Not working, and nothing picked, finished or woken there for `minIdleSeconds`."""
+        quiet = time.monotonic() - self._last_active.get(endpoint.name, -math.inf) >= self.min_idle_s
+        return quiet and not self.working(endpoint)
 
     def _awake_of(self, model_name: str) -> list[Endpoint]:
         return [ep for ep in self.registry.snapshot() if ep.healthy and not ep.metrics.sleeping
@@ -314,7 +322,7 @@ class SleepWakePolicy(CapacityGate, PreRequestHook, ResponseCompleteHook):
             last = self._last_active.setdefault(ep.name, now)
             if not ep.healthy or ep.metrics.sleeping:
                 continue
-            if not self.idle(ep):
+            if self.working(ep):
                 self._last_active[ep.name] = now
                 continue
             if now - last < self.idle_sleep_s or self._held_for(ep):

@@ -9,9 +9,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from epp.datalayer.registry import EndpointRegistry, EndpointSpec
 from epp.envoy import EnvoyProcess, render_config
 from epp.fleet.sleepwake import SleepWakePolicy
-from epp.framework.plugin import CycleState, ProfileRunResult, SchedulingResult
+from epp.framework.plugin import CycleState, PluginContext, ProfileRunResult, SchedulingResult
+from epp.framework.registry import PluginParams
 from tests.blackbox.pods import start_picker, wait_until
 from tests.conftest import free_port
 from tests.fleet.support import config, spec, start_fleet
@@ -26,6 +28,7 @@ def idle_config(sleep_last: bool) -> str:
     return config(f"""- type: sleep-wake-policy
   parameters:
     idleSleepSeconds: 0.4
+    minIdleSeconds: 0.2
     idleCheckSeconds: 0.05
     sleepLastReplica: {str(sleep_last).lower()}""")
 
@@ -116,3 +119,14 @@ async def test_two_models_sharing_gpus_take_turns():
         await epp.stop(0)
         await fleet_a.stop()
         await fleet_b.stop()
+
+
+def test_a_replica_that_just_finished_or_woke_is_not_idle_yet():
+    """Requests held for a wake reach the woken replica just after it: another model's wake must not take it."""
+    registry = EndpointRegistry()
+    registry.set_endpoints([EndpointSpec("127.0.0.1", 8000, {"model": "m", "gpu": "g0"})])
+    [ep] = registry.snapshot()
+    policy = SleepWakePolicy("p", PluginParams("p", {"minIdleSeconds": 30}), PluginContext(None, registry))
+    assert policy.idle(ep)  # never used
+    policy.on_response_complete(CycleState(), request_for("m"), None, ep)
+    assert not policy.idle(ep) and not policy.working(ep)
