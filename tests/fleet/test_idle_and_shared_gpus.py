@@ -14,6 +14,7 @@ from epp.envoy import EnvoyProcess, render_config
 from epp.fleet.sleepwake import SleepWakePolicy
 from epp.framework.plugin import CycleState, PluginContext, ProfileRunResult, SchedulingResult
 from epp.framework.registry import PluginParams
+from epp.framework.types import ResponseInfo
 from tests.blackbox.pods import start_picker, wait_until
 from tests.conftest import free_port
 from tests.fleet.support import config, spec, start_fleet
@@ -128,5 +129,5 @@ def test_a_replica_that_just_finished_or_woke_is_not_idle_yet():
     [ep] = registry.snapshot()
     policy = SleepWakePolicy("p", PluginParams("p", {"minIdleSeconds": 30}), PluginContext(None, registry))
     assert policy.idle(ep)  # never used
-    policy.on_response_complete(CycleState(), request_for("m"), None, ep)
+    policy.on_response_complete(CycleState(), request_for("m"), ResponseInfo(), ep)
     assert not policy.idle(ep) and not policy.working(ep)
