@@ -244,6 +244,11 @@ async def cost_run(seconds: float, rate: float, seed: int) -> str:
     return render(lines, prices, by_tenant=False, seconds=seconds)
 
 
+def _p90_ms(records: list[RequestRecord]) -> int | None:
+    p90 = percentile([r.ttft for r in records if r.ttft is not None], 0.9)
+    return None if p90 is None else round(p90 * 1e3)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.fleet_economics", description=__doc__.split("\n\n")[0])
     p.add_argument("--phases", type=int, default=4, help="demand phases, alternating A busy / B busy (default 4)")
@@ -265,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     cost = asyncio.run(cost_run(args.cost_seconds, args.cost_rate, args.seed))
     head = ["set-up", "model", "TTFT p50 ms", "TTFT p90 ms", "served", "failed", "replica-s awake"]
     rows = [r.row(m) for r in results for m in MODELS]
+    phase_p90 = {f"{r.name}/{m}": [_p90_ms([rec for rec in r.records[m] if rec.ok and rec.stage == ph])
+                                    for ph in range(args.phases)] for r in results for m in MODELS}
     errors = {f"{r.name}/{m}": dict(collections.Counter(rec.error for rec in r.records[m] if not rec.ok))
               for r in results for m in MODELS}
     table = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
@@ -274,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
              *table, "", "; ".join(f"{r.name}: {r.wakes:.0f} wakes, {r.sleeps:.0f} sleeps" for r in results
                                    if r.name.startswith("sleep-wake")),
              f"failures by cause: {json.dumps({k: v for k, v in errors.items() if v})}", "",
+             "TTFT p90 ms by phase (A busy in phases 0 and 2, B busy in 1 and 3):", "",
+             *(f"- {k}: {v}" for k, v in phase_p90.items()), "",
              f"Cost report, shared-prefix run ({args.cost_seconds:g} s at {args.cost_rate:g} req/s), example prices "
              f"per million tokens: input $3.00, cached input $0.30, output $15.00:", "", "```", cost.rstrip(), "```"]
     text = "\n".join(lines) + "\n"
@@ -283,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "report.md").write_text(text)
     (out / "results.json").write_text(json.dumps({
         "setups": [{"name": r.name, "awake_seconds": r.awake_seconds, "wakes": r.wakes, "sleeps": r.sleeps,
-                    "rows": [r.row(m) for m in MODELS]} for r in results], "errors": errors, "cost": cost}, indent=2))
+                    "rows": [r.row(m) for m in MODELS]} for r in results], "errors": errors, "phase_ttft_p90_ms": phase_p90, "cost": cost}, indent=2))
     return 0
 
 

@@ -234,6 +234,12 @@ class SleepWakePolicy(CapacityGate, PreRequestHook, ResponseCompleteHook):
             return None
         target, evict = choice
         self._last_wake[model_name] = now
+        # The GPU mates chosen as idle stop taking requests now, in the same step as the choice:
+        # a request routed to one before its /sleep call would wait on a sleeping engine, and the
+        # idle loop must not count them as another model's awake replicas.
+        for mate in evict:
+            self.registry.expect_sleeping(mate.name, True, self.control.timeout)
+        self._busy.update(m.name for m in evict)
         task = asyncio.get_running_loop().create_task(self._wake(target, evict), name=f"wake {target.name}")
         task.add_done_callback(_consume_result)
         self._wakes[model_name] = task
@@ -261,12 +267,14 @@ class SleepWakePolicy(CapacityGate, PreRequestHook, ResponseCompleteHook):
         names = [target.name, *(m.name for m in evict)]
         self._busy.update(names)
         try:
-            for mate in evict:
+            for i, mate in enumerate(evict):
                 try:
                     await self.control.sleep(mate, self.sleep_level)
                     self.actions.labels("sleep", "ok").inc()
                 except ControlError as exc:
                     self.actions.labels("sleep", "failed").inc()
+                    for untouched in evict[i + 1:]:  # marked asleep at the choice, never sent /sleep
+                        self.registry.expect_sleeping(untouched.name, False, 0.0)
                     raise WakeFailed(f"could not free the GPU of {target.name}: {exc}") from None
             try:
                 await self.control.wake(target, timeout=self.max_hold_s)

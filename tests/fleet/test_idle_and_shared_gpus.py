@@ -131,3 +131,25 @@ def test_a_replica_that_just_finished_or_woke_is_not_idle_yet():
     assert policy.idle(ep)  # never used
     policy.on_response_complete(CycleState(), request_for("m"), ResponseInfo(), ep)
     assert not policy.idle(ep) and not policy.working(ep)
+
+
+async def test_gpu_mates_chosen_for_eviction_stop_taking_requests_at_once():
+    """Between the choice and its /sleep call no request may reach the mate; a failed call gives it back."""
+    port = free_port()  # nothing listens: the /sleep call fails
+    registry = EndpointRegistry()
+    registry.set_endpoints([EndpointSpec("127.0.0.1", port, {"model": "a", "gpu": "g0"}),
+                            EndpointSpec("127.0.0.2", port, {"model": "b", "gpu": "g0"}),
+                            EndpointSpec("127.0.0.3", port, {"model": "a", "gpu": "g1"})])
+    registry.expect_sleeping(f"127.0.0.2:{port}", True, 0.0)
+    policy = SleepWakePolicy("p", PluginParams("p", {"gpuLabel": "gpu", "minIdleSeconds": 0}),
+                             PluginContext(None, registry))
+    await policy.start()
+    try:
+        task = policy._start_wake("b", request_for("b"), first=True)
+        assert task is not None
+        assert registry.get(f"127.0.0.1:{port}").metrics.sleeping  # marked in the same step as the choice
+        with pytest.raises(Exception, match="could not free the GPU"):
+            await task
+        assert not registry.get(f"127.0.0.1:{port}").metrics.sleeping
+    finally:
+        await policy.stop()
