@@ -90,6 +90,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="nesting of a request's JSON body; deeper gets 400 (default %(default)s)")
     p.add_argument("--max-label-value-length", type=int, default=lim.DEFAULT_MAX_LABEL_VALUE_LENGTH,
                    help="characters of a client-chosen metric label value; longer is cut (default %(default)s)")
+    p.add_argument("--token-accounting-tenant", default="fairness",
+                   help="tenant label of the token counters: fairness (id header), objective, header:<name> "
+                        "or none (default fairness)")
+    p.add_argument("--prefill-capacity-tokens-per-second", type=float, default=0.0,
+                   help="prefill tokens/s one replica computes; adds the pool's prefill capacity gauges")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logs (-v info, -vv debug)")
 
 
@@ -186,13 +191,22 @@ def _run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"epp serve: {exc}", file=sys.stderr)
         return 2
+    from epp.fleet.accounting import parse_tenant_source
+
+    try:
+        parse_tenant_source(args.token_accounting_tenant)
+    except ValueError as exc:
+        print(f"epp serve: --token-accounting-tenant: {exc}", file=sys.stderr)
+        return 2
     options = ServeOptions(
         grpc_port=args.grpc_port, grpc_health_port=args.grpc_health_port, metrics_port=args.metrics_port,
         bind_address=args.bind_address, config_text=args.config_text, config_file=args.config_file,
         endpoints=endpoints, endpoints_file=args.endpoints_file, secure_serving=args.secure_serving,
         cert_path=args.cert_path, max_body_bytes=args.max_request_body_bytes,
         grace_period_s=args.grace_period, refresh_metrics_interval_s=args.refresh_metrics_interval,
-        disable_endpoint_subset_filter=args.disable_endpoint_subset_filter, limits=limits, **k8s)
+        disable_endpoint_subset_filter=args.disable_endpoint_subset_filter, limits=limits,
+        token_accounting_tenant=args.token_accounting_tenant,
+        prefill_capacity_tokens_per_s=args.prefill_capacity_tokens_per_second, **k8s)
     from epp.datalayer.kubernetes import KubernetesDiscoveryError
 
     try:
@@ -288,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "response hooks or model-name rewrite back")
     sub.add_parser("engine", help="model-server tools: `epp engine serve|disk-manager --help`", add_help=False)
     sub.add_parser("sim", help="the vLLM simulator: `epp sim fleet --help`", add_help=False)
+    sub.add_parser("cost", help="what cached tokens saved over a window of the picker's counters: `epp cost --help`",
+                   add_help=False)
     return parser
 
 
@@ -297,6 +313,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Model-server tools have their own argument parsers; hand them the rest of the line.
     if argv[:1] == ["engine"]:
         return _engine(argv[1:])
+    if argv[:1] == ["cost"]:
+        from epp.fleet.cost import main as cost_main
+
+        return cost_main(argv[1:])
     if argv[:1] == ["sim"]:
         from epp.engine.sim.__main__ import main as sim_main
 

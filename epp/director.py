@@ -15,6 +15,7 @@ from epp.datalayer.registry import EndpointRegistry
 from epp.framework.errors import ErrorCode, InferenceError
 from epp.framework.plugin import (
     Admitter,
+    CapacityGate,
     CycleState,
     DataProducer,
     Plugin,
@@ -53,6 +54,7 @@ class Pipeline:
     pre_request_hooks: Sequence[PreRequestHook] = ()
     response_headers_hooks: Sequence[ResponseHeadersHook] = ()
     response_complete_hooks: Sequence[ResponseCompleteHook] = ()
+    capacity_gates: Sequence[CapacityGate] = ()
     plugins: Sequence[Plugin] = field(default_factory=list)
     # With the `flowControl` feature gate: queues requests while the pool is saturated (replaces shedding).
     flow_control: FlowController | None = None
@@ -89,8 +91,13 @@ class Director:
         self.metrics_freshness_s = metrics_freshness_s
 
     def candidates(self, request: InferenceRequest) -> list[Endpoint]:
-        """Healthy pool endpoints, narrowed by the request's subset hint, known load preferred."""
-        endpoints = [ep for ep in self.endpoints.snapshot() if ep.healthy]
+        """Healthy, awake pool endpoints, narrowed by the request's subset hint, known load preferred.
+
+        A sleeping vLLM accepts a request and holds it unserved until someone wakes it, so
+        sleeping replicas are left out here, for every configuration (a filter could be
+        forgotten in a GIE config; this cannot), exactly like unhealthy ones.
+        """
+        endpoints = [ep for ep in self.endpoints.snapshot() if ep.healthy and not ep.metrics.sleeping]
         if self.use_subset_hint and request.subset_hint is not None:
             endpoints = match_subset(endpoints, request.subset_hint)
         if self.metrics_freshness_s is not None:
@@ -98,8 +105,8 @@ class Director:
         return endpoints
 
     def random_endpoint(self, subset_hint: Sequence[str] | None = None) -> Endpoint:
-        """Any healthy endpoint (within the subset hint), for requests without a body."""
-        endpoints = [ep for ep in self.endpoints.snapshot() if ep.healthy]
+        """Any healthy, awake endpoint (within the subset hint), for requests without a body."""
+        endpoints = [ep for ep in self.endpoints.snapshot() if ep.healthy and not ep.metrics.sleeping]
         if not endpoints:
             raise InferenceError(ErrorCode.INTERNAL, "no pods available in datastore")
         if self.use_subset_hint and subset_hint is not None:
@@ -130,6 +137,8 @@ class Director:
         timer = self.metrics.observe_plugin
         try:
             candidates = self.candidates(request)
+            for gate in self.pipeline.capacity_gates:
+                candidates = list(await gate.ensure_capacity(state, request, candidates))
             if self.admission is not None and self.pipeline.flow_control is None:
                 self.admission.admit(request, candidates)
             if not candidates:

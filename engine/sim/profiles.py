@@ -16,6 +16,9 @@ disk-tier loads at an effective 5 GB/s of NVMe -> 26 us/token. The KV capacity f
 (80 GB x 0.9 - 16.1 GB weights - ~2 GB activations) / (16 tokens x 128 KiB) ~ 26,000 blocks.
 P/D KV transfers (NIXL over one 400 Gb/s RDMA NIC at an effective 40 GB/s) move 128 KiB/token in
 3.3 us/token, plus about 1 ms per request for the handshake and completion notice.
+Waking from sleep level 1 copies the weights back from pinned CPU memory over the same PCIe link
+(16.1 GB at 25 GB/s -> 0.64 s) and re-allocates the KV cache: about 0.7 s, against tens of
+seconds for a cold start.
 They are estimates, not measurements (no GPU was available to calibrate them); replace them with
 measured numbers (``LatencyProfile(...)``) when one is.
 """
@@ -48,6 +51,8 @@ class LatencyProfile:
     def kv_transfer_time(self, tokens: int) -> float:
         """Seconds to receive `tokens` tokens of KV from a remote prefiller (0 when nothing moves)."""
         return self.kv_transfer_base + self.kv_transfer_per_token * tokens if tokens > 0 else 0.0
+    # Seconds `/wake_up` takes to bring a level-1 sleeping engine back (weights CPU -> GPU).
+    wake_seconds: float = 0.0
 
     def step_time(self, prefill_tokens: int, decoding_seqs: int, load_time: float = 0.0) -> float:
         """Duration of one forward pass with this much work."""
@@ -83,6 +88,7 @@ H100_LLAMA3_8B = LatencyProfile(
     max_num_seqs=256,
     max_num_batched_tokens=8192,
     max_model_len=8192,
+    wake_seconds=0.7,
 )
 
 # Fast enough that a test request completes in milliseconds, still shaped like a GPU:
@@ -102,6 +108,7 @@ FAST = LatencyProfile(
     max_model_len=8192,
     kv_transfer_base=0.2e-3,
     kv_transfer_per_token=0.5e-6,
+    wake_seconds=0.05,
 )
 
 PROFILES: dict[str, LatencyProfile] = {p.name: p for p in (H100_LLAMA3_8B, FAST)}

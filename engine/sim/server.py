@@ -54,6 +54,8 @@ class ReplicaConfig:
     labels: dict[str, str] = field(default_factory=dict)
     # P/D: simulated seconds a finished prefill keeps its KV for the decoder (vLLM NIXL: minutes).
     kv_transfer_window: float = 30.0
+    # Fault injection: `/wake_up` answers 500 with this message and the engine stays asleep.
+    wake_error: str | None = None
 
 
 class RequestError(Exception):
@@ -485,8 +487,13 @@ class SimReplica:
         return web.json_response({"status": "sleeping", "level": level})
 
     async def wake_up(self, request: web.Request) -> web.Response:
-        """POST /wake_up."""
-        self.engine.wake_up()
+        """POST /wake_up: answers once awake, after the profile's wake time (weights back on the GPU)."""
+        if self.config.wake_error:
+            return error_response(self.config.wake_error, 500, "InternalServerError")
+        e = self.engine
+        if e.sleeping:
+            await asyncio.sleep(e.profile.wake_seconds * e.config.time_scale)
+        e.wake_up()
         tags = request.query.getall("tags", None)
         return web.json_response({"status": "awake", "tags": tags})
 

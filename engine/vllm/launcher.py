@@ -50,6 +50,7 @@ MANAGED_FLAGS = (
     "--port",
     "--host",
     "--enable-sleep-mode",
+    "--enable-prompt-tokens-details",
 )
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -376,6 +377,8 @@ def build_plan(opts: LaunchOptions, host: HostResources | None = None) -> Launch
         "--block-size", str(opts.block_size),
         "--enable-prefix-caching",
         "--prefix-caching-hash-algo", opts.hash_algo,
+        # usage.prompt_tokens_details.cached_tokens: the picker's cached-token accounting reads it.
+        "--enable-prompt-tokens-details",
     ]
     if opts.dtype:
         argv += ["--dtype", opts.dtype]

@@ -19,6 +19,7 @@ from epp.flowcontrol.config import FlowControlConfig, parse_flow_control
 from epp.framework.errors import ConfigError
 from epp.framework.plugin import (
     Admitter,
+    CapacityGate,
     DataProducer,
     Filter,
     Picker,
@@ -173,7 +174,8 @@ _StrictYamlLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG
 def _kinds(plugin: Plugin) -> list[str]:
     kinds = [("filter", Filter), ("scorer", Scorer), ("picker", Picker), ("profile-handler", ProfileHandler),
              ("data-producer", DataProducer), ("admitter", Admitter), ("pre-request", PreRequestHook),
-             ("response-headers", ResponseHeadersHook), ("response-complete", ResponseCompleteHook)]
+             ("response-headers", ResponseHeadersHook), ("response-complete", ResponseCompleteHook),
+             ("capacity-gate", CapacityGate)]
     return [label for label, cls in kinds if isinstance(plugin, cls)]
 
 

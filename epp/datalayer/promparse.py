@@ -21,8 +21,9 @@ LORA_INFO = b"vllm:lora_requests_info"
 CACHE_CONFIG = b"vllm:cache_config_info"
 PREFIX_QUERIES = b"vllm:prefix_cache_queries_total"
 PREFIX_HITS = b"vllm:prefix_cache_hits_total"
+SLEEP_STATE = b"vllm:engine_sleep_state"
 
-WANTED = (WAITING, RUNNING, KV_USAGE, LORA_INFO, CACHE_CONFIG, PREFIX_QUERIES, PREFIX_HITS)
+WANTED = (WAITING, RUNNING, KV_USAGE, LORA_INFO, CACHE_CONFIG, PREFIX_QUERIES, PREFIX_HITS, SLEEP_STATE)
 # One C-level pass over the page: a wanted name at a line start, followed by `{` or a blank
 # (so `vllm:num_requests_waiting_by_reason` is not taken), then the rest of the line.
 _NAMES = b"|".join(re.escape(name) for name in WANTED)
@@ -63,6 +64,7 @@ class VllmMetrics:
     num_gpu_blocks: int | None = None
     prefix_cache_queries: float | None = None
     prefix_cache_hits: float | None = None
+    sleeping: bool | None = None  # from vllm:engine_sleep_state{sleep_state="awake"}; None: not exported
 
     @property
     def found_any(self) -> bool:
@@ -176,6 +178,13 @@ def cache_config_fields(raw_labels: bytes) -> tuple[int | None, int | None]:
     return _int_label(labels, "block_size"), _int_label(labels, "num_gpu_blocks")
 
 
+def _sleeping(samples: Iterable[Sample]) -> bool | None:
+    """Asleep when the `awake` series of `vllm:engine_sleep_state` reads 0; None without that series."""
+    awake = choose_sample(s for s in samples if b'"awake"' in s.raw_labels
+                          and s.labels().get("sleep_state") == "awake")
+    return None if awake is None else awake.value < 0.5
+
+
 def parse_vllm_metrics(page: bytes | str) -> VllmMetrics:
     """Read the series the picker uses from one `/metrics` page; never raises on bad input."""
     if isinstance(page, str):
@@ -201,4 +210,5 @@ def parse_vllm_metrics(page: bytes | str) -> VllmMetrics:
         num_gpu_blocks=num_gpu_blocks,
         prefix_cache_queries=_gauge(found, PREFIX_QUERIES),
         prefix_cache_hits=_gauge(found, PREFIX_HITS),
+        sleeping=_sleeping(found.get(SLEEP_STATE, ())),
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -61,6 +62,8 @@ class EndpointRegistry:
         self._snapshot: tuple[Endpoint, ...] = ()
         self._listeners: list[EndpointListener] = []
         self._metrics_listeners: list[Callable[[Endpoint], None]] = []
+        # Sleep states set by sleep/wake calls, held until a scrape agrees: (sleeping, until monotonic).
+        self._expected_sleep: dict[str, tuple[bool, float]] = {}
         self.synced = False
 
     def snapshot(self) -> tuple[Endpoint, ...]:
@@ -105,6 +108,8 @@ class EndpointRegistry:
                                          metrics_port=spec.metrics_port)
             endpoints[name] = ep
         self._endpoints = endpoints
+        for ep in removed:
+            self._expected_sleep.pop(ep.name, None)
         self._rebuild()
         self.synced = True
         if added or removed:
@@ -119,6 +124,12 @@ class EndpointRegistry:
             return
         changes = {}
         if metrics is not None:
+            expected = self._expected_sleep.get(name)
+            if expected is not None:
+                if metrics.sleeping == expected[0] or time.monotonic() > expected[1]:
+                    del self._expected_sleep[name]
+                else:  # a page fetched before the sleep/wake call took effect
+                    metrics = dataclasses.replace(metrics, sleeping=expected[0])
             changes["metrics"] = metrics
         if healthy is not None:
             changes["healthy"] = healthy
@@ -126,6 +137,23 @@ class EndpointRegistry:
         self._rebuild()
         for listener in self._metrics_listeners:
             listener(new)
+
+    def expect_sleeping(self, name: str, sleeping: bool, for_seconds: float) -> None:
+        """Set an endpoint's sleep state now and hold it against scrapes that disagree, until one
+        agrees or `for_seconds` pass.
+
+        A sleep or wake call changes a replica before its `/metrics` page shows it: without the
+        hold, a page fetched just before `/sleep` would flip the replica back to awake, and a
+        request routed there in that moment would wait on a sleeping engine.
+        """
+        old = self._endpoints.get(name)
+        if old is None:
+            return
+        self._expected_sleep[name] = (sleeping, time.monotonic() + for_seconds)
+        if old.metrics.sleeping != sleeping:
+            self._endpoints[name] = dataclasses.replace(
+                old, metrics=dataclasses.replace(old.metrics, sleeping=sleeping))
+            self._rebuild()
 
     def _rebuild(self) -> None:
         self._snapshot = tuple(self._endpoints.values())

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -19,6 +21,7 @@ from epp.framework.types import Endpoint, EndpointMetrics
 log = logging.getLogger(__name__)
 
 _SCRAPE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+_UNSUPPORTED_PROBE_INTERVAL_S = 30.0
 FAILURE_REASONS = ("connect", "timeout", "http_status", "too_large", "no_metrics", "protocol", "internal")
 
 
@@ -30,8 +33,12 @@ class ScrapeFailure(Exception):
         self.reason = reason
 
 
-def to_endpoint_metrics(values: VllmMetrics, update_time: float) -> EndpointMetrics:
-    """Build the immutable snapshot; a series missing from the page keeps the field's default."""
+def to_endpoint_metrics(values: VllmMetrics, update_time: float,
+                        sleeping: bool | None = None) -> EndpointMetrics:
+    """Build the immutable snapshot; a series missing from the page keeps the field's default.
+
+    `sleeping`, when given, is what `/is_sleeping` said for a page without the sleep-state series.
+    """
     return EndpointMetrics(
         waiting_queue_size=int(values.waiting or 0),
         running_requests_size=int(values.running or 0),
@@ -44,7 +51,17 @@ def to_endpoint_metrics(values: VllmMetrics, update_time: float) -> EndpointMetr
         update_time=update_time,
         prefix_cache_queries=values.prefix_cache_queries or 0.0,
         prefix_cache_hits=values.prefix_cache_hits or 0.0,
+        sleeping=bool(values.sleeping if values.sleeping is not None else sleeping),
     )
+
+
+@dataclass(slots=True)
+class _SleepProbe:
+    """The last `/is_sleeping` answer of an endpoint whose `/metrics` lacks the sleep-state series."""
+
+    checked_at: float = -math.inf
+    sleeping: bool = False
+    supported: bool = True
 
 
 class MetricsScraper:
@@ -69,6 +86,7 @@ class MetricsScraper:
         max_body_bytes: int = 4 * 1024 * 1024,
         max_scrapes_per_second: float | None = 2000.0,
         session: aiohttp.ClientSession | None = None,
+        sleep_probe_interval: float = 1.0,
     ) -> None:
         if interval <= 0 or timeout <= 0 or failure_threshold < 1 or staleness_threshold <= 0:
             raise ValueError("interval, timeout and staleness_threshold must be > 0, failure_threshold >= 1")
@@ -92,6 +110,13 @@ class MetricsScraper:
         # than budget × interval is polled at `len(pool) / budget` instead of `interval`.
         self.max_scrapes_per_second = max_scrapes_per_second
         self._stretched = False
+        # vLLM exports `vllm:engine_sleep_state`; a server without it (older vLLM, another engine)
+        # is asked `GET /is_sleeping` at this modest rate instead, so a sleeping replica is known
+        # within about a second either way. A 404 (no dev routes) is re-checked only rarely.
+        if sleep_probe_interval <= 0:
+            raise ValueError("sleep_probe_interval must be > 0")
+        self.sleep_probe_interval = sleep_probe_interval
+        self._sleep_probes: dict[str, _SleepProbe] = {}
         self._session = session
         self._owns_session = session is None
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -186,6 +211,7 @@ class MetricsScraper:
             if task is not None:
                 task.cancel()
             self._failures.pop(endpoint.name, None)
+            self._sleep_probes.pop(endpoint.name, None)
             for reason in FAILURE_REASONS:
                 try:
                     self.scrape_errors.remove(endpoint.name, reason)
@@ -243,6 +269,7 @@ class MetricsScraper:
             values = parse_vllm_metrics(page)
             if not values.found_any:
                 raise ScrapeFailure("no_metrics", "no vLLM series on the page")
+            sleeping = None if values.sleeping is not None else await self._probe_sleeping(endpoint)
         except ScrapeFailure as failure:
             self.scrape_duration.observe(time.perf_counter() - t0)
             self._record_failure(endpoint, failure)
@@ -253,9 +280,35 @@ class MetricsScraper:
         healthy = True if current is not None and not current.healthy else None
         if healthy:
             log.info("endpoint %s answers /metrics again: healthy", endpoint.name)
-        self.registry.update(endpoint.name, metrics=to_endpoint_metrics(values, time.monotonic()),
+        self.registry.update(endpoint.name, metrics=to_endpoint_metrics(values, time.monotonic(), sleeping),
                              healthy=healthy)
         return True
+
+    async def _probe_sleeping(self, endpoint: Endpoint) -> bool:
+        """`GET /is_sleeping` at most every `sleep_probe_interval`; the last answer in between."""
+        probe = self._sleep_probes.setdefault(endpoint.name, _SleepProbe())
+        now = time.monotonic()
+        interval = self.sleep_probe_interval if probe.supported else _UNSUPPORTED_PROBE_INTERVAL_S
+        if now - probe.checked_at < interval or self._session is None:
+            return probe.sleeping
+        probe.checked_at = now
+        url = f"{self.scheme}://{endpoint.hostport}/is_sleeping"
+        try:
+            async with asyncio.timeout(self.timeout):
+                async with self._session.get(url, allow_redirects=False, ssl=self._ssl) as response:
+                    if response.status in (404, 405):
+                        probe.supported, probe.sleeping = False, False
+                        return False
+                    if response.status != 200:
+                        return probe.sleeping
+                    answer = await response.json(content_type=None)
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
+            log.debug("GET %s failed: %r; keeping the last sleep state", url, exc)
+            return probe.sleeping
+        value = answer.get("is_sleeping") if isinstance(answer, dict) else None
+        if isinstance(value, bool):
+            probe.supported, probe.sleeping = True, value
+        return probe.sleeping
 
     async def _fetch(self, endpoint: Endpoint) -> bytes:
         session = self._session

@@ -8,6 +8,7 @@ from epp.framework.errors import ConfigError, ErrorCode, InferenceError
 from epp.framework.headers import PREFILLER_HOST_PORT_HEADER
 from epp.framework.plugin import (
     Admitter,
+    CapacityGate,
     CycleState,
     DataProducer,
     Filter,
@@ -35,7 +36,7 @@ from epp.framework.types import (
 )
 
 __all__ = [
-    "Admitter", "ApiKind", "ConfigError", "CycleState", "DataProducer", "Endpoint",
+    "Admitter", "ApiKind", "CapacityGate", "ConfigError", "CycleState", "DataProducer", "Endpoint",
     "EndpointMetrics", "ErrorCode", "Filter", "InferenceError", "InferenceRequest", "Picker",
     "PREFILLER_HOST_PORT_HEADER",
     "Plugin", "PluginContext", "PluginParams", "PluginRegistry", "PluginSpec", "PreRequestHook",

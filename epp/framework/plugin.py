@@ -246,3 +246,17 @@ class ResponseCompleteHook(Plugin):
         target: Endpoint | None,
     ) -> None:
         raise NotImplementedError
+
+
+class CapacityGate(Plugin):
+    """Runs before admission and scheduling, and may hold a request (bounded) until capacity exists.
+
+    The director drops sleeping and unhealthy endpoints from the candidates first; a gate sees
+    what is left and returns the candidates to schedule over (say, a replica it just woke), or
+    raises `InferenceError` (503 when the capacity did not come in time).
+    """
+
+    async def ensure_capacity(
+        self, state: CycleState, request: InferenceRequest, candidates: Sequence[Endpoint]
+    ) -> Sequence[Endpoint]:
+        raise NotImplementedError

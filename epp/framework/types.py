@@ -27,6 +27,8 @@ class EndpointMetrics:
     # Cumulative prompt tokens looked up in / served from vLLM's prefix cache (counters).
     prefix_cache_queries: float = 0.0
     prefix_cache_hits: float = 0.0
+    # vLLM sleep mode: the engine holds requests without serving them until woken (`/wake_up`).
+    sleeping: bool = False
 
 
 @dataclass(frozen=True, slots=True)

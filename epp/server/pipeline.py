@@ -9,7 +9,7 @@ from epp.datalayer.discovery import Discovery, FileDiscovery, StaticDiscovery
 from epp.datalayer.registry import EndpointRegistry
 from epp.datalayer.scraper import MetricsScraper
 from epp.director import AdmissionPolicy, Pipeline
-from epp.framework.plugin import PluginContext
+from epp.framework.plugin import CapacityGate, PluginContext
 from epp.metrics import EppMetrics
 
 if TYPE_CHECKING:
@@ -38,6 +38,7 @@ def pipeline_of(loaded: LoadedConfig) -> Pipeline:
         pre_request_hooks=loaded.pre_request_hooks,
         response_headers_hooks=loaded.response_headers_hooks,
         response_complete_hooks=loaded.response_complete_hooks,
+        capacity_gates=tuple(p for p in loaded.plugin_instances if isinstance(p, CapacityGate)),
         plugins=loaded.plugin_instances,
     )
 

@@ -62,6 +62,10 @@ class ServeOptions:
     # Active-passive HA (GIE): only the holder of the pool's Lease reports ready.
     ha_enable_leader_election: bool = False
     limits: Limits = field(default_factory=Limits)
+    # Cached-token accounting: whose tokens (fairness | objective | header:<name> | none).
+    token_accounting_tenant: str = "fairness"
+    # Prefill tokens/s one replica can compute; > 0 adds the pool's prefill capacity gauges.
+    prefill_capacity_tokens_per_s: float = 0.0
 
 
 class EppServer:
@@ -100,6 +104,7 @@ class EppServer:
         # Static objectives from the config; Kubernetes discovery layers InferenceObjectives over them.
         self.objectives = ObjectivePriorities(objectives)
         freshness = freshness_window(opts.refresh_metrics_interval_s) if opts.scrape_metrics else None
+        self._add_accounting(pipeline)
         self.director = Director(pipeline, self.endpoints, self.metrics, admission,
                                  use_subset_hint=not opts.disable_endpoint_subset_filter,
                                  metrics_freshness_s=freshness)
@@ -142,6 +147,18 @@ class EppServer:
             lambda: sum(1 for ep in self.endpoints.snapshot() if ep.healthy))
         log.info("epp serving ext_proc on :%d, health on :%d, metrics on :%d, %d endpoint(s)",
                  self.grpc_port, self.health_port, self.metrics_port, len(self.endpoints))
+
+    def _add_accounting(self, pipeline: Pipeline) -> None:
+        """Token accounting and the pool's scaling gauges are on for every configuration."""
+        from epp.fleet.accounting import TokenAccounting
+        from epp.fleet.pool_gauges import PoolGauges
+
+        opts = self.options
+        self.pool_gauges = PoolGauges(self.endpoints, prefill_capacity_tokens_per_s=opts.prefill_capacity_tokens_per_s)
+        self.pool_gauges.register(self.metrics.registry)
+        self.accounting = TokenAccounting(self.metrics.registry, tenant_source=opts.token_accounting_tenant,
+                                          on_prefill=self.pool_gauges.record_prefill)
+        pipeline.response_complete_hooks = (*pipeline.response_complete_hooks, self.accounting)
 
     def _build_pipeline(self) -> tuple[Pipeline, AdmissionPolicy | None, dict[str, int]]:
         if self._pipeline is not None:

@@ -32,7 +32,7 @@ def test_gpu_replica_without_offload_has_prefix_caching_events_and_hash_seed():
         "/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server",
         "--model", "/models/llama", "--served-model-name", "llama",
         "--host", "0.0.0.0", "--port", "8000", "--block-size", "16",
-        "--enable-prefix-caching", "--prefix-caching-hash-algo", "sha256",
+        "--enable-prefix-caching", "--prefix-caching-hash-algo", "sha256", "--enable-prompt-tokens-details",
         "--kv-events-config",
         '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557",'
         '"topic":"kv@10.0.0.7:8000@llama","buffer_steps":10000,"replay_endpoint":"tcp://*:5558"}',
@@ -95,6 +95,7 @@ def test_cpu_platform_replica_sets_cpu_kv_space_and_thread_binding():
     assert plan.argv[3:] == [
         "--model", "/tiny", "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", "9000",
         "--block-size", "32", "--enable-prefix-caching", "--prefix-caching-hash-algo", "sha256",
+        "--enable-prompt-tokens-details",
         "--dtype", "bfloat16", "--max-model-len", "1024", "--enforce-eager",
         "--num-gpu-blocks-override", "48",
         "--kv-events-config",

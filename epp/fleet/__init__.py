@@ -1,0 +1,1 @@
+"""Fleet economics: sleep/wake of replicas, cached-token accounting, cost, and pool scaling signals."""
