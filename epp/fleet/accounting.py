@@ -16,6 +16,8 @@ picker's view of the caches is. Labels are bounded: at most `max_models` model n
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter
 
 from epp.framework.datakeys import PREFIX_MATCH_INFO, PREFIX_TIER_MATCH, PrefixMatchInfo, TierMatch
@@ -28,13 +30,16 @@ TENANT_SOURCES = ("fairness", "objective", "header", "none")
 
 
 class BoundedLabels:
-    """Label values as given until `limit` distinct ones were seen, then `__other__`."""
+    """Label values (made safe by `shorten`) as given until `limit` distinct ones were seen, then `__other__`."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, shorten: Callable[[str], str] | None = None) -> None:
         self.limit = limit
+        self.shorten = shorten
         self._seen: set[str] = set()
 
     def __call__(self, value: str) -> str:
+        if self.shorten is not None:
+            value = self.shorten(value)
         if value in self._seen:
             return value
         if len(self._seen) < self.limit:
@@ -72,11 +77,13 @@ class TokenAccounting(ResponseCompleteHook):
     type_name = "token-accounting"
 
     def __init__(self, registry: CollectorRegistry, *, tenant_source: str = "fairness",
-                 max_models: int = 100, max_tenants: int = 100, on_prefill=None) -> None:
+                 max_models: int = 100, max_tenants: int = 100, on_prefill=None,
+                 label_value: Callable[[str], str] | None = None) -> None:
         super().__init__("token-accounting")
         self.source, self.header = parse_tenant_source(tenant_source)
-        self.model_label = BoundedLabels(max_models)
-        self.tenant_label = BoundedLabels(max_tenants)
+        # Model names and tenants are client-chosen: `label_value` bounds their length and encoding.
+        self.model_label = BoundedLabels(max_models, label_value)
+        self.tenant_label = BoundedLabels(max_tenants, label_value)
         # Called with (endpoint, computed prompt tokens) for the pool's prefill-demand gauge.
         self.on_prefill = on_prefill
         self.reported = Counter(

@@ -157,7 +157,8 @@ class EppServer:
         self.pool_gauges = PoolGauges(self.endpoints, prefill_capacity_tokens_per_s=opts.prefill_capacity_tokens_per_s)
         self.pool_gauges.register(self.metrics.registry)
         self.accounting = TokenAccounting(self.metrics.registry, tenant_source=opts.token_accounting_tenant,
-                                          on_prefill=self.pool_gauges.record_prefill)
+                                          on_prefill=self.pool_gauges.record_prefill,
+                                          label_value=self.metrics.label_value)
         pipeline.response_complete_hooks = (*pipeline.response_complete_hooks, self.accounting)
 
     def _build_pipeline(self) -> tuple[Pipeline, AdmissionPolicy | None, dict[str, int]]:
