@@ -17,8 +17,9 @@ Access order: `max(atime, mtime, in-process record)`; atime alone is unreliable 
 relatime/noatime (see scanner.probe_strict_atime), mtime is when the block was written, and
 `record_access` lets a caller that knows about reads (a hook, a test) refine the order.
 
-A disk that fails never stops serving: a failed scan, a read-only filesystem or repeated unlink
-errors mark the tier unhealthy (metric `epp_disk_tier_healthy` 0, a log line on each change);
+A disk that fails never stops serving: a failed scan, a read-only filesystem or unlink errors in
+`unlink_error_cycles` (3) cycles in a row (no write permission, an immutable file, EIO) mark the
+tier unhealthy (metric `epp_disk_tier_healthy` 0, a log line on each change);
 the manager keeps running and retries each interval; vLLM itself falls back to recompute
 (`kv_load_failure_policy: recompute` from the launcher). A full disk is also unhealthy and
 triggers eviction down to the low watermark even below the budget's high mark.
@@ -66,12 +67,15 @@ class DiskTierConfig:
     int_hashes: bool = True
     max_events_per_batch: int = 1000
     access_record_capacity: int = 1_000_000
+    unlink_error_cycles: int = 3  # this many cycles in a row with failed deletions: unhealthy
 
     def __post_init__(self) -> None:
         if self.budget_bytes <= 0:
             raise ValueError("budget_bytes must be positive")
         if not 0 < self.low_watermark < self.high_watermark <= 1:
             raise ValueError("watermarks must satisfy 0 < low < high <= 1")
+        if self.unlink_error_cycles < 1:
+            raise ValueError("unlink_error_cycles must be at least 1")
 
 
 @dataclass
@@ -127,6 +131,8 @@ class DiskTierManager:
         self.last_report: CycleReport | None = None
         self._known: dict[str, TierFile] = {}
         self._access: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self._failing_unlink_cycles = 0  # consecutive cycles whose deletions failed
+        self._last_unlink_error = ""
         self.metrics.budget_bytes.set(config.budget_bytes)
         self.metrics.healthy.set(1)
 
@@ -206,10 +212,11 @@ class DiskTierManager:
         if scan.read_only:
             self._set_health(False, "filesystem is read-only")
             return self._finish(report)
-        self._set_health(not disk_full, "disk full" if disk_full else "")
 
         high = cfg.high_watermark * cfg.budget_bytes
         if scan.total_bytes < high and not disk_full:
+            self._failing_unlink_cycles = 0  # nothing to delete: whatever failed before no longer matters
+            self._set_health(True, "")
             return self._finish(report)
         target = int(cfg.low_watermark * cfg.budget_bytes)
         if disk_full:
@@ -218,15 +225,18 @@ class DiskTierManager:
         now = self.clock()
         orphans, victims = select_victims(list(scan.files.values()), scan.total_bytes, target, now,
                                           cfg.min_age_s, cfg.stale_temp_s, self.access_time)
+        errors: list[str] = []
+        read_only = False
         if orphans:
             done = await asyncio.to_thread(unlink_files, cfg.root, orphans)
             report.orphans_removed = len(done.removed)
             self.metrics.orphans_removed.inc(len(done.removed))
-            self._count_unlink_errors(done.errors, done.read_only)
+            errors += done.errors
+            read_only |= done.read_only
             for f in done.removed + done.already_gone:
                 self._known.pop(f.relpath, None)
             report.usage_bytes -= done.freed_bytes
-        if victims:
+        if victims and not read_only:
             done = await asyncio.to_thread(unlink_files, cfg.root, victims)
             gone = done.removed + done.already_gone
             report.evicted = done.removed
@@ -234,21 +244,34 @@ class DiskTierManager:
             report.usage_bytes -= done.freed_bytes
             self.metrics.evictions.inc(len(done.removed))
             self.metrics.freed_bytes.inc(done.freed_bytes)
-            self._count_unlink_errors(done.errors, done.read_only)
+            errors += done.errors
+            read_only |= done.read_only
             for f in gone:
                 self._known.pop(f.relpath, None)
                 self._access.pop(f.relpath, None)
             report.events_published += self._publish_removed(gone)
+        self._count_unlink_errors(errors)
         self.metrics.usage_bytes.set(report.usage_bytes)
         self.metrics.over_budget.set(1 if report.usage_bytes > cfg.budget_bytes else 0)
-        return self._finish(report)
-
-    def _count_unlink_errors(self, errors: list[str], read_only: bool) -> None:
-        if errors:
-            self.metrics.errors.labels("unlink").inc(len(errors))
-            log.warning("disk tier %s: %d deletions failed: %s", self.config.root, len(errors), errors[0])
         if read_only:
             self._set_health(False, "filesystem is read-only")
+        elif self._failing_unlink_cycles >= cfg.unlink_error_cycles:
+            # A stable reason (no counts, no file names), so the change is logged once.
+            self._set_health(False, f"deletions failing ({self._last_unlink_error}) in "
+                                    f"{cfg.unlink_error_cycles}+ cycles in a row")
+        else:
+            self._set_health(not disk_full, "disk full" if disk_full else "")
+        return self._finish(report)
+
+    def _count_unlink_errors(self, errors: list[str]) -> None:
+        if not errors:
+            self._failing_unlink_cycles = 0
+            return
+        self._failing_unlink_cycles += 1
+        self._last_unlink_error = errors[0].rsplit(": ", 1)[-1]  # the strerror, without the file name
+        self.metrics.errors.labels("unlink").inc(len(errors))
+        if self._failing_unlink_cycles == 1:  # once per failing streak; the metric counts every error
+            log.warning("disk tier %s: %d deletions failed: %s", self.config.root, len(errors), errors[0])
 
     def _observe(self, scan: TreeScan) -> None:
         blocks = sum(1 for f in scan.files.values() if f.key is not None)
