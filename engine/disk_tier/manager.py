@@ -14,8 +14,9 @@ stays true. Files it never deletes:
 A file under its final name is complete, because vLLM renames it into place atomically.
 
 Access order: `max(atime, mtime, in-process record)`; atime alone is unreliable under
-relatime/noatime (see scanner.probe_strict_atime), mtime is when the block was written, and
-`record_access` lets a caller that knows about reads (a hook, a test) refine the order.
+relatime/noatime (see scanner.probe_strict_atime), mtime is when the block was written, and the
+records come from the kernel's open notifications (`access_watch.AccessWatcher`, inotify: every
+load of a block by vLLM is an open) or from `record_access` (a hook, a test).
 
 A disk that fails never stops serving: a failed scan, a read-only filesystem or unlink errors in
 `unlink_error_cycles` (3) cycles in a row (no write permission, an immutable file, EIO) mark the
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
+from epp.engine.disk_tier.access_watch import AccessWatcher
 from epp.engine.disk_tier.membership import ChunkMembership
 from epp.engine.disk_tier.metrics import DiskTierMetrics
 from epp.engine.disk_tier.naming import BlockNamer, vllm_fs_block_key
@@ -117,6 +119,7 @@ class DiskTierManager:
         self, config: DiskTierConfig, sink: RemovedBlockSink | None = None, *,
         namer: BlockNamer = vllm_fs_block_key, metrics: DiskTierMetrics | None = None,
         clock: Callable[[], float] = time.time, membership: ChunkMembership | None = None,
+        watcher: AccessWatcher | None = None,
     ):
         self.config = config
         self.sink = sink
@@ -124,6 +127,8 @@ class DiskTierManager:
         self.metrics = metrics or DiskTierMetrics()
         self.clock = clock
         self.membership = membership
+        self.watcher = watcher  # started by the caller; the manager adds a watch for each directory it scans
+        self._watcher_counts = (0, 0, 0)
         self.healthy = True
         self.reason = ""
         self.strict_atime: bool | None = None
@@ -206,6 +211,8 @@ class DiskTierManager:
                 self._access.pop(f.relpath, None)
         self._known = scan.files
         report.usage_bytes = scan.total_bytes
+        if self.watcher is not None and self.watcher.available:
+            await asyncio.to_thread(self.watcher.watch_dirs, scan.dirs)
         self._observe(scan)
 
         disk_full = scan.disk_free_bytes < cfg.min_free_bytes
@@ -283,6 +290,15 @@ class DiskTierManager:
         self.metrics.files.labels("other").set(len(scan.files) - blocks - temps)
         self.metrics.over_budget.set(1 if scan.total_bytes > self.config.budget_bytes else 0)
         self.metrics.access_records.set(len(self._access))
+        if self.watcher is not None:
+            w = self.watcher
+            counts = (w.events, w.watch_errors, w.overflows)
+            opens, errors, overflows = (now - before for now, before in zip(counts, self._watcher_counts, strict=True))
+            self._watcher_counts = counts
+            self.metrics.access_watches.set(w.watches)
+            self.metrics.access_opens.inc(opens)
+            self.metrics.access_watch_errors.inc(errors)
+            self.metrics.access_overflows.inc(overflows)
 
     def _finish(self, report: CycleReport) -> CycleReport:
         report.healthy, report.reason = self.healthy, self.reason
@@ -301,6 +317,8 @@ class DiskTierManager:
             "budget_bytes": self.config.budget_bytes,
             "usage_bytes": r.usage_bytes if r else None,
             "strict_atime": self.strict_atime,
+            "access_watch": (self.watcher.watches if self.watcher is not None and self.watcher.available
+                             else None),
         }
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
