@@ -30,6 +30,7 @@ import itertools
 import json
 import os
 import random
+import signal
 import statistics
 import sys
 import time
@@ -42,11 +43,13 @@ import aiohttp
 if __package__ in (None, ""):  # run as `python bench/soak.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.routing.contenders import CONTENDERS, RunningRouter, Tuning, start_contender  # noqa: E402
+from bench.routing.contenders import Tuning, epp_config  # noqa: E402
 from bench.routing.loadgen import RequestRecord, send  # noqa: E402
 from bench.routing.workloads import BenchRequest, MultiTurn, NoSharing, SharedPrefix  # noqa: E402
 from epp.engine.sim.fleet import FleetConfig, SimFleet, default_tokenizer_dir  # noqa: E402
 from epp.engine.sim.profiles import get_profile  # noqa: E402
+from epp.envoy import EnvoyProcess, render_config  # noqa: E402
+from epp.netutil import free_ports  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,6 +70,10 @@ class SoakConfig:
     max_rss_growth: float = 0.05
     max_fd_growth: float = 2.0
     max_ttft_drift: float = 0.10
+    # The picker's tokenization cache is bounded by tokens (4M by default, ~100 MB, filling for
+    # about an hour at this load); a soak judges growth once every bounded cache is full, so it
+    # runs with a cache that fills during warm-up.
+    tokenization_cache_tokens: int = 200_000
     seed: int = 7
 
 
@@ -86,6 +93,7 @@ class Window:
     envoy_fds: int = 0
     index_entries: float = 0.0
     events_applied: float = 0.0
+    cached_tokens: float = 0.0
     errors: dict[str, int] = field(default_factory=dict)
 
 
@@ -177,7 +185,7 @@ def proc_fds(pid: int) -> int:
 
 async def picker_samples(session: aiohttp.ClientSession, url: str | None) -> dict[str, float]:
     """The picker's KV index size and events applied, from its /metrics page."""
-    wanted = ("epp_kv_index_entries", "epp_kv_index_events_applied_total")
+    wanted = ("epp_kv_index_entries", "epp_kv_index_events_applied_total", "epp_tokenization_cache_tokens")
     found: dict[str, float] = {}
     if url is None:
         return found
@@ -191,6 +199,80 @@ async def picker_samples(session: aiohttp.ClientSession, url: str | None) -> dic
         if name in wanted:
             found[name] = float(value)
     return found
+
+
+def tuning_of(config: SoakConfig) -> Tuning:
+    """Model knobs of the simulated replicas, for the picker's configuration."""
+    profile = get_profile("h100-llama3-8b")
+    return Tuning(default_tokenizer_dir(), profile.block_size, profile.prefill_per_token * config.time_scale, 600)
+
+
+def soak_picker_config(tuning: Tuning, cache_tokens: int) -> str:
+    """The routing benchmark's `epp-precise` configuration, with the tokenization cache bounded at `cache_tokens`."""
+    base = epp_config("precise", tuning)
+    anchor = "    mode: per-endpoint\n"
+    assert anchor in base, "the epp-precise configuration changed shape"
+    return base.replace(anchor, anchor + f"    tokenizationCacheTokens: {cache_tokens}\n", 1)
+
+
+class Stack:
+    """The picker (`epp serve`, its own process) behind real Envoy, in front of a simulated fleet."""
+
+    def __init__(self, fleet: SimFleet, config_text: str, workdir: Path) -> None:
+        self.fleet, self.config_text, self.workdir = fleet, config_text, workdir
+        self.picker: asyncio.subprocess.Process | None = None
+        self.envoy: EnvoyProcess | None = None
+        self.base_url = ""
+        self.metrics_url = ""
+
+    async def start(self) -> None:
+        grpc, health, metrics, listen, admin = free_ports(5)
+        endpoints = []
+        for d in self.fleet.info:  # the replicas' KV-event and replay ports, as endpoint labels
+            labels = [f"{label}={d[key].rpartition(':')[2]}"
+                      for label, key in (("kv-events-port", "kv_events_endpoint"), ("kv-replay-port", "kv_replay_endpoint"))
+                      if d.get(key)]
+            endpoints.append(d["endpoint"] + ("#" + ";".join(labels) if labels else ""))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        with open(self.workdir / "epp.log", "wb") as log:
+            self.picker = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "epp.cli", "serve", "--grpc-port", str(grpc), "--grpc-health-port", str(health),
+                "--metrics-port", str(metrics), "--bind-address", "127.0.0.1", "--config-text", self.config_text,
+                "--endpoints", ",".join(endpoints), stdout=log, stderr=log, stdin=asyncio.subprocess.DEVNULL)
+        self.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+            for _ in range(300):
+                if self.picker.returncode is not None:
+                    raise RuntimeError(f"the picker exited with {self.picker.returncode}; see {self.workdir}/epp.log")
+                try:
+                    async with session.get(self.metrics_url) as resp:
+                        if resp.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.2)
+            else:
+                raise RuntimeError("the picker did not come up in 60 s")
+        self.envoy = EnvoyProcess(render_config(listen_port=listen, admin_port=admin, epp_port=grpc), admin)
+        await self.envoy.start()
+        self.base_url = f"http://127.0.0.1:{listen}"
+
+    @property
+    def pids(self) -> tuple[int, int]:
+        """(picker pid, Envoy pid)."""
+        assert self.picker is not None and self.envoy is not None and self.envoy.process is not None
+        return self.picker.pid, self.envoy.process.pid
+
+    async def stop(self) -> None:
+        if self.envoy is not None:
+            await self.envoy.stop()
+        if self.picker is not None and self.picker.returncode is None:
+            self.picker.terminate()
+            try:
+                await asyncio.wait_for(self.picker.wait(), 10)
+            except TimeoutError:
+                self.picker.kill()
+                await self.picker.wait()
 
 
 def mixed_requests(tokenizer_dir: str, seed: int) -> Iterator[BenchRequest]:
@@ -230,30 +312,28 @@ class Soak:
         """The whole soak; returns the verdicts (the windows stay in `self.windows`)."""
         cfg = self.config
         tokenizer_dir = default_tokenizer_dir()
-        profile = get_profile("h100-llama3-8b")
+        config_text = soak_picker_config(tuning_of(cfg), cfg.tokenization_cache_tokens)
         fleet = SimFleet(FleetConfig(replicas=cfg.replicas, profile="h100-llama3-8b", num_gpu_blocks=cfg.gpu_blocks,
                                      time_scale=cfg.time_scale, processes=1), tokenizer_dir=tokenizer_dir)
-        tuning = Tuning(tokenizer_dir, profile.block_size, profile.prefill_per_token * cfg.time_scale, 600)
         requests = mixed_requests(tokenizer_dir, cfg.seed)
         first = next(requests)  # builds the prompts before the clock starts
         requests = itertools.chain([first], requests)
         self.workdir.mkdir(parents=True, exist_ok=True)
         await fleet.start()
-        router: RunningRouter | None = None
+        stack = Stack(fleet, config_text, self.workdir)
         try:
-            router = await start_contender(CONTENDERS["epp-precise"], fleet, tuning, self.workdir)
-            picker_pid, envoy_pid = router.pids[0], router.pids[1]
-            self._metrics_url = router.metrics_url
+            await stack.start()
+            picker_pid, envoy_pid = stack.pids
+            self._metrics_url = stack.metrics_url
             self._say(f"soak: {cfg.duration_s:.0f}s at {cfg.rate:g} req/s through Envoy (pid {envoy_pid}) and "
                       f"the picker (pid {picker_pid}), {cfg.replicas} simulated replicas of {cfg.gpu_blocks} blocks; "
                       f"warm-up {cfg.warmup_s:.0f}s, window {cfg.window_s:.0f}s")
             connector = aiohttp.TCPConnector(limit=0)
             async with aiohttp.ClientSession(connector=connector,
                                              timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as session:
-                await self._drive(session, router.base_url, requests, picker_pid, envoy_pid)
+                await self._drive(session, stack.base_url, requests, picker_pid, envoy_pid)
         finally:
-            if router is not None:
-                await router.stop()
+            await stack.stop()
             await fleet.stop()
         return judge(cfg, self.windows, self.records, self._t0)
 
@@ -299,6 +379,7 @@ class Soak:
             sample = await picker_samples(scrape, self._metrics_url)
         w.index_entries = sample.get("epp_kv_index_entries", 0.0)
         w.events_applied = sample.get("epp_kv_index_events_applied_total", 0.0)
+        w.cached_tokens = sample.get("epp_tokenization_cache_tokens", 0.0)
         if self.windows:  # the previous window's requests have had a whole window to finish
             self._settle(len(self.windows) - 1)
         self.windows.append(w)
@@ -318,7 +399,8 @@ class Soak:
         self._say(f"[{w.end_s:6.0f}s] sent {w.sent:4d} ok {w.ok:4d} failed {w.failed:3d} | "
                   f"ttft p50 {_fmt_ms(w.ttft_p50):>6} p99 {_fmt_ms(w.ttft_p99):>6} | picker rss "
                   f"{w.picker_rss_mb:6.1f}MB fds {w.picker_fds:3d} | envoy rss {w.envoy_rss_mb:6.1f}MB "
-                  f"fds {w.envoy_fds:3d} | index {w.index_entries:6.0f} entries, {w.events_applied:8.0f} events"
+                  f"fds {w.envoy_fds:3d} | index {w.index_entries:6.0f} entries, {w.events_applied:8.0f} events, "
+                  f"{w.cached_tokens:7.0f} cached tokens"
                   + (" (warm-up)" if w.end_s <= self.config.warmup_s else ""))
 
 
@@ -332,16 +414,26 @@ async def run_soak(config: SoakConfig, workdir: Path, progress: bool = True) -> 
 def render_table(soak: Soak, checks: Sequence[Check]) -> str:
     """A markdown table of the windows and the verdicts."""
     lines = ["| t (s) | sent | ok | failed | TTFT p50 | TTFT p99 | picker RSS MB | picker fds | envoy RSS MB | envoy fds "
-             "| index entries | KV events applied |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| index entries | KV events applied | tokenization cache tokens |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for w in soak.windows:
         lines.append(f"| {w.end_s:.0f} | {w.sent} | {w.ok} | {w.failed} | {_fmt_ms(w.ttft_p50)} | "
                      f"{_fmt_ms(w.ttft_p99)} | {w.picker_rss_mb:.1f} | {w.picker_fds} | {w.envoy_rss_mb:.1f} | "
-                     f"{w.envoy_fds} | {w.index_entries:.0f} | {w.events_applied:.0f} |")
+                     f"{w.envoy_fds} | {w.index_entries:.0f} | {w.events_applied:.0f} | {w.cached_tokens:.0f} |")
     lines += ["", "| check | result | limit | verdict |", "|---|---|---:|---|"]
     for c in checks:
         lines.append(f"| {c.name} | {c.detail} | {c.limit:g} | {'pass' if c.passed else 'FAIL'} |")
     return "\n".join(lines)
+
+
+async def _until_signal(work):
+    """Run `work`; SIGTERM or SIGINT (also in a background job, where SIGINT starts ignored) stop the
+    stack cleanly instead of leaving the picker, Envoy and the fleet behind."""
+    task = asyncio.ensure_future(work)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    return await task
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -355,13 +447,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=d.rate, help="requests per second")
     p.add_argument("--replicas", type=int, default=d.replicas)
     p.add_argument("--gpu-blocks", type=int, default=d.gpu_blocks, help="KV blocks per simulated replica")
+    p.add_argument("--tokenization-cache-tokens", type=int, default=d.tokenization_cache_tokens,
+                   help="the picker's tokenization cache bound (fills during warm-up at the default rate)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "soak")
     args = p.parse_args(argv)
     config = SoakConfig(duration_s=args.duration, warmup_s=args.warmup, window_s=args.window,
                         compare_s=args.compare, rate=args.rate, replicas=args.replicas, gpu_blocks=args.gpu_blocks,
-                        seed=args.seed)
-    checks, soak = asyncio.run(run_soak(config, args.out / "raw"))  # process logs (ignored by git)
+                        tokenization_cache_tokens=args.tokenization_cache_tokens, seed=args.seed)
+    try:
+        checks, soak = asyncio.run(_until_signal(run_soak(config, args.out / "raw")))  # process logs: ignored by git
+    except asyncio.CancelledError:
+        print("soak: stopped by a signal; the stack is down", file=sys.stderr)
+        return 130
     table = render_table(soak, checks)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
