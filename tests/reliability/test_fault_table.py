@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import shutil
 import signal
@@ -326,3 +327,88 @@ async def test_missing_tokenizer_files_route_on_without_prefix_scores_and_recove
         assert len(errors) == 1  # one line for the outage, not one per request
     finally:
         await epp.stop(0)
+
+
+# ---- a replica's KV-event publisher restarts, or loses messages ----------------------------------------------
+
+PRECISE = (f"apiVersion: {API_VERSION}\nkind: {KIND}\nplugins:\n"
+           "- type: precise-prefix-cache-producer\n  parameters:\n    blockSizeTokens: 16\n"
+           "    tokenizers: {sim-model: %s}\n"
+           "- type: prefix-cache-scorer\n- type: queue-scorer\nschedulingProfiles:\n- name: default\n"
+           "  plugins:\n  - pluginRef: prefix-cache-scorer\n    weight: 3\n  - pluginRef: queue-scorer\n")
+
+
+async def _sim_load(url: str, stop: asyncio.Event, rate: float = 20.0) -> list[bool]:
+    """Open-loop streamed completions to simulated replicas; True per request that completed."""
+    results: list[bool] = []
+
+    async def one(session: aiohttp.ClientSession, i: int) -> None:
+        # A shared tenant prefix and a unique question of several blocks: every request stores new blocks.
+        body = {"model": "sim-model", "prompt": f"tenant {i % 5} " * 40 + f"question {i} " * 24, "max_tokens": 4,
+                "stream": True}
+        try:
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                text = await resp.text()
+                results.append(resp.status == 200 and "[DONE]" in text)
+        except (TimeoutError, aiohttp.ClientError):
+            results.append(False)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        tasks, i = [], 0
+        while not stop.is_set():
+            tasks.append(asyncio.create_task(one(session, i)))
+            i += 1
+            await asyncio.sleep(1 / rate)
+        await asyncio.gather(*tasks)
+    return results
+
+
+@pytest.mark.parametrize("fault", ["restart", "gap"])
+async def test_kv_event_publisher_restart_or_gap_fails_no_request_and_the_index_recovers(fault):
+    from epp.engine.kv_publisher import KVEventPublisher
+    from epp.engine.sim import FleetConfig, SimFleet
+    from tests.precise.support import fleet_specs
+
+    tokenizer_dir = default_tokenizer_dir()
+    config = FleetConfig(replicas=2, tokenizer_dir=tokenizer_dir, block_size=16, num_gpu_blocks=256)
+    async with SimFleet(config) as fleet:
+        epp = EppServer(ServeOptions(grpc_port=0, grpc_health_port=0, metrics_port=0, bind_address="127.0.0.1",
+                                     config_text=PRECISE % tokenizer_dir, endpoints=fleet_specs(fleet.info),
+                                     scrape_metrics=True, refresh_metrics_interval_s=0.05, grace_period_s=1))
+        await epp.start()
+        registry = epp.metrics.registry
+
+        def sample(name: str, labels: dict | None = None) -> float:
+            return registry.get_sample_value(name, labels or {}) or 0.0
+
+        try:
+            async with envoy_in_front(epp.grpc_port) as (_, url):
+                stop = asyncio.Event()
+                load = asyncio.create_task(_sim_load(url, stop))
+                await asyncio.sleep(1.5)
+                replica = fleet.replicas[0]
+                old = replica.publisher
+                assert old is not None
+                if fault == "restart":  # a new process: the same sockets, sequence numbers from 0
+                    replica.engine.publisher = None
+                    await asyncio.to_thread(old.close)
+                    info = fleet.info[0]
+                    new = KVEventPublisher(info["kv_events_endpoint"], replay_endpoint=info["kv_replay_endpoint"],
+                                           topic=old.topic, bind=True)
+                    replica.publisher = replica.engine.publisher = new
+                else:  # ten batches lost on the way: the replica's buffer cannot replay them either
+                    old._seq = itertools.count(next(old._seq) + 10)
+                applied_at_fault = sample("epp_kv_index_events_applied_total")
+                await asyncio.sleep(2.5)
+                stop.set()
+                results = await load
+            assert results and all(results), f"{results.count(False)} of {len(results)} requests failed"
+            if fault == "restart":
+                assert sample("epp_kv_events_publisher_restarts_total") >= 1
+            else:
+                assert sample("epp_kv_events_sequence_gaps_total") >= 1
+                assert sample("epp_kv_events_endpoint_resets_total", {"reason": "gap_unrepairable"}) >= 1
+            assert sample("epp_kv_index_events_applied_total") > applied_at_fault  # the view is rebuilt
+            assert sample("epp_kv_index_entries") > 0
+        finally:
+            await epp.stop(0)
