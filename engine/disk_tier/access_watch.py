@@ -12,11 +12,12 @@ Cost: one watch per directory of the tier (inotify does not recurse; vLLM's layo
 dir, up to 4,096 `<hhh>` dirs and up to 256 `<hh>_g<group>` dirs under each), about 1 KiB of
 unswappable kernel memory per watch, limited per user by `fs.inotify.max_user_watches`; one
 event (16 bytes + the name, ~90 bytes for a vLLM block name) per open, not per read(2) call
-(IN_OPEN, not IN_ACCESS; the kernel also merges an open identical to the last one still queued), read by the manager's event loop without blocking. When the kernel's
-queue (`fs.inotify.max_queued_events`) overflows, events are lost and counted; when watches run
-out, the directories without one fall back to atime/mtime, counted too. Without inotify (not
-Linux, no libc, no instance left) the watcher reports itself unavailable and the manager orders
-by max(atime, mtime) as before.
+(IN_OPEN, not IN_ACCESS; the kernel also merges an open identical to the last one still queued),
+read by the manager's event loop without blocking. When the kernel's queue
+(`fs.inotify.max_queued_events`) overflows, events are lost and counted; when watches run out,
+the directories without one fall back to atime/mtime, counted too. Without inotify (not Linux,
+no libc, no instance left) the watcher reports itself unavailable and the manager orders by
+max(atime, mtime) as before.
 """
 
 from __future__ import annotations
