@@ -21,10 +21,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epp.config.loader import API_VERSION, KIND
 from epp.datalayer.registry import parse_endpoint_list
+from epp.engine.kv_publisher import KVEventPublisher
+from epp.engine.sim import FleetConfig, SimFleet
 from epp.engine.sim.fleet import default_tokenizer_dir
 from epp.envoy import EnvoyProcess, render_config
 from epp.netutil import free_ports
 from epp.server.runner import EppServer, ServeOptions
+from tests.precise.support import fleet_specs
 from tests.reliability.test_faults import Backend, eventually_zero_running
 
 pytestmark = [pytest.mark.envoy, pytest.mark.slow]
@@ -365,10 +368,6 @@ async def _sim_load(url: str, stop: asyncio.Event, rate: float = 20.0) -> list[b
 
 @pytest.mark.parametrize("fault", ["restart", "gap"])
 async def test_kv_event_publisher_restart_or_gap_fails_no_request_and_the_index_recovers(fault):
-    from epp.engine.kv_publisher import KVEventPublisher
-    from epp.engine.sim import FleetConfig, SimFleet
-    from tests.precise.support import fleet_specs
-
     tokenizer_dir = default_tokenizer_dir()
     config = FleetConfig(replicas=2, tokenizer_dir=tokenizer_dir, block_size=16, num_gpu_blocks=256)
     async with SimFleet(config) as fleet:
