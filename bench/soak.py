@@ -12,8 +12,11 @@ the TTFT of the requests sent in that window, prints one progress line, and at t
   median of pairwise slopes, so one spike or a GC pause does not move it) must rise less than
   `--max-rss-growth` (5 %) of the median RSS over that span.
 - open fds: flat. The same robust line over the fd counts must rise by less than `--max-fd-growth`.
-- TTFT: the p99 over the last `--compare` seconds within `--max-ttft-drift` (10 %) of the p99
-  over the first `--compare` seconds after warm-up.
+- TTFT: the p99 over the last `--compare` seconds within 10 % of the p99 over the first
+  `--compare` seconds after warm-up.
+- picker CPU per request (user+system time of its process over the requests sent), last
+  `--compare` seconds within 10 % of the first: the picker's own cost, which machine contention
+  (other processes on a shared host) moves far less than it moves latency.
 
     python bench/soak.py                                  # 30 minutes, the numbers in bench/README.md
     python bench/soak.py --duration 120 --warmup 40 --window 10 --compare 30   # the CI variant
@@ -94,6 +97,11 @@ class Window:
     index_entries: float = 0.0
     events_applied: float = 0.0
     cached_tokens: float = 0.0
+    picker_cpu_s: float = 0.0  # cumulative user+system CPU of the picker process
+    picker_cpu_ms_per_req: float | None = None  # in this window
+    schedule_sum_s: float = 0.0  # cumulative scheduler_e2e histogram sum and count
+    schedule_count: float = 0.0
+    schedule_mean_ms: float | None = None  # in this window
     errors: dict[str, int] = field(default_factory=dict)
 
 
@@ -152,6 +160,16 @@ def judge(config: SoakConfig, windows: Sequence[Window], records: Sequence[Reque
     else:
         checks.append(Check("enough post-warm-up samples", len(steady), 3, False,
                             "run longer or use shorter windows"))
+    # The picker's own cost per request, which machine contention moves far less than latency:
+    # a structure that grows and slows the picker down shows here even when TTFT is noisy.
+    first_w = [w for w in steady if w.end_s <= config.warmup_s + config.compare_s]
+    last_w = [w for w in steady if w.end_s > config.duration_s - config.compare_s]
+    cpu_first, cpu_last = _cpu_per_request(first_w, windows), _cpu_per_request(last_w, windows)
+    if cpu_first and cpu_last:
+        drift = cpu_last / cpu_first - 1
+        checks.append(Check("picker CPU per request last vs first compare span", drift, config.max_ttft_drift,
+                            drift <= config.max_ttft_drift,
+                            f"first {cpu_first:.2f} ms, last {cpu_last:.2f} ms: {drift:+.1%}"))
     start = t0 + config.warmup_s
     end = t0 + config.duration_s
     first = [r.ttft for r in records if r.ttft is not None and start <= r.sent < start + config.compare_s]
@@ -169,6 +187,18 @@ def judge(config: SoakConfig, windows: Sequence[Window], records: Sequence[Reque
     return checks
 
 
+def _cpu_per_request(span: Sequence[Window], windows: Sequence[Window]) -> float | None:
+    """Picker CPU milliseconds per request sent over consecutive windows `span`."""
+    if not span:
+        return None
+    before = windows.index(span[0]) - 1
+    cpu0 = windows[before].picker_cpu_s if before >= 0 else None
+    if cpu0 is None:
+        return None
+    sent = sum(w.sent for w in span)
+    return (span[-1].picker_cpu_s - cpu0) / sent * 1000 if sent else None
+
+
 def proc_rss_mb(pid: int) -> float:
     """Resident set size of a process, from /proc (MB)."""
     with open(f"/proc/{pid}/status") as fh:
@@ -178,14 +208,23 @@ def proc_rss_mb(pid: int) -> float:
     return 0.0
 
 
+def proc_cpu_seconds(pid: int) -> float:
+    """User plus system CPU time a process has used, from /proc (seconds)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def proc_fds(pid: int) -> int:
     """Open file descriptors of a process."""
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 async def picker_samples(session: aiohttp.ClientSession, url: str | None) -> dict[str, float]:
-    """The picker's KV index size and events applied, from its /metrics page."""
-    wanted = ("epp_kv_index_entries", "epp_kv_index_events_applied_total", "epp_tokenization_cache_tokens")
+    """The picker's KV index size, events applied, cache size and scheduling time, from its /metrics page."""
+    wanted = ("epp_kv_index_entries", "epp_kv_index_events_applied_total", "epp_tokenization_cache_tokens",
+              "inference_extension_scheduler_e2e_duration_seconds_sum",
+              "inference_extension_scheduler_e2e_duration_seconds_count")
     found: dict[str, float] = {}
     if url is None:
         return found
@@ -288,6 +327,10 @@ def mixed_requests(tokenizer_dir: str, seed: int) -> Iterator[BenchRequest]:
         yield next(shared) if x < 0.5 else next(chats) if x < 0.83 else next(unique)
 
 
+def _fmt_num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
 def _fmt_ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:.0f}ms"
 
@@ -303,6 +346,7 @@ class Soak:
         self.records: list[RequestRecord] = []
         self._metrics_url: str | None = None
         self._t0 = 0.0
+        self._cpu_at_start = 0.0
 
     def _say(self, text: str) -> None:
         if self.progress:
@@ -342,6 +386,7 @@ class Soak:
         cfg = self.config
         rng = random.Random(cfg.seed)
         tasks: set[asyncio.Task] = set()
+        self._cpu_at_start = proc_cpu_seconds(picker_pid)
         self._t0 = t0 = time.perf_counter()
         next_send = t0
         next_window = t0 + cfg.window_s
@@ -380,6 +425,15 @@ class Soak:
         w.index_entries = sample.get("epp_kv_index_entries", 0.0)
         w.events_applied = sample.get("epp_kv_index_events_applied_total", 0.0)
         w.cached_tokens = sample.get("epp_tokenization_cache_tokens", 0.0)
+        w.picker_cpu_s = proc_cpu_seconds(picker_pid)
+        w.schedule_sum_s = sample.get("inference_extension_scheduler_e2e_duration_seconds_sum", 0.0)
+        w.schedule_count = sample.get("inference_extension_scheduler_e2e_duration_seconds_count", 0.0)
+        prev = self.windows[-1] if self.windows else Window(end_s=0.0, picker_cpu_s=self._cpu_at_start)
+        if w.sent:
+            w.picker_cpu_ms_per_req = (w.picker_cpu_s - prev.picker_cpu_s) / w.sent * 1000
+        if w.schedule_count > prev.schedule_count:
+            w.schedule_mean_ms = ((w.schedule_sum_s - prev.schedule_sum_s)
+                                  / (w.schedule_count - prev.schedule_count) * 1000)
         if self.windows:  # the previous window's requests have had a whole window to finish
             self._settle(len(self.windows) - 1)
         self.windows.append(w)
@@ -400,7 +454,8 @@ class Soak:
                   f"ttft p50 {_fmt_ms(w.ttft_p50):>6} p99 {_fmt_ms(w.ttft_p99):>6} | picker rss "
                   f"{w.picker_rss_mb:6.1f}MB fds {w.picker_fds:3d} | envoy rss {w.envoy_rss_mb:6.1f}MB "
                   f"fds {w.envoy_fds:3d} | index {w.index_entries:6.0f} entries, {w.events_applied:8.0f} events, "
-                  f"{w.cached_tokens:7.0f} cached tokens"
+                  f"{w.cached_tokens:7.0f} cached tokens | picker cpu {_fmt_num(w.picker_cpu_ms_per_req)}ms/req, "
+                  f"schedule {_fmt_num(w.schedule_mean_ms)}ms"
                   + (" (warm-up)" if w.end_s <= self.config.warmup_s else ""))
 
 
@@ -414,12 +469,13 @@ async def run_soak(config: SoakConfig, workdir: Path, progress: bool = True) -> 
 def render_table(soak: Soak, checks: Sequence[Check]) -> str:
     """A markdown table of the windows and the verdicts."""
     lines = ["| t (s) | sent | ok | failed | TTFT p50 | TTFT p99 | picker RSS MB | picker fds | envoy RSS MB | envoy fds "
-             "| index entries | KV events applied | tokenization cache tokens |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| index entries | KV events applied | tokenization cache tokens | picker CPU ms/req | schedule ms |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for w in soak.windows:
         lines.append(f"| {w.end_s:.0f} | {w.sent} | {w.ok} | {w.failed} | {_fmt_ms(w.ttft_p50)} | "
                      f"{_fmt_ms(w.ttft_p99)} | {w.picker_rss_mb:.1f} | {w.picker_fds} | {w.envoy_rss_mb:.1f} | "
-                     f"{w.envoy_fds} | {w.index_entries:.0f} | {w.events_applied:.0f} | {w.cached_tokens:.0f} |")
+                     f"{w.envoy_fds} | {w.index_entries:.0f} | {w.events_applied:.0f} | {w.cached_tokens:.0f} | "
+                     f"{_fmt_num(w.picker_cpu_ms_per_req)} | {_fmt_num(w.schedule_mean_ms)} |")
     lines += ["", "| check | result | limit | verdict |", "|---|---|---:|---|"]
     for c in checks:
         lines.append(f"| {c.name} | {c.detail} | {c.limit:g} | {'pass' if c.passed else 'FAIL'} |")
