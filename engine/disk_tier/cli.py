@@ -12,6 +12,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from epp.engine.disk_tier.access_watch import AccessWatcher
 from epp.engine.disk_tier.http import build_app
 from epp.engine.disk_tier.manager import DiskTierConfig, DiskTierManager
 from epp.engine.disk_tier.membership import ChunkMembership, follow_vllm_events
@@ -36,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stale-temp", type=float, default=600.0, help="age after which a .tmp file is an orphan")
     p.add_argument("--access-clock", choices=["auto", "mtime"], default="auto",
                    help="auto: max(atime, mtime); mtime: ignore atime (filesystems with unreliable atime)")
+    p.add_argument("--no-access-watch", dest="access_watch", action="store_false",
+                   help="do not watch block-file opens with inotify (one watch per tier directory); "
+                   "order by atime/mtime only")
     p.add_argument("--topic", default="", help="the replica's KV-event topic kv@<ip:port>@<model>")
     p.add_argument("--events-endpoint", default=None,
                    help="ZMQ PUB endpoint: tcp://*:PORT binds, tcp://HOST:PORT connects (to a central EPP)")
@@ -73,7 +77,13 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
         publisher = KVEventPublisher(args.events_endpoint, replay_endpoint=args.replay_endpoint, topic=args.topic)
     metrics = DiskTierMetrics()
     membership = ChunkMembership(registry=metrics.registry) if args.vllm_events_endpoint else None
-    manager = DiskTierManager(config, publisher, metrics=metrics, membership=membership)
+    watcher = None
+    if args.access_watch:
+        # Every open of a block file (vLLM loading it) is an access, whatever the mount's atime policy.
+        watcher = AccessWatcher(config.root, lambda relpath: manager.record_access(relpath))
+        if not watcher.start():
+            watcher = None
+    manager = DiskTierManager(config, publisher, metrics=metrics, membership=membership, watcher=watcher)
     follower = None
     if membership is not None:
         follower = asyncio.create_task(follow_vllm_events(
@@ -91,6 +101,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
         if follower is not None:
             await follower
         await runner.cleanup()
+        if watcher is not None:
+            watcher.close()
         if publisher is not None:
             publisher.close()
         for sig in handled:

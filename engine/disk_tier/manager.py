@@ -14,11 +14,13 @@ stays true. Files it never deletes:
 A file under its final name is complete, because vLLM renames it into place atomically.
 
 Access order: `max(atime, mtime, in-process record)`; atime alone is unreliable under
-relatime/noatime (see scanner.probe_strict_atime), mtime is when the block was written, and
-`record_access` lets a caller that knows about reads (a hook, a test) refine the order.
+relatime/noatime (see scanner.probe_strict_atime), mtime is when the block was written, and the
+records come from the kernel's open notifications (`access_watch.AccessWatcher`, inotify: every
+load of a block by vLLM is an open) or from `record_access` (a hook, a test).
 
-A disk that fails never stops serving: a failed scan, a read-only filesystem or repeated unlink
-errors mark the tier unhealthy (metric `epp_disk_tier_healthy` 0, a log line on each change);
+A disk that fails never stops serving: a failed scan, a read-only filesystem or unlink errors in
+`unlink_error_cycles` (3) cycles in a row (no write permission, an immutable file, EIO) mark the
+tier unhealthy (metric `epp_disk_tier_healthy` 0, a log line on each change);
 the manager keeps running and retries each interval; vLLM itself falls back to recompute
 (`kv_load_failure_policy: recompute` from the launcher). A full disk is also unhealthy and
 triggers eviction down to the low watermark even below the budget's high mark.
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
+from epp.engine.disk_tier.access_watch import AccessWatcher
 from epp.engine.disk_tier.membership import ChunkMembership
 from epp.engine.disk_tier.metrics import DiskTierMetrics
 from epp.engine.disk_tier.naming import BlockNamer, vllm_fs_block_key
@@ -66,12 +69,15 @@ class DiskTierConfig:
     int_hashes: bool = True
     max_events_per_batch: int = 1000
     access_record_capacity: int = 1_000_000
+    unlink_error_cycles: int = 3  # this many cycles in a row with failed deletions: unhealthy
 
     def __post_init__(self) -> None:
         if self.budget_bytes <= 0:
             raise ValueError("budget_bytes must be positive")
         if not 0 < self.low_watermark < self.high_watermark <= 1:
             raise ValueError("watermarks must satisfy 0 < low < high <= 1")
+        if self.unlink_error_cycles < 1:
+            raise ValueError("unlink_error_cycles must be at least 1")
 
 
 @dataclass
@@ -113,6 +119,7 @@ class DiskTierManager:
         self, config: DiskTierConfig, sink: RemovedBlockSink | None = None, *,
         namer: BlockNamer = vllm_fs_block_key, metrics: DiskTierMetrics | None = None,
         clock: Callable[[], float] = time.time, membership: ChunkMembership | None = None,
+        watcher: AccessWatcher | None = None,
     ):
         self.config = config
         self.sink = sink
@@ -120,6 +127,8 @@ class DiskTierManager:
         self.metrics = metrics or DiskTierMetrics()
         self.clock = clock
         self.membership = membership
+        self.watcher = watcher  # started by the caller; the manager adds a watch for each directory it scans
+        self._watcher_counts = (0, 0, 0)
         self.healthy = True
         self.reason = ""
         self.strict_atime: bool | None = None
@@ -127,6 +136,8 @@ class DiskTierManager:
         self.last_report: CycleReport | None = None
         self._known: dict[str, TierFile] = {}
         self._access: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self._failing_unlink_cycles = 0  # consecutive cycles whose deletions failed
+        self._last_unlink_error = ""
         self.metrics.budget_bytes.set(config.budget_bytes)
         self.metrics.healthy.set(1)
 
@@ -200,16 +211,19 @@ class DiskTierManager:
                 self._access.pop(f.relpath, None)
         self._known = scan.files
         report.usage_bytes = scan.total_bytes
+        if self.watcher is not None and self.watcher.available:
+            await asyncio.to_thread(self.watcher.watch_dirs, scan.dirs)
         self._observe(scan)
 
         disk_full = scan.disk_free_bytes < cfg.min_free_bytes
         if scan.read_only:
             self._set_health(False, "filesystem is read-only")
             return self._finish(report)
-        self._set_health(not disk_full, "disk full" if disk_full else "")
 
         high = cfg.high_watermark * cfg.budget_bytes
         if scan.total_bytes < high and not disk_full:
+            self._failing_unlink_cycles = 0  # nothing to delete: whatever failed before no longer matters
+            self._set_health(True, "")
             return self._finish(report)
         target = int(cfg.low_watermark * cfg.budget_bytes)
         if disk_full:
@@ -218,15 +232,18 @@ class DiskTierManager:
         now = self.clock()
         orphans, victims = select_victims(list(scan.files.values()), scan.total_bytes, target, now,
                                           cfg.min_age_s, cfg.stale_temp_s, self.access_time)
+        errors: list[str] = []
+        read_only = False
         if orphans:
             done = await asyncio.to_thread(unlink_files, cfg.root, orphans)
             report.orphans_removed = len(done.removed)
             self.metrics.orphans_removed.inc(len(done.removed))
-            self._count_unlink_errors(done.errors, done.read_only)
+            errors += done.errors
+            read_only |= done.read_only
             for f in done.removed + done.already_gone:
                 self._known.pop(f.relpath, None)
             report.usage_bytes -= done.freed_bytes
-        if victims:
+        if victims and not read_only:
             done = await asyncio.to_thread(unlink_files, cfg.root, victims)
             gone = done.removed + done.already_gone
             report.evicted = done.removed
@@ -234,21 +251,34 @@ class DiskTierManager:
             report.usage_bytes -= done.freed_bytes
             self.metrics.evictions.inc(len(done.removed))
             self.metrics.freed_bytes.inc(done.freed_bytes)
-            self._count_unlink_errors(done.errors, done.read_only)
+            errors += done.errors
+            read_only |= done.read_only
             for f in gone:
                 self._known.pop(f.relpath, None)
                 self._access.pop(f.relpath, None)
             report.events_published += self._publish_removed(gone)
+        self._count_unlink_errors(errors)
         self.metrics.usage_bytes.set(report.usage_bytes)
         self.metrics.over_budget.set(1 if report.usage_bytes > cfg.budget_bytes else 0)
-        return self._finish(report)
-
-    def _count_unlink_errors(self, errors: list[str], read_only: bool) -> None:
-        if errors:
-            self.metrics.errors.labels("unlink").inc(len(errors))
-            log.warning("disk tier %s: %d deletions failed: %s", self.config.root, len(errors), errors[0])
         if read_only:
             self._set_health(False, "filesystem is read-only")
+        elif self._failing_unlink_cycles >= cfg.unlink_error_cycles:
+            # A stable reason (no counts, no file names), so the change is logged once.
+            self._set_health(False, f"deletions failing ({self._last_unlink_error}) in "
+                                    f"{cfg.unlink_error_cycles}+ cycles in a row")
+        else:
+            self._set_health(not disk_full, "disk full" if disk_full else "")
+        return self._finish(report)
+
+    def _count_unlink_errors(self, errors: list[str]) -> None:
+        if not errors:
+            self._failing_unlink_cycles = 0
+            return
+        self._failing_unlink_cycles += 1
+        self._last_unlink_error = errors[0].rsplit(": ", 1)[-1]  # the strerror, without the file name
+        self.metrics.errors.labels("unlink").inc(len(errors))
+        if self._failing_unlink_cycles == 1:  # once per failing streak; the metric counts every error
+            log.warning("disk tier %s: %d deletions failed: %s", self.config.root, len(errors), errors[0])
 
     def _observe(self, scan: TreeScan) -> None:
         blocks = sum(1 for f in scan.files.values() if f.key is not None)
@@ -260,6 +290,15 @@ class DiskTierManager:
         self.metrics.files.labels("other").set(len(scan.files) - blocks - temps)
         self.metrics.over_budget.set(1 if scan.total_bytes > self.config.budget_bytes else 0)
         self.metrics.access_records.set(len(self._access))
+        if self.watcher is not None:
+            w = self.watcher
+            counts = (w.events, w.watch_errors, w.overflows)
+            opens, errors, overflows = (now - before for now, before in zip(counts, self._watcher_counts, strict=True))
+            self._watcher_counts = counts
+            self.metrics.access_watches.set(w.watches)
+            self.metrics.access_opens.inc(opens)
+            self.metrics.access_watch_errors.inc(errors)
+            self.metrics.access_overflows.inc(overflows)
 
     def _finish(self, report: CycleReport) -> CycleReport:
         report.healthy, report.reason = self.healthy, self.reason
@@ -278,6 +317,8 @@ class DiskTierManager:
             "budget_bytes": self.config.budget_bytes,
             "usage_bytes": r.usage_bytes if r else None,
             "strict_atime": self.strict_atime,
+            "access_watch": (self.watcher.watches if self.watcher is not None and self.watcher.available
+                             else None),
         }
 
     async def run(self, stop: asyncio.Event | None = None) -> None:

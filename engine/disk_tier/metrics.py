@@ -31,6 +31,16 @@ class DiskTierMetrics:
             f"{PREFIX}_events_published", "BlockRemoved events published for the disk medium", registry=r)
         self.access_records = Gauge(
             f"{PREFIX}_access_records", "In-process access records held (bounded)", registry=r)
+        self.access_watches = Gauge(
+            f"{PREFIX}_access_watches", "Tier directories watched for opens (inotify)", registry=r)
+        self.access_opens = Counter(
+            f"{PREFIX}_access_opens", "Block-file opens reported by the kernel (inotify)", registry=r)
+        self.access_watch_errors = Counter(
+            f"{PREFIX}_access_watch_errors", "Directories left unwatched (watch limit): atime/mtime order there",
+            registry=r)
+        self.access_overflows = Counter(
+            f"{PREFIX}_access_event_overflows", "Times the kernel's inotify queue overflowed (opens lost)",
+            registry=r)
         self.scan_seconds = Histogram(
             f"{PREFIX}_scan_seconds", "Duration of one walk of the tier", registry=r,
             buckets=(0.001, 0.01, 0.05, 0.1, 0.5, 1, 5, 30))

@@ -28,6 +28,7 @@ class TreeScan:
     """One walk of the tier: its files, sizes, the filesystem state and what went wrong."""
 
     files: dict[str, TierFile] = field(default_factory=dict)
+    dirs: list[str] = field(default_factory=list)  # directories relative to the root ("" is the root)
     total_bytes: int = 0
     ok: bool = True
     read_only: bool = False
@@ -57,6 +58,7 @@ def scan_tree(root: Path, namer: BlockNamer) -> TreeScan:
     root_s = str(root)
     for dirpath, _dirs, names in os.walk(root_s, onerror=on_error):
         rel_dir = os.path.relpath(dirpath, root_s)
+        scan.dirs.append("" if rel_dir == "." else rel_dir.replace(os.sep, "/"))
         for name in names:
             full = os.path.join(dirpath, name)
             try:

@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disk-path", help="root directory of the disk (fs) tier, behind the CPU tier")
     p.add_argument("--disk-bytes", type=parse_size, help="disk tier budget, e.g. 200GiB")
     p.add_argument("--disk-manager-events-port", type=int,
-                   help="port of the disk manager's BlockRemoved publisher (shown in the dry run)")
+                   help="port of the disk manager's BlockRemoved publisher (default: the port after the "
+                   "KV-event ports, 5559); the picker dials it from the endpoint label kv-disk-events-port")
     p.add_argument("--no-kv-events", dest="kv_events", action="store_false",
                    help="publish no KV events (the picker then cannot route by precise prefix)")
     p.add_argument("--kv-events-port", type=int, default=5557, help="ZMQ PUB port (bound on all interfaces)")

@@ -189,6 +189,19 @@ class LaunchOptions:
         return None
 
     @property
+    def disk_events_port(self) -> int | None:
+        """Port of the disk manager's BlockRemoved publisher: explicit, else the port after the KV-event ports.
+
+        A disk tier always announces its removals (otherwise the picker keeps routing to blocks
+        the manager deleted), so with a disk tier there is always a port, 5559 by default.
+        """
+        if self.disk_path is None:
+            return None
+        if self.disk_manager_events_port is not None:
+            return self.disk_manager_events_port
+        return max(self.kv_events_port, self.kv_replay_port or 0) + 1
+
+    @property
     def kv_events_topic(self) -> str:
         """`kv@<pod ip>:<pod port>@<model>`: the picker maps events to the endpoint by this topic
         (on a decode pod the pod's port is the P/D sidecar's)."""
@@ -205,6 +218,7 @@ class LaunchPlan:
     disk_manager_argv: list[str] | None = field(default=None)
     pd_sidecar_argv: list[str] | None = field(default=None)
     pd_role: str | None = None
+    picker_labels: dict[str, str] = field(default_factory=dict)
 
     def render(self) -> str:
         """Shell text an operator can read or paste: env assignments, then the command."""
@@ -217,6 +231,10 @@ class LaunchPlan:
         if self.pd_sidecar_argv:
             lines += ["# P/D sidecar (run beside vLLM; the pod's port, which the picker routes to)",
                       shlex.join(self.pd_sidecar_argv)]
+        if self.picker_labels:
+            labels = ";".join(f"{k}={v}" for k, v in self.picker_labels.items())
+            lines += ["# picker: endpoint labels it reads for this replica (epp serve --endpoints "
+                      f"<pod ip>:<port>#{labels}, or the same keys as pod labels)", labels]
         return "\n".join(lines)
 
 
@@ -305,7 +323,7 @@ def validate(opts: LaunchOptions, host: HostResources) -> list[str]:
                 "or serve on a concrete --host"
             )
         ports = [opts.port, opts.kv_events_port] + [
-            p for p in (opts.kv_replay_port, opts.disk_manager_events_port) if p is not None
+            p for p in (opts.kv_replay_port, opts.disk_events_port) if p is not None
         ]
         if len(set(ports)) != len(ports):
             problems.append(f"HTTP, KV-events, replay and disk-manager ports must differ, got {ports}")
@@ -427,8 +445,16 @@ def build_plan(opts: LaunchOptions, host: HostResources | None = None) -> Launch
             manager += ["--vllm-events-endpoint", f"tcp://127.0.0.1:{opts.kv_events_port}"]
             if opts.kv_replay_port is not None:
                 manager += ["--vllm-replay-endpoint", f"tcp://127.0.0.1:{opts.kv_replay_port}"]
-        if opts.disk_manager_events_port is not None:
-            # A second publisher on the replica's topic: BlockRemoved(STORAGE) for evicted files.
-            manager += ["--events-endpoint", f"tcp://*:{opts.disk_manager_events_port}"]
+        # A second publisher on the replica's topic: BlockRemoved(STORAGE) for evicted files.
+        manager += ["--events-endpoint", f"tcp://*:{opts.disk_events_port}"]
+    labels: dict[str, str] = {}
+    if opts.kv_events:
+        # What the picker's per-endpoint KV-event subscriber dials (epp/kvevents/subscriber.py).
+        labels["kv-events-port"] = str(opts.kv_events_port)
+        if opts.kv_replay_port is not None:
+            labels["kv-replay-port"] = str(opts.kv_replay_port)
+        if manager is not None:
+            labels["kv-disk-events-port"] = str(opts.disk_events_port)
     return LaunchPlan(argv=argv, env=env, topic=opts.kv_events_topic if opts.kv_events else None,
-                      disk_manager_argv=manager, pd_sidecar_argv=sidecar_argv(opts), pd_role=opts.pd_role)
+                      disk_manager_argv=manager, pd_sidecar_argv=sidecar_argv(opts), pd_role=opts.pd_role,
+                      picker_labels=labels)

@@ -9,13 +9,19 @@
   `tokenizers` batch call releases the GIL), so the event loop never stalls on a 256 KB prompt.
 A model directory holds `tokenizer.json` and `tokenizer_config.json` (chat template, special
 tokens) or `chat_template.jinja`. A model named `*` in the configuration serves every other model.
+A directory whose files are missing or unreadable does not stop the picker: that model's prompts
+are not tokenized (routing goes on without prefix scores; counted as `tokenizer_unavailable`, one
+ERROR line until it loads), and loading is retried at most every `retry_s` seconds, so files that
+appear later (a volume mounted late) are picked up without a restart.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,6 +34,7 @@ from epp.framework.types import ApiKind, InferenceRequest
 from epp.tokenization.chat_template import ChatTemplate
 from epp.tokenization.prefix_cache import TokenizationCache
 
+log = logging.getLogger(__name__)
 
 class TokenizationMetrics:
     """Cache outcomes, reused tokens, tokens held, and tokenizations by where they ran."""
@@ -129,6 +136,8 @@ class TokenizerPool:
         self.offload_chars = offload_chars
         self.metrics = TokenizationMetrics(registry)
         self._tokenizers: dict[str, ModelTokenizer] = {}
+        self._failed_at: dict[str, float] = {}  # model key -> monotonic time of its last failed load
+        self.retry_s = 5.0
         self._load_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="epp-tokenize")
         self.metrics.cached_tokens.set_function(
@@ -149,10 +158,25 @@ class TokenizerPool:
         key, path = found
         with self._load_lock:
             tok = self._tokenizers.get(key)
-            if tok is None:
-                cache = TokenizationCache(self.cache_tokens, min_chars=self.cache_min_chars,
-                                          on_outcome=self.metrics.outcome)
-                tok = self._tokenizers[key] = ModelTokenizer(path, cache)
+            if tok is not None:
+                return tok
+            failed = self._failed_at.get(key)
+            if failed is not None and time.monotonic() - failed < self.retry_s:
+                return None
+            cache = TokenizationCache(self.cache_tokens, min_chars=self.cache_min_chars,
+                                      on_outcome=self.metrics.outcome)
+            try:
+                tok = ModelTokenizer(path, cache)
+            except Exception as exc:  # noqa: BLE001 - missing/corrupt files: serve on without this tokenizer
+                if failed is None:
+                    log.error("tokenizer for model %r not loadable from %s (%s); its prompts route without "
+                              "prefix scores until it loads (retried every %.0f s)", key, path, exc, self.retry_s)
+                self._failed_at[key] = time.monotonic()
+                return None
+            if failed is not None:
+                log.info("tokenizer for model %r loaded from %s", key, path)
+                self._failed_at.pop(key, None)
+            self._tokenizers[key] = tok
             return tok
 
     async def preload(self) -> None:
@@ -164,7 +188,8 @@ class TokenizerPool:
     def _tokenize_sync(self, request: InferenceRequest) -> list[int] | None:
         tok = self.load(request.target_model)
         if tok is None:
-            self.metrics.failures.labels("no_tokenizer").inc()
+            unavailable = self._dir_for(request.target_model) is not None
+            self.metrics.failures.labels("tokenizer_unavailable" if unavailable else "no_tokenizer").inc()
             return None
         if request.api is ApiKind.CHAT_COMPLETIONS:
             if tok.chat_template is None:
