@@ -31,7 +31,8 @@ def options(**kw) -> LaunchOptions:
 def test_prefill_replica_golden():
     plan = build_plan(options(pd_role="prefill"), GPU)
     assert plan.argv == [*BASE, "--port", "8000", "--block-size", "16", "--enable-prefix-caching",
-                         "--prefix-caching-hash-algo", "sha256", *events(8000), "--kv-transfer-config", NIXL]
+                         "--prefix-caching-hash-algo", "sha256", "--enable-prompt-tokens-details", *events(8000),
+                         "--kv-transfer-config", NIXL]
     assert plan.env == {"PYTHONHASHSEED": "0", "VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.7",
                         "VLLM_NIXL_SIDE_CHANNEL_PORT": "5600"}
     assert plan.pd_sidecar_argv is None
@@ -42,7 +43,8 @@ def test_decode_replica_golden_runs_vllm_behind_the_sidecar():
     plan = build_plan(options(pd_role="decode", port=8001, pd_sidecar_port=8000, nixl_side_channel_port=5601), GPU)
     # The topic names the pod's port (the sidecar's): that is the endpoint the picker knows.
     assert plan.argv == [*BASE, "--port", "8001", "--block-size", "16", "--enable-prefix-caching",
-                         "--prefix-caching-hash-algo", "sha256", *events(8000), "--kv-transfer-config", NIXL]
+                         "--prefix-caching-hash-algo", "sha256", "--enable-prompt-tokens-details", *events(8000),
+                         "--kv-transfer-config", NIXL]
     assert plan.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5601"
     assert plan.pd_sidecar_argv == ["epp", "engine", "pd-sidecar", "--port", "8000", "--vllm-port", "8001",
                                     "--connector", "nixl"]
