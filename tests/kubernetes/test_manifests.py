@@ -152,7 +152,22 @@ def test_pool_pods_picker_and_traffic_refer_to_each_other(rendered, overlay):
     for scaled in (o for o in objects if o["kind"] == "ScaledObject"):
         assert scaled["spec"]["scaleTargetRef"]["name"] == "vllm"
         queries = " ".join(t["metadata"]["query"] for t in scaled["spec"]["triggers"])
-        assert "vllm:num_requests_waiting" in queries and "vllm:kv_cache_usage_perc" in queries
+        # The triggers read the picker's pool gauges: they must be metrics the picker really exports.
+        exported = picker_metric_names()
+        for name in ("epp_pool_waiting_requests", "epp_pool_kv_cache_usage"):
+            assert name in queries and name in exported
+
+
+def picker_metric_names() -> set[str]:
+    """Names of the pool gauges a running picker exports."""
+    from prometheus_client import CollectorRegistry
+
+    from epp.datalayer.registry import EndpointRegistry
+    from epp.fleet.pool_gauges import PoolGauges
+
+    registry = CollectorRegistry()
+    PoolGauges(EndpointRegistry()).register(registry)
+    return {metric.name for metric in registry.collect()}
 
 
 def test_the_picker_role_only_reads_what_discovery_needs(rendered):
