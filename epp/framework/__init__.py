@@ -5,6 +5,7 @@ data types, plugin interfaces, the registry and the per-request `CycleState`.
 """
 
 from epp.framework.errors import ConfigError, ErrorCode, InferenceError
+from epp.framework.load import Booking, EndpointLoad, InflightLedger, estimate_prompt_tokens
 from epp.framework.plugin import (
     Admitter,
     CycleState,
@@ -34,7 +35,8 @@ from epp.framework.types import (
 )
 
 __all__ = [
-    "Admitter", "ApiKind", "ConfigError", "CycleState", "DataProducer", "Endpoint",
+    "Admitter", "ApiKind", "Booking", "EndpointLoad", "InflightLedger", "estimate_prompt_tokens",
+    "ConfigError", "CycleState", "DataProducer", "Endpoint",
     "EndpointMetrics", "ErrorCode", "Filter", "InferenceError", "InferenceRequest", "Picker",
     "Plugin", "PluginContext", "PluginRegistry", "PluginSpec", "PreRequestHook",
     "ProfileHandler", "ProfileRunResult", "ResponseCompleteHook", "ResponseHeadersHook",

@@ -15,6 +15,7 @@ from prometheus_client import start_http_server
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
 from epp.director import AdmissionPolicy, Director, Pipeline
 from epp.framework.plugin import PluginContext
+from epp.load_metrics import register_ledger_metrics
 from epp.metrics import EppMetrics
 from epp.request.parsing import RequestParser
 from epp.server.extproc import DEFAULT_MAX_BODY_BYTES, ExtProcService
@@ -74,7 +75,9 @@ class EppServer:
         opts = self.options
         pipeline, admission, objectives = self._build_pipeline()
         self.director = Director(pipeline, self.endpoints, self.metrics, admission,
-                                 use_subset_hint=not opts.disable_endpoint_subset_filter)
+                                 use_subset_hint=not opts.disable_endpoint_subset_filter,
+                                 ledger=self.context.load)
+        register_ledger_metrics(self.context.load, self.endpoints, self.metrics.registry)
         await self._start_discovery()
         for plugin in pipeline.plugins:
             await plugin.start()
