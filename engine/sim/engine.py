@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -126,6 +127,7 @@ class SimEngine:
         self.config = config.resolved()
         c = self.config
         self.profile = c.profile
+        self.slowdown = 1.0  # set_speed: the current profile is the configured one this much slower
         self.block_size: int = c.block_size  # type: ignore[assignment]
         # Like vLLM's BlockPool, one block is the reserved null block: usable = num_gpu_blocks - 1.
         self.cache = KVCache(c.num_gpu_blocks - 1, self.block_size, c.tiers)  # type: ignore[operator]
@@ -247,6 +249,18 @@ class SimEngine:
         self.sleeping = False
         self.sleep_level = 0
         self._interrupt()
+
+    def set_speed(self, slowdown: float) -> None:
+        """Run every later step `slowdown` times slower than the configured profile (1 = as configured).
+
+        A mid-run change of the replica's speed, like a GPU that throttles or a noisy neighbour:
+        benchmarks and tests use it to check that a router's learned costs follow.
+        """
+        if not (slowdown > 0 and math.isfinite(slowdown)):
+            raise ValueError(f"slowdown must be a finite number > 0, got {slowdown!r}")
+        base = self.config.profile
+        self.profile = base if slowdown == 1 else base.scaled(slowdown)
+        self.slowdown = slowdown
 
     def reset_prefix_cache(self) -> None:
         """Drop every cached block (AllBlocksCleared)."""

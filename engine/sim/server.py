@@ -133,6 +133,7 @@ class SimReplica:
         r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         r.add_get("/kv_event_sources", self.kv_event_sources)
         r.add_get("/sim/state", self.sim_state)
+        r.add_post("/sim/speed", self.sim_speed)
         return app
 
     async def start(self) -> None:
@@ -512,6 +513,8 @@ class SimReplica:
             "steps": e.steps,
             "lag_resyncs": e.lag_resyncs,
             "sim_time": e.now(),
+            "slowdown": e.slowdown,
+            "prefill_per_token": e.profile.prefill_per_token,
             "gpu": {"capacity": c.capacity, "cached": len(c.cached), "used": c.used_blocks, "evicted": c.gpu_evicted},
             "cpu": None if c.cpu is None else {"capacity": c.cpu.capacity, "blocks": len(c.cpu.blocks),
                                                "evicted": c.cpu.evicted},
@@ -520,6 +523,15 @@ class SimReplica:
             "kv_events": None if p is None else {"published": p.published, "dropped": p.dropped},
         }
         return web.json_response(state)
+
+    async def sim_speed(self, request: web.Request) -> web.Response:
+        """POST /sim/speed?slowdown=2: from now on run 2x slower than the profile (not a vLLM route)."""
+        try:
+            self.engine.set_speed(float(request.query.get("slowdown", "1")))
+        except ValueError as exc:
+            return error_response(f"'slowdown' must be a number > 0: {exc}")
+        return web.json_response({"slowdown": self.engine.slowdown,
+                                  "prefill_per_token": self.engine.profile.prefill_per_token})
 
     def _lora_info(self) -> tuple[int, list[str], list[str]]:
         e = self.engine
