@@ -13,7 +13,7 @@ from typing import Protocol
 from epp.datalayer.registry import EndpointRegistry
 from epp.framework.datakeys import PREFIX_MATCH_INFO, PREFIX_TIER_MATCH, PrefixMatchInfo, TierMatch
 from epp.framework.errors import ErrorCode, InferenceError
-from epp.framework.load import Booking, InflightLedger, estimate_prompt_tokens
+from epp.framework.load import CHARACTERS_PER_TOKEN, Booking, InflightLedger, prompt_characters
 from epp.framework.plugin import (
     Admitter,
     CycleState,
@@ -151,17 +151,19 @@ class Director:
         target = result.targets[0]
         tier: TierMatch | None = state.endpoint_data(PREFIX_TIER_MATCH, target.name)
         cpu = disk = 0
+        characters = prompt_characters(request)
         if tier is not None and tier.total_tokens > 0:
             prompt, uncached = tier.total_tokens, tier.total_tokens - tier.cached_tokens
             cpu, disk = tier.cpu_tokens, tier.disk_tokens
         else:
-            prompt = estimate_prompt_tokens(request)
+            prompt = characters // CHARACTERS_PER_TOKEN
             info: PrefixMatchInfo | None = state.endpoint_data(PREFIX_MATCH_INFO, target.name)
             cached = int(info.matched_blocks * info.block_size_tokens) if info is not None else 0
             uncached = prompt - cached
         state.put(BOOKING_STATE_KEY, self.ledger.pick(
             target.name, model=request.target_model, prompt_tokens=prompt, uncached_tokens=uncached,
-            cpu_tokens=cpu, disk_tokens=disk, running=target.metrics.running_requests_size))
+            cpu_tokens=cpu, disk_tokens=disk, running=target.metrics.running_requests_size,
+            prompt_characters=characters))
 
     def first_token(self, state: CycleState, *, observed: bool = True) -> None:
         """The picked endpoint answered with its first token (`observed`) or a whole response."""

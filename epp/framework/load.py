@@ -87,6 +87,7 @@ class Booking:
     running: int = 0
     first_token_at: float | None = None
     ttft_observed: bool = False  # first_token_at is a first token, not the end of a whole response
+    prompt_characters: int = 0  # of the prompt text (with usage.prompt_tokens: characters per token)
 
     @property
     def prefilling(self) -> bool:
@@ -160,7 +161,8 @@ class InflightLedger:
         self._observers.append(observer)
 
     def pick(self, endpoint: str, *, model: str = "", prompt_tokens: int = 0, uncached_tokens: int | None = None,
-             cpu_tokens: int = 0, disk_tokens: int = 0, running: int = 0, now: float | None = None) -> Booking:
+             cpu_tokens: int = 0, disk_tokens: int = 0, running: int = 0, prompt_characters: int = 0,
+             now: float | None = None) -> Booking:
         """Book a request sent to `endpoint`; its uncached tokens count as prefill until its first token."""
         now = time.monotonic() if now is None else now
         self.expire(now)
@@ -169,7 +171,8 @@ class InflightLedger:
         if book is None:
             book = self._books[endpoint] = _EndpointBook()
         booking = Booking(next(self._ids), endpoint, model, now, prompt_tokens, uncached, cpu_tokens, disk_tokens,
-                          ahead_tokens=book.prefill_tokens, ahead_requests=book.prefilling, running=running)
+                          ahead_tokens=book.prefill_tokens, ahead_requests=book.prefilling, running=running,
+                          prompt_characters=prompt_characters)
         self._all[booking.ticket] = booking
         self._prefilling[booking.ticket] = booking
         book.inflight[booking.ticket] = booking
@@ -261,8 +264,13 @@ def _text_length(value: Any, budget: int, depth: int = 0) -> int:
     return total
 
 
-def estimate_prompt_tokens(request: InferenceRequest, limit_tokens: int = 1 << 20) -> int:
-    """Prompt tokens guessed from the request's text at 4 characters a token (no tokenizer)."""
+def prompt_characters(request: InferenceRequest, limit: int = 1 << 22) -> int:
+    """Characters of the request's prompt text (strings of prompt/messages/input; a token id counts 4)."""
     body = request.body
     parts = [body.get(key) for key in ("prompt", "messages", "input", "instructions", "items") if key in body]
-    return _text_length(parts, limit_tokens * CHARACTERS_PER_TOKEN) // CHARACTERS_PER_TOKEN
+    return _text_length(parts, limit)
+
+
+def estimate_prompt_tokens(request: InferenceRequest, limit_tokens: int = 1 << 20) -> int:
+    """Prompt tokens guessed from the request's text at 4 characters a token (no tokenizer)."""
+    return prompt_characters(request, limit_tokens * CHARACTERS_PER_TOKEN) // CHARACTERS_PER_TOKEN
