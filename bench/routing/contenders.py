@@ -2,6 +2,10 @@
 
 - `round-robin`: Envoy's own ROUND_ROBIN cluster over the replicas (no picker).
 - `epp-*`: our picker (`epp serve`) behind real Envoy (ext_proc), one EndpointPickerConfig each.
+  None is given anything a user could not configure without knowing the answer: defaults, the
+  sample configs of `examples/configs/`, or what the picker learns itself. The one row that is
+  handed the simulator's own costs (`epp-precise-ttft-oracle`, not in `all`) says so in its
+  description and is never compared with the peers.
 - `vllm-router-*`: the vLLM router (`vllm-router`, a Rust proxy from PyPI), policies
   round_robin, cache_aware and kv_aware (fed by the replicas' KV-event sockets).
 - `sglang-router-cache-aware`: the SGLang router (`sglang-router launch`), policy cache_aware.
@@ -23,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import yaml
 
 from epp.config.loader import API_VERSION, DEFAULT_CONFIG_YAML, KIND
 from epp.engine.sim.fleet import SimFleet
@@ -50,14 +55,22 @@ def peer_binary(name: str) -> str:
     raise Unavailable(f"{name} not installed (run bench/setup-peers; looked in {peers_venv()})")
 
 
+SAMPLE_CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
+ORACLE_LABEL = "[uses the simulator's internals: not comparable with the peers] "
+
+
 @dataclass
 class Tuning:
-    """Model-specific knobs the harness passes to contenders that need them."""
+    """Knobs the harness passes to contenders: what a user of a real deployment also knows.
+
+    `prefill_s_per_token` and `mean_prompt_tokens` are the simulator's internals; only the
+    oracle row (`precise-ttft-oracle`) may read them.
+    """
 
     tokenizer_dir: str
     block_size: int
-    prefill_s_per_token: float  # wall seconds per uncached prompt token on one replica
-    mean_prompt_tokens: int
+    prefill_s_per_token: float  # wall seconds per uncached prompt token on one replica (oracle only)
+    mean_prompt_tokens: int  # (oracle only)
 
 
 @dataclass
@@ -97,8 +110,36 @@ def _precise_producer(t: Tuning) -> str:
             f"    tokenizers: {{sim-model: {t.tokenizer_dir}}}")
 
 
+def sample_config(name: str, t: Tuning) -> str:
+    """A sample config of `examples/configs/`, its precise producer pointed at the fleet's tokenizer."""
+    doc = yaml.safe_load((SAMPLE_CONFIGS / f"{name}.yaml").read_text())
+    for plugin in doc.get("plugins", []):
+        if plugin.get("type") == "precise-prefix-cache-producer":
+            params = plugin.setdefault("parameters", {})
+            params.update({"blockSizeTokens": t.block_size, "mode": "per-endpoint",
+                           "tokenizers": {"sim-model": t.tokenizer_dir}})
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
+def _scrape_only(config: str) -> str:
+    """`config` with GIE's scrape-only load scorers and GIE's approximate producer (the "before")."""
+    doc = yaml.safe_load(config)
+    for plugin in doc.get("plugins", []):
+        if plugin.get("type") in ("queue-scorer", "kv-cache-utilization-scorer", "running-requests-size-scorer"):
+            plugin.setdefault("parameters", {})["useInflight"] = False
+    if not any(p.get("type") == "approx-prefix-cache-producer" for p in doc["plugins"]) and any(
+            p.get("type") == "prefix-cache-scorer" for p in doc["plugins"]) and not any(
+            p.get("type") == "precise-prefix-cache-producer" for p in doc["plugins"]):
+        doc["plugins"].insert(0, {"type": "gie-approx-prefix-cache-producer"})
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
 def epp_config(kind: str, t: Tuning) -> str:
     """The EndpointPickerConfig of one `epp-*` contender."""
+    if kind.startswith("sample:"):
+        return sample_config(kind.partition(":")[2], t)
+    if kind.endswith("+scrape-only"):
+        return _scrape_only(epp_config(kind.removesuffix("+scrape-only"), t))
     if kind == "random":
         return _config(["- type: random-picker"], [("random-picker", 0)])
     if kind == "load":
@@ -118,7 +159,10 @@ def epp_config(kind: str, t: Tuning) -> str:
                         "- type: kv-cache-utilization-scorer"],
                        [("prefix-cache-scorer", 3), ("active-request-scorer", 2), ("kv-cache-utilization-scorer", 2)])
     if kind == "precise-ttft":
-        # The predicted-TTFT scorer, calibrated to the simulated replica's prefill cost.
+        # The predicted-TTFT scorer learning its costs itself (examples/configs/predicted-ttft.yaml).
+        return sample_config("predicted-ttft", t)
+    if kind == "precise-ttft-oracle":
+        # The predicted-TTFT scorer handed the simulated replica's prefill cost: an oracle.
         queue_s = 0.5 * t.mean_prompt_tokens * t.prefill_s_per_token
         ttft = ("- type: predicted-ttft-scorer\n"
                 "  parameters:\n"
@@ -157,8 +201,19 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
     Contender("epp-random", "epp", "random", "our EPP behind Envoy: random-picker"),
     Contender("epp-load", "epp", "load", "our EPP: queue + kv-cache-utilization scorers"),
     Contender("epp-approx", "epp", "approx", "our EPP: GIE default (queue 2, kv 2, approximate prefix 3)"),
+    Contender("epp-approx-ttft", "epp", "sample:approximate",
+              "our EPP: examples/configs/approximate.yaml (approximate prefix, self-calibrating predicted-TTFT 3, "
+              "prefix 1, kv 1)"),
     Contender("epp-precise", "epp", "precise", "our EPP: precise prefix from KV events 3, queue 2, kv 2"),
-    Contender("epp-precise-ttft", "epp", "precise-ttft", "our EPP: predicted-TTFT 3 (precise prefix tiers, own pending prefills), prefix 1, kv 1"),
+    Contender("epp-precise-ttft", "epp", "precise-ttft",
+              "our EPP: examples/configs/predicted-ttft.yaml (precise prefix tiers, self-calibrating "
+              "predicted-TTFT 3, prefix 1, kv 1)"),
+    Contender("epp-approx-scrape-only", "epp", "approx+scrape-only",
+              "before: GIE default with GIE's approximate producer and scrape-only load scorers", default=False),
+    Contender("epp-precise-scrape-only", "epp", "precise+scrape-only",
+              "before: epp-precise with scrape-only load scorers", default=False),
+    Contender("epp-precise-ttft-oracle", "epp", "precise-ttft-oracle",
+              ORACLE_LABEL + "predicted-TTFT with the simulator profile's prefill cost", default=False),
     Contender("epp-precise-active", "epp", "precise-active",
               "our EPP: precise prefix 3, active-request (in-flight) 2, kv 2", default=False),
     Contender("vllm-router-rr", "vllm-router", "round_robin", "vllm-router --policy round_robin"),
@@ -332,5 +387,5 @@ async def _start_peer(argv: list[str], port: int, log: Path, version: str, prom:
     return router
 
 
-__all__ = ["CONTENDERS", "Contender", "RunningRouter", "Tuning", "Unavailable", "epp_config", "free_ports",
-           "peer_binary", "peers_venv", "start_contender"]
+__all__ = ["CONTENDERS", "ORACLE_LABEL", "Contender", "RunningRouter", "Tuning", "Unavailable", "epp_config",
+           "free_ports", "peer_binary", "peers_venv", "sample_config", "start_contender"]
