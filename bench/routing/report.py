@@ -122,7 +122,8 @@ def write_report(scenario: Scenario, results: list[ContenderResult], out_dir: Pa
               f"of 16 tokens each, time scale {f.time_scale:g} (wall = {f.time_scale:g} x simulated GPU time)"),
              f"- Fleet KV capacity: {scenario.capacity_blocks} usable blocks",
              ("- Load: " + ", ".join(f"{s.label} ({s.arrivals}) for {s.duration:g}s" for s in scenario.stages)
-              + f"; drain at most {scenario.drain:g}s after each stage"),
+              + (f"; a continuous ramp (no draining between stages), at most {scenario.drain:g}s drain at the end"
+                 if scenario.continuous else f"; drain at most {scenario.drain:g}s after each stage")),
              "- Every contender gets a fresh fleet and the same seeded trace and arrival times.", "",
              "## Versions", "", *versions(results), "",
              "## Results (all stages together)", "",

@@ -4,7 +4,9 @@ Every contender gets its own fleet (cold caches, zeroed counters) and the same t
 workload iterator and the arrival times are seeded, so open-loop runs send the same requests
 at the same offsets to every router. Between stages the harness waits for in-flight requests
 (bounded by the scenario's drain time) and reads the replicas' counters, so each stage's cache
-hit rate is a clean delta.
+hit rate is a clean delta; in a continuous ramp (`Scenario.continuous`) it does not wait, the
+counters are read at each stage's end while requests are still running (so a stage's hit rate
+mixes in its predecessor's stragglers), and only the last stage drains.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from bench.routing.contenders import (
     Unavailable,
     start_contender,
 )
-from bench.routing.loadgen import RequestRecord, StageResult, run_stage
+from bench.routing.loadgen import RequestRecord, StageResult, drain_inflight, run_stage
 from bench.routing.measure import CpuMeter, ReplicaCounters, percentile, scrape_fleet
 from bench.routing.oracle import oracle_hits
 from bench.routing.scenarios import Scenario
@@ -170,10 +172,15 @@ async def run_contender(scenario: Scenario, contender: Contender, workdir: Path,
                 before = await scrape_fleet(scrape, fleet.info)
                 start_counters = before
                 meter.sample()
+                inflight: set[asyncio.Task] | None = set() if scenario.continuous else None
                 for i, stage in enumerate(scenario.stages):
                     sr = await run_stage(session, router.base_url, requests, stage, i, drain=scenario.drain,
                                          request_timeout=scenario.request_timeout, progress=progress,
-                                         issued=issued)
+                                         issued=issued, inflight=inflight)
+                    if inflight is not None and i == len(scenario.stages) - 1:
+                        await drain_inflight(inflight, [r for s, _, _ in stage_results for r in s.records]
+                                             + sr.records, scenario.drain)
+                        sr.finished = time.perf_counter()
                     cpu = meter.sample()
                     after = await scrape_fleet(scrape, fleet.info)
                     stage_results.append((sr, (before, after), cpu))
