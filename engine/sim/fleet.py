@@ -64,7 +64,7 @@ class FleetConfig:
     name_prefix: str = "sim"
     lora_modules: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
-    enable_prompt_tokens_details: bool = True
+    enable_prompt_tokens_details: bool = False  # vLLM's --enable-prompt-tokens-details (off by default)
 
     def replica_config(self, i: int, tokenizer_dir: str) -> ReplicaConfig:
         """The configuration of replica `i` (profiles cycle over `profiles` when given)."""
