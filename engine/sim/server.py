@@ -49,7 +49,7 @@ class ReplicaConfig:
     lora_modules: dict[str, str] = field(default_factory=dict)
     max_loras: int = 4
     chat_output_len: tuple[int, int] = (16, 128)
-    enable_prompt_tokens_details: bool = True
+    enable_prompt_tokens_details: bool = False  # vLLM's --enable-prompt-tokens-details (off by default)
     labels: dict[str, str] = field(default_factory=dict)
 
 
@@ -304,7 +304,13 @@ class SimReplica:
             return error_response(str(exc))
         return await self._serve(request, r, body, chat=True, include_usage=include_usage)
 
-    def _usage(self, r: SimRequest) -> dict[str, Any]:
+    def _usage(self, r: SimRequest, *, streamed: bool = False) -> dict[str, Any]:
+        """vLLM's usage object: details only with --enable-prompt-tokens-details.
+
+        A JSON response carries every field (the details as null when off); a stream's usage
+        chunk is dumped with unset fields left out, so it has neither detail when off and never
+        `completion_tokens_details` (only a reasoning parser fills that).
+        """
         usage: dict[str, Any] = {
             "prompt_tokens": len(r.prompt_ids),
             "total_tokens": len(r.prompt_ids) + len(r.output),
@@ -312,6 +318,10 @@ class SimReplica:
         }
         if self.config.enable_prompt_tokens_details:
             usage["prompt_tokens_details"] = {"cached_tokens": r.num_cached_tokens}
+        elif not streamed:
+            usage["prompt_tokens_details"] = None
+        if not streamed:
+            usage["completion_tokens_details"] = None
         return usage
 
     def _text(self, ids: list[int]) -> str:
@@ -394,7 +404,7 @@ class SimReplica:
             r.waiter = loop.create_future()
             await r.waiter
         if include_usage and r.finish_reason != "abort":
-            usage_chunk = {**head, "choices": [], "usage": self._usage(r)}
+            usage_chunk = {**head, "choices": [], "usage": self._usage(r, streamed=True)}
             await resp.write(b"data: " + _json_encode(usage_chunk) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()

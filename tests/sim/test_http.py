@@ -17,7 +17,8 @@ PROMPT = "System: you answer questions about the customer table. " * 6
 @pytest.fixture
 async def fleet(tokenizer_dir):
     async with SimFleet(FleetConfig(replicas=2, tokenizer_dir=tokenizer_dir, kv_events=False,
-                                    lora_modules={"sql-lora": "/adapters/sql"})) as f:
+                                    lora_modules={"sql-lora": "/adapters/sql"},
+                                    enable_prompt_tokens_details=True)) as f:
         yield f
 
 
