@@ -5,12 +5,13 @@ the picker's own in-flight work on e (`PluginContext.load`: prefill tokens it se
 first token has not come back) and e's scraped metrics:
 
     T(e) = base
-         + prefill(e) * (ahead(e) + uncached(e))        (queue in tokens, then our own prefill)
+         + prefill(e) * (ahead(e) + uncached(e))        (prefill queued ahead in tokens, then our own)
+         + queueCost(e) * waiting(e)                    (requests queued ahead, e.g. for KV space)
          + runningCost(e) * running(e)                  (decoding requests share each step)
          + cpuLoad(e) * cpu(e) + diskLoad(e) * disk(e)  (load offloaded blocks back)
 
-    ahead(e) = own prefill tokens in flight on e
-             + (scraped waiting requests not sent by this picker) * mean uncached tokens per request
+    ahead(e) = own prefill tokens in flight on e (first token not seen yet)
+    waiting(e) = max(scraped waiting + own picks the scrape cannot show yet, own picks in prefill)
 
     score(e) = min over endpoints of T / T(e)     in (0, 1]; the fastest scores 1.
 
@@ -55,10 +56,10 @@ from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 from epp.scorers.ttft_calibration import TERMS, TTFTCalibrator, features
 
 DEFAULTS = {"baseSeconds": 0.01, "prefillSecondsPerToken": 2e-4, "secondsPerRunningRequest": 0.005,
-            "cpuLoadSecondsPerToken": 2e-5, "diskLoadSecondsPerToken": 1e-4}
+            "cpuLoadSecondsPerToken": 2e-5, "diskLoadSecondsPerToken": 1e-4, "queueSecondsPerWaitingRequest": 0.1}
 # Parameter names in TERMS order.
 TERM_PARAMS = ("baseSeconds", "prefillSecondsPerToken", "secondsPerRunningRequest",
-               "cpuLoadSecondsPerToken", "diskLoadSecondsPerToken")
+               "cpuLoadSecondsPerToken", "diskLoadSecondsPerToken", "queueSecondsPerWaitingRequest")
 
 
 class PredictedTTFTScorer(Scorer):
@@ -70,7 +71,7 @@ class PredictedTTFTScorer(Scorer):
     def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
         super().__init__(name)
         given = {key: params.float(key, math.nan, minimum=0.0)  # NaN: not configured
-                 for key in (*TERM_PARAMS, "queueSecondsPerWaitingRequest")}
+                 for key in TERM_PARAMS}
         given = {k: v for k, v in given.items() if not math.isnan(v)}
         values = {**DEFAULTS, **given}
         if values["baseSeconds"] <= 0:
@@ -80,7 +81,7 @@ class PredictedTTFTScorer(Scorer):
         self.s_per_running = values["secondsPerRunningRequest"]
         self.cpu_load_s_per_token = values["cpuLoadSecondsPerToken"]
         self.disk_load_s_per_token = values["diskLoadSecondsPerToken"]
-        self.queue_s_per_waiting = given.get("queueSecondsPerWaitingRequest", 0.1)
+        self.queue_s_per_waiting = values["queueSecondsPerWaitingRequest"]
         self.track_pending = params.bool("trackPendingPrefill", True)
         self.calibrate = params.bool("calibrate", not given)
         self.ledger: InflightLedger = context.load
@@ -114,13 +115,10 @@ class PredictedTTFTScorer(Scorer):
             queue = max(scraped, own_ahead * self.prefill_s_per_token)
             return (self.base_s + queue + uncached * self.prefill_s_per_token
                     + cpu * self.cpu_load_s_per_token + disk * self.disk_load_s_per_token)
-        base, prefill, running_cost, cpu_cost, disk_cost = self.calibrator.coefficients(endpoint.name, model)
-        # Waiting requests the scrape shows that are not ours (another picker's, or sent directly).
-        own_seen_waiting = max(0, load.prefilling_requests - load.unseen_requests)
-        others = max(0, m.waiting_queue_size - own_seen_waiting)
-        ahead = own_ahead + others * self.calibrator.mean_uncached_tokens
-        return (max(base, 1e-6) + prefill * (ahead + uncached) + running_cost * m.running_requests_size
-                + cpu_cost * cpu + disk_cost * disk)
+        base, prefill, running_cost, cpu_cost, disk_cost, queue_cost = self.calibrator.coefficients(
+            endpoint.name, model, now)
+        return (max(base, 1e-6) + prefill * (own_ahead + uncached) + queue_cost * load.waiting_estimate(m)
+                + running_cost * m.running_requests_size + cpu_cost * cpu + disk_cost * disk)
 
     def score(self, state: CycleState, request: InferenceRequest,
               endpoints: Sequence[Endpoint]) -> Mapping[str, float]:
@@ -150,9 +148,10 @@ class PredictedTTFTScorer(Scorer):
             cached = details.get("cached_tokens") if isinstance(details, dict) else None
             if isinstance(prompt, int) and isinstance(cached, int) and 0 <= cached <= prompt:
                 uncached = prompt - cached  # what the server really computed
-        x = features(uncached + booking.ahead_tokens, booking.running, booking.cpu_tokens, booking.disk_tokens)
+        x = features(uncached + booking.ahead_tokens, booking.running, booking.cpu_tokens, booking.disk_tokens,
+                     booking.waiting)
         self.calibrator.observe(booking.endpoint, booking.model, x, booking.first_token_at - booking.picked_at,
-                                uncached)
+                                now=booking.first_token_at)
 
 
 class _CalibrationCollector(Collector):

@@ -2,11 +2,14 @@
 
 Model (seconds, from the picker's dispatch to the first streamed token):
 
-    ttft = base + prefill * (uncached + ahead) + running_cost * running + cpu_load * cpu + disk_load * disk
+    ttft = base + prefill * (uncached + ahead) + queue_cost * waiting + running_cost * running
+         + cpu_load * cpu + disk_load * disk
 
 `uncached`: the request's prompt tokens not in the prefix cache (from the response's
 `cached_tokens` when the server reports it, else the picker's own prefix match); `ahead`: prefill
 tokens the picker had in flight on that endpoint when it sent the request (the queue in tokens);
+`waiting`: requests queued ahead of it (scraped queue plus the picker's unseen and prefilling
+requests: a request can wait for KV space, which costs time that prefill tokens do not explain);
 `running`: the scraped running requests (they share each step); `cpu`/`disk`: tokens loaded back
 from offload tiers.
 
@@ -30,9 +33,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 TERMS = ("base_seconds", "prefill_seconds_per_token", "seconds_per_running_request",
-         "cpu_load_seconds_per_token", "disk_load_seconds_per_token")
+         "cpu_load_seconds_per_token", "disk_load_seconds_per_token", "seconds_per_waiting_request")
 # Feature i enters the fit as x_i * SCALE[i], so coefficients are comparable in size.
-SCALE = (1.0, 1e-3, 0.1, 1e-3, 1e-3)
+SCALE = (1.0, 1e-3, 0.1, 1e-3, 1e-3, 0.1)
 N = len(TERMS)
 
 
@@ -40,14 +43,14 @@ N = len(TERMS)
 class Observation:
     """One request: its features (in TERMS order, the first is 1) and its measured TTFT."""
 
-    features: tuple[float, float, float, float, float]
+    features: tuple[float, ...]
     ttft_s: float
 
 
-def features(uncached_plus_ahead: float, running: float, cpu_tokens: float, disk_tokens: float
-             ) -> tuple[float, float, float, float, float]:
-    """The feature vector of the TTFT model (unscaled)."""
-    return (1.0, float(uncached_plus_ahead), float(running), float(cpu_tokens), float(disk_tokens))
+def features(uncached_plus_ahead: float, running: float, cpu_tokens: float, disk_tokens: float,
+             waiting: float = 0.0) -> tuple[float, ...]:
+    """The feature vector of the TTFT model (unscaled, TERMS order)."""
+    return (1.0, float(uncached_plus_ahead), float(running), float(cpu_tokens), float(disk_tokens), float(waiting))
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
@@ -163,17 +166,23 @@ class RobustLinearFit:
 
 
 class TTFTCalibrator:
-    """Fits per (endpoint, model), each regularised towards the pooled fit of its model."""
+    """Fits per (endpoint, model), each regularised towards the pooled fit of its model.
+
+    An endpoint's own fit is trusted only while it keeps learning: one that has not seen a request
+    for `stale_after_s` predicts like its pool again, so a replica that once looked slow (and was
+    avoided since) is not avoided forever on old evidence.
+    """
 
     def __init__(self, prior: Sequence[float], *, capacity: int = 1024, decay: float = 0.95,
-                 prior_weight: float = 0.05) -> None:
+                 prior_weight: float = 0.05, stale_after_s: float = 30.0) -> None:
         self.prior = tuple(prior)
+        self.stale_after_s = stale_after_s
+        self._last_seen: dict[tuple[str, str], float] = {}
         self.capacity = capacity
         self.decay = decay
         self.prior_weight = prior_weight
         self._pools: OrderedDict[str, RobustLinearFit] = OrderedDict()
         self._fits: OrderedDict[tuple[str, str], RobustLinearFit] = OrderedDict()
-        self.mean_uncached_tokens = 0.0
         self.evicted = 0
 
     def _new_fit(self, prior: Sequence[float]) -> RobustLinearFit:
@@ -192,17 +201,18 @@ class TTFTCalibrator:
         """The endpoint's own fit, if it has observations."""
         return self._fits.get((endpoint, model))
 
-    def coefficients(self, endpoint: str, model: str) -> tuple[float, ...]:
+    def coefficients(self, endpoint: str, model: str, now: float | None = None) -> tuple[float, ...]:
         """Coefficients (TERMS order) for an endpoint: its own fit, else its model's pool, else the prior."""
-        fit = self._fits.get((endpoint, model))
-        if fit is not None:
+        key = (endpoint, model)
+        fit = self._fits.get(key)
+        if fit is not None and (now is None or now - self._last_seen.get(key, now) <= self.stale_after_s):
             return fit.coefficients()
         pool = self._pools.get(model)
         return pool.coefficients() if pool is not None else self.prior
 
     def observe(self, endpoint: str, model: str, x: Sequence[float], ttft_s: float,
-                uncached_tokens: float | None = None) -> None:
-        """Learn from one request served by `endpoint` (`uncached_tokens`: its own, for the queue cost)."""
+                now: float | None = None) -> None:
+        """Learn from one request served by `endpoint` (`now`: when, for the staleness of its fit)."""
         if not (ttft_s >= 0.0 and math.isfinite(ttft_s)):
             return
         pool = self._pool(model)
@@ -212,15 +222,15 @@ class TTFTCalibrator:
         if fit is None:
             fit = self._fits[key] = self._new_fit(pool.coefficients())
             while len(self._fits) > self.capacity:
-                self._fits.popitem(last=False)
+                old, _ = self._fits.popitem(last=False)
+                self._last_seen.pop(old, None)
                 self.evicted += 1
         else:
             self._fits.move_to_end(key)
             fit.set_prior(pool.coefficients())
         fit.observe(x, ttft_s)
-        if uncached_tokens is not None:
-            m = self.mean_uncached_tokens
-            self.mean_uncached_tokens = 0.95 * m + 0.05 * uncached_tokens if m else float(uncached_tokens)
+        if now is not None:
+            self._last_seen[key] = now
 
     def fits(self) -> list[tuple[str, str, RobustLinearFit]]:
         """Every per-endpoint fit: (endpoint, model, fit)."""

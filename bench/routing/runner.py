@@ -225,7 +225,8 @@ async def run_contender(scenario: Scenario, contender: Contender, workdir: Path,
 _ROUTER_SERIES = ("kv_placement_lookups_total", "kv_routing_inputs_total", "prefix_routing_decisions_total",
                   "vllm_router_policy_decisions_total", "smg_worker_selection_total",
                   "epp_kv_index_lookup_hit_blocks_total", "epp_kv_index_lookup_miss_blocks_total",
-                  "epp_kv_index_events_applied_total", "epp_kv_events_sequence_gaps_total")
+                  "epp_kv_index_events_applied_total", "epp_kv_events_sequence_gaps_total",
+                  "epp_ttft_calibration{")
 
 
 async def _router_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:

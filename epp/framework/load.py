@@ -85,6 +85,7 @@ class Booking:
     ahead_tokens: int = 0
     ahead_requests: int = 0
     running: int = 0
+    waiting: float = 0.0  # requests ahead of it when it was picked (EndpointLoad.waiting_estimate)
     first_token_at: float | None = None
     ttft_observed: bool = False  # first_token_at is a first token, not the end of a whole response
     prompt_characters: int = 0  # of the prompt text (with usage.prompt_tokens: characters per token)
@@ -161,8 +162,8 @@ class InflightLedger:
         self._observers.append(observer)
 
     def pick(self, endpoint: str, *, model: str = "", prompt_tokens: int = 0, uncached_tokens: int | None = None,
-             cpu_tokens: int = 0, disk_tokens: int = 0, running: int = 0, prompt_characters: int = 0,
-             now: float | None = None) -> Booking:
+             cpu_tokens: int = 0, disk_tokens: int = 0, running: int = 0, waiting: float = 0.0,
+             prompt_characters: int = 0, now: float | None = None) -> Booking:
         """Book a request sent to `endpoint`; its uncached tokens count as prefill until its first token."""
         now = time.monotonic() if now is None else now
         self.expire(now)
@@ -172,7 +173,7 @@ class InflightLedger:
             book = self._books[endpoint] = _EndpointBook()
         booking = Booking(next(self._ids), endpoint, model, now, prompt_tokens, uncached, cpu_tokens, disk_tokens,
                           ahead_tokens=book.prefill_tokens, ahead_requests=book.prefilling, running=running,
-                          prompt_characters=prompt_characters)
+                          waiting=waiting, prompt_characters=prompt_characters)
         self._all[booking.ticket] = booking
         self._prefilling[booking.ticket] = booking
         book.inflight[booking.ticket] = booking

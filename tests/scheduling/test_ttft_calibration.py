@@ -8,14 +8,15 @@ import pytest
 
 from epp.scorers.ttft_calibration import TERMS, RobustLinearFit, TTFTCalibrator, features
 
-PRIOR = (0.01, 2e-4, 0.005, 2e-5, 1e-4)  # the scorer's defaults
+PRIOR = (0.01, 2e-4, 0.005, 2e-5, 1e-4, 0.1)  # the scorer's defaults
 ENDPOINTS = [f"10.0.0.{i}:8000" for i in range(1, 5)]
 
 
-def simulated_ttft(rng: random.Random, prefill_s: float, uncached: int, ahead: int, running: int) -> float:
-    """A replica's TTFT: fixed overhead, prefill of everything ahead and its own, a share per running
-    request; 10 % multiplicative noise and 5 % stalls five times as long."""
-    ttft = 0.03 + prefill_s * (uncached + ahead) + 0.002 * running
+def simulated_ttft(rng: random.Random, prefill_s: float, uncached: int, ahead: int, running: int,
+                   waiting: int) -> float:
+    """A replica's TTFT: fixed overhead, prefill of everything ahead and its own, a wait per queued
+    request, a share per running request; 10 % multiplicative noise and 5 % stalls five times as long."""
+    ttft = 0.03 + prefill_s * (uncached + ahead) + 0.2 * waiting + 0.002 * running
     ttft *= rng.lognormvariate(0.0, 0.1)
     return ttft * 5 if rng.random() < 0.05 else ttft
 
@@ -26,8 +27,9 @@ def feed(calibrator: TTFTCalibrator, rng: random.Random, prefill_s: float, reque
         uncached = rng.choice([512, 2048, 4608])
         ahead = rng.choice([0, 0, 0, 512, 4608])
         running = rng.randint(0, 4)
-        calibrator.observe(ENDPOINTS[i % len(ENDPOINTS)], "m", features(uncached + ahead, running, 0, 0),
-                           simulated_ttft(rng, prefill_s, uncached, ahead, running), uncached)
+        waiting = rng.choice([0, 0, 0, 1, 2])
+        calibrator.observe(ENDPOINTS[i % len(ENDPOINTS)], "m", features(uncached + ahead, running, 0, 0, waiting),
+                           simulated_ttft(rng, prefill_s, uncached, ahead, running, waiting))
 
 
 def learned_prefill(calibrator: TTFTCalibrator) -> list[float]:
@@ -75,6 +77,16 @@ def test_coefficients_stay_non_negative():
     for tokens in (100, 4000) * 30:  # TTFT that falls with prompt length: nonsense, fit at 0
         fit.observe(features(tokens, 0, 0, 0), 1.0 - tokens / 5000)
     assert all(c >= 0 for c in fit.coefficients())
+
+
+def test_an_endpoint_not_heard_from_predicts_like_its_pool_again():
+    calibrator = TTFTCalibrator(PRIOR, stale_after_s=30)
+    for i in range(50):
+        calibrator.observe(ENDPOINTS[0], "m", features(1000, 0, 0, 0), 5.0, now=float(i))  # once very slow
+        calibrator.observe(ENDPOINTS[1], "m", features(1000, 0, 0, 0), 0.2, now=float(i))
+    own = calibrator.coefficients(ENDPOINTS[0], "m", now=60.0)
+    assert calibrator.coefficients(ENDPOINTS[0], "m", now=70.0) == own
+    assert calibrator.coefficients(ENDPOINTS[0], "m", now=100.0) == calibrator.coefficients("10.9.9.9:1", "m")
 
 
 def test_capacity_bounds_the_fits_kept():
