@@ -20,7 +20,9 @@ The fit is a ridge-regularised, exponentially forgetting, Huber-weighted least s
   past `step_threshold` scales) are a step change, not noise, and make it forget the old data;
 - the ridge pulls towards a prior: the configured constants for the pooled fit of a model (all
   endpoints together), and the pooled fit for each endpoint, so an endpoint with few
-  observations predicts like its pool and a fresh picker predicts like its configuration.
+  observations predicts like its pool and a fresh picker predicts like its configuration; an
+  endpoint's base and per-request terms stay near the pool's (they describe the traffic), its
+  per-token speeds are its own.
 Coefficients are kept non-negative. Features are scaled (thousands of tokens, tens of requests)
 so that one prior weight suits every term.
 """
@@ -37,6 +39,10 @@ TERMS = ("base_seconds", "prefill_seconds_per_token", "seconds_per_running_reque
 # Feature i enters the fit as x_i * SCALE[i], so coefficients are comparable in size.
 SCALE = (1.0, 1e-3, 0.1, 1e-3, 1e-3, 0.1)
 N = len(TERMS)
+# An endpoint's own fit stays close to its pool's in the terms that describe the fleet and the
+# traffic (base, per queued and per running request: one slow burst must not make one replica
+# look slow for good) and follows the endpoint freely in its per-token speeds.
+ENDPOINT_PRIOR_WEIGHTS = (20.0, 0.05, 20.0, 0.05, 0.05, 20.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +82,12 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
 class RobustLinearFit:
     """Exponentially forgetting, Huber-weighted ridge regression of TTFT on the model's features."""
 
-    def __init__(self, prior: Sequence[float], *, prior_weight: float = 0.05, decay: float = 0.95,
+    def __init__(self, prior: Sequence[float], *, prior_weight: float | Sequence[float] = 0.05, decay: float = 0.95,
                  huber_k: float = 2.5, initial_scale_s: float = 0.05, step_threshold: float = 1.5) -> None:
         self.prior = [p / s for p, s in zip(prior, SCALE)]  # in scaled units
-        self.prior_weight = prior_weight
+        # One weight per term (or one for all): how many observations' worth the prior counts.
+        self.prior_weight = [float(prior_weight)] * N if isinstance(prior_weight, (int, float)) else \
+            [float(w) for w in prior_weight]
         self.decay = decay
         self.huber_k = huber_k
         self.step_threshold = step_threshold
@@ -148,8 +156,8 @@ class RobustLinearFit:
         free = list(range(N))
         theta = [0.0] * N
         for _ in range(N):
-            a = [[self._s[i][j] + (lam if i == j else 0.0) for j in free] for i in free]
-            rhs = [self._b[i] + lam * self.prior[i] for i in free]
+            a = [[self._s[i][j] + (lam[i] if i == j else 0.0) for j in free] for i in free]
+            rhs = [self._b[i] + lam[i] * self.prior[i] for i in free]
             solved = _solve(a, rhs)
             if solved is None:
                 return
@@ -185,8 +193,9 @@ class TTFTCalibrator:
         self._fits: OrderedDict[tuple[str, str], RobustLinearFit] = OrderedDict()
         self.evicted = 0
 
-    def _new_fit(self, prior: Sequence[float]) -> RobustLinearFit:
-        return RobustLinearFit(prior, prior_weight=self.prior_weight, decay=self.decay)
+    def _new_fit(self, prior: Sequence[float], weights: float | Sequence[float] | None = None) -> RobustLinearFit:
+        return RobustLinearFit(prior, prior_weight=self.prior_weight if weights is None else weights,
+                               decay=self.decay)
 
     def _pool(self, model: str) -> RobustLinearFit:
         pool = self._pools.get(model)
@@ -220,7 +229,7 @@ class TTFTCalibrator:
         key = (endpoint, model)
         fit = self._fits.get(key)
         if fit is None:
-            fit = self._fits[key] = self._new_fit(pool.coefficients())
+            fit = self._fits[key] = self._new_fit(pool.coefficients(), ENDPOINT_PRIOR_WEIGHTS)
             while len(self._fits) > self.capacity:
                 old, _ = self._fits.popitem(last=False)
                 self._last_seen.pop(old, None)
