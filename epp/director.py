@@ -160,10 +160,10 @@ class Director:
             info: PrefixMatchInfo | None = state.endpoint_data(PREFIX_MATCH_INFO, target.name)
             cached = int(info.matched_blocks * info.block_size_tokens) if info is not None else 0
             uncached = prompt - cached
-        waiting = self.ledger.load(target).waiting_estimate(target.metrics)
         state.put(BOOKING_STATE_KEY, self.ledger.pick(
             target.name, model=request.target_model, prompt_tokens=prompt, uncached_tokens=uncached,
-            cpu_tokens=cpu, disk_tokens=disk, running=target.metrics.running_requests_size, waiting=waiting,
+            cpu_tokens=cpu, disk_tokens=disk, running=target.metrics.running_requests_size,
+            waiting=target.metrics.waiting_queue_size,
             prompt_characters=characters))
 
     def first_token(self, state: CycleState, *, observed: bool = True) -> None:

@@ -11,7 +11,8 @@ first token has not come back) and e's scraped metrics:
          + cpuLoad(e) * cpu(e) + diskLoad(e) * disk(e)  (load offloaded blocks back)
 
     ahead(e) = own prefill tokens in flight on e (first token not seen yet)
-    waiting(e) = max(scraped waiting + own picks the scrape cannot show yet, own picks in prefill)
+    waiting(e) = e's scraped waiting queue (requests the engine holds back, e.g. for KV space; the
+                 picker's own unseen and prefilling requests are already in ahead(e))
 
     score(e) = min over endpoints of T / T(e)     in (0, 1]; the fastest scores 1.
 
@@ -117,7 +118,7 @@ class PredictedTTFTScorer(Scorer):
                     + cpu * self.cpu_load_s_per_token + disk * self.disk_load_s_per_token)
         base, prefill, running_cost, cpu_cost, disk_cost, queue_cost = self.calibrator.coefficients(
             endpoint.name, model, now)
-        return (max(base, 1e-6) + prefill * (own_ahead + uncached) + queue_cost * load.waiting_estimate(m)
+        return (max(base, 1e-6) + prefill * (own_ahead + uncached) + queue_cost * m.waiting_queue_size
                 + running_cost * m.running_requests_size + cpu_cost * cpu + disk_cost * disk)
 
     def score(self, state: CycleState, request: InferenceRequest,

@@ -8,8 +8,8 @@ Model (seconds, from the picker's dispatch to the first streamed token):
 `uncached`: the request's prompt tokens not in the prefix cache (from the response's
 `cached_tokens` when the server reports it, else the picker's own prefix match); `ahead`: prefill
 tokens the picker had in flight on that endpoint when it sent the request (the queue in tokens);
-`waiting`: requests queued ahead of it (scraped queue plus the picker's unseen and prefilling
-requests: a request can wait for KV space, which costs time that prefill tokens do not explain);
+`waiting`: the endpoint's scraped waiting queue (a request can wait for KV space, which costs
+time that prefill tokens do not explain);
 `running`: the scraped running requests (they share each step); `cpu`/`disk`: tokens loaded back
 from offload tiers.
 

@@ -85,7 +85,7 @@ class Booking:
     ahead_tokens: int = 0
     ahead_requests: int = 0
     running: int = 0
-    waiting: float = 0.0  # requests ahead of it when it was picked (EndpointLoad.waiting_estimate)
+    waiting: float = 0.0  # the endpoint's scraped waiting queue when it was picked
     first_token_at: float | None = None
     ttft_observed: bool = False  # first_token_at is a first token, not the end of a whole response
     prompt_characters: int = 0  # of the prompt text (with usage.prompt_tokens: characters per token)
