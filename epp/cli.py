@@ -300,6 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
     envoy.add_argument("--request-only", action="store_true",
                        help="send only request phases to the picker: lower overhead; no token-usage metrics, "
                             "response hooks or model-name rewrite back")
+    calibration = sub.add_parser("calibration", help="show the predicted-TTFT costs a running picker has learned",
+                                 description="Read a running picker's /metrics and print, per endpoint and model, "
+                                             "the TTFT costs its predicted-ttft-scorer has learned.")
+    calibration.add_argument("--metrics-url", default="http://127.0.0.1:9090/metrics",
+                             help="the picker's Prometheus page (default http://127.0.0.1:9090/metrics)")
     sub.add_parser("engine", help="model-server tools: `epp engine serve|disk-manager --help`", add_help=False)
     sub.add_parser("sim", help="the vLLM simulator: `epp sim fleet --help`", add_help=False)
     sub.add_parser("cost", help="what cached tokens saved over a window of the picker's counters: `epp cost --help`",
@@ -333,6 +338,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return check_config_main(args.file)
     if args.command == "envoy-config":
         return _run_envoy_config(args)
+    if args.command == "calibration":
+        from epp.calibration_cli import calibration_main
+
+        return calibration_main(args.metrics_url)
     if args.command == "demo":
         from epp.demo import run_demo
 

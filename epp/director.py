@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Protocol
 
 from epp.datalayer.freshness import prefer_fresh
 from epp.datalayer.registry import EndpointRegistry
+from epp.framework.datakeys import PREFIX_MATCH_INFO, PREFIX_TIER_MATCH, PrefixMatchInfo, TierMatch
 from epp.framework.errors import ErrorCode, InferenceError
+from epp.framework.load import CHARACTERS_PER_TOKEN, Booking, InflightLedger, prompt_characters
 from epp.framework.plugin import (
     Admitter,
     CapacityGate,
@@ -36,6 +38,8 @@ log = logging.getLogger(__name__)
 
 # GIE bounds all data producers of one request by this deadline; a slow producer is skipped.
 PREPARE_DATA_TIMEOUT_S = 0.4
+# Where the director keeps a request's in-flight booking in its CycleState.
+BOOKING_STATE_KEY = "epp.director/inflight-booking"
 
 
 class AdmissionPolicy(Protocol):
@@ -81,8 +85,11 @@ class Director:
 
     def __init__(self, pipeline: Pipeline, endpoints: EndpointRegistry, metrics: EppMetrics,
                  admission: AdmissionPolicy | None = None, *, use_subset_hint: bool = True,
-                 metrics_freshness_s: float | None = None) -> None:
+                 metrics_freshness_s: float | None = None,
+                 ledger: InflightLedger | None = None) -> None:
         self.pipeline = pipeline
+        # Every pick is booked here so that load-aware scorers see work the scrape cannot show yet.
+        self.ledger = ledger if ledger is not None else InflightLedger()
         self.endpoints = endpoints
         self.metrics = metrics
         self.admission = admission
@@ -168,9 +175,37 @@ class Director:
             except Exception as exc:  # a broken hook must not fail a request that is already scheduled
                 log_failure(log, logging.ERROR, "pre-request hook %s failed", exc, hook.name)
             timer("PreRequest", hook, time.perf_counter() - t0)
+        self._book(state, request, result)
         self.metrics.scheduler_attempts.labels("success").inc()
         self.metrics.scheduler_e2e.observe(time.perf_counter() - started)
         return result
+
+    def _book(self, state: CycleState, request: InferenceRequest, result: SchedulingResult) -> None:
+        """Book the pick in the ledger: prompt tokens, and those the prefix match says are uncached."""
+        if not result.targets:
+            return
+        target = result.targets[0]
+        tier: TierMatch | None = state.endpoint_data(PREFIX_TIER_MATCH, target.name)
+        cpu = disk = 0
+        characters = prompt_characters(request)
+        if tier is not None and tier.total_tokens > 0:
+            prompt, uncached = tier.total_tokens, tier.total_tokens - tier.cached_tokens
+            cpu, disk = tier.cpu_tokens, tier.disk_tokens
+        else:
+            prompt = characters // CHARACTERS_PER_TOKEN
+            info: PrefixMatchInfo | None = state.endpoint_data(PREFIX_MATCH_INFO, target.name)
+            cached = int(info.matched_blocks * info.block_size_tokens) if info is not None else 0
+            uncached = prompt - cached
+        state.put(BOOKING_STATE_KEY, self.ledger.pick(
+            target.name, model=request.target_model, prompt_tokens=prompt, uncached_tokens=uncached,
+            cpu_tokens=cpu, disk_tokens=disk, running=target.metrics.running_requests_size,
+            waiting=target.metrics.waiting_queue_size,
+            prompt_characters=characters))
+
+    def first_token(self, state: CycleState, *, observed: bool = True) -> None:
+        """The picked endpoint answered with its first token (`observed`) or a whole response."""
+        booking: Booking | None = state.get(BOOKING_STATE_KEY)
+        self.ledger.first_token(booking, observed=observed)
 
     async def _prepare_data(self, state: CycleState, request: InferenceRequest,
                             candidates: Sequence[Endpoint]) -> None:
@@ -204,6 +239,10 @@ class Director:
         """Run the completion hooks once per picked request, also when the stream died."""
         if self.pipeline.flow_control is not None:
             self.pipeline.flow_control.on_request_complete()
+        try:
+            self.ledger.complete(state.get(BOOKING_STATE_KEY), response)
+        except Exception:  # an observer (a calibrator) must not break the completion hooks
+            log.exception("in-flight ledger observer failed")
         for hook in self.pipeline.response_complete_hooks:
             t0 = time.perf_counter()
             try:

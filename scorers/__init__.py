@@ -26,7 +26,7 @@ def register_builtin_plugins(registry: PluginRegistry) -> None:
         inflight.ActiveRequestScorer, affinity.SessionAffinityScorer, affinity.NoHitLRUScorer,
         pickers.MaxScorePicker, pickers.RandomPicker, pickers.WeightedRandomPicker,
         label_filters.ByLabelFilter, label_filters.ByLabelSelectorFilter, label_filters.DecodeFilter,
-        label_filters.PrefillFilter, profile_handlers.SingleProfileHandler,
+        label_filters.PrefillFilter, profile_handlers.SingleProfileHandler, approx_prefix.GIEApproxPrefixCacheProducer,
         conformance.HeaderBasedTestingFilter, conformance.DestinationEndpointServedVerifier,
         datalayer_compat.MetricsDataSource, datalayer_compat.CoreMetricsExtractor, datalayer_compat.OpenAIParser,
     ):

@@ -1,4 +1,16 @@
-"""approx-prefix-cache-producer: prefix match info from our own routing history (GIE §4)."""
+"""approx-prefix-cache-producer: prefix match info from our own routing history (GIE §4).
+
+GIE's algorithm hashes the prompt in blocks of `blockSizeTokens x 4` characters and models each
+endpoint's cache as an LRU of `cache_num_blocks` hash blocks, i.e. it assumes 4 characters per
+token. Real tokenizers differ (the simulator's: ~2.3 characters a token on its benchmark text;
+code and CJK text differ more), and then the index believes an endpoint holds prefixes it
+evicted long ago, or forgets ones it still holds. `approx-prefix-cache-producer` learns the
+characters per token from the responses it sees (`usage.prompt_tokens` against the prompt's
+characters) and sizes each endpoint's LRU to what its cache really holds; `charsPerToken` fixes
+the ratio instead. `publishTierMatch: true` also publishes `PREFIX_TIER_MATCH` (matched and
+total prompt tokens, all as GPU hits), so `predicted-ttft-scorer` can run on approximate
+matching. GIE's algorithm, unchanged, is `gie-approx-prefix-cache-producer`.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +20,18 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
-from epp.framework.datakeys import PREFIX_MATCH_INFO, PrefixMatchInfo
+from epp.framework.datakeys import PREFIX_MATCH_INFO, PREFIX_TIER_MATCH, PrefixMatchInfo, TierMatch
 from epp.framework.errors import ConfigError
-from epp.framework.plugin import CycleState, DataProducer, PluginContext, PreRequestHook, SchedulingResult
+from epp.framework.load import Booking, prompt_characters
+from epp.framework.plugin import (
+    CycleState,
+    DataProducer,
+    PluginContext,
+    PreRequestHook,
+    SchedulingResult,
+)
 from epp.framework.registry import PluginParams
-from epp.framework.types import Endpoint, InferenceRequest
+from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 from epp.scorers.prefix_hashing import AVERAGE_CHARACTERS_PER_TOKEN, block_hashes, chain_seed
 from epp.scorers.prefix_index import PrefixIndex
 from epp.scorers.prompt_text import user_input_bytes
@@ -63,6 +82,8 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
     """Hashes the prompt into blocks, matches them against what each endpoint was sent, records the pick."""
 
     type_name = "approx-prefix-cache-producer"
+    # GIE's algorithm: 4 characters per token, no learning, no token match published.
+    gie_compatible = False
 
     def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
         super().__init__(name)
@@ -78,18 +99,30 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
         self.max_prefix_blocks = params.int("maxPrefixBlocksToMatch", 256, minimum=1)
         self.max_prefix_tokens = params.int("maxPrefixTokensToMatch", 0, minimum=0)
         self.lru_capacity_per_server = params.int("lruCapacityPerServer", 31250, minimum=1)
+        if self.gie_compatible:
+            fixed_cpt, self.publish_tier_match = float(AVERAGE_CHARACTERS_PER_TOKEN), False
+        else:
+            fixed_cpt = params.float("charsPerToken", 0.0, minimum=0.0, maximum=64.0)
+            self.publish_tier_match = params.bool("publishTierMatch", False)
+        #: Characters per token: fixed when configured (or GIE), else learned from responses.
+        self.learn_chars_per_token = fixed_cpt == 0.0
+        self.chars_per_token = fixed_cpt or float(AVERAGE_CHARACTERS_PER_TOKEN)
         self.index = PrefixIndex()
+        if self.learn_chars_per_token:
+            context.load.add_observer(self._learn_chars_per_token)
         self.metrics = prefix_index_metrics(context.metrics_registry or CollectorRegistry())
         if context.endpoints is not None:
             context.endpoints.add_listener(self._on_endpoints_changed)
 
     def describe(self) -> str:
+        cpt = "learned" if self.learn_chars_per_token else f"{self.chars_per_token:g}"
         return (f"autoTune={str(self.auto_tune).lower()} blockSizeTokens={self.block_size_tokens} "
                 f"maxPrefixBlocksToMatch={self.max_prefix_blocks} maxPrefixTokensToMatch={self.max_prefix_tokens} "
-                f"lruCapacityPerServer={self.lru_capacity_per_server}")
+                f"lruCapacityPerServer={self.lru_capacity_per_server} charsPerToken={cpt} "
+                f"publishTierMatch={str(self.publish_tier_match).lower()}")
 
     def produces(self) -> frozenset[str]:
-        return frozenset({PREFIX_MATCH_INFO})
+        return frozenset({PREFIX_MATCH_INFO, PREFIX_TIER_MATCH} if self.publish_tier_match else {PREFIX_MATCH_INFO})
 
     def _on_endpoints_changed(self, added: tuple[Endpoint, ...], removed: tuple[Endpoint, ...]) -> None:
         for ep in removed:
@@ -122,11 +155,38 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
             hit = matched.get(ep.name)
             state.put_endpoint_data(PREFIX_MATCH_INFO, ep.name,
                                     no_match if hit is None else PrefixMatchInfo(hit, total, block_tokens))
+        if self.publish_tier_match:
+            self._publish_tier_match(state, request, endpoints, matched, block_tokens)
         state.put(self.name, _RequestPrefix(hashes, matched, block_tokens))
 
+    def _publish_tier_match(self, state: CycleState, request: InferenceRequest, endpoints: Sequence[Endpoint],
+                            matched: dict[str, int], block_tokens: int) -> None:
+        """Matched and total prompt tokens per endpoint, converted with the characters per token."""
+        cpt = self.chars_per_token
+        total = int(prompt_characters(request) / cpt)
+        block_chars = block_tokens * AVERAGE_CHARACTERS_PER_TOKEN
+        no_match = TierMatch(0, 0, 0, total)
+        for ep in endpoints:
+            hit = matched.get(ep.name)
+            state.put_endpoint_data(PREFIX_TIER_MATCH, ep.name, no_match if not hit else
+                                    TierMatch(min(total, int(hit * block_chars / cpt)), 0, 0, total))
+
+    def _learn_chars_per_token(self, booking: Booking, response: object) -> None:
+        """Learn the characters per token from a completed response's prompt token count."""
+        usage = response.usage if isinstance(response, ResponseInfo) else None
+        if not usage or booking.prompt_characters <= 0:
+            return
+        tokens = usage.get("prompt_tokens")
+        if not isinstance(tokens, int) or tokens < 16:
+            return
+        ratio = booking.prompt_characters / tokens
+        if 0.5 <= ratio <= 64:  # ignore nonsense (a prompt of token ids, a wrong usage)
+            self.chars_per_token += 0.05 * (ratio - self.chars_per_token)
+
     def _capacity_for(self, ep: Endpoint) -> int:
+        """Hash blocks the endpoint's cache holds: its blocks, scaled by how many tokens a hash block covers."""
         if self.auto_tune and ep.metrics.cache_num_blocks > 0:
-            return ep.metrics.cache_num_blocks
+            return max(1, int(ep.metrics.cache_num_blocks * self.chars_per_token / AVERAGE_CHARACTERS_PER_TOKEN))
         return self.lru_capacity_per_server
 
     def pre_request(self, state: CycleState, request: InferenceRequest, result: SchedulingResult) -> None:
@@ -146,3 +206,10 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
         for ep in targets:
             self.index.add(info.hashes, ep.name, self._capacity_for(ep))
         self.metrics.size.set(self.index.size)
+
+
+class GIEApproxPrefixCacheProducer(ApproxPrefixCacheProducer):
+    """GIE's approximate prefix producer exactly: 4 characters per token, LRU of cache_num_blocks hash blocks."""
+
+    type_name = "gie-approx-prefix-cache-producer"
+    gie_compatible = True

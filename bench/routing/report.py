@@ -30,16 +30,26 @@ def _cpu(s: StageSummary) -> str:
 
 
 SUMMARY_HEADER = ("| contender | output tok/s | req/s | TTFT mean (s) | p50 | p90 | p99 | ITL p50 (ms) | ITL p99 (ms) "
-                  "| hit rate | oracle | spread | errors | CPU router/fleet/loadgen |")
+                  "| hit rate | oracle | spread | errors | CPU router/fleet/loadgen | check |")
+SUMMARY_COLUMNS = SUMMARY_HEADER.count("|") - 1
+
+
+def _numbers(r: ContenderResult) -> str:
+    o = r.overall
+    assert o is not None
+    return (f"| {r.name} | {o.output_tokens_per_s:.1f} | {o.requests_per_s:.2f} | {_s(o.ttft_mean)} | "
+            f"{_s(o.ttft_p50)} | {_s(o.ttft_p90)} | {_s(o.ttft_p99)} | {_ms(o.itl_p50)} | {_ms(o.itl_p99)} | "
+            f"{_pct(o.hit_rate)} | {_pct(o.oracle_hit_rate)} | {_s(o.spread, 2)} | {o.errors} | {_cpu(o)} | "
+            f"{r.verdict or '-'}: {r.validity or '-'} |")
 
 
 def summary_row(r: ContenderResult) -> str:
-    o = r.overall
-    if o is None:
-        return f"| {r.name} | {r.status} |" + " |" * 13
-    return (f"| {r.name} | {o.output_tokens_per_s:.1f} | {o.requests_per_s:.2f} | {_s(o.ttft_mean)} | "
-            f"{_s(o.ttft_p50)} | {_s(o.ttft_p90)} | {_s(o.ttft_p99)} | {_ms(o.itl_p50)} | {_ms(o.itl_p99)} | "
-            f"{_pct(o.hit_rate)} | {_pct(o.oracle_hit_rate)} | {_s(o.spread, 2)} | {o.errors} | {_cpu(o)} |")
+    """The contender's row; a run that failed, or that its own counters show invalid, has no numbers here."""
+    if r.overall is None:
+        return f"| {r.name} | {r.status} |" + " |" * (SUMMARY_COLUMNS - 2)
+    if r.verdict == "invalid":
+        return f"| {r.name} | invalid, not compared: {r.validity} |" + " |" * (SUMMARY_COLUMNS - 2)
+    return _numbers(r)
 
 
 def stage_table(results: list[ContenderResult]) -> list[str]:
@@ -90,14 +100,12 @@ def plot(results: list[ContenderResult], out_dir: Path, scenario: Scenario) -> l
 
 
 def versions(results: list[ContenderResult]) -> list[str]:
-    """Python, platform and each contender's version string."""
+    """Python, platform, and each contender's version and the flags it ran with."""
     lines = [(f"- Python {platform.python_version()} on {platform.system()} {platform.machine()}, "
               f"{os.cpu_count()} CPUs")]
-    seen = set()
     for r in results:
-        if r.version and r.version not in seen:
-            seen.add(r.version)
-            lines.append(f"- {r.version}")
+        if r.version:
+            lines.append(f"- {r.name}: {r.version}; `{r.flags or '-'}`")
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -122,18 +130,25 @@ def write_report(scenario: Scenario, results: list[ContenderResult], out_dir: Pa
               f"of 16 tokens each, time scale {f.time_scale:g} (wall = {f.time_scale:g} x simulated GPU time)"),
              f"- Fleet KV capacity: {scenario.capacity_blocks} usable blocks",
              ("- Load: " + ", ".join(f"{s.label} ({s.arrivals}) for {s.duration:g}s" for s in scenario.stages)
-              + f"; drain at most {scenario.drain:g}s after each stage"),
+              + (f"; a continuous ramp (no draining between stages), at most {scenario.drain:g}s drain at the end"
+                 if scenario.continuous else f"; drain at most {scenario.drain:g}s after each stage")),
              "- Every contender gets a fresh fleet and the same seeded trace and arrival times.", "",
-             "## Versions", "", *versions(results), "",
+             "## Versions and flags", "", *versions(results), "",
              "## Results (all stages together)", "",
-             SUMMARY_HEADER, "|" + "---|" * 14]
+             SUMMARY_HEADER, "|" + "---|" * SUMMARY_COLUMNS]
     lines += [summary_row(r) for r in results]
+    invalid = [r for r in results if r.overall is not None and r.verdict == "invalid"]
+    if invalid:
+        lines += ["", ("Rows marked invalid measured our setup, not the router (its own counters show its index "
+                       "or policy never worked); their numbers, for diagnosis only:"), "",
+                  SUMMARY_HEADER, "|" + "---|" * SUMMARY_COLUMNS, *(_numbers(r) for r in invalid)]
     lines += ["",
               ("Latencies are wall-clock seconds as the client saw them (through the router). Hit rate: "
               "replicas' `prefix_cache_hits / prefix_cache_queries` (delta over the run). Oracle: the best "
               "hit rate any router could reach on the requests sent (bench/routing/oracle.py). Spread: "
               "busiest replica's request count over the mean. CPU: cores kept busy (router process(es), "
-              "simulator worker(s), load generator)."), "",
+              "simulator worker(s), load generator). Check: the validity of the row from the router's own "
+              "counters (bench/routing/validity.py)."), "",
               "## Per stage", "", *stage_table(results), ""]
     if plots:
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
@@ -150,7 +165,8 @@ def write_report(scenario: Scenario, results: list[ContenderResult], out_dir: Pa
     md.write_text("\n".join(lines))
     summary = {"scenario": scenario.name, "scale": scenario.scale, "command": command, "started": started,
                "python": sys.version.split()[0],
-               "results": [{"name": r.name, "status": r.status, "version": r.version,
+               "results": [{"name": r.name, "status": r.status, "version": r.version, "flags": r.flags,
+                            "verdict": r.verdict, "validity": r.validity,
                             "overall": asdict(r.overall) if r.overall else None,
                             "stages": [asdict(s) for s in r.stages]} for r in results]}
     (out_dir / "results.json").write_text(json.dumps(summary, indent=1))

@@ -4,7 +4,9 @@ Every contender gets its own fleet (cold caches, zeroed counters) and the same t
 workload iterator and the arrival times are seeded, so open-loop runs send the same requests
 at the same offsets to every router. Between stages the harness waits for in-flight requests
 (bounded by the scenario's drain time) and reads the replicas' counters, so each stage's cache
-hit rate is a clean delta.
+hit rate is a clean delta; in a continuous ramp (`Scenario.continuous`) it does not wait, the
+counters are read at each stage's end while requests are still running (so a stage's hit rate
+mixes in its predecessor's stragglers), and only the last stage drains.
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ from bench.routing.contenders import (
     Unavailable,
     start_contender,
 )
-from bench.routing.loadgen import RequestRecord, StageResult, run_stage
+from bench.routing.loadgen import RequestRecord, StageResult, drain_inflight, run_stage
 from bench.routing.measure import CpuMeter, ReplicaCounters, percentile, scrape_fleet
 from bench.routing.oracle import oracle_hits
 from bench.routing.scenarios import Scenario
+from bench.routing.validity import check
 from bench.routing.workloads import BenchRequest
 from epp.engine.sim.fleet import SimFleet, default_tokenizer_dir
 from epp.engine.sim.profiles import get_profile
@@ -86,6 +89,9 @@ class ContenderResult:
     stages: list[StageSummary] = field(default_factory=list)
     overall: StageSummary | None = None
     router_metrics: dict[str, float] = field(default_factory=dict)
+    flags: str = ""  # how the router was started (ports elided) and the fleet options it needed
+    verdict: str = ""  # validity from the router's own counters: valid | invalid | unverified
+    validity: str = ""  # what those counters said
 
 
 def summarize(label: str, rate: float | None, records: list[RequestRecord], seconds: float,
@@ -144,7 +150,7 @@ async def run_contender(scenario: Scenario, contender: Contender, workdir: Path,
     requests: Iterator[BenchRequest] = scenario.workload.requests(tuning.tokenizer_dir)
     first = next(requests)  # builds the prompts before the clock starts
     requests = _chain(first, requests)
-    fleet = SimFleet(scenario.fleet, tokenizer_dir=tuning.tokenizer_dir)
+    fleet = SimFleet(scenario.fleet, tokenizer_dir=tuning.tokenizer_dir, **contender.fleet_options)
     workdir.mkdir(parents=True, exist_ok=True)
     with _stderr_to(workdir / f"{contender.name}-fleet.log"):
         await fleet.start()
@@ -156,6 +162,7 @@ async def run_contender(scenario: Scenario, contender: Contender, workdir: Path,
             result.status = f"unavailable: {exc}"
             return result
         result.version = router.version
+        result.flags = router.flags + "".join(f"; fleet {k}={v!r}" for k, v in contender.fleet_options.items())
         fleet_pids = [p.pid for p in getattr(fleet, "_procs", [])]
         meter = CpuMeter({"router": router.pids, "fleet": fleet_pids})
         issued: list[BenchRequest] = []
@@ -170,10 +177,15 @@ async def run_contender(scenario: Scenario, contender: Contender, workdir: Path,
                 before = await scrape_fleet(scrape, fleet.info)
                 start_counters = before
                 meter.sample()
+                inflight: set[asyncio.Task] | None = set() if scenario.continuous else None
                 for i, stage in enumerate(scenario.stages):
                     sr = await run_stage(session, router.base_url, requests, stage, i, drain=scenario.drain,
                                          request_timeout=scenario.request_timeout, progress=progress,
-                                         issued=issued)
+                                         issued=issued, inflight=inflight)
+                    if inflight is not None and i == len(scenario.stages) - 1:
+                        await drain_inflight(inflight, [r for s, _, _ in stage_results for r in s.records]
+                                             + sr.records, scenario.drain)
+                        sr.finished = time.perf_counter()
                     cpu = meter.sample()
                     after = await scrape_fleet(scrape, fleet.info)
                     stage_results.append((sr, (before, after), cpu))
@@ -211,8 +223,10 @@ async def run_contender(scenario: Scenario, contender: Contender, workdir: Path,
 
 # Router-side counters that tell whether a cache-aware router's index saw the replicas' caches.
 _ROUTER_SERIES = ("kv_placement_lookups_total", "kv_routing_inputs_total", "prefix_routing_decisions_total",
+                  "vllm_router_policy_decisions_total", "smg_worker_selection_total",
                   "epp_kv_index_lookup_hit_blocks_total", "epp_kv_index_lookup_miss_blocks_total",
-                  "epp_kv_index_events_applied_total", "epp_kv_events_sequence_gaps_total")
+                  "epp_kv_index_events_applied_total", "epp_kv_events_sequence_gaps_total",
+                  "epp_ttft_calibration{")
 
 
 async def _router_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
@@ -292,12 +306,16 @@ async def run_scenario(scenario: Scenario, contenders: list[str], out_dir: Path,
                                       raw_dir=out_dir / "raw" if keep_raw else None)
         except Exception as exc:  # noqa: BLE001 - one broken contender must not lose the others' results
             res = ContenderResult(name, c.description, status=f"failed: {type(exc).__name__}: {exc}")
+        if res.overall is not None:
+            v = check(c, res)
+            res.verdict, res.validity = v.verdict, v.detail
         results.append(res)
         if progress:
             o = res.overall
             line = (f"  -> {res.status}" if o is None else
                     f"  -> {o.ok}/{o.requests} ok, {o.output_tokens_per_s:.0f} tok/s, TTFT p90 "
-                    f"{_fmt_s(o.ttft_p90)}, hit {_fmt_pct(o.hit_rate)} (oracle {_fmt_pct(o.oracle_hit_rate)})")
+                    f"{_fmt_s(o.ttft_p90)}, hit {_fmt_pct(o.hit_rate)} (oracle {_fmt_pct(o.oracle_hit_rate)}); "
+                    f"{res.verdict}: {res.validity}")
             print(f"{line}  [{time.perf_counter() - t0:.0f}s]", flush=True)
     return results
 

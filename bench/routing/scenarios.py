@@ -8,6 +8,8 @@ rates in wall-clock requests/s stay within what the machine can drive; every lat
 results is wall-clock (divide by `time_scale` for simulated-GPU seconds).
 Cache sizing follows llm-d's "73-capacity" experiment: the groups' shared prefixes fill
 about 73 % of the fleet's KV cache and several times one replica's.
+The `trace` scenario replays a Mooncake JSONL file (`--trace PATH`, bench/routing/traces.py)
+at its own timestamps; its knobs (`TRACE_KNOBS`) shrink it to what the machine can drive.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from bench.routing.loadgen import Stage, ramp
+from bench.routing.traces import TraceReplay
 from bench.routing.workloads import (
     Agentic,
     MultiTurn,
@@ -33,12 +36,13 @@ class Scenario:
 
     name: str
     scale: str
-    workload: Workload
+    workload: Workload | TraceReplay
     fleet: FleetConfig
     stages: list[Stage]
     drain: float = 30.0
     request_timeout: float = 120.0
     notes: list[str] = field(default_factory=list)
+    continuous: bool = False  # stages follow each other without draining (a continuous ramp)
 
     @property
     def capacity_blocks(self) -> int:
@@ -110,17 +114,51 @@ def no_sharing(scale: str) -> Scenario:
     return Scenario("no-sharing", scale, w, _fleet(scale, replicas, 1100, ts), ramp(2.0, 8.0, 4, 25.0), drain=40.0)
 
 
+# Per scale: the TraceReplay knobs (tokens per hash block, prompt and output caps, speedup,
+# share of conversations) and the fleet (replicas, KV blocks each, time scale).
+TRACE_KNOBS: dict[str, dict[str, float]] = {
+    "tiny": {"block_tokens": 16, "max_prompt_tokens": 512, "max_output_tokens": 4, "speedup": 1.0, "fraction": 1.0,
+             "common_share": 0.5},
+    "small": {"block_tokens": 128, "max_prompt_tokens": 8000, "max_output_tokens": 64, "speedup": 30.0,
+              "fraction": 0.06},
+    "medium": {"block_tokens": 256, "max_prompt_tokens": 16000, "max_output_tokens": 128, "speedup": 10.0,
+               "fraction": 0.1},
+}
+
+
+def trace(scale: str, path: str | None = None, **knobs: float | None) -> Scenario:
+    """A Mooncake trace replayed at its timestamps (one timed stage); `knobs` override TRACE_KNOBS."""
+    if not path:
+        raise ValueError("the trace scenario needs --trace PATH (a Mooncake JSONL file, e.g. "
+                         "../shared/data/mooncake/conversation_trace.jsonl)")
+    params = {**TRACE_KNOBS[scale], **{k: v for k, v in knobs.items() if v is not None}}
+    for k in ("block_tokens", "max_prompt_tokens", "max_output_tokens"):
+        params[k] = int(params[k])
+    w = TraceReplay(path, **params)  # type: ignore[arg-type]
+    duration = w.duration_s() + 1e-3
+    stage = Stage(duration, len(w.selected()) / max(duration, 1e-3), "trace")
+    if scale == "tiny":
+        return Scenario("trace", scale, w, _fleet(scale, 2, 96, 1.0), [stage], drain=10.0, request_timeout=20.0)
+    if scale == "small":
+        # 2,000 blocks (32K tokens) a replica: the fleet holds about ten seconds of this traffic,
+        # about the sped-up gap between two turns of a conversation, so placement decides reuse.
+        return Scenario("trace", scale, w, _fleet(scale, 4, 2000, 5.0), [stage], drain=40.0)
+    return Scenario("trace", scale, w, _fleet(scale, 8, 4000, 2.0, max_model_len=16384), [stage], drain=60.0)
+
+
 SCENARIOS = {"shared-prefix": shared_prefix, "multi-turn": multi_turn, "agentic": agentic,
-             "no-sharing": no_sharing}
+             "no-sharing": no_sharing, "trace": trace}
 
 
-def get_scenario(name: str, scale: str) -> Scenario:
-    """The named scenario at `scale`."""
+def get_scenario(name: str, scale: str, trace_path: str | None = None, **trace_knobs: float | None) -> Scenario:
+    """The named scenario at `scale` (`trace` needs `trace_path`; `trace_knobs` override its knobs)."""
     if name not in SCENARIOS:
         raise ValueError(f"unknown scenario {name!r}; known: {sorted(SCENARIOS)}")
     if scale not in SCALES:
         raise ValueError(f"unknown scale {scale!r}; known: {SCALES}")
+    if name == "trace":
+        return trace(scale, trace_path, **trace_knobs)
     return SCENARIOS[name](scale)
 
 
-__all__ = ["SCALES", "SCENARIOS", "Scenario", "get_scenario"]
+__all__ = ["SCALES", "SCENARIOS", "TRACE_KNOBS", "Scenario", "get_scenario"]

@@ -63,12 +63,14 @@ class BenchRequest:
     body: dict[str, Any]
     group: str
     max_tokens: int
+    at: float | None = None  # seconds after the stage's start (timed replay); None: the stage's arrival process
 
 
-def _completion(prompt: str, max_tokens: int, group: str) -> BenchRequest:
+def completion_request(prompt: str, max_tokens: int, group: str, at: float | None = None) -> BenchRequest:
+    """A streamed completions request with usage reported."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
             "stream_options": {"include_usage": True}}
-    return BenchRequest("/v1/completions", body, group, max_tokens)
+    return BenchRequest("/v1/completions", body, group, max_tokens, at)
 
 
 def _chat(messages: list[dict[str, str]], max_tokens: int, group: str) -> BenchRequest:
@@ -109,7 +111,7 @@ class SharedPrefix:
                      for g in range(self.groups)]
         while True:
             g, u = rng.randrange(self.groups), rng.randrange(self.users)
-            yield _completion(systems[g] + "\n" + questions[g][u], self.output_tokens, f"group-{g}")
+            yield completion_request(systems[g] + "\n" + questions[g][u], self.output_tokens, f"group-{g}")
 
 
 @dataclass(frozen=True)
@@ -194,7 +196,7 @@ class Agentic:
                     active[a] = text_of_tokens(rng, self.context_tokens, tok, f"agent{serial}.{a}:")
                     step[a] = 0
                 a = rng.choice(list(active))
-                yield _completion(active[a], self.output_tokens, f"agent-{serial}.{a}")
+                yield completion_request(active[a], self.output_tokens, f"agent-{serial}.{a}")
                 active[a] += "\n" + text_of_tokens(rng, self.tool_tokens, tok, f"tool{step[a]}:")
                 step[a] += 1
                 if step[a] >= self.steps:
@@ -223,12 +225,12 @@ class NoSharing:
         rng = random.Random(self.seed)
         i = 0
         while True:
-            yield _completion(text_of_tokens(rng, self.prompt_tokens, tok, f"unique{i}:"), self.output_tokens,
+            yield completion_request(text_of_tokens(rng, self.prompt_tokens, tok, f"unique{i}:"), self.output_tokens,
                               f"unique-{i}")
             i += 1
 
 
 Workload = SharedPrefix | MultiTurn | Agentic | NoSharing
 
-__all__ = ["Agentic", "BenchRequest", "MultiTurn", "NoSharing", "SharedPrefix", "Workload", "text_of_tokens",
+__all__ = ["Agentic", "BenchRequest", "MultiTurn", "completion_request", "NoSharing", "SharedPrefix", "Workload", "text_of_tokens",
            "tokenizer"]

@@ -58,8 +58,10 @@ def _fleet_parser(sub: argparse._SubParsersAction) -> None:
                    help="PUB of replica i on base+2i, replay ROUTER on base+2i+1 (0: free ports)")
     p.add_argument("--kv-events-connect", default=None,
                    help="centralized mode: every replica's PUB connects to this endpoint (a SUB that binds it)")
-    p.add_argument("--no-prompt-tokens-details", action="store_true",
-                   help="omit usage.prompt_tokens_details, like vLLM without --enable-prompt-tokens-details")
+    p.add_argument("--kv-topic", default=None,
+                   help='KV-event topic (default kv@<ip:port>@<model>; "" is what vLLM publishes on by default)')
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens (vLLM's flag of the same name; off: null)")
     p.add_argument("--legacy-array-events", action="store_true")
     p.add_argument("--processes", type=int, default=0,
                    help="worker processes hosting the replicas (0: all in this process)")
@@ -84,7 +86,8 @@ def _config(args: argparse.Namespace) -> FleetConfig:
         disk_write_through=not args.disk_on_cpu_eviction,
         self_describing_tier_events=not args.placeholder_tier_events, kv_events=not args.no_kv_events,
         kv_events_base_port=args.kv_events_base_port, kv_events_connect=args.kv_events_connect,
-        enable_prompt_tokens_details=not args.no_prompt_tokens_details, legacy_array_events=args.legacy_array_events,
+        kv_topic=args.kv_topic,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details, legacy_array_events=args.legacy_array_events,
         processes=args.processes, name_prefix=args.name_prefix, lora_modules=_pairs(args.lora, "lora"),
         labels=_pairs(args.label, "label"),
         roles=_roles(args.roles), kv_transfer_window=args.kv_transfer_window,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -80,6 +81,8 @@ class SimRequest:
     held: list[BlockInfo] = field(default_factory=list)
     private: int = 0
     total_blocks: int = 0
+    promised: int = 0  # decode blocks admission set aside but not allocated yet (vLLM allocates per step)
+    allocated: int = 0  # blocks this request holds or has allocated (cached hits included)
     num_computed: int = 0
     num_cached_tokens: int = 0
     arrival: float = 0.0
@@ -130,6 +133,7 @@ class SimEngine:
         self.config = config.resolved()
         c = self.config
         self.profile = c.profile
+        self.slowdown = 1.0  # set_speed: the current profile is the configured one this much slower
         self.block_size: int = c.block_size  # type: ignore[assignment]
         # Like vLLM's BlockPool, one block is the reserved null block: usable = num_gpu_blocks - 1.
         self.cache = KVCache(c.num_gpu_blocks - 1, self.block_size, c.tiers)  # type: ignore[operator]
@@ -254,6 +258,18 @@ class SimEngine:
         self.sleep_level = 0
         self._interrupt()
 
+    def set_speed(self, slowdown: float) -> None:
+        """Run every later step `slowdown` times slower than the configured profile (1 = as configured).
+
+        A mid-run change of the replica's speed, like a GPU that throttles or a noisy neighbour:
+        benchmarks and tests use it to check that a router's learned costs follow.
+        """
+        if not (slowdown > 0 and math.isfinite(slowdown)):
+            raise ValueError(f"slowdown must be a finite number > 0, got {slowdown!r}")
+        base = self.config.profile
+        self.profile = base if slowdown == 1 else base.scaled(slowdown)
+        self.slowdown = slowdown
+
     def reset_prefix_cache(self) -> None:
         """Drop every cached block (AllBlocksCleared)."""
         self.cache.clear()
@@ -373,8 +389,13 @@ class SimEngine:
             if not self.cache.can_admit(hit, r.total_blocks):
                 break
             self.waiting.popleft()
-            r.held = self.cache.admit(hit, r.total_blocks)
-            r.private = r.total_blocks - len(r.held)
+            # Blocks for the prompt now; the decode blocks are set aside and allocated (evicting
+            # if need be) in the step whose token first needs them, as vLLM's scheduler does.
+            prompt_blocks = -(-n // bs)
+            r.held = self.cache.admit(hit, prompt_blocks, promise=r.total_blocks - prompt_blocks)
+            r.private = prompt_blocks - len(r.held)
+            r.promised = r.total_blocks - prompt_blocks
+            r.allocated = prompt_blocks
             r.num_cached_tokens = hit.num_blocks * bs
             r.num_computed = r.num_cached_tokens
             if r.remote_tokens > r.num_computed:
@@ -422,6 +443,7 @@ class SimEngine:
             start = len(r.output)
             r.output.extend(self._token(r, i) for i in range(start, start + n))
             # KV of a token exists once it has been fed back: all but the newest one.
+            self._allocate(r, len(r.prompt_ids) + len(r.output) - 1)
             self._cache_full_blocks(r, len(r.prompt_ids) + len(r.output) - 1)
             self._after_token(r)
 
@@ -430,6 +452,20 @@ class SimEngine:
             self._finish(r, "length" if len(r.output) >= r.max_tokens else "stop")
         elif r.stream:
             r.notify()
+
+    def _allocate(self, r: SimRequest, kv_tokens: int) -> None:
+        """Allocate the promised blocks that `kv_tokens` tokens of KV now need.
+
+        A prompt that fills its last block exactly gets the first decode token's block here, in
+        the first decode step: its eviction is published one step after the prefill's events,
+        in a batch of removals only, like vLLM's.
+        """
+        need = min(-(-kv_tokens // self.block_size) - r.allocated, r.promised)
+        if need > 0:
+            self.cache.allocate_promised(need)
+            r.promised -= need
+            r.private += need
+            r.allocated += need
 
     def _cache_full_blocks(self, r: SimRequest, computed_tokens: int) -> None:
         bs = self.block_size
@@ -456,11 +492,13 @@ class SimEngine:
         r.finished_at = self._clock
         if r.scheduled is not None:
             if r.hold_for_transfer > 0 and reason != "abort":
+                self.cache.release([], 0, r.promised)  # unallocated decode blocks go now; the prompt's wait
                 self._hold_for_transfer(r)
             else:
-                self.cache.release(r.held, r.private)
+                self.cache.release(r.held, r.private, r.promised)
             r.held = []
             r.private = 0
+            r.promised = 0
         m = self.metrics
         m.request_success[reason] = m.request_success.get(reason, 0) + 1
         m.prompt_tokens += len(r.prompt_ids)

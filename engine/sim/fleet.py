@@ -59,11 +59,13 @@ class FleetConfig:
     kv_events_base_port: int = 0
     kv_events_connect: str | None = None
     kv_replay: bool = True
+    kv_topic: str | None = None  # None: kv@<ip:port>@<model>; "" is vLLM's default (names nothing)
     legacy_array_events: bool = False
     processes: int = 0
     name_prefix: str = "sim"
     lora_modules: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
+    # On, as `epp engine serve` starts vLLM (vLLM's own default, and a lone replica's, is off).
     enable_prompt_tokens_details: bool = True
     # P/D: role of replica i (label llm-d.ai/role: prefill, decode or both), cycling; None: no label.
     roles: list[str] | None = None
@@ -96,7 +98,7 @@ class FleetConfig:
         return ReplicaConfig(
             name=f"{self.name_prefix}-{i}", model=self.model, tokenizer_dir=tokenizer_dir, host=self.host,
             port=self.base_port + i if self.base_port else 0, engine=engine, kv_events=self.kv_events,
-            kv_events_endpoint=kv_pub, kv_replay_endpoint=kv_replay, kv_replay=self.kv_replay,
+            kv_events_endpoint=kv_pub, kv_replay_endpoint=kv_replay, kv_replay=self.kv_replay, kv_topic=self.kv_topic,
             legacy_array_events=self.legacy_array_events, lora_modules=dict(self.lora_modules), labels=labels,
             enable_prompt_tokens_details=self.enable_prompt_tokens_details,
             kv_events_bind=None if self.kv_events_connect else True,

@@ -1,12 +1,15 @@
 """Prefix-cache block hashes with vLLM's semantics (``vllm/v1/core/kv_cache_utils.py``).
 
 Chosen: vLLM's default algorithm exactly, ``sha256(pickle.dumps((parent, tuple(tokens), extra),
-protocol=5))`` chained from ``NONE_HASH = sha256(pickle.dumps(seed))`` (seed ``PYTHONHASHSEED`` if set, else
-``"vllm-none-hash"``, as in vLLM), over full
-blocks only. Extra keys follow vLLM's order: ``("lora", name, path)`` on every block of a LoRA
-request, then ``("cache_salt", salt)`` on the first block only. Events carry the 64-bit form
-(the digest's last 8 bytes, big-endian) and the untagged extra keys, like vLLM's defaults. So a
-simulator replica announces the very hashes a real vLLM would for the same token ids.
+protocol=5))`` chained from ``NONE_HASH = sha256(pickle.dumps(seed))``, over full blocks only.
+The seed: ``PYTHONHASHSEED`` if set; otherwise vLLM (0.32, ``resolve_none_hash_seed``) uses the
+fixed ``"vllm-none-hash"`` for the sha256 algorithms, which is what the simulator implements,
+but draws a random seed per process (``os.urandom``) for the non-cryptographic ``xxhash``
+algorithms, whose hashes then differ across replicas unless ``PYTHONHASHSEED`` is shared.
+Extra keys follow vLLM's order: ``("lora", name, path)`` on every block of a LoRA request, then
+``("cache_salt", salt)`` on the first block only. Events carry the 64-bit form (the digest's
+last 8 bytes, big-endian) and the untagged extra keys, like vLLM's defaults. So a simulator
+replica announces the very hashes a real vLLM would for the same token ids.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ def sha256_pickle(obj: Any) -> bytes:
 
 
 def none_hash(seed: str | None = None) -> bytes:
-    """The parent digest of block 0: vLLM hashes ``PYTHONHASHSEED`` if set, else its fixed seed."""
+    """The parent digest of block 0 for sha256: ``PYTHONHASHSEED`` if set, else vLLM's fixed sha256 seed."""
     if seed is None:
         seed = os.environ.get("PYTHONHASHSEED") or DEFAULT_NONE_HASH_SEED
     return sha256_pickle(seed)

@@ -222,6 +222,7 @@ class KVCache:
         self.cached: dict[bytes, BlockInfo] = {}
         self.free_lru: OrderedDict[bytes, None] = OrderedDict()
         self.private = 0
+        self.promised = 0  # blocks set aside for running requests' future decode tokens
         self.events: list[KVEvent] = []
         self.gpu_evicted = 0
         self.tiers = tiers
@@ -241,8 +242,8 @@ class KVCache:
         return self.used_blocks / self.capacity if self.capacity else 0.0
 
     def available(self) -> int:
-        """Blocks an allocation could get now (never-used + evictable cached)."""
-        return self.capacity - self.used_blocks
+        """Blocks an allocation could get now (never-used + evictable cached, less those promised)."""
+        return self.capacity - self.used_blocks - self.promised
 
     # -- lookup ----------------------------------------------------------------------------
     def lookup(self, hashes: list[bytes]) -> LookupResult:
@@ -271,8 +272,9 @@ class KVCache:
         revived = sum(1 for b in hit.gpu if b.ref == 0)
         return total_blocks - len(hit.gpu) <= self.available() - revived
 
-    def admit(self, hit: LookupResult, total_blocks: int) -> list[BlockInfo]:
-        """Reference the GPU hits, reserve the rest, promote tier hits; returns held blocks."""
+    def admit(self, hit: LookupResult, total_blocks: int, promise: int = 0) -> list[BlockInfo]:
+        """Reference the GPU hits, reserve the rest of `total_blocks`, set `promise` more aside for
+        later (`allocate_promised`), promote tier hits; returns held blocks."""
         held = []
         for b in hit.gpu:
             if b.ref == 0:
@@ -280,6 +282,7 @@ class KVCache:
             b.ref += 1
             held.append(b)
         self._reserve(total_blocks - len(hit.gpu))
+        self.promised += promise
         promoted = hit.cpu + hit.disk
         if promoted:
             if self.cpu is not None:
@@ -304,6 +307,11 @@ class KVCache:
             self.gpu_evicted += len(victims)
             self.events.extend(_removed_events(victims, MEDIUM_GPU))
         self.private += n
+
+    def allocate_promised(self, n: int) -> None:
+        """Turn `n` promised blocks into allocated private ones, evicting cached blocks if need be."""
+        self.promised -= n
+        self._reserve(n)
 
     def commit(self, blocks: list[BlockInfo], *, offload: bool = True) -> list[BlockInfo]:
         """Turn private blocks that just became full into cached ones (BlockStored GPU).
@@ -342,9 +350,10 @@ class KVCache:
             elif evicted:
                 self.disk.store(evicted)
 
-    def release(self, held: list[BlockInfo], private: int) -> None:
-        """A request is done: drop its references (tail first) and its private blocks."""
+    def release(self, held: list[BlockInfo], private: int, promised: int = 0) -> None:
+        """A request is done: drop its references (tail first), its private and promised blocks."""
         self.private -= private
+        self.promised -= promised
         for b in reversed(held):
             b.ref -= 1
             if b.ref == 0:

@@ -50,7 +50,7 @@ class ReplicaConfig:
     lora_modules: dict[str, str] = field(default_factory=dict)
     max_loras: int = 4
     chat_output_len: tuple[int, int] = (16, 128)
-    enable_prompt_tokens_details: bool = True
+    enable_prompt_tokens_details: bool = False  # vLLM's --enable-prompt-tokens-details (off by default)
     labels: dict[str, str] = field(default_factory=dict)
     # P/D: simulated seconds a finished prefill keeps its KV for the decoder (vLLM NIXL: minutes).
     kv_transfer_window: float = 30.0
@@ -140,6 +140,7 @@ class SimReplica:
         r.add_get("/kv_event_sources", self.kv_event_sources)
         r.add_get("/sim/state", self.sim_state)
         r.add_post(TRANSFER_ROUTE, self.pd.handle_pull)
+        r.add_post("/sim/speed", self.sim_speed)
         return app
 
     async def start(self) -> None:
@@ -313,7 +314,13 @@ class SimReplica:
             return error_response(str(exc))
         return await self._serve(request, r, body, chat=True, include_usage=include_usage)
 
-    def _usage(self, r: SimRequest) -> dict[str, Any]:
+    def _usage(self, r: SimRequest, *, streamed: bool = False) -> dict[str, Any]:
+        """vLLM's usage object: details only with --enable-prompt-tokens-details.
+
+        A JSON response carries every field (the details as null when off); a stream's usage
+        chunk is dumped with unset fields left out, so it has neither detail when off and never
+        `completion_tokens_details` (only a reasoning parser fills that).
+        """
         usage: dict[str, Any] = {
             "prompt_tokens": len(r.prompt_ids),
             "total_tokens": len(r.prompt_ids) + len(r.output),
@@ -321,6 +328,10 @@ class SimReplica:
         }
         if self.config.enable_prompt_tokens_details:
             usage["prompt_tokens_details"] = {"cached_tokens": r.num_cached_tokens}
+        elif not streamed:
+            usage["prompt_tokens_details"] = None
+        if not streamed:
+            usage["completion_tokens_details"] = None
         return usage
 
     def _text(self, ids: list[int]) -> str:
@@ -404,7 +415,7 @@ class SimReplica:
             r.waiter = loop.create_future()
             await r.waiter
         if include_usage and r.finish_reason != "abort":
-            usage_chunk = {**head, "choices": [], "usage": self._usage(r)}
+            usage_chunk = {**head, "choices": [], "usage": self._usage(r, streamed=True)}
             await resp.write(b"data: " + _json_encode(usage_chunk) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
@@ -528,6 +539,8 @@ class SimReplica:
             "steps": e.steps,
             "lag_resyncs": e.lag_resyncs,
             "sim_time": e.now(),
+            "slowdown": e.slowdown,
+            "prefill_per_token": e.profile.prefill_per_token,
             "gpu": {"capacity": c.capacity, "cached": len(c.cached), "used": c.used_blocks, "evicted": c.gpu_evicted},
             "cpu": None if c.cpu is None else {"capacity": c.cpu.capacity, "blocks": len(c.cpu.blocks),
                                                "evicted": c.cpu.evicted},
@@ -537,6 +550,15 @@ class SimReplica:
             "pd": self.pd.state(),
         }
         return web.json_response(state)
+
+    async def sim_speed(self, request: web.Request) -> web.Response:
+        """POST /sim/speed?slowdown=2: from now on run 2x slower than the profile (not a vLLM route)."""
+        try:
+            self.engine.set_speed(float(request.query.get("slowdown", "1")))
+        except ValueError as exc:
+            return error_response(f"'slowdown' must be a number > 0: {exc}")
+        return web.json_response({"slowdown": self.engine.slowdown,
+                                  "prefill_per_token": self.engine.profile.prefill_per_token})
 
     def _lora_info(self) -> tuple[int, list[str], list[str]]:
         e = self.engine

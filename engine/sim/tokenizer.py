@@ -43,7 +43,10 @@ class SimTokenizer:
         self.eos_token = _token_text(config.get("eos_token"))
         self.eos_token_id = self.tokenizer.token_to_id(self.eos_token) if self.eos_token else None
         self.model_max_length = int(config.get("model_max_length", 4096))
-        template = config.get("chat_template")
+        # Like transformers (and so vLLM): a chat_template.jinja file next to the tokenizer is the
+        # model's template; tokenizer_config.json's "chat_template" is the older place for it.
+        template_file = model_dir / "chat_template.jinja"
+        template = template_file.read_text(encoding="utf-8") if template_file.is_file() else config.get("chat_template")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = _raise_exception

@@ -6,6 +6,7 @@ data types, plugin interfaces, the registry and the per-request `CycleState`.
 
 from epp.framework.errors import ConfigError, ErrorCode, InferenceError
 from epp.framework.headers import PREFILLER_HOST_PORT_HEADER
+from epp.framework.load import Booking, EndpointLoad, InflightLedger, estimate_prompt_tokens
 from epp.framework.plugin import (
     Admitter,
     CapacityGate,
@@ -36,7 +37,8 @@ from epp.framework.types import (
 )
 
 __all__ = [
-    "Admitter", "ApiKind", "CapacityGate", "ConfigError", "CycleState", "DataProducer", "Endpoint",
+    "Admitter", "ApiKind", "Booking", "CapacityGate", "ConfigError", "CycleState", "DataProducer", "Endpoint",
+    "EndpointLoad", "InflightLedger", "estimate_prompt_tokens",
     "EndpointMetrics", "ErrorCode", "Filter", "InferenceError", "InferenceRequest", "Picker",
     "PREFILLER_HOST_PORT_HEADER",
     "Plugin", "PluginContext", "PluginParams", "PluginRegistry", "PluginSpec", "PreRequestHook",

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from epp.framework.load import InflightLedger
 from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -108,6 +109,8 @@ class PluginContext:
     metrics_registry: CollectorRegistry | None = None
     endpoints: Any = None  # epp.datalayer.EndpointRegistry: endpoints and their metrics
     services: dict[str, Any] = field(default_factory=dict)
+    # The picker's own in-flight work per endpoint, booked by the director (see epp.framework.load).
+    load: InflightLedger = field(default_factory=InflightLedger)
 
 
 class Plugin:

@@ -3,9 +3,15 @@
 Modes:
 - centralized: the EPP binds one SUB socket; every replica's publisher connects to it. The
   endpoint of a message comes from its topic `kv@<ip:port>@<model>` (an IP-only pod id is
-  resolved when exactly one endpoint of the pool has that address).
+  resolved when exactly one endpoint of the pool has that address). A SUB socket cannot tell
+  which publisher sent a message, so vLLM's default empty topic `""` cannot work here: such
+  messages are dropped, counted in `epp_kv_events_unresolved_topics_total` and named in a
+  warning (set each replica's `--kv-events-config` topic to `kv@<ip:port>@<model>`, or use
+  per-endpoint mode).
 - per-endpoint: the EPP dials `tcp://<endpoint address>:<events port>` for every endpoint of
-  the registry, following its listener callbacks as endpoints come and go.
+  the registry, following its listener callbacks as endpoints come and go. The socket it
+  dialled names the endpoint, so any topic works, vLLM's default `""` included (the model
+  then comes from `default_model`).
 
 Ordering: each publisher's sequence numbers must be contiguous. When an endpoint appears (also
 at the picker's start, so a restarted picker rebuilds its view without waiting for traffic), on
@@ -138,6 +144,7 @@ class KVEventSubscriber:
         self._running = False
         self._last_yield = time.perf_counter()
         self.bound_address: str | None = None  # centralized mode: the resolved bind address
+        self._warned_topics: set[bytes] = set()  # unresolvable topics already logged (bounded)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -303,6 +310,7 @@ class KVEventSubscriber:
             endpoint = self._resolve(pod)
             if endpoint is None:
                 self.metrics.unresolved.inc()
+                self._warn_unresolved(topic, pod)
                 return
         else:
             pod = None
@@ -314,6 +322,19 @@ class KVEventSubscriber:
             stream = self._streams[endpoint] = _Stream(name, replay, key=endpoint, primary=primary)
         self.metrics.messages.labels("live").inc()
         self._on_live(stream, seq, topic, payload)
+
+    def _warn_unresolved(self, topic: bytes, pod: str | None) -> None:
+        """Say once per topic (at most 16) why centralized mode drops its messages."""
+        if topic in self._warned_topics or len(self._warned_topics) >= 16:
+            return
+        self._warned_topics.add(topic)
+        if pod is None:
+            log.warning("centralized KV events on topic %r dropped: the topic does not say which replica sent "
+                        "them (vLLM's default topic is empty); publish on kv@<ip:port>@<model> "
+                        "(vllm serve --kv-events-config '{\"topic\": \"kv@<ip:port>@<model>\", ...}') or use "
+                        "mode: per-endpoint, which knows the replica from the socket it dials", topic)
+        else:
+            log.warning("centralized KV events on topic %r dropped: %r is no endpoint of the pool", topic, pod)
 
     def _on_live(self, stream: _Stream, seq: int, topic: bytes, payload: bytes) -> None:
         if stream.repairing:

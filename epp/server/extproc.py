@@ -77,13 +77,24 @@ def served_endpoint_of(req: pb.ProcessingRequest) -> str | None:
     return namespace.fields[SERVED_ENDPOINT_KEY].string_value or None
 
 
+def carries_token(chunk: bytes) -> bool:
+    """Whether a streamed response chunk holds generated output, not only the role announcement.
+
+    vLLM's first chat chunk carries `"role":"assistant","content":""`; it is sent with the first
+    token, but a server may send it earlier, so the first token is timed from the next chunk.
+    """
+    if not chunk.strip():
+        return False
+    return not (b'"role"' in chunk and b'"content":""' in chunk and chunk.count(b"data:") <= 1)
+
+
 class _Stream:
     """State of one ext_proc stream (one HTTP request and its response)."""
 
     __slots__ = ("service", "headers", "body_parts", "body_size", "subset_hint", "request_id",
                  "request", "target", "state", "response", "rewriter", "response_parts",
                  "response_size", "passthrough", "finished", "rejected", "started", "scheduled",
-                 "model_labels")
+                 "model_labels", "first_token_seen")
 
     def __init__(self, service: ExtProcService) -> None:
         self.service = service
@@ -105,6 +116,7 @@ class _Stream:
         self.scheduled = False
         self.started = time.monotonic()
         self.model_labels: tuple[str, str] = ("", "")
+        self.first_token_seen = False
 
     # -- request path -------------------------------------------------------------------------
 
@@ -183,6 +195,10 @@ class _Stream:
             self.request and self.request.stream)
         if self.request is not None:
             self.service.director.response_headers(self.state, self.request, response, self.target)
+            if not response.streaming or response.status != "200":
+                # A whole (or failed) response: its prefill is over, but no first token was timed.
+                self.first_token_seen = True
+                self.service.director.first_token(self.state, observed=False)
         remove = ["content-length"] if self.rewriter is not None and self.rewriter.active else []
         replies = [messages.response_headers_response(response.set_headers.items(), remove)]
         if msg.end_of_stream:
@@ -193,6 +209,9 @@ class _Stream:
         chunk = msg.body
         response = self.response
         if response.streaming or self.passthrough:
+            if not self.first_token_seen and self.scheduled and carries_token(chunk):
+                self.first_token_seen = True
+                self.service.director.first_token(self.state)
             if self.rewriter is not None:
                 chunk = self.rewriter.rewrite(chunk)
             if response.streaming and response.usage is None and b"usage" in chunk:

@@ -20,6 +20,7 @@ from epp.datalayer.registry import EndpointRegistry, EndpointSpec
 from epp.director import AdmissionPolicy, Director, Pipeline
 from epp.framework.plugin import PluginContext
 from epp.limits import Limits
+from epp.load_metrics import register_ledger_metrics
 from epp.metrics import EppMetrics
 from epp.request.parsing import RequestParser
 from epp.server.extproc import DEFAULT_MAX_BODY_BYTES, ExtProcService
@@ -107,7 +108,8 @@ class EppServer:
         self._add_accounting(pipeline)
         self.director = Director(pipeline, self.endpoints, self.metrics, admission,
                                  use_subset_hint=not opts.disable_endpoint_subset_filter,
-                                 metrics_freshness_s=freshness)
+                                 metrics_freshness_s=freshness, ledger=self.context.load)
+        register_ledger_metrics(self.context.load, self.endpoints, self.metrics.registry)
         await self._start_discovery()
         if opts.ha_enable_leader_election:
             from epp.server.leader_election import LeaderElection, lease_name

@@ -54,6 +54,8 @@ def test_contender_starts_routes_and_reports(smoke, name):
     # The oracle is an upper bound: no router beats it.
     assert o.hit_rate is not None and o.oracle_hit_rate is not None
     assert o.hit_rate <= o.oracle_hit_rate + 1e-9
+    # Fair peers: the router's own counters show its policy and cache index worked.
+    assert r.verdict == "valid", r.validity
 
 
 def test_report_has_a_row_per_contender_and_both_plots(smoke):

@@ -182,8 +182,8 @@ async def test_producer_subscribes_per_endpoint_and_indexes_live_events():
         await pub.close()
 
 
-def _ttft(params=None):
-    return build("predicted-ttft-scorer", params)
+def _ttft(params=None, context=None):
+    return build("predicted-ttft-scorer", params, context)
 
 
 def _endpoint(ip, waiting=0, running=0):
@@ -227,27 +227,52 @@ def test_predicted_ttft_without_tier_data_ranks_by_load():
     assert scores[idle.name] == 1.0 and 0.0 < scores[busy.name] < 1.0
 
 
-def test_predicted_ttft_books_its_own_picks_until_the_next_scrape_shows_them():
+def test_predicted_ttft_counts_the_pickers_own_prefills_until_the_next_scrape_shows_them():
     """A burst must not pile onto the endpoint that looked idle at the last scrape."""
-    from epp.framework.plugin import ProfileRunResult, SchedulingResult
-
+    context = PluginContext(metrics_registry=CollectorRegistry())
     scorer = _ttft({"prefillSecondsPerToken": 1e-3, "queueSecondsPerWaitingRequest": 0.5,
-                    "secondsPerRunningRequest": 0.0, "baseSeconds": 0.01})
+                    "secondsPerRunningRequest": 0.0, "baseSeconds": 0.01}, context)
     a, b = _endpoint("10.0.0.1"), _endpoint("10.0.0.2")
     state = CycleState()
     for ep in (a, b):
         state.put_endpoint_data(PREFIX_TIER_MATCH, ep.name, TierMatch(0, 0, 0, 1000))
     assert scorer.score(state, request(), [a, b]) == {a.name: 1.0, b.name: 1.0}
-    scorer.pre_request(state, request(), SchedulingResult({"default": ProfileRunResult((a,))}, "default"))
-    # a now has ~1 s of prefill booked: the next identical request prefers b.
+    booking = context.load.pick(a.name, prompt_tokens=1000)  # the director books every pick
+    # a now has 1,000 tokens (1 s) of prefill ahead: the next identical request prefers b.
     scores = scorer.score(state, request(), [a, b])
     assert scores[b.name] == 1.0 and scores[a.name] == pytest.approx(1.01 / 2.01, rel=0.01)
     # Once a scrape shows a longer queue than the booking, the scrape wins (max, not sum).
     scraped = _endpoint("10.0.0.1", waiting=4)
-    assert scorer.queue_wait(scraped) == pytest.approx(2.0)
-    untracked = _ttft({"trackPendingPrefill": False, "prefillSecondsPerToken": 1e-3})
-    untracked.pre_request(state, request(), SchedulingResult({"default": ProfileRunResult((a,))}, "default"))
-    assert untracked.queue_wait(a) == 0.0
+    assert scorer.predict(scraped, TierMatch(0, 0, 0, 0), 0) == pytest.approx(0.01 + 2.0)
+    # Its first token came back: nothing is ahead any more.
+    context.load.first_token(booking)
+    assert scorer.score(state, request(), [a, b]) == {a.name: 1.0, b.name: 1.0}
+    untracked = _ttft({"trackPendingPrefill": False, "prefillSecondsPerToken": 1e-3}, context)
+    context.load.pick(a.name, prompt_tokens=1000)
+    assert untracked.predict(a, TierMatch(0, 0, 0, 0), 0) == pytest.approx(0.01)
+
+
+def test_predicted_ttft_calibrates_itself_from_timed_first_tokens():
+    """Without constants it learns the endpoint's prefill cost from the ledger's completed bookings."""
+    context = PluginContext(metrics_registry=CollectorRegistry())
+    scorer = _ttft({}, context)
+    assert scorer.calibrate
+    a = _endpoint("10.0.0.1")
+    for i in range(60):
+        tokens = 500 + 100 * (i % 7)
+        booking = context.load.pick(a.name, model="m", prompt_tokens=tokens, now=100.0 + i)
+        context.load.first_token(booking, now=100.0 + i + 0.02 + 5e-4 * tokens)  # 0.5 ms/token
+        context.load.complete(booking)
+    prefill = scorer.calibrator.coefficients(a.name, "m")[1]
+    assert prefill == pytest.approx(5e-4, rel=0.05)
+    exported = {s.labels["term"]: s.value for m in context.metrics_registry.collect()
+                if m.name == "epp_ttft_calibration" for s in m.samples}
+    assert exported["prefill_seconds_per_token"] == pytest.approx(prefill)
+    # An untimed response (non-streamed: only its end was seen) teaches nothing.
+    booking = context.load.pick(a.name, model="m", prompt_tokens=500, now=200.0)
+    context.load.first_token(booking, observed=False, now=260.0)
+    context.load.complete(booking)
+    assert scorer.calibrator.coefficients(a.name, "m")[1] == prefill
 
 
 CAPTURE = Path(__file__).parents[1] / "fixtures" / "vllm_capture"

@@ -187,3 +187,18 @@ async def test_output_is_deterministic_for_the_same_prompt(engine):
     await run(engine, [a, b])
     assert a.output == b.output and len(set(a.output)) > 1
     assert all(t in POOL for t in a.output)
+
+
+async def test_set_speed_changes_the_step_time_mid_run(engine):
+    prompt = list(range(1, 161))
+    r1 = engine.new_request(prompt, 1)
+    await run(engine, [r1])
+    engine.set_speed(2.0)  # the replica slows down (a throttled GPU)
+    r2 = engine.new_request(list(range(300, 460)), 1)
+    await run(engine, [r2])
+    assert ttft(r2) == pytest.approx(2 * ttft(r1))
+    engine.set_speed(1.0)
+    assert engine.profile == PROFILE
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError):
+            engine.set_speed(bad)

@@ -17,7 +17,8 @@ PROMPT = "System: you answer questions about the customer table. " * 6
 @pytest.fixture
 async def fleet(tokenizer_dir):
     async with SimFleet(FleetConfig(replicas=2, tokenizer_dir=tokenizer_dir, kv_events=False,
-                                    lora_modules={"sql-lora": "/adapters/sql"})) as f:
+                                    lora_modules={"sql-lora": "/adapters/sql"},
+                                    enable_prompt_tokens_details=True)) as f:
         yield f
 
 
@@ -210,3 +211,17 @@ async def test_client_disconnect_mid_stream_frees_the_sequence(fleet, http):
     assert not engine.running
     assert engine.cache.used_blocks == 0
     assert engine.metrics.request_success.get("abort") == 1
+
+
+async def test_sim_speed_route_slows_a_replica_down(fleet, http):
+    async with http.post(url(fleet, "/sim/speed?slowdown=3")) as resp:
+        assert resp.status == 200
+        assert (await resp.json())["slowdown"] == 3
+    async with http.get(url(fleet, "/sim/state")) as resp:
+        state = await resp.json()
+    async with http.get(url(fleet, "/sim/state", 1)) as resp:
+        other = await resp.json()
+    assert state["slowdown"] == 3 and other["slowdown"] == 1
+    assert state["prefill_per_token"] == pytest.approx(3 * other["prefill_per_token"])
+    async with http.post(url(fleet, "/sim/speed?slowdown=zero")) as resp:
+        assert resp.status == 400

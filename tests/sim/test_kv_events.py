@@ -84,7 +84,7 @@ async def test_legacy_array_form(subscriber_factory):
 @pytest.fixture
 async def replica(tokenizer_dir):
     config = FleetConfig(replicas=1, tokenizer_dir=tokenizer_dir, num_gpu_blocks=24, cpu_blocks=8,
-                         disk_blocks=100, lora_modules={"sql-lora": "/adapters/sql"})
+                         disk_blocks=100, lora_modules={"sql-lora": "/adapters/sql"}, enable_prompt_tokens_details=True)
     async with SimFleet(config) as fleet:
         yield fleet
 

@@ -183,3 +183,104 @@ def test_same_metric_names_labels_and_prefix_cache_counters(capture, sim_run):
     sim_info = sim["vllm:cache_config_info"].samples[0].labels
     for key in ("block_size", "num_gpu_blocks", "enable_prefix_caching", "prefix_caching_hash_algo"):
         assert sim_info[key] == real_info[key], key
+
+
+def test_same_usage_objects_without_prompt_tokens_details(capture, sim_run):
+    # The capture's server ran without --enable-prompt-tokens-details: both details are null.
+    for sim_usage, r in zip(sim_run["usages"], capture["requests"]):
+        assert sim_usage == r["usage"], r["name"]
+        assert sim_usage["prompt_tokens_details"] is None and sim_usage["completion_tokens_details"] is None
+
+
+def test_chat_template_jinja_file_is_the_models_template(capture, tmp_path):
+    """Newer checkpoints keep the template in chat_template.jinja, not in tokenizer_config.json."""
+    from epp.engine.sim.tokenizer import ChatTemplateError, SimTokenizer
+    from epp.engine.tinymodel import CHAT_TEMPLATE
+
+    source = Path(default_tokenizer_dir(capture["manifest"]["tiny_model"]["seed"]))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "tokenizer.json").write_bytes((source / "tokenizer.json").read_bytes())
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    chat = next(r for r in capture["requests"] if r["kind"] == "chat")
+    with pytest.raises(ChatTemplateError):
+        SimTokenizer(model).encode_chat(chat["body"]["messages"], add_special_tokens=False,
+                                        add_generation_prompt=True, continue_final_message=False, tools=None,
+                                        chat_template_kwargs={})
+    (model / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    ids = SimTokenizer(model).encode_chat(chat["body"]["messages"], add_special_tokens=False,
+                                          add_generation_prompt=True, continue_final_message=False, tools=None,
+                                          chat_template_kwargs={})
+    assert ids == chat["prompt_token_ids"]
+
+
+async def test_streamed_usage_has_details_only_with_enable_prompt_tokens_details():
+    """vLLM dumps stream chunks without unset fields: no details unless the flag set them."""
+    body = {"prompt": "usage check " * 40, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}
+
+    async def usage(enable: bool) -> list[dict]:
+        config = FleetConfig(replicas=1, kv_events=False, enable_prompt_tokens_details=enable)
+        out = []
+        async with SimFleet(config) as fleet, aiohttp.ClientSession() as http:
+            for _ in range(2):
+                async with http.post(f"http://{fleet.endpoints[0]}/v1/completions", json=body) as resp:
+                    lines = [ln for ln in (await resp.text()).splitlines() if ln.startswith("data: {")]
+                out.append(json.loads(lines[-1][6:])["usage"])
+        return out
+
+    off = await usage(False)
+    assert all("prompt_tokens_details" not in u and "completion_tokens_details" not in u for u in off)
+    on = await usage(True)
+    cached = [u["prompt_tokens_details"]["cached_tokens"] for u in on]
+    assert cached[0] == 0 and cached[1] > 0 and cached[1] % 16 == 0
+    assert all("completion_tokens_details" not in u for u in on)
+
+
+class _Batches:
+    """A publisher stand-in that keeps each engine step's event batch."""
+
+    def __init__(self) -> None:
+        self.batches: list[list] = []
+
+    def publish(self, events, ts=None) -> None:
+        self.batches.append(list(events))
+
+
+@pytest.mark.parametrize("prompt_len,max_tokens,late_removal", [
+    (64, 3, True),    # fills its 4 blocks exactly: the first decode token needs a 5th, one step later
+    (60, 3, False),   # room for the decode tokens in its last prompt block
+    (64, 1, False),   # no decode step: no block for a token whose KV is never computed
+])
+async def test_first_decode_block_of_an_exactly_filled_prompt_is_evicted_one_step_later(prompt_len, max_tokens,
+                                                                                         late_removal):
+    from epp.engine.kv_publisher import BlockRemoved, BlockStored
+    from epp.engine.sim.engine import EngineConfig, SimEngine
+    from epp.engine.sim.profiles import FAST
+
+    engine = SimEngine(EngineConfig(profile=FAST, num_gpu_blocks=10, block_size=16), output_token_pool=[5, 6, 7])
+    sink = _Batches()
+    engine.publisher = sink
+    engine.start()
+    try:
+        async def serve(prompt: list[int], n: int) -> None:
+            r = engine.new_request(prompt, n)
+            engine.submit(r)
+            while not r.finished:
+                await asyncio.sleep(0.001)
+
+        await serve(list(range(1000, 1128)), 1)  # 8 cached blocks fill the pool (one block stays free)
+        sink.batches.clear()
+        await serve(list(range(2000, 2000 + prompt_len)), max_tokens)
+    finally:
+        await engine.stop()
+    prefill = next(i for i, b in enumerate(sink.batches) if any(isinstance(e, BlockStored) for e in b))
+    removed_at_prefill = sum(len(e.block_hashes) for e in sink.batches[prefill] if isinstance(e, BlockRemoved))
+    assert removed_at_prefill == 4 - 1  # four prompt blocks, one of them never used before
+    later = sink.batches[prefill + 1:]
+    if late_removal:
+        assert later and all(isinstance(e, BlockRemoved) for e in later[0])
+        assert sum(len(e.block_hashes) for e in later[0]) == 1
+    else:
+        assert not any(isinstance(e, BlockRemoved) for b in later for e in b)

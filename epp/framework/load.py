@@ -1,0 +1,277 @@
+"""In-flight load accounting: the picker's own work that scraped metrics cannot show yet.
+
+Scraped gauges (`num_requests_waiting`, KV usage) are up to one scrape interval old, and a
+replica in mid-prefill reports its request as *running*, so it looks as idle as one that is only
+decoding. The director books every pick here (`pick`), marks its prefill done when the first
+token (or, for a non-streamed response, the response headers) comes back (`first_token`), and
+releases it when the response ends (`complete`). Load-aware scorers read `load(endpoint)`:
+
+- `unseen_requests`: picks sent after the endpoint's last scrape (the scrape cannot show them);
+- `prefilling_requests` / `prefill_tokens`: picks whose first token has not been seen, and their
+  uncached prompt tokens (prompt minus the prefix match the picker predicted);
+- `inflight_requests`: picks not yet complete; `scrape_age_s`: how old the scrape is.
+
+The `*_estimate` helpers combine them with the scrape so that no signal is stale in the
+picker's favour: `waiting = max(scraped waiting + unseen, own prefilling)` (max, not sum: once
+scraped, the picker's own requests show in both), likewise for running requests and KV usage.
+
+Several pickers: each one knows its own work exactly and the others' only through the scrape,
+so its view of an endpoint misses at most the other pickers' picks of the last
+`scrape_age_s + interval` seconds (their request rate times that window); a single picker's
+view misses nothing it sent.
+
+Bounded: at most `capacity` requests are tracked (oldest dropped first); a request whose
+completion is never seen expires after `request_timeout_s`, its prefill after `prefill_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from epp.framework.types import Endpoint, EndpointMetrics, InferenceRequest
+
+CHARACTERS_PER_TOKEN = 4
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointLoad:
+    """The picker's own work on one endpoint, next to how old that endpoint's scrape is."""
+
+    inflight_requests: int = 0
+    unseen_requests: int = 0
+    prefilling_requests: int = 0
+    prefill_tokens: int = 0
+    unseen_prefill_tokens: int = 0
+    scrape_age_s: float = math.inf
+
+    def waiting_estimate(self, metrics: EndpointMetrics) -> float:
+        """Requests ahead of a new one: scraped queue plus unseen picks, at least the own prefills."""
+        return float(max(metrics.waiting_queue_size + self.unseen_requests, self.prefilling_requests))
+
+    def running_estimate(self, metrics: EndpointMetrics) -> float:
+        """Requests on the endpoint: scraped running plus unseen picks, at least the own in-flight."""
+        return float(max(metrics.running_requests_size + self.unseen_requests, self.inflight_requests))
+
+    def kv_usage_estimate(self, metrics: EndpointMetrics) -> float:
+        """Scraped KV usage plus the blocks unseen picks will take (when the cache size is known)."""
+        usage = metrics.kv_cache_usage
+        if self.unseen_prefill_tokens > 0 and metrics.cache_num_blocks > 0 and metrics.cache_block_size > 0:
+            usage += self.unseen_prefill_tokens / (metrics.cache_block_size * metrics.cache_num_blocks)
+        return min(1.0, usage)
+
+
+NO_LOAD = EndpointLoad()
+
+
+@dataclass(slots=True, eq=False)
+class Booking:
+    """One pick as the ledger tracks it; `first_token_at` is set when its prefill is seen done."""
+
+    ticket: int
+    endpoint: str
+    model: str
+    picked_at: float
+    prompt_tokens: int
+    uncached_tokens: int
+    cpu_tokens: int = 0
+    disk_tokens: int = 0
+    # What was ahead of it on its endpoint when it was picked (for calibrating queue costs).
+    ahead_tokens: int = 0
+    ahead_requests: int = 0
+    running: int = 0
+    waiting: float = 0.0  # the endpoint's scraped waiting queue when it was picked
+    first_token_at: float | None = None
+    ttft_observed: bool = False  # first_token_at is a first token, not the end of a whole response
+    prompt_characters: int = 0  # of the prompt text (with usage.prompt_tokens: characters per token)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.first_token_at is None
+
+
+Observer = Callable[[Booking, Any], None]
+
+
+class _EndpointBook:
+    __slots__ = ("inflight", "prefill_tokens", "prefilling")
+
+    def __init__(self) -> None:
+        self.inflight: OrderedDict[int, Booking] = OrderedDict()  # pick order
+        self.prefilling = 0
+        self.prefill_tokens = 0
+
+
+class InflightLedger:
+    """Per-endpoint requests and prefill tokens this picker sent and has not seen finish."""
+
+    def __init__(self, *, request_timeout_s: float = 300.0, prefill_timeout_s: float = 60.0,
+                 capacity: int = 100_000) -> None:
+        if request_timeout_s <= 0 or prefill_timeout_s <= 0 or capacity < 1:
+            raise ValueError("timeouts must be > 0 and capacity >= 1")
+        self.request_timeout_s = request_timeout_s
+        self.prefill_timeout_s = prefill_timeout_s
+        self.capacity = capacity
+        self._all: OrderedDict[int, Booking] = OrderedDict()  # pick order, every endpoint
+        self._prefilling: OrderedDict[int, Booking] = OrderedDict()
+        self._books: dict[str, _EndpointBook] = {}
+        self._ids = itertools.count(1)
+        self._observers: list[Observer] = []
+        self.dropped = 0  # bookings dropped at capacity or timeout (their end was never seen)
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def load(self, endpoint: Endpoint, now: float | None = None) -> EndpointLoad:
+        """The picker's own load on `endpoint` against its latest scrape."""
+        now = time.monotonic() if now is None else now
+        scraped_at = endpoint.metrics.update_time
+        age = now - scraped_at if scraped_at > 0 else math.inf
+        book = self._books.get(endpoint.name)
+        if book is None:
+            return EndpointLoad(scrape_age_s=age) if age != math.inf else NO_LOAD
+        unseen = unseen_tokens = 0
+        # Newest first: stop at the first pick the scrape could already show.
+        for booking in reversed(book.inflight.values()):
+            if booking.picked_at <= scraped_at:
+                break
+            unseen += 1
+            if booking.prefilling:
+                unseen_tokens += booking.uncached_tokens
+        return EndpointLoad(len(book.inflight), unseen, book.prefilling, book.prefill_tokens, unseen_tokens, age)
+
+    def bookings(self) -> Iterator[Booking]:
+        """Every tracked booking, oldest first."""
+        return iter(list(self._all.values()))
+
+    def endpoints(self) -> list[str]:
+        """Endpoints with work in flight."""
+        return list(self._books)
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def add_observer(self, observer: Observer) -> None:
+        """Call `observer(booking, response)` when a booking completes (calibrators learn from it)."""
+        self._observers.append(observer)
+
+    def pick(self, endpoint: str, *, model: str = "", prompt_tokens: int = 0, uncached_tokens: int | None = None,
+             cpu_tokens: int = 0, disk_tokens: int = 0, running: int = 0, waiting: float = 0.0,
+             prompt_characters: int = 0, now: float | None = None) -> Booking:
+        """Book a request sent to `endpoint`; its uncached tokens count as prefill until its first token."""
+        now = time.monotonic() if now is None else now
+        self.expire(now)
+        uncached = prompt_tokens if uncached_tokens is None else max(0, min(uncached_tokens, prompt_tokens))
+        book = self._books.get(endpoint)
+        if book is None:
+            book = self._books[endpoint] = _EndpointBook()
+        booking = Booking(next(self._ids), endpoint, model, now, prompt_tokens, uncached, cpu_tokens, disk_tokens,
+                          ahead_tokens=book.prefill_tokens, ahead_requests=book.prefilling, running=running,
+                          waiting=waiting, prompt_characters=prompt_characters)
+        self._all[booking.ticket] = booking
+        self._prefilling[booking.ticket] = booking
+        book.inflight[booking.ticket] = booking
+        book.prefilling += 1
+        book.prefill_tokens += uncached
+        while len(self._all) > self.capacity:
+            _, oldest = self._all.popitem(last=False)
+            self._forget(oldest)
+            self.dropped += 1
+        return booking
+
+    def first_token(self, booking: Booking | None, *, observed: bool = True, now: float | None = None) -> None:
+        """The booking's prefill is done (its first token, or its whole response, came back)."""
+        if booking is None or not booking.prefilling or booking.ticket not in self._all:
+            return
+        booking.first_token_at = time.monotonic() if now is None else now
+        booking.ttft_observed = observed
+        self._end_prefill(booking)
+
+    def complete(self, booking: Booking | None, response: Any = None) -> None:
+        """The booking's response ended (or its stream died): stop counting it; tell the observers."""
+        if booking is None or self._all.pop(booking.ticket, None) is None:
+            return
+        self._forget(booking)
+        for observer in self._observers:
+            observer(booking, response)
+
+    def expire(self, now: float | None = None) -> None:
+        """Drop bookings past their timeouts (their first token or end was never seen)."""
+        now = time.monotonic() if now is None else now
+        prefilling = self._prefilling
+        while prefilling:
+            booking = next(iter(prefilling.values()))
+            if booking.picked_at + self.prefill_timeout_s > now:
+                break
+            booking.first_token_at = now
+            self._end_prefill(booking)
+        entries = self._all
+        while entries:
+            booking = next(iter(entries.values()))
+            if booking.picked_at + self.request_timeout_s > now:
+                break
+            del entries[booking.ticket]
+            self._forget(booking)
+            self.dropped += 1
+
+    def remove_endpoint(self, endpoint: str) -> None:
+        """Forget an endpoint that left the pool."""
+        book = self._books.pop(endpoint, None)
+        if book is None:
+            return
+        for ticket in book.inflight:
+            self._all.pop(ticket, None)
+            self._prefilling.pop(ticket, None)
+
+    def _end_prefill(self, booking: Booking) -> None:
+        if self._prefilling.pop(booking.ticket, None) is None:
+            return
+        book = self._books.get(booking.endpoint)
+        if book is not None:
+            book.prefilling -= 1
+            book.prefill_tokens -= booking.uncached_tokens
+
+    def _forget(self, booking: Booking) -> None:
+        self._end_prefill(booking)
+        book = self._books.get(booking.endpoint)
+        if book is None:
+            return
+        book.inflight.pop(booking.ticket, None)
+        if not book.inflight:
+            del self._books[booking.endpoint]
+
+
+def _text_length(value: Any, budget: int, depth: int = 0) -> int:
+    """Characters of the strings inside `value` (at most `budget`, nesting at most 8 deep)."""
+    if isinstance(value, str):
+        return min(len(value), budget)
+    if depth >= 8:
+        return 0
+    total = 0
+    items: Iterable[Any] = value.values() if isinstance(value, Mapping) else value if isinstance(value, list) else ()
+    for item in items:
+        if total >= budget:
+            break
+        if isinstance(item, int) and not isinstance(item, bool):
+            total += CHARACTERS_PER_TOKEN  # a token id
+        else:
+            total += _text_length(item, budget - total, depth + 1)
+    return total
+
+
+def prompt_characters(request: InferenceRequest, limit: int = 1 << 22) -> int:
+    """Characters of the request's prompt text (strings of prompt/messages/input; a token id counts 4)."""
+    body = request.body
+    parts = [body.get(key) for key in ("prompt", "messages", "input", "instructions", "items") if key in body]
+    return _text_length(parts, limit)
+
+
+def estimate_prompt_tokens(request: InferenceRequest, limit_tokens: int = 1 << 20) -> int:
+    """Prompt tokens guessed from the request's text at 4 characters a token (no tokenizer)."""
+    return prompt_characters(request, limit_tokens * CHARACTERS_PER_TOKEN) // CHARACTERS_PER_TOKEN

@@ -1,0 +1,246 @@
+"""Online calibration of predicted TTFT: per endpoint and model, learned from the picker's own requests.
+
+Model (seconds, from the picker's dispatch to the first streamed token):
+
+    ttft = base + prefill * (uncached + ahead) + queue_cost * waiting + running_cost * running
+         + cpu_load * cpu + disk_load * disk
+
+`uncached`: the request's prompt tokens not in the prefix cache (from the response's
+`cached_tokens` when the server reports it, else the picker's own prefix match); `ahead`: prefill
+tokens the picker had in flight on that endpoint when it sent the request (the queue in tokens);
+`waiting`: the endpoint's scraped waiting queue (a request can wait for KV space, which costs
+time that prefill tokens do not explain);
+`running`: the scraped running requests (they share each step); `cpu`/`disk`: tokens loaded back
+from offload tiers.
+
+The fit is a ridge-regularised, exponentially forgetting, Huber-weighted least squares:
+- forgetting (`decay` per observation) lets it follow an endpoint that slows down or speeds up;
+- Huber weights (residuals past `huber_k` times the running residual scale count less) keep one
+  stalled request from moving it; but residuals that stay on one side (their moving average
+  past `step_threshold` scales) are a step change, not noise, and make it forget the old data;
+- the ridge pulls towards a prior: the configured constants for the pooled fit of a model (all
+  endpoints together), and the pooled fit for each endpoint, so an endpoint with few
+  observations predicts like its pool and a fresh picker predicts like its configuration; an
+  endpoint's base and per-request terms stay near the pool's (they describe the traffic), its
+  per-token speeds are its own.
+Coefficients are kept non-negative. Features are scaled (thousands of tokens, tens of requests)
+so that one prior weight suits every term.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+TERMS = ("base_seconds", "prefill_seconds_per_token", "seconds_per_running_request",
+         "cpu_load_seconds_per_token", "disk_load_seconds_per_token", "seconds_per_waiting_request")
+# Feature i enters the fit as x_i * SCALE[i], so coefficients are comparable in size.
+SCALE = (1.0, 1e-3, 0.1, 1e-3, 1e-3, 0.1)
+N = len(TERMS)
+# An endpoint's own fit stays close to its pool's in the terms that describe the fleet and the
+# traffic (base, per queued and per running request: one slow burst must not make one replica
+# look slow for good) and follows the endpoint freely in its per-token speeds.
+ENDPOINT_PRIOR_WEIGHTS = (20.0, 0.05, 20.0, 0.05, 0.05, 20.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """One request: its features (in TERMS order, the first is 1) and its measured TTFT."""
+
+    features: tuple[float, ...]
+    ttft_s: float
+
+
+def features(uncached_plus_ahead: float, running: float, cpu_tokens: float, disk_tokens: float,
+             waiting: float = 0.0) -> tuple[float, ...]:
+    """The feature vector of the TTFT model (unscaled, TERMS order)."""
+    return (1.0, float(uncached_plus_ahead), float(running), float(cpu_tokens), float(disk_tokens), float(waiting))
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Solve a small dense system by Gaussian elimination with partial pivoting; None if singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-12:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            if f:
+                for c in range(col, n + 1):
+                    m[r][c] -= f * m[col][c]
+    out = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        out[r] = (m[r][n] - sum(m[r][c] * out[c] for c in range(r + 1, n))) / m[r][r]
+    return out
+
+
+class RobustLinearFit:
+    """Exponentially forgetting, Huber-weighted ridge regression of TTFT on the model's features."""
+
+    def __init__(self, prior: Sequence[float], *, prior_weight: float | Sequence[float] = 0.05, decay: float = 0.95,
+                 huber_k: float = 2.5, initial_scale_s: float = 0.05, step_threshold: float = 1.5) -> None:
+        self.prior = [p / s for p, s in zip(prior, SCALE)]  # in scaled units
+        # One weight per term (or one for all): how many observations' worth the prior counts.
+        self.prior_weight = [float(prior_weight)] * N if isinstance(prior_weight, (int, float)) else \
+            [float(w) for w in prior_weight]
+        self.decay = decay
+        self.huber_k = huber_k
+        self.step_threshold = step_threshold
+        self._s = [[0.0] * N for _ in range(N)]  # weighted X^T X
+        self._b = [0.0] * N  # weighted X^T y
+        self._theta = list(self.prior)
+        self.residual_scale_s = initial_scale_s
+        self.observations = 0
+        self.weight = 0.0  # effective number of observations (decayed)
+        self._bias = 0.0  # moving average of residuals in units of the residual scale
+        self.resets = 0
+
+    def coefficients(self) -> tuple[float, ...]:
+        """The fitted coefficients in TERMS order (seconds, seconds per token or per request)."""
+        return tuple(t * s for t, s in zip(self._theta, SCALE))
+
+    def predict(self, x: Sequence[float]) -> float:
+        """Predicted TTFT in seconds for unscaled features `x`."""
+        return sum(t * s * xi for t, s, xi in zip(self._theta, SCALE, x))
+
+    def set_prior(self, prior: Sequence[float]) -> None:
+        """Move the ridge target (the pooled fit, for an endpoint's own fit); refits."""
+        self.prior = [p / s for p, s in zip(prior, SCALE)]
+        self._refit()
+
+    def observe(self, x: Sequence[float], y: float) -> float:
+        """Learn from one request; returns its residual (seconds) against the fit before it."""
+        predicted = self.predict(x)
+        residual = y - predicted
+        # A floor relative to the TTFT itself: a bias of a few percent is the ridge, not a step change.
+        scale = max(self.residual_scale_s, 0.05 * abs(predicted), 1e-3)
+        limit = self.huber_k * scale
+        outlier = abs(residual) > limit
+        # Residuals that stay on one side are a step change, not noise: forget what came before.
+        self._bias = 0.7 * self._bias + 0.3 * max(-2.0, min(2.0, residual / scale))
+        if abs(self._bias) > self.step_threshold:
+            self._forget(0.25)
+            self.resets += 1
+            self._bias = 0.0
+        w = limit / abs(residual) if outlier else 1.0
+        z = [xi * s for xi, s in zip(x, SCALE)]
+        d = self.decay
+        s_, b_ = self._s, self._b
+        for i in range(N):
+            b_[i] = d * b_[i] + w * z[i] * y
+            row = s_[i]
+            for j in range(N):
+                row[j] = d * row[j] + w * z[i] * z[j]
+        self.weight = d * self.weight + w
+        self.observations += 1
+        # The residual scale follows |residual| (clipped, so one stall cannot blow it up).
+        self.residual_scale_s = 0.9 * self.residual_scale_s + 0.1 * min(abs(residual), 4 * limit)
+        self._refit()
+        return residual
+
+    def _forget(self, keep: float) -> None:
+        for i in range(N):
+            self._b[i] *= keep
+            for j in range(N):
+                self._s[i][j] *= keep
+        self.weight *= keep
+
+    def _refit(self) -> None:
+        lam = self.prior_weight
+        # Fit the non-negative coefficients: drop a negative one (fixed at 0) and refit, at most N times.
+        free = list(range(N))
+        theta = [0.0] * N
+        for _ in range(N):
+            a = [[self._s[i][j] + (lam[i] if i == j else 0.0) for j in free] for i in free]
+            rhs = [self._b[i] + lam[i] * self.prior[i] for i in free]
+            solved = _solve(a, rhs)
+            if solved is None:
+                return
+            theta = [0.0] * N
+            for k, i in enumerate(free):
+                theta[i] = solved[k]
+            negative = [i for i in free if theta[i] < 0]
+            if not negative:
+                break
+            free = [i for i in free if i not in negative]
+            if not free:
+                break
+        self._theta = [max(0.0, t) for t in theta]
+
+
+class TTFTCalibrator:
+    """Fits per (endpoint, model), each regularised towards the pooled fit of its model.
+
+    An endpoint's own fit is trusted only while it keeps learning: one that has not seen a request
+    for `stale_after_s` predicts like its pool again, so a replica that once looked slow (and was
+    avoided since) is not avoided forever on old evidence.
+    """
+
+    def __init__(self, prior: Sequence[float], *, capacity: int = 1024, decay: float = 0.95,
+                 prior_weight: float = 0.05, stale_after_s: float = 30.0) -> None:
+        self.prior = tuple(prior)
+        self.stale_after_s = stale_after_s
+        self._last_seen: dict[tuple[str, str], float] = {}
+        self.capacity = capacity
+        self.decay = decay
+        self.prior_weight = prior_weight
+        self._pools: OrderedDict[str, RobustLinearFit] = OrderedDict()
+        self._fits: OrderedDict[tuple[str, str], RobustLinearFit] = OrderedDict()
+        self.evicted = 0
+
+    def _new_fit(self, prior: Sequence[float], weights: float | Sequence[float] | None = None) -> RobustLinearFit:
+        return RobustLinearFit(prior, prior_weight=self.prior_weight if weights is None else weights,
+                               decay=self.decay)
+
+    def _pool(self, model: str) -> RobustLinearFit:
+        pool = self._pools.get(model)
+        if pool is None:
+            pool = self._pools[model] = self._new_fit(self.prior)
+            while len(self._pools) > self.capacity:
+                self._pools.popitem(last=False)
+                self.evicted += 1
+        return pool
+
+    def fit(self, endpoint: str, model: str) -> RobustLinearFit | None:
+        """The endpoint's own fit, if it has observations."""
+        return self._fits.get((endpoint, model))
+
+    def coefficients(self, endpoint: str, model: str, now: float | None = None) -> tuple[float, ...]:
+        """Coefficients (TERMS order) for an endpoint: its own fit, else its model's pool, else the prior."""
+        key = (endpoint, model)
+        fit = self._fits.get(key)
+        if fit is not None and (now is None or now - self._last_seen.get(key, now) <= self.stale_after_s):
+            return fit.coefficients()
+        pool = self._pools.get(model)
+        return pool.coefficients() if pool is not None else self.prior
+
+    def observe(self, endpoint: str, model: str, x: Sequence[float], ttft_s: float,
+                now: float | None = None) -> None:
+        """Learn from one request served by `endpoint` (`now`: when, for the staleness of its fit)."""
+        if not (ttft_s >= 0.0 and math.isfinite(ttft_s)):
+            return
+        pool = self._pool(model)
+        pool.observe(x, ttft_s)
+        key = (endpoint, model)
+        fit = self._fits.get(key)
+        if fit is None:
+            fit = self._fits[key] = self._new_fit(pool.coefficients(), ENDPOINT_PRIOR_WEIGHTS)
+            while len(self._fits) > self.capacity:
+                old, _ = self._fits.popitem(last=False)
+                self._last_seen.pop(old, None)
+                self.evicted += 1
+        else:
+            self._fits.move_to_end(key)
+            fit.set_prior(pool.coefficients())
+        fit.observe(x, ttft_s)
+        if now is not None:
+            self._last_seen[key] = now
+
+    def fits(self) -> list[tuple[str, str, RobustLinearFit]]:
+        """Every per-endpoint fit: (endpoint, model, fit)."""
+        return [(ep, model, fit) for (ep, model), fit in self._fits.items()]

@@ -1,0 +1,156 @@
+"""The in-flight ledger as tables: what load-aware scorers see between two scrapes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from epp.framework import CycleState, EndpointMetrics, InflightLedger, PluginContext
+from epp.framework.load import estimate_prompt_tokens
+from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
+
+SCRAPED_AT = 1.0  # sched_fixtures' endpoints were scraped at t = 1.0
+
+
+def loads(ledger, endpoints, now):
+    return [(ld.inflight_requests, ld.unseen_requests, ld.prefilling_requests, ld.prefill_tokens)
+            for ld in (ledger.load(ep, now) for ep in endpoints)]
+
+
+def test_bookings_table_pick_first_token_complete():
+    ledger = InflightLedger()
+    a, b = endpoint(0), endpoint(1)
+    # step, action                             -> (inflight, unseen, prefilling, prefill tokens) for a, b
+    r1 = ledger.pick(a.name, prompt_tokens=1000, uncached_tokens=200, now=1.01)
+    assert loads(ledger, [a, b], 1.02) == [(1, 1, 1, 200), (0, 0, 0, 0)]
+    r2 = ledger.pick(b.name, prompt_tokens=500, now=1.02)
+    assert loads(ledger, [a, b], 1.03) == [(1, 1, 1, 200), (1, 1, 1, 500)]
+    ledger.first_token(r1, now=1.04)
+    assert loads(ledger, [a, b], 1.05) == [(1, 1, 0, 0), (1, 1, 1, 500)]
+    ledger.complete(r1)
+    ledger.complete(r1)  # twice is harmless
+    assert loads(ledger, [a, b], 1.05) == [(0, 0, 0, 0), (1, 1, 1, 500)]
+    ledger.complete(r2)  # completion also ends an unfinished prefill
+    assert loads(ledger, [a, b], 1.05) == [(0, 0, 0, 0), (0, 0, 0, 0)]
+    assert len(ledger) == 0
+
+
+@pytest.mark.parametrize(
+    ("picked_at", "scraped_at", "unseen"),
+    [
+        (0.99, 1.0, 0),   # sent before the scrape: the scrape can show it
+        (1.0, 1.0, 0),
+        (1.01, 1.0, 1),   # sent after: only the ledger knows
+        (1.01, 0.0, 1),   # never scraped
+    ],
+)
+def test_a_pick_is_unseen_until_a_scrape_after_it(picked_at, scraped_at, unseen):
+    ledger = InflightLedger()
+    ep = endpoint(0)
+    ep = type(ep)(ep.address, ep.port, metrics=EndpointMetrics(update_time=scraped_at))
+    ledger.pick(ep.name, prompt_tokens=10, now=picked_at)
+    assert ledger.load(ep, 1.02).unseen_requests == unseen
+
+
+@pytest.mark.parametrize(
+    ("scraped_waiting", "unseen", "prefilling", "expected"),
+    [
+        (0, 0, 0, 0),
+        (0, 2, 2, 2),   # a burst after the scrape
+        (3, 0, 1, 3),   # the scrape shows more than ours: other pickers' work counts
+        (1, 0, 3, 3),   # ours in mid-prefill look "running" to vLLM, not waiting: still ahead of us
+        (2, 1, 1, 3),   # scraped queue plus what it cannot show yet
+    ],
+)
+def test_waiting_estimate_is_never_below_what_the_picker_knows(scraped_waiting, unseen, prefilling, expected):
+    from epp.framework.load import EndpointLoad
+
+    load = EndpointLoad(inflight_requests=prefilling, unseen_requests=unseen, prefilling_requests=prefilling)
+    assert load.waiting_estimate(EndpointMetrics(waiting_queue_size=scraped_waiting)) == expected
+
+
+def test_kv_usage_estimate_adds_the_blocks_unseen_picks_will_take():
+    ledger = InflightLedger()
+    ep = endpoint(0, kv=0.25, block_size=16, num_blocks=1000)
+    ledger.pick(ep.name, prompt_tokens=1600, now=1.5)  # 100 blocks of 1,000
+    assert ledger.load(ep, 1.6).kv_usage_estimate(ep.metrics) == pytest.approx(0.35)
+
+
+def test_timeouts_and_capacity_drop_lost_bookings():
+    ledger = InflightLedger(request_timeout_s=10, prefill_timeout_s=2, capacity=2)
+    a = endpoint(0)
+    ledger.pick(a.name, prompt_tokens=100, now=1.0)
+    assert ledger.load(a, 2.0).prefill_tokens == 100
+    ledger.expire(3.5)  # prefill timed out, request still in flight
+    assert loads(ledger, [a], 3.5) == [(1, 0, 0, 0)]  # picked at the scrape's time: seen
+    ledger.pick(a.name, prompt_tokens=100, now=4.0)
+    ledger.pick(a.name, prompt_tokens=100, now=4.1)  # over capacity: the oldest goes
+    assert ledger.load(a, 4.2).inflight_requests == 2 and ledger.dropped == 1
+    ledger.expire(20.0)
+    assert len(ledger) == 0 and ledger.dropped == 3
+    assert ledger.load(a, 20.0).scrape_age_s == pytest.approx(19.0)
+    never_scraped = type(a)("192.168.9.9", 8000)
+    assert math.isinf(ledger.load(never_scraped, 20.0).scrape_age_s)
+
+
+# A burst of requests within one scrape interval, all endpoints idle at the scrape, through GIE's
+# default load scorers (queue 2, kv 2): with the ledger they spread evenly. (Scrape-only, every
+# request of the burst sees the same stale view: see test_scorers_read_the_ledger_... below and
+# tests/integration/test_inflight_burst.py.)
+@pytest.mark.parametrize(
+    ("burst", "max_per_endpoint"),
+    [
+        (4, 1),    # 4 requests over 4 idle endpoints: one each
+        (8, 2),
+        (12, 3),
+    ],
+)
+async def test_a_burst_within_one_scrape_interval_spreads(burst, max_per_endpoint):
+    from epp.config import load_config_text
+    from epp.director import BOOKING_STATE_KEY
+
+    config = """
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - {pluginRef: queue-scorer, weight: 2}
+  - {pluginRef: kv-cache-utilization-scorer, weight: 2}
+  - {pluginRef: max-score-picker}
+"""
+    context = PluginContext()
+    loaded = load_config_text(config, context=context)
+    endpoints = [endpoint(i, block_size=16, num_blocks=1000) for i in range(4)]
+    picks: dict[str, int] = {}
+    for i in range(burst):
+        req = request("x" * 8000, request_id=f"r{i}")
+        state = CycleState()
+        result = loaded.scheduler.schedule(state, req, endpoints)
+        target = result.targets[0].name
+        picks[target] = picks.get(target, 0) + 1
+        # What the director does after the pick (prompt ~2,000 tokens, nothing cached).
+        state.put(BOOKING_STATE_KEY, context.load.pick(target, prompt_tokens=estimate_prompt_tokens(req)))
+    assert max(picks.values()) == max_per_endpoint and len(picks) == min(burst, 4)
+
+
+def test_estimate_prompt_tokens_reads_prompts_and_chats():
+    assert estimate_prompt_tokens(request("abcd" * 100)) == 100
+    chat = request(body={"model": "m", "messages": [{"role": "user", "content": "abcd" * 50}] * 2})
+    assert estimate_prompt_tokens(chat) == 100 + 2  # the two role names count too
+    assert estimate_prompt_tokens(request([1, 2, 3])) == 3  # token ids
+
+
+def test_scorers_read_the_ledger_through_the_plugin_context():
+    context = PluginContext()
+    scorer = make_plugin("queue-scorer", context=context)
+    a, b = endpoint(0), endpoint(1)
+    context.load.pick(a.name, prompt_tokens=100, now=1.5)
+    assert scorer.score(CycleState(), request(), [a, b]) == {a.name: 0.0, b.name: 1.0}
+    gie = make_plugin("queue-scorer", {"useInflight": False}, context=context)
+    assert gie.score(CycleState(), request(), [a, b]) == {a.name: 1.0, b.name: 1.0}
