@@ -43,7 +43,7 @@ import aiohttp
 from bench.routing.contenders import RunningRouter, Unavailable, _spawn, _start_envoy, _terminate, _wait_http
 from bench.routing.loadgen import RequestRecord, send
 from bench.routing.measure import percentile
-from bench.routing.workloads import BenchRequest, _completion, text_of_tokens, tokenizer
+from bench.routing.workloads import BenchRequest, completion_request, text_of_tokens, tokenizer
 from epp.config.loader import API_VERSION, KIND
 from epp.engine.sim.fleet import FleetConfig, SimFleet, default_tokenizer_dir
 from epp.engine.sim.profiles import get_profile
@@ -173,7 +173,7 @@ class Traffic:
     def request(self, max_tokens: int | None = None) -> BenchRequest:
         text = self.texts[self.next_text % len(self.texts)]
         self.next_text += 1
-        return _completion(text, max_tokens or self.bench.output_tokens, "flow")
+        return completion_request(text, max_tokens or self.bench.output_tokens, "flow")
 
     async def one_by_one(self, count: int, max_tokens: int) -> list[Sent]:
         """`count` interactive requests, each sent when the previous one has finished."""
