@@ -66,8 +66,24 @@ def stage_table(results: list[ContenderResult]) -> list[str]:
     return lines
 
 
+_MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">", "h", "p")
+
+
+def _axis_note(scenario: Scenario) -> str:
+    """What the wall-clock axes mean for this fleet."""
+    ts = scenario.fleet.time_scale
+    if ts == 1:
+        return "wall clock = simulated time (time scale 1)"
+    return (f"wall clock at time scale {ts:g}: the simulated GPUs run {ts:g}x slower than their profile "
+            f"(seconds / {ts:g}, rates x {ts:g} = simulated GPU)")
+
+
 def plot(results: list[ContenderResult], out_dir: Path, scenario: Scenario) -> list[str]:
-    """TTFT p90 and output throughput against offered rate, one line per contender."""
+    """TTFT p90 and output throughput per contender: lines against offered rate, bars for one stage.
+
+    Contenders often coincide (round-robin and vllm-router-rr, the cache-aware peers): every line
+    has its own marker, and the points are spread a little along the rate axis so none hides another.
+    """
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -75,23 +91,46 @@ def plot(results: list[ContenderResult], out_dir: Path, scenario: Scenario) -> l
     except ImportError:
         return []
     files = []
-    for metric, ylabel, fname, log in (("ttft_p90", "TTFT p90 (s, wall clock)", "ttft_p90.png", True),
-                                        ("output_tokens_per_s", "output tokens/s (wall clock)", "throughput.png",
-                                         False)):
-        fig, ax = plt.subplots(figsize=(8, 5))
-        for r in results:
-            pts = [(s.offered_rate, getattr(s, metric)) for s in r.stages
-                   if s.offered_rate is not None and getattr(s, metric) is not None]
-            if pts:
+    shown = [r for r in results if r.stages and r.verdict != "invalid"]
+    single = all(len(r.stages) == 1 for r in shown)
+    rates = sorted({s.offered_rate for r in shown for s in r.stages if s.offered_rate is not None})
+    gap = min((b - a for a, b in zip(rates, rates[1:])), default=1.0)
+    for metric, ylabel, fname, log in (("ttft_p90", "TTFT p90 (s)", "ttft_p90.png", True),
+                                        ("output_tokens_per_s", "output tokens/s", "throughput.png", False)):
+        fig, ax = plt.subplots(figsize=(9, 5.5))
+        if single:
+            names = [r.name for r in shown]
+            values = [getattr(r.stages[0], metric) or 0.0 for r in shown]
+            colors = ["tab:blue" if n.startswith(("epp-", "round-robin")) else "tab:orange" for n in names]
+            ax.barh(names, values, color=colors)
+            for y, v in enumerate(values):
+                ax.text(v, y, f" {v:.3g}", va="center", fontsize=8)
+            ax.invert_yaxis()
+            ax.set_xlabel(f"{ylabel}\n{_axis_note(scenario)}", fontsize=8)
+            label = shown[0].stages[0].label if shown else ""
+            ax.set_title(f"{scenario.name} ({scenario.scale}), {label}; blue: ours and round-robin, orange: peers",
+                         fontsize=9)
+        else:
+            n = max(len(shown), 1)
+            for i, r in enumerate(shown):
+                pts = [(s.offered_rate, getattr(s, metric)) for s in r.stages
+                       if s.offered_rate is not None and getattr(s, metric) is not None]
+                if not pts:
+                    continue
+                shift = (i - (n - 1) / 2) * 0.03 * gap  # a few % of the rate step, so equal points stay apart
                 style = "-" if r.name.startswith(("epp-", "round-robin")) else "--"
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=r.name)
-        ax.set_xlabel(f"offered load (requests/s, wall clock; time scale {scenario.fleet.time_scale:g})")
-        ax.set_ylabel(ylabel)
-        if log:
-            ax.set_yscale("log")
-        ax.set_title(f"{scenario.name} ({scenario.scale})")
+                ax.plot([p[0] + shift for p in pts], [p[1] for p in pts], style, marker=_MARKERS[i % len(_MARKERS)],
+                        markersize=6, alpha=0.85, label=r.name)
+            ax.set_xlabel("offered load (requests/s; each contender's points shifted slightly so none hides "
+                          f"another)\n{_axis_note(scenario)}", fontsize=8)
+            ax.set_ylabel(f"{ylabel} (wall clock)")
+            if log:
+                ax.set_yscale("log")
+            ramp = "continuous ramp" if scenario.continuous else "stages drained between rates"
+            ax.set_title(f"{scenario.name} ({scenario.scale}), {ramp}; solid: ours and round-robin, dashed: peers",
+                         fontsize=9)
+            ax.legend(fontsize=8)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(out_dir / fname, dpi=110)
         plt.close(fig)
@@ -151,7 +190,8 @@ def write_report(scenario: Scenario, results: list[ContenderResult], out_dir: Pa
               "counters (bench/routing/validity.py)."), "",
               "## Per stage", "", *stage_table(results), ""]
     if plots:
-        lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
+        lines += ["## Plots", "", f"Time scale: {_axis_note(scenario)}.", ""]
+        lines += [f"![{p}]({p})" for p in plots] + [""]
     with_metrics = [r for r in results if r.router_metrics]
     if with_metrics:
         lines += ["## Router-side cache counters (end of run)", ""]

@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -144,16 +145,28 @@ def tuning_for(scenario: Scenario) -> Tuning:
 
 async def run_contender(scenario: Scenario, contender: Contender, workdir: Path, *, progress: bool = True,
                         raw_dir: Path | None = None) -> ContenderResult:
-    """One contender through every stage of `scenario` on a fresh fleet."""
+    """One contender through every stage of `scenario` on a fresh simulated fleet."""
+    return await run_contender_on(scenario, contender, None, workdir, progress=progress, raw_dir=raw_dir)
+
+
+async def run_contender_on(scenario: Scenario, contender: Contender, fleet: Any, workdir: Path, *,
+                           progress: bool = True, raw_dir: Path | None = None) -> ContenderResult:
+    """One contender through `scenario` on `fleet` (anything with `endpoints` and `info`, left running),
+    or on a fresh simulated fleet when `fleet` is None; the result carries its validity check."""
     result = ContenderResult(contender.name, contender.description)
     tuning = tuning_for(scenario)
     requests: Iterator[BenchRequest] = scenario.workload.requests(tuning.tokenizer_dir)
     first = next(requests)  # builds the prompts before the clock starts
     requests = _chain(first, requests)
-    fleet = SimFleet(scenario.fleet, tokenizer_dir=tuning.tokenizer_dir, **contender.fleet_options)
     workdir.mkdir(parents=True, exist_ok=True)
-    with _stderr_to(workdir / f"{contender.name}-fleet.log"):
-        await fleet.start()
+    own_fleet = fleet is None
+    if own_fleet:
+        fleet = SimFleet(scenario.fleet, tokenizer_dir=tuning.tokenizer_dir, **contender.fleet_options)
+        with _stderr_to(workdir / f"{contender.name}-fleet.log"):
+            await fleet.start()
+    elif contender.fleet_options:
+        result.status = f"unavailable: needs fleet options {contender.fleet_options} a running fleet cannot take"
+        return result
     router: RunningRouter | None = None
     try:
         try:
@@ -163,7 +176,7 @@ async def run_contender(scenario: Scenario, contender: Contender, workdir: Path,
             return result
         result.version = router.version
         result.flags = router.flags + "".join(f"; fleet {k}={v!r}" for k, v in contender.fleet_options.items())
-        fleet_pids = [p.pid for p in getattr(fleet, "_procs", [])]
+        fleet_pids = getattr(fleet, "pids", None) or [p.pid for p in getattr(fleet, "_procs", [])]
         meter = CpuMeter({"router": router.pids, "fleet": fleet_pids})
         issued: list[BenchRequest] = []
         stage_results: list[tuple[StageResult, tuple, dict]] = []
@@ -214,11 +227,14 @@ async def run_contender(scenario: Scenario, contender: Contender, workdir: Path,
                                    oracle.rate(), {k: v / wall for k, v in cpu_sum.items()})
         if raw_dir is not None:
             await asyncio.to_thread(_write_raw, raw_dir / f"{contender.name}.jsonl", all_records)
+        verdict = check(contender, result)
+        result.verdict, result.validity = verdict.verdict, verdict.detail
         return result
     finally:
         if router is not None:
             await router.stop()
-        await fleet.stop()
+        if own_fleet:
+            await fleet.stop()
 
 
 # Router-side counters that tell whether a cache-aware router's index saw the replicas' caches.
@@ -306,9 +322,6 @@ async def run_scenario(scenario: Scenario, contenders: list[str], out_dir: Path,
                                       raw_dir=out_dir / "raw" if keep_raw else None)
         except Exception as exc:  # noqa: BLE001 - one broken contender must not lose the others' results
             res = ContenderResult(name, c.description, status=f"failed: {type(exc).__name__}: {exc}")
-        if res.overall is not None:
-            v = check(c, res)
-            res.verdict, res.validity = v.verdict, v.detail
         results.append(res)
         if progress:
             o = res.overall
@@ -328,4 +341,5 @@ def _fmt_pct(v: float | None) -> str:
     return "-" if v is None else f"{v:.1%}"
 
 
-__all__ = ["ContenderResult", "StageSummary", "run_contender", "run_scenario", "summarize", "tuning_for"]
+__all__ = ["ContenderResult", "StageSummary", "run_contender", "run_contender_on", "run_scenario", "summarize",
+           "tuning_for"]
