@@ -176,31 +176,18 @@ def _run_serve(args: argparse.Namespace) -> int:
     from epp.framework.errors import ConfigError
     from epp.server.runner import BindError, ServeOptions, serve_forever
 
+    # Every flag is checked before anything starts; the first wrong one is the user's one line.
     try:
         endpoints = _endpoints_of(args)
-    except UsageError as exc:
-        print(f"epp serve: {exc}", file=sys.stderr)
-        return 2
-    try:
         limits = lim.Limits(
             max_concurrent_streams=args.max_concurrent_streams, stream_idle_timeout_s=args.stream_idle_timeout,
             max_request_headers=args.max_request_headers, max_request_header_bytes=args.max_request_header_bytes,
             max_json_depth=args.max_json_depth, max_label_value_length=args.max_label_value_length)
-    except ValueError as exc:
-        print(f"epp serve: {exc}", file=sys.stderr)
-        return 2
-    # The loader reads --config-file itself, so its errors name the file (and a missing file is one).
-    try:
+        # The loader reads --config-file itself, so its errors name the file (and a missing file is one).
         k8s = _kubernetes_options(args)
-    except ValueError as exc:
+        _check_tenant_source(args.token_accounting_tenant)
+    except (UsageError, ValueError) as exc:
         print(f"epp serve: {exc}", file=sys.stderr)
-        return 2
-    from epp.fleet.accounting import parse_tenant_source
-
-    try:
-        parse_tenant_source(args.token_accounting_tenant)
-    except ValueError as exc:
-        print(f"epp serve: --token-accounting-tenant: {exc}", file=sys.stderr)
         return 2
     options = ServeOptions(
         grpc_port=args.grpc_port, grpc_health_port=args.grpc_health_port, metrics_port=args.metrics_port,
@@ -222,6 +209,16 @@ def _run_serve(args: argparse.Namespace) -> int:
         print(f"epp serve: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _check_tenant_source(value: str) -> None:
+    """Refuse a --token-accounting-tenant value the token counters cannot label by."""
+    from epp.fleet.accounting import parse_tenant_source
+
+    try:
+        parse_tenant_source(value)
+    except ValueError as exc:
+        raise UsageError(f"--token-accounting-tenant: {exc}") from None
 
 
 def _kubernetes_options(args: argparse.Namespace) -> dict:
