@@ -14,13 +14,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from aiohttp import web
 
 from epp.config.compose import endpoint_picker_config, plugin
 from epp.server.runner import EppServer
+from tests.blackbox.pods import FakeVllmPod, wait_until
 from tests.configs import objectives
 from tests.conftest import free_port
-from tests.datalayer.vllm_page import VllmState, vllm_metrics_page
 from tests.extproc_support import ExtProcClient, no_reply_within, options, request_body, request_headers
 
 pytestmark = pytest.mark.timeout(60)
@@ -28,55 +27,30 @@ pytestmark = pytest.mark.timeout(60)
 BODY = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 4}).encode()
 
 
-class SimulatedReplica:
-    """A replica that only serves its vLLM `/metrics` page; `state.waiting` is what the picker scrapes."""
-
-    def __init__(self) -> None:
-        self.state = VllmState(waiting=1)  # saturated until a test frees it
-        self.port = free_port()
-        self._runner: web.AppRunner | None = None
-
-    async def start(self) -> None:
-        app = web.Application()
-        async def metrics(_: web.Request) -> web.Response:
-            return web.Response(text=vllm_metrics_page(self.state))
-
-        app.router.add_get("/metrics", metrics)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-
-
 @pytest.fixture
 async def replica():
-    r = SimulatedReplica()
-    await r.start()
-    yield r
-    await r.stop()
+    """A replica that only serves its vLLM `/metrics` page; `state.waiting` is what the picker scrapes."""
+    pod = FakeVllmPod("127.0.0.1", free_port()).set(queue=1)  # saturated until a test frees it
+    await pod.start()
+    yield pod
+    await pod.stop()
 
 
 @contextlib.asynccontextmanager
-async def picker(replica: SimulatedReplica, flow_control: dict[str, Any],
+async def picker(replica: FakeVllmPod, flow_control: dict[str, Any],
                  gate: bool = True) -> AsyncIterator[tuple[EppServer, ExtProcClient]]:
     """The picker with flow control (`flow_control`: its config section), once it has scraped the replica."""
     config = endpoint_picker_config(
         ["random-picker", plugin("utilization-detector", queueDepthThreshold=1, metricsStalenessThreshold="5s")],
         ["random-picker"], **({"featureGates": ["flowControl"]} if gate else {}),
         objectives=objectives(interactive=10, batch=0), flowControl=flow_control)
-    opts = options(f"127.0.0.1:{replica.port}", config_text=config)
+    opts = options(replica.hostport, config_text=config)
     opts.scrape_metrics = True
     server = EppServer(opts)
     await server.start()
     client = ExtProcClient(server.grpc_port)
     try:
-        deadline = time.monotonic() + 10
-        while server.endpoints.snapshot()[0].metrics.update_time == 0:  # first scrape
-            assert time.monotonic() < deadline, "the replica was never scraped"
-            await asyncio.sleep(0.02)
+        await wait_until(lambda: server.endpoints.snapshot()[0].metrics.update_time > 0, "the first scrape", 10)
         yield server, client
     finally:
         await client.close()
@@ -166,11 +140,8 @@ async def test_a_client_that_leaves_is_dropped_from_the_queue_and_never_dispatch
         leaver.cancel()  # Envoy resets the stream when its client goes away
         with pytest.raises(asyncio.CancelledError):
             await read
-        deadline = time.monotonic() + 2
-        while sample(server, "inference_extension_flow_control_requests_total", priority="10",
-                     outcome="cancelled") < 1:
-            assert time.monotonic() < deadline, "the cancelled request is still queued"
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: sample(server, "inference_extension_flow_control_requests_total", priority="10",
+                                        outcome="cancelled") >= 1, "the cancelled request to leave the queue", 2)
         assert sample(server, "inference_extension_flow_control_queue_size", priority="10",
                       fairness_id="tenant-a") == 0
 
