@@ -38,6 +38,7 @@ import aiohttp
 from bench.routing.loadgen import RequestRecord, send
 from bench.routing.measure import percentile
 from bench.routing.workloads import BenchRequest, SharedPrefix
+from epp.config.compose import DEFAULT_SCORER_WEIGHTS, endpoint_picker_config, plugin
 from epp.datalayer.registry import EndpointSpec
 from epp.engine.sim.fleet import FleetConfig, SimFleet, default_tokenizer_dir
 from epp.engine.sim.profiles import get_profile
@@ -55,34 +56,15 @@ TIME_SCALE = 2.0
 EXAMPLE_PRICES = {"currency": "USD", "unit_tokens": 1_000_000,
                   "default": {"input": 3.00, "cached": 0.30, "output": 15.00}}
 
-SCORERS = """apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- type: prefix-cache-scorer
-- type: served-model-filter{extra}
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: served-model-filter
-  - pluginRef: queue-scorer
-    weight: 2
-  - pluginRef: kv-cache-utilization-scorer
-    weight: 2
-  - pluginRef: prefix-cache-scorer
-    weight: 3
-"""
-POLICY = """
-- type: sleep-wake-policy
-  parameters:
-    gpuLabel: gpu
-    saturationQueueDepth: 2
-    wakeCooldownSeconds: 1
-    maxHoldSeconds: 10
-    idleSleepSeconds: 5
-    idleCheckSeconds: 0.5
-    sleepLastReplica: {sleep_last}"""
+
+def picker_config(sleep_wake: bool, sleep_last: bool) -> str:
+    """GIE's default scorers behind the served-model filter; with `sleep_wake`, the sleep/wake policy too."""
+    policy = [plugin("sleep-wake-policy", gpuLabel="gpu", saturationQueueDepth=2, wakeCooldownSeconds=1,
+                     maxHoldSeconds=10, idleSleepSeconds=5, idleCheckSeconds=0.5, sleepLastReplica=sleep_last)]
+    return endpoint_picker_config([*DEFAULT_SCORER_WEIGHTS, "served-model-filter", *(policy if sleep_wake else [])],
+                                  {"served-model-filter": None, **DEFAULT_SCORER_WEIGHTS})
+
+
 SETUPS = ("sleep-wake", "sleep-wake-last", "all-awake")
 
 
@@ -147,8 +129,7 @@ async def run_setup(name: str, phases: int, phase_s: float, rate: float, trickle
                 asleep = "model-b" if gpu < GPUS // 2 else "model-a"
                 async with session.post(f"http://{fleets[asleep].endpoints[gpu]}/sleep?level=1") as resp:
                     assert resp.status == 200
-        policy = POLICY.format(sleep_last=str(name == "sleep-wake-last").lower()) if sleep_wake else ""
-        server, envoy, base = await start_stack(SCORERS.format(extra=policy), specs)
+        server, envoy, base = await start_stack(picker_config(sleep_wake, name == "sleep-wake-last"), specs)
         try:
             await asyncio.sleep(1.0)  # first scrapes
             streams = {m: model_requests(m, seed + i) for i, m in enumerate(MODELS)}

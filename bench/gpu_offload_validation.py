@@ -143,15 +143,17 @@ class Settings:
         return int(self.cpu_gib // self.prompt_gib) + 1
 
 
+def dummy_weights_args(model_dir: Path, max_num_seqs: int, has_tokenizer: bool | None) -> tuple[str, ...]:
+    """vLLM flags of a replica with dummy weights; no tokenizer init where `model_dir` has none (None: look)."""
+    if has_tokenizer is None:
+        has_tokenizer = (model_dir / "tokenizer.json").exists()
+    args = ("--load-format", "dummy", "--max-num-seqs", str(max_num_seqs), "--seed", "0")
+    return args if has_tokenizer else (*args, "--skip-tokenizer-init")
+
+
 def launch_options(s: Settings, model_dir: Path, port: int, events_port: int, offload: bool,
                    has_tokenizer: bool | None = None):
     """Launcher options of one replica of the run."""
-    extra = ["--load-format", "dummy", "--max-num-seqs", str(max(s.conversations, 8)),
-             "--seed", "0"]
-    if has_tokenizer is None:
-        has_tokenizer = (model_dir / "tokenizer.json").exists()
-    if not has_tokenizer:
-        extra.append("--skip-tokenizer-init")
     return launcher.LaunchOptions(
         model=str(model_dir), served_model_name="bench", python=s.python, host="127.0.0.1", port=port,
         block_size=s.block_size, max_model_len=s.prompt_tokens + 1024, dtype="bfloat16",
@@ -159,7 +161,8 @@ def launch_options(s: Settings, model_dir: Path, port: int, events_port: int, of
         cpu_offload_bytes=int(s.cpu_gib * GIB) if offload else None,
         disk_path=str(s.disk_path) if offload else None,
         disk_bytes=int(s.disk_gib * GIB) if offload else None,
-        kv_events_port=events_port, kv_replay_port=None, extra_args=tuple(extra),
+        kv_events_port=events_port, kv_replay_port=None,
+        extra_args=dummy_weights_args(model_dir, max(s.conversations, 8), has_tokenizer),
     )
 
 
@@ -173,17 +176,12 @@ def plan_for(opts, assume_h200_host: bool = False) -> launcher.LaunchPlan:
 def pd_launch_options(s: Settings, model_dir: Path, role: str, port: int, events_port: int, side_port: int,
                       sidecar_port: int | None = None, has_tokenizer: bool | None = None):
     """Launcher options of the P/D run's prefiller or decoder (one GPU shared by both)."""
-    extra = ["--load-format", "dummy", "--max-num-seqs", "16", "--seed", "0"]
-    if has_tokenizer is None:
-        has_tokenizer = (model_dir / "tokenizer.json").exists()
-    if not has_tokenizer:
-        extra.append("--skip-tokenizer-init")
     return launcher.LaunchOptions(
         model=str(model_dir), served_model_name="bench", python=s.python, host="127.0.0.1", port=port,
         block_size=s.block_size, max_model_len=s.pd_prompt_tokens + 1024, dtype="bfloat16",
         enforce_eager=s.enforce_eager, gpu_memory_utilization=s.pd_gpu_share, kv_events_port=events_port,
         kv_replay_port=None, pd_role=role, nixl_side_channel_port=side_port, pd_sidecar_port=sidecar_port,
-        extra_args=tuple(extra),
+        extra_args=dummy_weights_args(model_dir, 16, has_tokenizer),
     )
 
 

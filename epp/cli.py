@@ -26,6 +26,20 @@ ENGINE_TOOLS = {
 }
 
 
+# `epp serve`'s bounds on hostile input: flag, type, default, and what happens past the bound.
+LIMIT_FLAGS: tuple[tuple[str, type, float, str], ...] = (
+    ("--max-concurrent-streams", int, lim.DEFAULT_MAX_CONCURRENT_STREAMS, "ext_proc streams at once; more get 429"),
+    ("--stream-idle-timeout", float, lim.DEFAULT_STREAM_IDLE_TIMEOUT_S,
+     "seconds an unanswered request may send nothing; then 408"),
+    ("--max-request-headers", int, lim.DEFAULT_MAX_REQUEST_HEADERS, "request headers per request; more get 431"),
+    ("--max-request-header-bytes", int, lim.DEFAULT_MAX_REQUEST_HEADER_BYTES,
+     "bytes of request header names and values; more get 431"),
+    ("--max-json-depth", int, lim.DEFAULT_MAX_JSON_DEPTH, "nesting of a request's JSON body; deeper gets 400"),
+    ("--max-label-value-length", int, lim.DEFAULT_MAX_LABEL_VALUE_LENGTH,
+     "characters of a client-chosen metric label value; longer is cut"),
+)
+
+
 class UsageError(Exception):
     """A command-line value `epp serve` cannot use; the message is the one line the user sees."""
 
@@ -78,18 +92,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds between /metrics scrapes of each endpoint (default 0.05)")
     p.add_argument("--disable-endpoint-subset-filter", action="store_true",
                    help="ignore the subset hint from the data plane")
-    p.add_argument("--max-concurrent-streams", type=int, default=lim.DEFAULT_MAX_CONCURRENT_STREAMS,
-                   help="ext_proc streams at once; more get 429 (default %(default)s)")
-    p.add_argument("--stream-idle-timeout", type=float, default=lim.DEFAULT_STREAM_IDLE_TIMEOUT_S,
-                   help="seconds an unanswered request may send nothing; then 408 (default %(default)s)")
-    p.add_argument("--max-request-headers", type=int, default=lim.DEFAULT_MAX_REQUEST_HEADERS,
-                   help="request headers per request; more get 431 (default %(default)s)")
-    p.add_argument("--max-request-header-bytes", type=int, default=lim.DEFAULT_MAX_REQUEST_HEADER_BYTES,
-                   help="bytes of request header names and values; more get 431 (default %(default)s)")
-    p.add_argument("--max-json-depth", type=int, default=lim.DEFAULT_MAX_JSON_DEPTH,
-                   help="nesting of a request's JSON body; deeper gets 400 (default %(default)s)")
-    p.add_argument("--max-label-value-length", type=int, default=lim.DEFAULT_MAX_LABEL_VALUE_LENGTH,
-                   help="characters of a client-chosen metric label value; longer is cut (default %(default)s)")
+    for flag, kind, default, meaning in LIMIT_FLAGS:
+        p.add_argument(flag, type=kind, default=default, help=f"{meaning} (default %(default)s)")
     p.add_argument("--token-accounting-tenant", default="fairness",
                    help="tenant label of the token counters: fairness (id header), objective, header:<name> "
                         "or none (default fairness)")
@@ -172,31 +176,18 @@ def _run_serve(args: argparse.Namespace) -> int:
     from epp.framework.errors import ConfigError
     from epp.server.runner import BindError, ServeOptions, serve_forever
 
+    # Every flag is checked before anything starts; the first wrong one is the user's one line.
     try:
         endpoints = _endpoints_of(args)
-    except UsageError as exc:
-        print(f"epp serve: {exc}", file=sys.stderr)
-        return 2
-    try:
         limits = lim.Limits(
             max_concurrent_streams=args.max_concurrent_streams, stream_idle_timeout_s=args.stream_idle_timeout,
             max_request_headers=args.max_request_headers, max_request_header_bytes=args.max_request_header_bytes,
             max_json_depth=args.max_json_depth, max_label_value_length=args.max_label_value_length)
-    except ValueError as exc:
-        print(f"epp serve: {exc}", file=sys.stderr)
-        return 2
-    # The loader reads --config-file itself, so its errors name the file (and a missing file is one).
-    try:
+        # The loader reads --config-file itself, so its errors name the file (and a missing file is one).
         k8s = _kubernetes_options(args)
-    except ValueError as exc:
+        _check_tenant_source(args.token_accounting_tenant)
+    except (UsageError, ValueError) as exc:
         print(f"epp serve: {exc}", file=sys.stderr)
-        return 2
-    from epp.fleet.accounting import parse_tenant_source
-
-    try:
-        parse_tenant_source(args.token_accounting_tenant)
-    except ValueError as exc:
-        print(f"epp serve: --token-accounting-tenant: {exc}", file=sys.stderr)
         return 2
     options = ServeOptions(
         grpc_port=args.grpc_port, grpc_health_port=args.grpc_health_port, metrics_port=args.metrics_port,
@@ -218,6 +209,16 @@ def _run_serve(args: argparse.Namespace) -> int:
         print(f"epp serve: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _check_tenant_source(value: str) -> None:
+    """Refuse a --token-accounting-tenant value the token counters cannot label by."""
+    from epp.fleet.accounting import parse_tenant_source
+
+    try:
+        parse_tenant_source(value)
+    except ValueError as exc:
+        raise UsageError(f"--token-accounting-tenant: {exc}") from None
 
 
 def _kubernetes_options(args: argparse.Namespace) -> dict:

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-from epp.config.compose import endpoint_picker_config, plugin
+import yaml
+
+from epp.config.compose import PluginDef, endpoint_picker_config, plugin
+
+SAMPLE_CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 
 # GIE's integration-test scorers (test/integration/epp/testdata/default-config.yaml), all at weight 1.
 GIE_TEST_SCORERS = ("queue-scorer", "kv-cache-utilization-scorer", "prefix-cache-scorer", "lora-affinity-scorer")
@@ -22,4 +28,25 @@ def objectives(**priorities: int) -> list[dict[str, Any]]:
     return [{"name": name, "priority": priority} for name, priority in priorities.items()]
 
 
-__all__ = ["GIE_TEST_SCORERS", "endpoint_picker_config", "gie_test_config", "objectives", "plugin"]
+def sample_config(name: str) -> dict[str, Any]:
+    """The document of the sample config examples/configs/<name>.yaml, for a test to edit."""
+    return yaml.safe_load((SAMPLE_CONFIGS / f"{name}.yaml").read_text())
+
+
+def as_yaml(document: Mapping[str, Any]) -> str:
+    """An EndpointPickerConfig document (e.g. an edited `sample_config`) as YAML text again."""
+    sections = dict(document)
+    return endpoint_picker_config(sections.pop("plugins"), **sections)
+
+
+def pd_config(threshold: int = 512, *first_plugins: PluginDef) -> str:
+    """The P/D sample (examples/configs/pd.yaml) with this handler threshold and `first_plugins` ahead of its own."""
+    document = sample_config("pd")
+    handler = next(p for p in document["plugins"] if p["type"] == "pd-profile-handler")
+    handler["parameters"]["threshold"] = threshold
+    document["plugins"][:0] = first_plugins
+    return as_yaml(document)
+
+
+__all__ = ["GIE_TEST_SCORERS", "SAMPLE_CONFIGS", "as_yaml", "endpoint_picker_config", "gie_test_config", "objectives",
+           "pd_config", "plugin", "sample_config"]

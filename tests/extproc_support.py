@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Iterable, Sequence
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -131,6 +132,18 @@ async def started(pipeline: Pipeline | None = None, **kw) -> EppServer:
     server = EppServer(options(**kw), pipeline=pipeline or simple_pipeline())
     await server.start()
     return server
+
+
+@contextlib.asynccontextmanager
+async def serving(server: EppServer) -> AsyncIterator[ExtProcClient]:
+    """Start `server` and yield a gRPC client of it; both are closed on the way out."""
+    await server.start()
+    client = ExtProcClient(server.grpc_port)
+    try:
+        yield client
+    finally:
+        await client.close()
+        await server.stop(0)
 
 
 def headers_of(mutation) -> dict[str, str]:

@@ -12,6 +12,10 @@ from epp.config.loader import API_VERSION, DEFAULT_PROFILE_NAME, KIND
 PluginDef = str | Mapping[str, Any]
 ProfileRefs = Sequence[str] | Mapping[str, float | None]
 
+# The scorers and weights of GIE's built-in default profile (`loadDefaultConfig`).
+DEFAULT_SCORER_WEIGHTS: Mapping[str, float] = {"queue-scorer": 2, "kv-cache-utilization-scorer": 2,
+                                               "prefix-cache-scorer": 3}
+
 
 def plugin(type_name: str, name: str | None = None, **parameters: Any) -> dict[str, Any]:
     """One `plugins[]` entry: a type, an optional name (default: the type) and its parameters."""
@@ -48,4 +52,4 @@ def endpoint_picker_config(plugins: Sequence[PluginDef], profile: ProfileRefs | 
     return yaml.safe_dump(document, sort_keys=False, default_flow_style=False, width=120)
 
 
-__all__ = ["endpoint_picker_config", "plugin"]
+__all__ = ["DEFAULT_SCORER_WEIGHTS", "endpoint_picker_config", "plugin"]

@@ -87,18 +87,17 @@ class PoolGauges(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         replicas = GaugeMetricFamily("epp_pool_replicas", "Replicas of each model by state (awake, sleeping, "
                                      "unhealthy).", labels=["model", "state"])
-        waiting = GaugeMetricFamily("epp_pool_waiting_requests", "Requests waiting on the awake replicas of a "
-                                    "model (vLLM num_requests_waiting, summed).", labels=["model"])
-        running = GaugeMetricFamily("epp_pool_running_requests", "Requests running on the awake replicas of a "
-                                    "model, summed.", labels=["model"])
-        kv = GaugeMetricFamily("epp_pool_kv_cache_usage", "Mean KV-cache usage (0..1) of the awake replicas of "
-                               "a model.", labels=["model"])
-        demand = GaugeMetricFamily("epp_pool_prefill_demand_tokens_per_second", "Computed (uncached) prompt "
-                                   "tokens per second routed to a model's replicas.", labels=["model"])
-        capacity = GaugeMetricFamily("epp_pool_prefill_capacity_tokens_per_second", "Awake replicas x the "
-                                     "configured prefill throughput per replica.", labels=["model"])
-        ratio = GaugeMetricFamily("epp_pool_prefill_demand_ratio", "Prefill demand / prefill capacity (above 1: "
-                                  "more replicas needed).", labels=["model"])
+        waiting = _model_gauge("epp_pool_waiting_requests", "Requests waiting on the awake replicas of a model "
+                               "(vLLM num_requests_waiting, summed).")
+        running = _model_gauge("epp_pool_running_requests", "Requests running on the awake replicas of a model, "
+                               "summed.")
+        kv = _model_gauge("epp_pool_kv_cache_usage", "Mean KV-cache usage (0..1) of the awake replicas of a model.")
+        demand = _model_gauge("epp_pool_prefill_demand_tokens_per_second", "Computed (uncached) prompt tokens per "
+                              "second routed to a model's replicas.")
+        capacity = _model_gauge("epp_pool_prefill_capacity_tokens_per_second", "Awake replicas x the configured "
+                                "prefill throughput per replica.")
+        ratio = _model_gauge("epp_pool_prefill_demand_ratio", "Prefill demand / prefill capacity (above 1: more "
+                             "replicas needed).")
         by_model: dict[str, list[Endpoint]] = {}
         for ep in self.endpoints.snapshot():  # type: ignore[attr-defined]
             by_model.setdefault(self.model_of(ep), []).append(ep)
@@ -122,3 +121,8 @@ class PoolGauges(Collector):
         yield from (replicas, waiting, running, kv, demand)
         if self.capacity_per_replica > 0:
             yield from (capacity, ratio)
+
+
+def _model_gauge(name: str, documentation: str) -> GaugeMetricFamily:
+    """A gauge family labelled by model."""
+    return GaugeMetricFamily(name, documentation, labels=["model"])

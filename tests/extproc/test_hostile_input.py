@@ -10,48 +10,29 @@ import urllib.request
 import grpc
 import pytest
 
+from epp.config.compose import endpoint_picker_config
 from epp.server.runner import EppServer
 from tests.extproc_support import (
-    ExtProcClient,
     headers_of,
     options,
     request_body,
     request_headers,
     response_body,
     response_headers,
-    started,
+    serving,
+    simple_pipeline,
 )
 
-PREFIX_CONFIG = """
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: approx-prefix-cache-producer
-- type: prefix-cache-scorer
-- type: prefix-home-scorer
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: prefix-cache-scorer
-    weight: 3
-  - pluginRef: prefix-home-scorer
-  - pluginRef: queue-scorer
-  - pluginRef: kv-cache-utilization-scorer
-  - pluginRef: max-score-picker
-"""
+PREFIX_SCORERS = ("prefix-home-scorer", "queue-scorer", "kv-cache-utilization-scorer", "max-score-picker")
+PREFIX_CONFIG = endpoint_picker_config(["approx-prefix-cache-producer", "prefix-cache-scorer", *PREFIX_SCORERS],
+                                       {"prefix-cache-scorer": 3, **dict.fromkeys(PREFIX_SCORERS)})
 
 
 @pytest.fixture
 async def picker():
     server = EppServer(options(config_text=PREFIX_CONFIG))
-    await server.start()
-    client = ExtProcClient(server.grpc_port)
-    yield server, client
-    await client.close()
-    await server.stop(0)
+    async with serving(server) as client:
+        yield server, client
 
 
 def scrape(server) -> tuple[int, bytes]:
@@ -197,10 +178,9 @@ async def test_huge_model_names_keep_metrics_small(picker):
 
 
 async def test_model_and_rewrite_pairs_are_capped_together():
-    server = await started()
+    server = EppServer(options(), pipeline=simple_pipeline())
     server.metrics.max_model_labels = 5
-    client = ExtProcClient(server.grpc_port)
-    try:
+    async with serving(server) as client:
         for i in range(6):
             for j in range(6):
                 body = json.dumps({"model": f"m{i}", "prompt": "x"}).encode()
@@ -209,9 +189,6 @@ async def test_model_and_rewrite_pairs_are_capped_together():
         pairs = {(s.labels["model_name"], s.labels["target_model_name"])
                  for s in server.metrics.requests.collect()[0].samples if s.name.endswith("_total")}
         assert len(pairs) == 6 and ("__other__", "__other__") in pairs
-    finally:
-        await client.close()
-        await server.stop(0)
 
 
 # -- item 7: a garbage message is one log line, not a traceback ---------------------------------

@@ -3,19 +3,33 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 
 import pytest
 
 from epp.limits import Limits
-from tests.extproc_support import ExtProcClient, no_reply_within, request_body, request_headers, started
+from epp.server.runner import EppServer
+from tests.extproc_support import (
+    ExtProcClient,
+    no_reply_within,
+    options,
+    request_body,
+    request_headers,
+    serving,
+    simple_pipeline,
+)
 
 BODY = b'{"model":"m","prompt":"hello"}'
 
 
-async def with_limits(**limits):
-    server = await started(limits=Limits(**limits))
-    return server, ExtProcClient(server.grpc_port)
+@contextlib.asynccontextmanager
+async def with_limits(**limits) -> AsyncIterator[tuple[EppServer, ExtProcClient]]:
+    """A started picker with these limits and a gRPC client of it."""
+    server = EppServer(options(limits=Limits(**limits)), pipeline=simple_pipeline())
+    async with serving(server) as client:
+        yield server, client
 
 
 def immediate(reply) -> tuple[int, str]:
@@ -24,8 +38,7 @@ def immediate(reply) -> tuple[int, str]:
 
 
 async def test_a_stream_over_the_concurrency_limit_gets_429_and_the_slot_comes_back():
-    server, client = await with_limits(max_concurrent_streams=2)
-    try:
+    async with with_limits(max_concurrent_streams=2) as (server, client):
         held = [await client.open() for _ in range(2)]
         for call in held:
             await call.write(request_headers())
@@ -42,14 +55,10 @@ async def test_a_stream_over_the_concurrency_limit_gets_429_and_the_slot_comes_b
         replies = await client.exchange([request_headers(), request_body(BODY)], expect=2)
         assert replies[0].HasField("request_headers")
         assert server.metrics.stream_errors.labels("over_capacity")._value.get() == 1
-    finally:
-        await client.close()
-        await server.stop(0)
 
 
 async def test_an_unanswered_request_idle_past_the_timeout_gets_408():
-    server, client = await with_limits(stream_idle_timeout_s=0.5)
-    try:
+    async with with_limits(stream_idle_timeout_s=0.5) as (server, client):
         call = await client.open()
         await call.write(request_headers())
         await call.write(request_body(BODY[:10], end_of_stream=False))
@@ -58,14 +67,10 @@ async def test_an_unanswered_request_idle_past_the_timeout_gets_408():
         assert immediate(reply) == (408, "inference error: RequestTimeout - no request data for 0.5 s")
         assert server.metrics.streams_active._value.get() == 0
         assert server.metrics.stream_errors.labels("idle")._value.get() == 1
-    finally:
-        await client.close()
-        await server.stop(0)
 
 
 async def test_the_idle_timeout_does_not_cut_an_answered_request():
-    server, client = await with_limits(stream_idle_timeout_s=0.3)
-    try:
+    async with with_limits(stream_idle_timeout_s=0.3) as (server, client):
         call = await client.open()
         await call.write(request_headers())
         await call.write(request_body(BODY))
@@ -75,9 +80,6 @@ async def test_the_idle_timeout_does_not_cut_an_answered_request():
         assert server.metrics.streams_active._value.get() == 1
         await call.done_writing()
         await call.code()
-    finally:
-        await client.close()
-        await server.stop(0)
 
 
 @pytest.mark.parametrize("extra,message", [
@@ -85,41 +87,29 @@ async def test_the_idle_timeout_does_not_cut_an_answered_request():
     ([("x-big", "v" * 2000)], "request headers exceed 1024 bytes"),
 ], ids=["count", "size"])
 async def test_too_many_or_too_large_request_headers_get_431(extra, message):
-    server, client = await with_limits(max_request_headers=10, max_request_header_bytes=1024)
-    try:
+    async with with_limits(max_request_headers=10, max_request_header_bytes=1024) as (server, client):
         replies = await client.exchange([request_headers(extra=extra), request_body(BODY)], expect=1)
         assert immediate(replies[0]) == (431, f"inference error: RequestHeaderFieldsTooLarge - {message}")
         ok = await client.exchange([request_headers(extra=[("x-h", "v")]), request_body(BODY)], expect=2)
         assert ok[0].HasField("request_headers")
-    finally:
-        await client.close()
-        await server.stop(0)
 
 
 async def test_json_depth_limit_is_configurable():
-    server, client = await with_limits(max_json_depth=4)
-    try:
+    async with with_limits(max_json_depth=4) as (server, client):
         ok = json.dumps({"model": "m", "prompt": [[1, 2]], "x": {"y": [1]}}).encode()
         assert (await client.exchange([request_headers(), request_body(ok)], expect=2))[0].HasField("request_headers")
         deep = json.dumps({"model": "m", "prompt": "x", "x": {"y": [[[1]]]}}).encode()
         replies = await client.exchange([request_headers(), request_body(deep)], expect=1)
         assert immediate(replies[0]) == (400, "inference error: BadRequest - request body nests objects/arrays "
                                               "deeper than 4 levels")
-    finally:
-        await client.close()
-        await server.stop(0)
 
 
 async def test_label_value_length_limit_cuts_model_labels():
-    server, client = await with_limits(max_label_value_length=16)
-    try:
+    async with with_limits(max_label_value_length=16) as (server, client):
         body = json.dumps({"model": "a-rather-long-model-name-indeed", "prompt": "x"}).encode()
         await client.exchange([request_headers(), request_body(body)], expect=2)
         names = {s.labels["model_name"] for s in server.metrics.requests.collect()[0].samples}
         assert names == {"a-rather-long-m…"}
-    finally:
-        await client.close()
-        await server.stop(0)
 
 
 def test_limits_reject_nonsense_values():

@@ -20,7 +20,6 @@ from epp.framework.scheduler import Scheduler, SchedulerProfile
 from epp.server.runner import EppServer
 from tests.extproc.test_hostile_input import PREFIX_CONFIG
 from tests.extproc_support import (
-    ExtProcClient,
     FirstByNamePicker,
     OneProfile,
     options,
@@ -28,7 +27,7 @@ from tests.extproc_support import (
     request_headers,
     response_body,
     response_headers,
-    started,
+    serving,
 )
 
 SECRET = "TOP-SECRET-PROMPT-7f3a"
@@ -85,14 +84,9 @@ async def run_request(client, path: str, body: dict | bytes, response: bytes | N
 @pytest.mark.parametrize("level", [logging.WARNING, logging.DEBUG])
 async def test_failing_plugins_never_log_the_prompt_at_the_default_level(caplog, level):
     caplog.set_level(level)
-    server = await started(pipeline=leaky_pipeline())
-    client = ExtProcClient(server.grpc_port)
-    try:
+    async with serving(EppServer(options(), pipeline=leaky_pipeline())) as client:
         chat = {"model": "m", "messages": [{"role": "user", "content": SECRET}]}
         await run_request(client, "/v1/chat/completions", chat, response=b'{"usage":{"prompt_tokens":3}}')
-    finally:
-        await client.close()
-        await server.stop(0)
     failures = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     for plugin_call in ("data producer leaky failed", "pre-request hook leaky failed",
                         "response-headers hook leaky failed", "response-complete hook leaky failed"):
@@ -105,16 +99,10 @@ async def test_failing_plugins_never_log_the_prompt_at_the_default_level(caplog,
 
 async def test_the_original_surrogate_chat_input_logs_no_prompt(caplog):
     caplog.set_level(logging.WARNING)
-    server = EppServer(options(config_text=PREFIX_CONFIG))
-    await server.start()
-    client = ExtProcClient(server.grpc_port)
-    try:
+    async with serving(EppServer(options(config_text=PREFIX_CONFIG))) as client:
         hostile = ('{"model":"m","messages":[{"role":"user","content":"' + SECRET + r' \ud800"}]}').encode()
         await run_request(client, "/v1/chat/completions", hostile)
         deep = ('{"note":"' + SECRET + '","usage":' + "[" * 5000 + "]" * 5000 + "}").encode()
         await run_request(client, "/v1/completions", {"model": "m", "prompt": SECRET}, response=deep)
         await run_request(client, "/v1/completions", b'{"model":"m","prompt":"' + SECRET.encode() + b'" garbage')
-    finally:
-        await client.close()
-        await server.stop(0)
     assert SECRET not in caplog.text

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from epp.config.compose import DEFAULT_SCORER_WEIGHTS, PluginDef, endpoint_picker_config
 from epp.datalayer.registry import EndpointSpec
 from epp.engine.sim.fleet import FleetConfig, SimFleet
 from epp.engine.sim.server import SimReplica
@@ -28,23 +29,7 @@ def set_wake_seconds(replicas: Sequence[SimReplica], seconds: float) -> None:
         rep.engine.profile = dataclasses.replace(rep.engine.profile, wake_seconds=seconds)
 
 
-def config(*plugins: str, profile: Sequence[str] = ()) -> str:
-    """An EndpointPickerConfig: GIE's default scorers plus the given plugin lines and profile refs."""
-    extra = "".join(f"\n{p}" for p in plugins)
-    refs = "".join(f"\n  - pluginRef: {r}" for r in profile)
-    return f"""apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- type: prefix-cache-scorer{extra}
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: queue-scorer
-    weight: 2
-  - pluginRef: kv-cache-utilization-scorer
-    weight: 2
-  - pluginRef: prefix-cache-scorer
-    weight: 3{refs}
-"""
+def config(*plugins: PluginDef, profile: Sequence[str] = ()) -> str:
+    """An EndpointPickerConfig: GIE's default scorers plus the given plugins and profile refs."""
+    return endpoint_picker_config([*DEFAULT_SCORER_WEIGHTS, *plugins],
+                                  {**DEFAULT_SCORER_WEIGHTS, **dict.fromkeys(profile)})

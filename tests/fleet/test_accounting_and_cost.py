@@ -30,6 +30,7 @@ import sys
 import aiohttp
 import pytest
 
+from epp.config.compose import endpoint_picker_config, plugin
 from epp.engine.sim import FleetConfig, SimFleet
 from epp.envoy import EnvoyProcess, render_config
 from epp.kvevents.decoding import Tier
@@ -39,19 +40,8 @@ from tests.precise.support import Picker, fleet_specs, wait_until
 pytestmark = [pytest.mark.envoy, pytest.mark.timeout(60)]
 
 MODEL = "sim-model"
-CONFIG = """
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: precise-prefix-cache-producer
-  parameters:
-    blockSizeTokens: 16
-- type: prefix-cache-scorer
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: prefix-cache-scorer
-"""
+CONFIG = endpoint_picker_config([plugin("precise-prefix-cache-producer", blockSizeTokens=16), "prefix-cache-scorer"],
+                                ["prefix-cache-scorer"])
 PRICES = """
 unit_tokens: 1000
 currency: USD

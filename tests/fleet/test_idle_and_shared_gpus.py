@@ -9,6 +9,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from epp.config.compose import plugin
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
 from epp.envoy import EnvoyProcess, render_config
 from epp.fleet.sleepwake import SleepWakePolicy
@@ -26,12 +27,8 @@ def policy_of(epp) -> SleepWakePolicy:
 
 
 def idle_config(sleep_last: bool) -> str:
-    return config(f"""- type: sleep-wake-policy
-  parameters:
-    idleSleepSeconds: 0.4
-    minIdleSeconds: 0.2
-    idleCheckSeconds: 0.05
-    sleepLastReplica: {str(sleep_last).lower()}""")
+    return config(plugin("sleep-wake-policy", idleSleepSeconds=0.4, minIdleSeconds=0.2, idleCheckSeconds=0.05,
+                         sleepLastReplica=sleep_last))
 
 
 @pytest.mark.parametrize("sleep_last", [False, True])

@@ -8,6 +8,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from epp.config.compose import plugin
 from epp.datalayer.promparse import parse_vllm_metrics
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
 from epp.datalayer.scraper import MetricsScraper
@@ -102,7 +103,7 @@ async def test_a_sleeping_simulated_replica_is_never_picked(with_config):
     fleet = await start_fleet(3)
     text = None
     if with_config:  # a config with the policy, wake on demand off: its filter-free profile still never picks it
-        text = config("- type: sleep-wake-policy\n  parameters:\n    wakeOnDemand: false")
+        text = config(plugin("sleep-wake-policy", wakeOnDemand=False))
     epp = await start_picker(text, [spec(r) for r in fleet.replicas])
     sleeper = fleet.replicas[1]
     try:

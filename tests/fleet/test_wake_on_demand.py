@@ -8,6 +8,7 @@ import time
 import aiohttp
 import pytest
 
+from epp.config.compose import PluginDef, plugin
 from epp.envoy import EnvoyProcess, render_config
 from tests.blackbox.pods import start_picker, wait_until
 from tests.conftest import free_port
@@ -17,16 +18,13 @@ pytestmark = pytest.mark.envoy
 
 WAKE_S = 0.6
 HOLD_S = 2.0
-POLICY = f"""- type: sleep-wake-policy
-  parameters:
-    maxHoldSeconds: {HOLD_S}
-    wakeCooldownSeconds: 30"""
+POLICY = plugin("sleep-wake-policy", maxHoldSeconds=HOLD_S, wakeCooldownSeconds=30)
 
 
 class Stack:
     """Simulated replicas (asleep) -> the picker with the policy -> real Envoy."""
 
-    async def start(self, count: int, policy: str = POLICY) -> Stack:
+    async def start(self, count: int, policy: PluginDef = POLICY) -> Stack:
         self.fleet = await start_fleet(count)
         set_wake_seconds(self.fleet.replicas, WAKE_S)
         for rep in self.fleet.replicas:

@@ -7,81 +7,54 @@ saturates it. Each test opens ext_proc streams as Envoy does and watches what co
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
-from aiohttp import web
 
+from epp.config.compose import endpoint_picker_config, plugin
 from epp.server.runner import EppServer
+from tests.blackbox.pods import FakeVllmPod, wait_until
+from tests.configs import objectives
 from tests.conftest import free_port
-from tests.datalayer.vllm_page import VllmState, vllm_metrics_page
 from tests.extproc_support import ExtProcClient, no_reply_within, options, request_body, request_headers
 
 pytestmark = pytest.mark.timeout(60)
 
-CONFIG = """apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-featureGates: [flowControl]
-objectives:
-- {{name: interactive, priority: 10}}
-- {{name: batch, priority: 0}}
-plugins:
-- type: random-picker
-- type: utilization-detector
-  parameters: {{queueDepthThreshold: 1, metricsStalenessThreshold: 5s}}
-schedulingProfiles:
-- name: default
-  plugins: [{{pluginRef: random-picker}}]
-flowControl: {flow_control}
-"""
 BODY = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 4}).encode()
-
-
-class SimulatedReplica:
-    """A replica that only serves its vLLM `/metrics` page; `state.waiting` is what the picker scrapes."""
-
-    def __init__(self) -> None:
-        self.state = VllmState(waiting=1)  # saturated until a test frees it
-        self.port = free_port()
-        self._runner: web.AppRunner | None = None
-
-    async def start(self) -> None:
-        app = web.Application()
-        async def metrics(_: web.Request) -> web.Response:
-            return web.Response(text=vllm_metrics_page(self.state))
-
-        app.router.add_get("/metrics", metrics)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
 
 
 @pytest.fixture
 async def replica():
-    r = SimulatedReplica()
-    await r.start()
-    yield r
-    await r.stop()
+    """A replica that only serves its vLLM `/metrics` page; `state.waiting` is what the picker scrapes."""
+    pod = FakeVllmPod("127.0.0.1", free_port()).set(queue=1)  # saturated until a test frees it
+    await pod.start()
+    yield pod
+    await pod.stop()
 
 
-async def picker(replica: SimulatedReplica, flow_control: str, gate: bool = True) -> tuple[EppServer, ExtProcClient]:
-    config = CONFIG.format(flow_control=flow_control)
-    if not gate:
-        config = config.replace("featureGates: [flowControl]\n", "")
-    opts = options(f"127.0.0.1:{replica.port}", config_text=config)
+@contextlib.asynccontextmanager
+async def picker(replica: FakeVllmPod, flow_control: dict[str, Any],
+                 gate: bool = True) -> AsyncIterator[tuple[EppServer, ExtProcClient]]:
+    """The picker with flow control (`flow_control`: its config section), once it has scraped the replica."""
+    config = endpoint_picker_config(
+        ["random-picker", plugin("utilization-detector", queueDepthThreshold=1, metricsStalenessThreshold="5s")],
+        ["random-picker"], **({"featureGates": ["flowControl"]} if gate else {}),
+        objectives=objectives(interactive=10, batch=0), flowControl=flow_control)
+    opts = options(replica.hostport, config_text=config)
     opts.scrape_metrics = True
     server = EppServer(opts)
     await server.start()
-    deadline = time.monotonic() + 10
-    while server.endpoints.snapshot()[0].metrics.update_time == 0:  # first scrape
-        assert time.monotonic() < deadline, "the replica was never scraped"
-        await asyncio.sleep(0.02)
-    return server, ExtProcClient(server.grpc_port)
+    client = ExtProcClient(server.grpc_port)
+    try:
+        await wait_until(lambda: server.endpoints.snapshot()[0].metrics.update_time > 0, "the first scrape", 10)
+        yield server, client
+    finally:
+        await client.close()
+        await server.stop(0)
 
 
 async def send(client: ExtProcClient, objective: str | None = None, tenant: str | None = None):
@@ -100,8 +73,7 @@ def sample(server: EppServer, name: str, **labels: str) -> float:
 
 
 async def test_saturated_pool_queues_and_dispatches_by_priority_when_the_replica_frees(replica):
-    server, client = await picker(replica, "{defaultRequestTTL: 30s}")
-    try:
+    async with picker(replica, {"defaultRequestTTL": "30s"}) as (server, client):
         batch1 = await send(client, "batch", "tenant-a")
         batch2 = await send(client, "batch", "tenant-b")
         urgent = await send(client, "interactive", "tenant-a")
@@ -127,14 +99,10 @@ async def test_saturated_pool_queues_and_dispatches_by_priority_when_the_replica
                       priority="10", outcome="dispatched") == 1
         for call in (batch1, batch2, urgent):
             call.cancel()
-    finally:
-        await client.close()
-        await server.stop(0)
 
 
 async def test_a_request_waiting_past_the_ttl_gets_503(replica):
-    server, client = await picker(replica, "{defaultRequestTTL: 500ms}")
-    try:
+    async with picker(replica, {"defaultRequestTTL": "500ms"}) as (server, client):
         started = time.monotonic()
         call = await send(client)
         reply = await asyncio.wait_for(call.read(), 5)
@@ -145,14 +113,11 @@ async def test_a_request_waiting_past_the_ttl_gets_503(replica):
         assert sample(server, "inference_extension_flow_control_requests_total", priority="0", outcome="expired") == 1
         assert sample(server, "inference_extension_flow_control_queue_size", priority="0",
                       fairness_id="default-flow") == 0
-    finally:
-        await client.close()
-        await server.stop(0)
 
 
 async def test_over_capacity_is_rejected_at_once_with_429(replica):
-    server, client = await picker(replica, "{maxRequests: 2, priorityBands: [{priority: 10, maxRequests: 1}]}")
-    try:
+    flow_control = {"maxRequests": 2, "priorityBands": [{"priority": 10, "maxRequests": 1}]}
+    async with picker(replica, flow_control) as (server, client):
         queued = [await send(client, "interactive"), await send(client)]
         held = [await no_reply_within(call, 0.2) for call in queued]
         for extra in (await send(client, "interactive"), await send(client, "batch")):  # band full, then global full
@@ -166,24 +131,17 @@ async def test_over_capacity_is_rejected_at_once_with_429(replica):
         for call, read in zip(queued, held, strict=True):
             read.cancel()
             call.cancel()
-    finally:
-        await client.close()
-        await server.stop(0)
 
 
 async def test_a_client_that_leaves_is_dropped_from_the_queue_and_never_dispatched(replica):
-    server, client = await picker(replica, "{defaultRequestTTL: 30s}")
-    try:
+    async with picker(replica, {"defaultRequestTTL": "30s"}) as (server, client):
         leaver = await send(client, "interactive", "tenant-a")
         read = await no_reply_within(leaver, 0.2)
         leaver.cancel()  # Envoy resets the stream when its client goes away
         with pytest.raises(asyncio.CancelledError):
             await read
-        deadline = time.monotonic() + 2
-        while sample(server, "inference_extension_flow_control_requests_total", priority="10",
-                     outcome="cancelled") < 1:
-            assert time.monotonic() < deadline, "the cancelled request is still queued"
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: sample(server, "inference_extension_flow_control_requests_total", priority="10",
+                                        outcome="cancelled") >= 1, "the cancelled request to leave the queue", 2)
         assert sample(server, "inference_extension_flow_control_queue_size", priority="10",
                       fairness_id="tenant-a") == 0
 
@@ -198,20 +156,13 @@ async def test_a_client_that_leaves_is_dropped_from_the_queue_and_never_dispatch
         assert server.metrics.registry.get_sample_value("inference_extension_scheduler_attempts_total",
                                                         {"status": "success"}) == 1
         stayer.cancel()
-    finally:
-        await client.close()
-        await server.stop(0)
 
 
 async def test_without_the_feature_gate_requests_go_on_to_a_saturated_replica(replica):
-    server, client = await picker(replica, "{defaultRequestTTL: 1s}", gate=False)
-    try:
+    async with picker(replica, {"defaultRequestTTL": "1s"}, gate=False) as (server, client):
         assert server.director.pipeline.flow_control is None
         call = await send(client)
         reply = await asyncio.wait_for(call.read(), 5)
         assert reply.HasField("request_headers")
         call.cancel()
-    finally:
-        await client.close()
-        await server.stop(0)
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
 
+from epp.config.compose import plugin
 from epp.datalayer.registry import EndpointSpec
 from epp.engine.pd_sidecar import FALLBACK_HEADER, USED_PREFILLER_HEADER, PDSidecar, SidecarConfig
 from epp.engine.sim.fleet import FleetConfig, SimFleet, default_tokenizer_dir
@@ -26,14 +26,14 @@ from epp.envoy import EnvoyProcess, render_config
 from epp.framework import PREFILLER_HOST_PORT_HEADER
 from tests.backends import EchoBackend
 from tests.blackbox.pods import start_picker, wait_until
+from tests.configs import pd_config
 from tests.conftest import free_port
 from tests.datalayer.vllm_page import VllmState, vllm_metrics_page
 
 pytestmark = pytest.mark.envoy
 
 ROLE = "llm-d.ai/role"
-CONFIG = (Path(__file__).parents[2] / "examples" / "configs" / "pd.yaml").read_text().replace(
-    "threshold: 512", "threshold: 64")
+CONFIG = pd_config(threshold=64)
 LONG = "Summarise the following report about caching in inference servers. " * 30   # ~500 tokens by estimate
 OTHER_LONG = "Translate this memo about scheduling of GPU batches into French. " * 30
 SHORT = "hi there"
@@ -200,12 +200,8 @@ async def test_a_decode_leg_error_is_answered_clearly(start_stack):
 # Precise mode: the picker subscribes to both replicas' KV events. The decode replica publishes the
 # blocks it received from the prefiller, so the picker sees them in the decode pool, and the same
 # long prompt (with a short question) then needs no remote prefill: the decision is exact.
-PRECISE = CONFIG.replace("- type: pd-profile-handler\n", f"""- type: precise-prefix-cache-producer
-  parameters:
-    blockSizeTokens: 16
-    tokenizers: {{sim-model: "{default_tokenizer_dir()}"}}
-- type: pd-profile-handler
-""", 1)
+PRECISE = pd_config(64, plugin("precise-prefix-cache-producer", blockSizeTokens=16,
+                               tokenizers={"sim-model": str(default_tokenizer_dir())}))
 
 
 async def test_precise_mode_sees_the_transferred_blocks_in_the_decode_pool(start_stack):

@@ -17,24 +17,19 @@ import pytest
 from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from epp.config.compose import endpoint_picker_config
 from epp.envoy import EnvoyProcess, render_config
 from epp.netutil import free_ports
 from epp.server.runner import EppServer, ServeOptions
+from tests.configs import objectives
 from tests.conftest import free_port
 from tests.kubernetes.apiserver import inference_objective, inference_pool, pod
 
 pytestmark = [pytest.mark.envoy]
 
-RANDOM_PICKER_CONFIG = """
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: random-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: random-picker
-"""
+def random_picker_config(**sections) -> str:
+    """A picker that picks at random; `sections`: further top-level fields."""
+    return endpoint_picker_config(["random-picker"], ["random-picker"], **sections)
 
 
 class PodServer:
@@ -83,7 +78,7 @@ async def test_requests_reach_exactly_the_ready_pods_of_the_pool(api, kubeconfig
     epp = EppServer(ServeOptions(
         grpc_port=0, grpc_health_port=0, metrics_port=0, bind_address="127.0.0.1",
         pool_name="pool", pool_namespace="default", kubeconfig=kubeconfig,
-        config_text=RANDOM_PICKER_CONFIG, scrape_metrics=False, grace_period_s=1))
+        config_text=random_picker_config(), scrape_metrics=False, grace_period_s=1))
     await epp.start()
     listen, admin = free_ports(2)
     envoy = EnvoyProcess(render_config(listen_port=listen, admin_port=admin, epp_port=epp.grpc_port), admin)
@@ -127,7 +122,7 @@ async def test_objective_priority_from_the_cluster_reaches_the_request(api, kube
     epp = EppServer(ServeOptions(
         grpc_port=0, grpc_health_port=0, metrics_port=0, bind_address="127.0.0.1",
         pool_name="pool", kubeconfig=kubeconfig, scrape_metrics=False,
-        config_text=RANDOM_PICKER_CONFIG + "objectives:\n- name: batch\n  priority: 3\n"))
+        config_text=random_picker_config(objectives=objectives(batch=3))))
     await epp.start()
     try:
         loop = asyncio.get_running_loop()

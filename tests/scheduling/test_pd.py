@@ -1,7 +1,5 @@
 """P/D disaggregation plugins: the profile handler's decision, the prefiller header, role filters."""
 
-from pathlib import Path
-
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -18,18 +16,16 @@ from epp.framework import (
 )
 from epp.framework.datakeys import PREFIX_MATCH_INFO, PREFIX_TIER_MATCH, PrefixMatchInfo, TierMatch
 from epp.scorers.pd import uncached_prompt_tokens
+from tests.configs import as_yaml, pd_config, sample_config
 from tests.scheduling.sched_fixtures import builtin_registry, endpoint, make_plugin, request, run_cycle
 
-SAMPLE = (Path(__file__).parents[2] / "examples" / "configs" / "pd.yaml").read_text()
 ROLE = "llm-d.ai/role"
 PREFILL = [endpoint(0, labels={ROLE: "prefill"}), endpoint(1, labels={ROLE: "prefill"})]
 DECODE = [endpoint(2, labels={ROLE: "decode"}), endpoint(3, labels={ROLE: "decode"})]
 
 
 def load(threshold: int, registry: CollectorRegistry | None = None):
-    text = SAMPLE.replace("threshold: 512", f"threshold: {threshold}")
-    assert text != SAMPLE or threshold == 512
-    return load_config_text(text, source="pd.yaml", registry=builtin_registry(),
+    return load_config_text(pd_config(threshold), source="pd.yaml", registry=builtin_registry(),
                             context=PluginContext(metrics_registry=registry))
 
 
@@ -159,7 +155,9 @@ def test_handler_parameters_are_checked(params, message):
 
 
 def test_handler_needs_both_profiles():
-    text = SAMPLE.replace("- name: prefill\n", "- name: prefil\n")
+    document = sample_config("pd")
+    next(p for p in document["schedulingProfiles"] if p["name"] == "prefill")["name"] = "prefil"
+    text = as_yaml(document)
     with pytest.raises(ConfigError, match=r"missing \['prefill'\], unexpected \['prefil'\]"):
         load_config_text(text, source="pd.yaml", registry=builtin_registry())
 
