@@ -237,12 +237,13 @@ async def serve_forever(options: ServeOptions, on_started: Callable[[EppServer],
         # What did start (discovery, scrapers' HTTP sessions, plugins) is stopped before the error surfaces.
         await server.stop(0)
         raise
-    if on_started is not None:
-        on_started(server)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    # Handlers first: whoever reads the start line may signal at once, and must get a drain, not a kill.
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if on_started is not None:
+        on_started(server)
     await stop.wait()
     log.info("shutting down: draining in-flight streams for up to %.1fs", options.grace_period_s)
     await server.stop()

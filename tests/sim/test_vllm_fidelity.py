@@ -94,7 +94,9 @@ def sim_run(capture) -> dict:
         config = FleetConfig(
             replicas=1, model=m["served_model_name"], tokenizer_dir=default_tokenizer_dir(m["tiny_model"]["seed"]),
             block_size=m["block_size"], num_gpu_blocks=m["num_gpu_blocks_override"], max_model_len=1024,
-            hash_seed=m["env"].get("PYTHONHASHSEED"))
+            hash_seed=m["env"].get("PYTHONHASHSEED"),
+            # The captured vLLM ran without --enable-prompt-tokens-details.
+            enable_prompt_tokens_details=False)
         async with SimFleet(config) as fleet:
             info = fleet.info[0]
             sub = EventSubscriber(info["kv_events_endpoint"])
