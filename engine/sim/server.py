@@ -314,12 +314,14 @@ class SimReplica:
             return error_response(str(exc))
         return await self._serve(request, r, body, chat=True, include_usage=include_usage)
 
-    def _usage(self, r: SimRequest, *, streamed: bool = False) -> dict[str, Any]:
+    def _usage(self, r: SimRequest, *, streamed: bool = False, chat: bool = False) -> dict[str, Any]:
         """vLLM's usage object: details only with --enable-prompt-tokens-details.
 
-        A JSON response carries every field (the details as null when off); a stream's usage
-        chunk is dumped with unset fields left out, so it has neither detail when off and never
-        `completion_tokens_details` (only a reasoning parser fills that).
+        A JSON response carries every field (the details as null when off, and every field of
+        the prompt details); a stream's usage chunk is dumped with unset fields left out, so it
+        has neither detail when off, never `completion_tokens_details` (only a reasoning parser
+        fills that), and of the prompt details only what vLLM sets: `cached_tokens` for
+        completions, also `created_cache_tokens` and `multimodal_tokens` for chat.
         """
         usage: dict[str, Any] = {
             "prompt_tokens": len(r.prompt_ids),
@@ -327,7 +329,15 @@ class SimReplica:
             "completion_tokens": len(r.output),
         }
         if self.config.enable_prompt_tokens_details:
-            usage["prompt_tokens_details"] = {"cached_tokens": r.num_cached_tokens}
+            details: dict[str, Any] = {"cached_tokens": r.num_cached_tokens}
+            if chat:
+                # Chat also reports the prompt tokens this request added to the cache: its full
+                # blocks, less those it found there.
+                full = len(r.prompt_ids) // self.engine.block_size * self.engine.block_size
+                details.update(created_cache_tokens=max(0, full - r.num_cached_tokens), multimodal_tokens=None)
+            elif not streamed:
+                details.update(created_cache_tokens=None, multimodal_tokens=None)
+            usage["prompt_tokens_details"] = details
         elif not streamed:
             usage["prompt_tokens_details"] = None
         if not streamed:
@@ -363,7 +373,7 @@ class SimReplica:
                               "stop_reason": None, "prompt_logprobs": None}
                     obj = "text_completion"
                 resp = {"id": r.request_id, "object": obj, "created": created, "model": model,
-                        "choices": [choice], "usage": self._usage(r), "system_fingerprint": None,
+                        "choices": [choice], "usage": self._usage(r, chat=chat), "system_fingerprint": None,
                         "prompt_logprobs": None, "kv_transfer_params": self.pd.response_params(r)}
                 return web.Response(body=_json_encode(resp), content_type="application/json")
             return await self._stream(request, r, model, created, chat=chat, include_usage=include_usage)
@@ -415,7 +425,7 @@ class SimReplica:
             r.waiter = loop.create_future()
             await r.waiter
         if include_usage and r.finish_reason != "abort":
-            usage_chunk = {**head, "choices": [], "usage": self._usage(r, streamed=True)}
+            usage_chunk = {**head, "choices": [], "usage": self._usage(r, streamed=True, chat=chat)}
             await resp.write(b"data: " + _json_encode(usage_chunk) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()

@@ -95,8 +95,9 @@ def sim_run(capture) -> dict:
             replicas=1, model=m["served_model_name"], tokenizer_dir=default_tokenizer_dir(m["tiny_model"]["seed"]),
             block_size=m["block_size"], num_gpu_blocks=m["num_gpu_blocks_override"], max_model_len=1024,
             hash_seed=m["env"].get("PYTHONHASHSEED"),
-            # The captured vLLM ran without --enable-prompt-tokens-details.
-            enable_prompt_tokens_details=False)
+            # Configured as the captured vLLM was (the recorded one ran without the flag; a live
+            # capture is launched by `epp engine serve`, which turns it on).
+            enable_prompt_tokens_details="--enable-prompt-tokens-details" in m["argv"])
         async with SimFleet(config) as fleet:
             info = fleet.info[0]
             sub = EventSubscriber(info["kv_events_endpoint"])
@@ -187,11 +188,13 @@ def test_same_metric_names_labels_and_prefix_cache_counters(capture, sim_run):
         assert sim_info[key] == real_info[key], key
 
 
-def test_same_usage_objects_without_prompt_tokens_details(capture, sim_run):
-    # The capture's server ran without --enable-prompt-tokens-details: both details are null.
+def test_same_usage_objects_as_vllm(capture, sim_run):
+    # With --enable-prompt-tokens-details vLLM fills prompt_tokens_details; without it both details are null.
+    details = "--enable-prompt-tokens-details" in capture["manifest"]["argv"]
     for sim_usage, r in zip(sim_run["usages"], capture["requests"]):
         assert sim_usage == r["usage"], r["name"]
-        assert sim_usage["prompt_tokens_details"] is None and sim_usage["completion_tokens_details"] is None
+        assert (sim_usage["prompt_tokens_details"] is not None) == details
+        assert sim_usage["completion_tokens_details"] is None
 
 
 def test_chat_template_jinja_file_is_the_models_template(capture, tmp_path):
