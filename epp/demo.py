@@ -15,14 +15,18 @@ import random
 import signal
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 from tqdm import tqdm
 
+from epp.config.compose import endpoint_picker_config, plugin
 from epp.datalayer.promparse import parse_vllm_metrics
-from epp.engine.sim.fleet import FleetConfig, SimFleet, default_tokenizer_dir
+from epp.engine.sim.fleet import FleetConfig, SimFleet
+from epp.engine.tinymodel import write_tiny_model
 from epp.envoy import EnvoyProcess, render_config
 from epp.netutil import free_ports
 
@@ -132,36 +136,19 @@ async def _wait_ready(url: str, timeout: float = 30.0) -> None:
     raise TimeoutError(f"{url} did not become ready")
 
 
-def _fleet_config(replicas: int) -> FleetConfig:
+def _fleet_config(replicas: int, tokenizer_dir: str) -> FleetConfig:
     # A GPU cache of ~6k tokens holds two or three tenants' system prompts, not all of them:
     # where requests land decides the hit rate, as on a real fleet.
-    return FleetConfig(replicas=replicas, profile="h100-llama3-8b", num_gpu_blocks=400, processes=1)
+    return FleetConfig(replicas=replicas, profile="h100-llama3-8b", num_gpu_blocks=400, processes=1,
+                       tokenizer_dir=tokenizer_dir)
 
 
-PRECISE_CONFIG = """\
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: precise-prefix-cache-producer
-  parameters:
-    blockSizeTokens: {block_size}
-    tokenizers: {{"{model}": "{tokenizer_dir}"}}
-- type: prefix-cache-scorer
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- type: prefix-home-scorer
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: prefix-cache-scorer
-    weight: 3
-  - pluginRef: prefix-home-scorer
-    weight: 1
-  - pluginRef: queue-scorer
-    weight: 2
-  - pluginRef: kv-cache-utilization-scorer
-    weight: 2
-"""
+def precise_config(block_size: int, model: str, tokenizer_dir: str) -> str:
+    """Precise prefix routing from the replicas' KV events, with GIE's load scorers and a prefix home."""
+    return endpoint_picker_config(
+        [plugin("precise-prefix-cache-producer", blockSizeTokens=block_size, tokenizers={model: tokenizer_dir}),
+         "prefix-cache-scorer", "queue-scorer", "kv-cache-utilization-scorer", "prefix-home-scorer"],
+        {"prefix-cache-scorer": 3, "prefix-home-scorer": 1, "queue-scorer": 2, "kv-cache-utilization-scorer": 2})
 
 
 def _port_of(zmq_endpoint: str) -> str:
@@ -176,19 +163,19 @@ def _picker_args(fleet: SimFleet, precise: bool) -> list[str]:
         f"{info['endpoint']}#kv-events-port={_port_of(info['kv_events_endpoint'])};"
         f"kv-replay-port={_port_of(info['kv_replay_endpoint'])}" for info in fleet.info)
     first = fleet.info[0]
-    config = PRECISE_CONFIG.format(block_size=first["block_size"], model=first["model"],
-                                   tokenizer_dir=fleet.config.tokenizer_dir or default_tokenizer_dir())
+    assert fleet.config.tokenizer_dir is not None  # the demo always gives its fleets a tokenizer
+    config = precise_config(first["block_size"], first["model"], fleet.config.tokenizer_dir)
     return ["--endpoints", endpoints, "--config-text", config]
 
 
-async def _run_with_picker(label: str, precise: bool, replicas: int, workload: list[DemoRequest],
+async def _run_with_picker(label: str, precise: bool, fleet_config: FleetConfig, workload: list[DemoRequest],
                            concurrency: int) -> RunResult:
     grpc, health, metrics, listen, admin = free_ports(5)
-    async with SimFleet(_fleet_config(replicas)) as fleet:
+    async with SimFleet(fleet_config) as fleet:
         epp = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "epp.cli", "serve", "--grpc-port", str(grpc), "--grpc-health-port", str(health),
             "--metrics-port", str(metrics), "--bind-address", "127.0.0.1", *_picker_args(fleet, precise),
-            start_new_session=True)
+            stdout=asyncio.subprocess.DEVNULL, start_new_session=True)  # its start line; errors still show
         envoy = EnvoyProcess(render_config(listen_port=listen, admin_port=admin, epp_port=grpc), admin)
         try:
             await _wait_ready(f"http://127.0.0.1:{metrics}/metrics")
@@ -201,9 +188,9 @@ async def _run_with_picker(label: str, precise: bool, replicas: int, workload: l
             await epp.wait()
 
 
-async def _run_round_robin(replicas: int, workload: list[DemoRequest], concurrency: int) -> RunResult:
+async def _run_round_robin(fleet_config: FleetConfig, workload: list[DemoRequest], concurrency: int) -> RunResult:
     listen, admin = free_ports(2)
-    async with SimFleet(_fleet_config(replicas)) as fleet:
+    async with SimFleet(fleet_config) as fleet:
         envoy = EnvoyProcess(render_config(listen_port=listen, admin_port=admin,
                                            round_robin_backends=fleet.endpoints), admin)
         try:
@@ -240,14 +227,31 @@ def _report(results: list[RunResult], replicas: int) -> str:
     return "\n".join(lines)
 
 
-async def _demo(replicas: int, requests: int, concurrency: int, groups: int) -> int:
+def machine_note(cores: int, load_before: float, load_after: float, replicas: int) -> str:
+    """What the latency rows are worth on this machine: everything the demo runs shares its cores."""
+    note = (f"Latencies: Envoy, the picker, {replicas} simulated replicas and the client all ran on this machine's "
+            f"{cores} core(s); load average {load_before:.1f} before the demo (others' work), "
+            f"{load_after:.1f} at its end.")
+    busy = load_before / cores if cores else float("inf")
+    if cores < 4 or busy > 0.5:
+        why = f"only {cores} core(s)" if cores < 4 else f"{load_before:.1f} runnable tasks on {cores} cores before it"
+        note += (f"\nThis machine is too small or busy for the latency rows to mean much ({why}): the picker's "
+                 "extra hop competes with the replicas for CPU here, which a real deployment does not; "
+                 "read the routing and prefix-cache hit-rate rows.")
+    return note
+
+
+async def _demo(replicas: int, requests: int, concurrency: int, groups: int, tokenizer_dir: str) -> int:
     workload = build_workload(requests, groups)
     print(f"epp demo: {replicas} simulated vLLM replicas (H100 / Llama-3-8B latency profile), "
           f"{len(workload)} requests from {groups} tenants sharing long system prompts, concurrency {concurrency}")
-    results = [await _run_with_picker("picker: approx. prefix", False, replicas, workload, concurrency),
-               await _run_with_picker("picker: precise prefix", True, replicas, workload, concurrency),
-               await _run_round_robin(replicas, workload, concurrency)]
+    load_before = os.getloadavg()[0]
+    fleet = _fleet_config(replicas, tokenizer_dir)
+    results = [await _run_with_picker("picker: approx. prefix", False, fleet, workload, concurrency),
+               await _run_with_picker("picker: precise prefix", True, fleet, workload, concurrency),
+               await _run_round_robin(fleet, workload, concurrency)]
     print(_report(results, replicas))
+    print("\n" + machine_note(os.cpu_count() or 1, load_before, os.getloadavg()[0], replicas))
     return 1 if any(res.errors for res in results) else 0
 
 
@@ -256,11 +260,15 @@ def run_demo(replicas: int = 4, requests: int = 200, concurrency: int = 8, short
     if short:
         requests, replicas = min(requests, 60), min(replicas, 3)
     groups = max(2, replicas * 2)
+    # The replicas' tokenizer lives in a directory of this run's own, removed at the end: nothing is
+    # left in /tmp, and demos of several users on one host do not share (or block) one directory.
     try:
-        return asyncio.run(_demo(replicas, requests, concurrency, groups))
+        with tempfile.TemporaryDirectory(prefix="epp-demo-") as tmp:
+            tokenizer_dir = str(write_tiny_model(Path(tmp) / "tokenizer", weights=False))
+            return asyncio.run(_demo(replicas, requests, concurrency, groups, tokenizer_dir))
     except KeyboardInterrupt:
         print("\nepp demo: interrupted, everything it started has been stopped", file=sys.stderr)
         return 130
 
 
-__all__ = ["build_workload", "run_demo"]
+__all__ = ["build_workload", "machine_note", "precise_config", "run_demo"]

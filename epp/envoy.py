@@ -101,8 +101,8 @@ _ORIGINAL_DST_CLUSTER = """\
 
 _EPP_CLUSTER = """\
   - name: epp
-    type: STATIC
-    connect_timeout: 2s
+    type: {epp_cluster_type}
+{dns}    connect_timeout: 2s
     lb_policy: ROUND_ROBIN
     typed_extension_protocol_options:
       envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
@@ -159,12 +159,26 @@ def render_config(*, listen_port: int = 8081, admin_port: int = 19000, epp_port:
             failure_mode_allow=str(failure_mode_allow).lower(), message_timeout=message_timeout,
             response_header_mode="SEND" if response_processing else "SKIP",
             response_body_mode="FULL_DUPLEX_STREAMED" if response_processing else "NONE")
+        # A DNS name (a Kubernetes Service) is resolved and re-resolved by Envoy; an IP is static.
+        dns = not _is_ip(epp_host)
         clusters = _ORIGINAL_DST_CLUSTER + _EPP_CLUSTER.format(
-            epp_host=epp_host, epp_port=epp_port, tls=_EPP_TLS if epp_tls else "")
+            epp_host=epp_host, epp_port=epp_port, tls=_EPP_TLS if epp_tls else "",
+            epp_cluster_type="STRICT_DNS" if dns else "STATIC",
+            dns="    dns_lookup_family: V4_PREFERRED\n" if dns else "")
         route = "original_destination_cluster"
     return _TEMPLATE.format(admin_address="127.0.0.1", admin_port=admin_port, listen_address=listen_address,
                             listen_port=listen_port, epp_host=epp_host, epp_port=epp_port,
                             route_cluster=route, filters=filters, clusters=clusters)
+
+
+def _is_ip(host: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def envoy_binary() -> str:

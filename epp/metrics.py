@@ -74,7 +74,7 @@ class EppMetrics:
         self.messages_by_phase = {phase: self.messages.labels(phase) for phase in (
             "request_headers", "request_body", "request_trailers", "response_headers", "response_body",
             "response_trailers")}
-        self._plugin_children: dict[tuple[str, int], object] = {}
+        self._plugin_children: dict[tuple[str, int], Histogram] = {}
 
     def model_label(self, model: str) -> str:
         """`model` as a label value, or `__other__` once `max_model_labels` names have been seen."""
@@ -94,4 +94,4 @@ class EppMetrics:
                 extension_point, getattr(plugin, "type_name", type(plugin).__name__),
                 getattr(plugin, "name", ""))
             self._plugin_children[key] = child
-        child.observe(seconds)  # type: ignore[attr-defined]
+        child.observe(seconds)

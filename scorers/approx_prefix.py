@@ -88,8 +88,8 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
     def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
         super().__init__(name)
         self.auto_tune = params.bool("autoTune", True)
-        block_tokens = params.int("blockSizeTokens", None)  # type: ignore[arg-type]
-        legacy_chars = params.int("blockSize", None)  # type: ignore[arg-type]
+        block_tokens = params.int("blockSizeTokens", None)
+        legacy_chars = params.int("blockSize", None)
         if legacy_chars is not None and block_tokens is None:
             raise ConfigError(f"plugin {name!r}: parameter 'blockSize' (characters) is deprecated; "
                               "set 'blockSizeTokens' instead")

@@ -25,7 +25,7 @@ class PrefixCacheScorer(Scorer):
         super().__init__(name)
         legacy: dict[str, Any] = {}
         for key in LEGACY_PRODUCER_PARAMETERS:
-            value = params.bool(key, None) if key == "autoTune" else params.int(key, None)  # type: ignore[arg-type]
+            value = params.bool(key, None) if key == "autoTune" else params.int(key, None)
             if value is not None:
                 legacy[key] = value
         # v1.0 `hashBlockSize` counted characters; the producer counts tokens of 4 characters.

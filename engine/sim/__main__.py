@@ -101,21 +101,32 @@ async def _run_fleet(config: FleetConfig) -> None:
         await stop.wait()
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Entry point of ``python -m epp.engine.sim``."""
-    parser = argparse.ArgumentParser(prog="python -m epp.engine.sim", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    _fleet_parser(sub)
-    w = sub.add_parser("worker", help=argparse.SUPPRESS)
-    w.add_argument("--config", required=True)
-    w.add_argument("--indices", required=True)
+def _run_worker(argv: list[str]) -> None:
+    """``worker``: a process SimFleet starts to host some of its replicas (internal, not in --help)."""
+    parser = argparse.ArgumentParser(prog="python -m epp.engine.sim worker")
+    parser.add_argument("--config", required=True, help="the FleetConfig as JSON")
+    parser.add_argument("--indices", required=True, help="comma list of the replica indices to host")
     args = parser.parse_args(argv)
-    if args.cmd == "fleet":
-        asyncio.run(_run_fleet(_config(args)))
-    else:
-        config = FleetConfig(**json.loads(args.config))
-        asyncio.run(run_worker(config, [int(i) for i in args.indices.split(",")]))
+    config = FleetConfig(**json.loads(args.config))
+    asyncio.run(run_worker(config, [int(i) for i in args.indices.split(",")]))
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m epp.engine.sim") -> None:
+    """Entry point of ``python -m epp.engine.sim`` (and of ``epp sim``, which passes its `prog`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["worker"]:
+        _run_worker(argv[1:])
+        return
+    parser = argparse.ArgumentParser(
+        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="The vLLM simulator: replicas that speak vLLM's HTTP API, /metrics and KV events.\n\n"
+                    f"`{prog} fleet` runs them until SIGINT/SIGTERM; the first line on stdout is the endpoints\n"
+                    "list ip:port,ip:port,... (what `epp serve --endpoints` takes); replica details go to\n"
+                    "stderr as JSON lines.")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    _fleet_parser(sub)
+    args = parser.parse_args(argv)
+    asyncio.run(_run_fleet(_config(args)))
 
 
 if __name__ == "__main__":

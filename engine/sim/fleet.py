@@ -107,6 +107,7 @@ def default_tokenizer_dir(seed: int = 0) -> str:
 
     tmp = Path(tempfile.mkdtemp(prefix="epp-sim-tok-"))
     write_tiny_model(tmp, seed=seed, weights=False)
+    tmp.chmod(0o755)  # mkdtemp makes it 0700: other users of this host must be able to read the shared copy
     try:
         os.replace(tmp, dest)  # atomic: concurrent writers race harmlessly
     except OSError:

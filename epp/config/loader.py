@@ -28,7 +28,7 @@ from epp.framework.plugin import (
     ResponseHeadersHook,
     Scorer,
 )
-from epp.framework.registry import PluginRegistry, default_registry
+from epp.framework.registry import PluginRegistry, default_registry, did_you_mean
 from epp.framework.scheduler import Scheduler, SchedulerProfile, WeightedScorer
 
 API_VERSION = "inference.networking.x-k8s.io/v1alpha1"
@@ -191,8 +191,9 @@ class _Builder:
             raise self.fail(path, f"must be a mapping with fields {list(allowed)}, got {type(value).__name__}")
         for key in value:
             if key not in allowed:
+                hint = did_you_mean(str(key), allowed)
                 raise self.fail(f"{path}.{key}" if path else str(key),
-                                f"unknown field; allowed fields: {', '.join(allowed)}")
+                                f"unknown field{hint}; allowed fields: {', '.join(allowed)}")
         for key in required:
             if value.get(key) in (None, ""):
                 raise self.fail(f"{path}.{key}" if path else key, "is required")
@@ -214,7 +215,8 @@ class _Builder:
         name = self.string(value, path)
         entry = self.by_name.get(name)
         if entry is None:
-            raise self.fail(path, f"unknown plugin {name!r}; defined plugins: {', '.join(self.by_name) or 'none'}")
+            raise self.fail(path, f"unknown plugin {name!r}{did_you_mean(name, self.by_name)}; "
+                                  f"defined plugins: {', '.join(self.by_name) or 'none'}")
         return entry
 
     # -- plugins --------------------------------------------------------------------------------
@@ -259,11 +261,13 @@ class _Builder:
 
     def default_picker(self) -> Picker:
         for entry in self.entries:
-            if entry.auto_created and entry.type_name == DEFAULT_PICKER_TYPE:
-                return entry.plugin  # type: ignore[return-value]
+            if entry.auto_created and entry.type_name == DEFAULT_PICKER_TYPE and isinstance(entry.plugin, Picker):
+                return entry.plugin
         entry = self.add_plugin(DEFAULT_PICKER_TYPE, self.free_name(DEFAULT_PICKER_TYPE), None,
                                 "schedulingProfiles", auto_created="profile without a picker")
-        return entry.plugin  # type: ignore[return-value]
+        if not isinstance(entry.plugin, Picker):
+            raise self.fail("schedulingProfiles", f"the default picker type {DEFAULT_PICKER_TYPE} is no picker")
+        return entry.plugin
 
     def build_profile(self, name: str, refs: list[tuple[PluginEntry, Any, str]], path: str) -> SchedulerProfile:
         filters: list[Filter] = []
@@ -317,6 +321,9 @@ class _Builder:
             for j, raw_ref in enumerate(self.sequence(item.get("plugins"), f"{path}.plugins", "plugin references")):
                 ref_path = f"{path}.plugins[{j}]"
                 ref_item = self.mapping(raw_ref, ref_path, PROFILE_PLUGIN_FIELDS, required=("pluginRef",))
+                if "weight" in ref_item and ref_item["weight"] is None:
+                    raise self.fail(f"{ref_path}.weight", f"is empty; give a non-negative number, or leave the "
+                                                          f"field out for the default {DEFAULT_SCORER_WEIGHT:g}")
                 refs.append((self.ref(ref_item["pluginRef"], f"{ref_path}.pluginRef"), ref_item.get("weight"),
                              ref_path))
             profiles[name] = self.build_profile(name, refs, path)
@@ -341,7 +348,9 @@ class _Builder:
                 check(list(profiles))
             except ConfigError as exc:
                 raise self.fail("schedulingProfiles", f"profile handler {entry.name!r}: {exc}") from None
-        return entry.plugin  # type: ignore[return-value]
+        if not isinstance(entry.plugin, ProfileHandler):
+            raise self.fail("plugins", f"the default profile handler type {entry.type_name} is no profile handler")
+        return entry.plugin
 
     # -- data producers -------------------------------------------------------------------------
 
@@ -417,7 +426,8 @@ class _Builder:
                 raise self.fail("plugins", "data producers depend on each other in a cycle: "
                                            + ", ".join(e.name for e in remaining))
             for entry in ready:
-                ordered.append(entry.plugin)  # type: ignore[arg-type]
+                if isinstance(entry.plugin, DataProducer):
+                    ordered.append(entry.plugin)
                 placed.add(entry.name)
             remaining = [e for e in remaining if e.name not in placed]
         return tuple(ordered)
@@ -533,12 +543,30 @@ class _Builder:
 def load_config_text(text: str, *, source: str = "<config-text>", registry: PluginRegistry | None = None,
                      context: PluginContext | None = None) -> LoadedConfig:
     """Load an `EndpointPickerConfig` from YAML text; `source` names it in error messages."""
+    loader = _StrictYamlLoader(text)
+    loader.name = source  # YAML errors name the file, not "<unicode string>"
     try:
-        doc = yaml.load(text, Loader=_StrictYamlLoader)  # noqa: S506 - a SafeLoader subclass
+        doc = loader.get_single_data()
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: invalid YAML: {exc}") from None
+        raise ConfigError(f"{source}: invalid YAML: {_yaml_error(exc)}") from None
+    finally:
+        loader.dispose()
     builder = _Builder(source, registry or default_registry(), context or PluginContext())
     return builder.build(doc)
+
+
+def _yaml_error(exc: yaml.YAMLError) -> str:
+    """A YAML error on one line: where (line, column), what, and the construct it was inside."""
+    if not isinstance(exc, yaml.MarkedYAMLError) or exc.problem_mark is None:
+        return " ".join(str(exc).split())
+    mark = exc.problem_mark
+    text = f"line {mark.line + 1}, column {mark.column + 1}: {exc.problem}"
+    if exc.context:
+        inside = exc.context
+        if exc.context_mark is not None:
+            inside += f" at line {exc.context_mark.line + 1}, column {exc.context_mark.column + 1}"
+        text += f" ({inside})"
+    return text
 
 
 def load_config(path: str | os.PathLike[str], *, registry: PluginRegistry | None = None,
@@ -559,11 +587,17 @@ def load_default_config(*, registry: PluginRegistry | None = None,
     return load_config_text(DEFAULT_CONFIG_YAML, source="<default config>", registry=registry, context=context)
 
 
+def _yaml_value(value: Any) -> str:
+    """A parameter value as it would be written in the YAML file (`true`, not Python's `True`)."""
+    dumped = yaml.safe_dump(value, default_flow_style=True, width=math.inf, allow_unicode=True).strip()
+    return dumped.removesuffix("\n...").strip()
+
+
 def _plugin_line(entry: PluginEntry) -> str:
     details = getattr(entry.plugin, "describe", None)
     text = details() if callable(details) else ""
     if not text and entry.parameters:
-        text = ", ".join(f"{k}={v!r}" for k, v in entry.parameters.items())
+        text = ", ".join(f"{k}={_yaml_value(v)}" for k, v in entry.parameters.items())
     line = f"{entry.name} (type {entry.type_name}; {', '.join(_kinds(entry.plugin)) or 'config'})"
     if text:
         line += f" [{text}]"

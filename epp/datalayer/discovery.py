@@ -54,8 +54,9 @@ class Discovery(abc.ABC):
         done, _ = await asyncio.wait({waiter, self._task}, timeout=first_sync_timeout,
                                      return_when=asyncio.FIRST_COMPLETED)
         waiter.cancel()
-        if self._task in done and self._task.exception() is not None:
-            raise self._task.exception()  # type: ignore[misc]
+        failure = self._task.exception() if self._task in done else None
+        if failure is not None:
+            raise failure
         return self._synced.is_set()
 
     async def stop(self) -> None:

@@ -89,12 +89,15 @@ class EndpointRegistry:
         endpoints: dict[str, Endpoint] = {}
         for name, spec in wanted.items():
             old = self._endpoints.get(name)
-            labels = MappingProxyType(dict(spec.labels))
             if old is None:
-                ep = Endpoint(spec.address, spec.port, labels, EndpointMetrics(), spec.metrics_port)
+                ep = Endpoint(spec.address, spec.port, MappingProxyType(dict(spec.labels)), EndpointMetrics(),
+                              spec.metrics_port)
                 added.append(ep)
+            elif old.labels == spec.labels and old.metrics_port == spec.metrics_port:
+                ep = old  # unchanged: a view of 1,000s of endpoints with one change stays cheap
             else:
-                ep = dataclasses.replace(old, labels=labels, metrics_port=spec.metrics_port)
+                ep = dataclasses.replace(old, labels=MappingProxyType(dict(spec.labels)),
+                                         metrics_port=spec.metrics_port)
             endpoints[name] = ep
         self._endpoints = endpoints
         self._rebuild()

@@ -25,7 +25,7 @@ from epp.framework.plugin import (
     ScorerCategory,
     clamp_score,
 )
-from epp.framework.registry import PluginRegistry, PluginSpec, default_registry, register_plugin
+from epp.framework.registry import PluginParams, PluginRegistry, PluginSpec, default_registry, register_plugin
 from epp.framework.types import (
     ApiKind,
     Endpoint,
@@ -38,7 +38,7 @@ __all__ = [
     "Admitter", "ApiKind", "Booking", "EndpointLoad", "InflightLedger", "estimate_prompt_tokens",
     "ConfigError", "CycleState", "DataProducer", "Endpoint",
     "EndpointMetrics", "ErrorCode", "Filter", "InferenceError", "InferenceRequest", "Picker",
-    "Plugin", "PluginContext", "PluginRegistry", "PluginSpec", "PreRequestHook",
+    "Plugin", "PluginContext", "PluginParams", "PluginRegistry", "PluginSpec", "PreRequestHook",
     "ProfileHandler", "ProfileRunResult", "ResponseCompleteHook", "ResponseHeadersHook",
     "ResponseInfo", "ScoredEndpoint", "Scorer", "ScorerCategory", "SchedulingResult",
     "clamp_score", "default_registry", "register_plugin",

@@ -6,12 +6,14 @@ plugins in `epp.scorers` register through that same group, exactly like an outsi
 
 from __future__ import annotations
 
+import builtins
+import difflib
 import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any
+from typing import Any, overload
 
 from epp.framework.errors import ConfigError
 from epp.framework.plugin import Plugin, PluginContext
@@ -31,7 +33,7 @@ class PluginParams:
         self._raw = dict(raw or {})
         self._seen: set[str] = set()
 
-    def _get(self, key: str, default: Any, kinds: tuple[type, ...], what: str) -> Any:
+    def _get(self, key: builtins.str, default: Any, kinds: tuple[type, ...], what: builtins.str) -> Any:
         self._seen.add(key)
         if key not in self._raw or self._raw[key] is None:
             return default
@@ -42,37 +44,72 @@ class PluginParams:
             raise ConfigError(f"plugin {self._plugin!r}: parameter {key!r} must be {what}, got {value!r}")
         return value
 
-    def int(self, key: str, default: int, *, minimum: int | None = None) -> int:
-        value = self._get(key, default, (int,), "an integer")
-        if minimum is not None and value < minimum:
+    # The method names shadow the builtins inside the class body, hence `builtins.` in annotations.
+    @overload
+    def int(self, key: builtins.str, default: builtins.int, *,
+            minimum: builtins.int | None = None) -> builtins.int: ...
+
+    @overload
+    def int(self, key: builtins.str, default: builtins.int | None, *,
+            minimum: builtins.int | None = None) -> builtins.int | None: ...
+
+    def int(self, key: builtins.str, default: builtins.int | None, *,
+            minimum: builtins.int | None = None) -> builtins.int | None:
+        """An integer parameter; `default` (None: unset) when absent."""
+        value: builtins.int | None = self._get(key, default, (builtins.int,), "an integer")
+        if minimum is not None and value is not None and value < minimum:
             raise ConfigError(f"plugin {self._plugin!r}: parameter {key!r} must be >= {minimum}, got {value}")
         return value
 
-    def float(self, key: str, default: float, *, minimum: float | None = None,
-              maximum: float | None = None) -> float:
-        value = float(self._get(key, default, (int, float), "a number"))
+    def float(self, key: builtins.str, default: builtins.float, *, minimum: builtins.float | None = None,
+              maximum: builtins.float | None = None) -> builtins.float:
+        """A number parameter (an integer is accepted), within [minimum, maximum] when given."""
+        value = builtins.float(self._get(key, default, (builtins.int, builtins.float), "a number"))
         if minimum is not None and value < minimum:
             raise ConfigError(f"plugin {self._plugin!r}: parameter {key!r} must be >= {minimum}, got {value}")
         if maximum is not None and value > maximum:
             raise ConfigError(f"plugin {self._plugin!r}: parameter {key!r} must be <= {maximum}, got {value}")
         return value
 
-    def bool(self, key: str, default: bool) -> bool:
-        return self._get(key, default, (bool,), "true or false")
+    @overload
+    def bool(self, key: builtins.str, default: builtins.bool) -> builtins.bool: ...
 
-    def str(self, key: str, default: str | None, *, choices: Iterable[str] | None = None) -> str | None:
-        value = self._get(key, default, (str,), "a string")
+    @overload
+    def bool(self, key: builtins.str, default: builtins.bool | None) -> builtins.bool | None: ...
+
+    def bool(self, key: builtins.str, default: builtins.bool | None) -> builtins.bool | None:
+        """A true/false parameter; `default` (None: unset) when absent."""
+        value: builtins.bool | None = self._get(key, default, (builtins.bool,), "true or false")
+        return value
+
+    @overload
+    def str(self, key: builtins.str, default: builtins.str, *,
+            choices: Iterable[builtins.str] | None = None) -> builtins.str: ...
+
+    @overload
+    def str(self, key: builtins.str, default: builtins.str | None, *,
+            choices: Iterable[builtins.str] | None = None) -> builtins.str | None: ...
+
+    def str(self, key: builtins.str, default: builtins.str | None, *,
+            choices: Iterable[builtins.str] | None = None) -> builtins.str | None:
+        """A string parameter, one of `choices` when given; `default` (None: unset) when absent."""
+        value: builtins.str | None = self._get(key, default, (builtins.str,), "a string")
         if choices is not None and value is not None and value not in set(choices):
             raise ConfigError(
                 f"plugin {self._plugin!r}: parameter {key!r} must be one of {sorted(choices)}, got {value!r}"
             )
         return value
 
-    def list(self, key: str, default: list[Any] | None) -> list[Any] | None:
-        return self._get(key, default, (list,), "a list")
+    def list(self, key: builtins.str, default: builtins.list[Any] | None) -> builtins.list[Any] | None:
+        """A list parameter; `default` when absent."""
+        value: builtins.list[Any] | None = self._get(key, default, (builtins.list,), "a list")
+        return value
 
-    def mapping(self, key: str, default: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
-        return self._get(key, default, (dict,), "a mapping")
+    def mapping(self, key: builtins.str,
+                default: Mapping[builtins.str, Any] | None) -> Mapping[builtins.str, Any] | None:
+        """A mapping parameter; `default` when absent."""
+        value: Mapping[builtins.str, Any] | None = self._get(key, default, (dict,), "a mapping")
+        return value
 
     def finish(self) -> None:
         """Fail on any parameter the plugin did not read."""
@@ -81,6 +118,12 @@ class PluginParams:
             raise ConfigError(
                 f"plugin {self._plugin!r}: unknown parameter(s) {unknown}; allowed: {sorted(self._seen) or 'none'}"
             )
+
+
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """` (did you mean 'x'?)` when a known name is close to `word` (a typo), else ``."""
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 PluginFactory = Callable[[str, PluginParams, PluginContext], Plugin]
@@ -119,7 +162,8 @@ class PluginRegistry:
             return self._specs[type_name]
         except KeyError:
             raise ConfigError(
-                f"unknown plugin type {type_name!r}; registered types: {', '.join(sorted(self._specs))}"
+                f"unknown plugin type {type_name!r}{did_you_mean(type_name, self._specs)}; "
+                f"registered types: {', '.join(sorted(self._specs))}"
             ) from None
 
     def types(self) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from epp.config.loader import LoadedConfig, load_config_text, load_default_config
+from epp.config.loader import LoadedConfig, load_config, load_config_text, load_default_config
 from epp.datalayer.discovery import Discovery, FileDiscovery, StaticDiscovery
 from epp.datalayer.registry import EndpointRegistry
 from epp.datalayer.scraper import MetricsScraper
@@ -19,9 +19,10 @@ class Stoppable(Protocol):
 
 def load_config_for(options: Any, context: PluginContext) -> LoadedConfig:
     """The config of `options` (file or text), or GIE's system defaults when none is given."""
+    if options.config_file:
+        return load_config(options.config_file, context=context)
     if options.config_text:
-        return load_config_text(options.config_text, source=options.config_file or "<config-text>",
-                                context=context)
+        return load_config_text(options.config_text, context=context)
     return load_default_config(context=context)
 
 
@@ -49,10 +50,19 @@ def load_pipeline(options: Any, context: PluginContext) -> tuple[Pipeline, Admis
     return pipeline_of(loaded), admission, dict(loaded.objectives)
 
 
-async def start_data_layer(options: Any, registry: EndpointRegistry, metrics: EppMetrics) -> list[Stoppable]:
+async def start_data_layer(options: Any, registry: EndpointRegistry, metrics: EppMetrics,
+                           objectives: Any = None) -> list[Stoppable]:
     """Start discovery and metrics scraping; returns what must be stopped on shutdown."""
     discovery: Discovery
-    if options.endpoints_file:
+    if getattr(options, "pool_name", None) or getattr(options, "endpoint_selector", None):
+        from epp.datalayer.kubernetes import KubernetesDiscovery
+
+        discovery = KubernetesDiscovery(
+            registry, namespace=options.pool_namespace, pool_name=options.pool_name,
+            pool_group=options.pool_group, selector=options.endpoint_selector,
+            target_ports=options.endpoint_target_ports, kubeconfig=options.kubeconfig,
+            objectives=objectives, metrics_registry=metrics.registry)
+    elif options.endpoints_file:
         discovery = FileDiscovery(registry, options.endpoints_file)
     else:
         discovery = StaticDiscovery(registry, options.endpoints)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +14,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2_grpc
 from prometheus_client import start_http_server
 
+from epp.datalayer.kubernetes import ObjectivePriorities
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
 from epp.director import AdmissionPolicy, Director, Pipeline
 from epp.framework.plugin import PluginContext
@@ -23,6 +26,10 @@ from epp.server.health import HealthService
 from epp.server.tls import server_credentials
 
 log = logging.getLogger(__name__)
+
+
+class BindError(OSError):
+    """A port `epp serve` was told to listen on cannot be bound (in use, or not an address of this host)."""
 
 
 @dataclass
@@ -44,6 +51,15 @@ class ServeOptions:
     refresh_metrics_interval_s: float = 0.05
     scrape_metrics: bool = True
     disable_endpoint_subset_filter: bool = False
+    # Kubernetes discovery: an InferencePool, or standalone a label selector and target ports.
+    pool_name: str | None = None
+    pool_namespace: str = "default"
+    pool_group: str = "inference.networking.k8s.io"
+    endpoint_selector: dict[str, str] | None = None
+    endpoint_target_ports: tuple[int, ...] = ()
+    kubeconfig: str | None = None
+    # Active-passive HA (GIE): only the holder of the pool's Lease reports ready.
+    ha_enable_leader_election: bool = False
 
 
 class EppServer:
@@ -66,40 +82,58 @@ class EppServer:
         self._background: list[Any] = []
         self.draining = False
         self.director: Director | None = None
+        self.objectives = ObjectivePriorities()
+        self.leader: Any = None
 
     def is_ready(self) -> bool:
-        """Ready once discovery produced endpoints, until shutdown starts."""
-        return not self.draining and self.endpoints.synced and len(self.endpoints) > 0
+        """Ready once discovery produced endpoints (and, with leader election, while leader), until shutdown."""
+        return not self.draining and self.endpoints.synced and len(self.endpoints) > 0 and \
+            (self.leader is None or self.leader.is_leader)
 
     async def start(self) -> None:
         opts = self.options
+        if opts.ha_enable_leader_election and not opts.pool_name:
+            raise ValueError("--ha-enable-leader-election needs --pool-name (the lease is the pool's)")
         pipeline, admission, objectives = self._build_pipeline()
+        # Static objectives from the config; Kubernetes discovery layers InferenceObjectives over them.
+        self.objectives = ObjectivePriorities(objectives)
         self.director = Director(pipeline, self.endpoints, self.metrics, admission,
                                  use_subset_hint=not opts.disable_endpoint_subset_filter,
                                  ledger=self.context.load)
         register_ledger_metrics(self.context.load, self.endpoints, self.metrics.registry)
         await self._start_discovery()
+        if opts.ha_enable_leader_election:
+            from epp.server.leader_election import LeaderElection, lease_name
+
+            assert opts.pool_name is not None
+            self.leader = LeaderElection(namespace=opts.pool_namespace, name=lease_name(opts.pool_namespace,
+                                                                                        opts.pool_name),
+                                         kubeconfig=opts.kubeconfig, metrics_registry=self.metrics.registry)
+            await self.leader.start()
         for plugin in pipeline.plugins:
             await plugin.start()
-        service = ExtProcService(self.director, RequestParser(objectives), self.metrics,
+        parser = RequestParser(objectives)
+        parser.objective_priorities = self.objectives  # a live view: InferenceObjectives change at run time
+        service = ExtProcService(self.director, parser, self.metrics,
                                  max_body_bytes=opts.max_body_bytes)
         # Large bodies arrive in Envoy-sized pieces; the cap on whole messages only needs headroom.
         grpc_options = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
                         ("grpc.max_send_message_length", 64 * 1024 * 1024)]
         self._grpc = grpc.aio.server(options=grpc_options)
         pb_grpc.add_ExternalProcessorServicer_to_server(service, self._grpc)
-        address = f"{opts.bind_address}:{opts.grpc_port}"
-        if opts.secure_serving:
-            self.grpc_port = self._grpc.add_secure_port(address, server_credentials(opts.cert_path))
-        else:
-            self.grpc_port = self._grpc.add_insecure_port(address)
+        credentials = server_credentials(opts.cert_path) if opts.secure_serving else None
+        self.grpc_port = _bind(self._grpc, opts.bind_address, opts.grpc_port, "--grpc-port", credentials)
         self._health = grpc.aio.server()
         health_pb2_grpc.add_HealthServicer_to_server(HealthService(self.is_ready), self._health)
-        self.health_port = self._health.add_insecure_port(f"{opts.bind_address}:{opts.grpc_health_port}")
+        self.health_port = _bind(self._health, opts.bind_address, opts.grpc_health_port, "--grpc-health-port")
         await self._grpc.start()
         await self._health.start()
-        self._metrics_http, _thread = start_http_server(opts.metrics_port, opts.bind_address,
-                                                        registry=self.metrics.registry)
+        try:
+            self._metrics_http, _thread = start_http_server(opts.metrics_port, opts.bind_address,
+                                                            registry=self.metrics.registry)
+        except OSError as exc:
+            raise BindError(f"cannot listen on {opts.bind_address}:{opts.metrics_port} (--metrics-port): "
+                            f"{exc.strerror or exc}") from None
         self.metrics_port = self._metrics_http.server_port
         self.metrics.ready_endpoints.set_function(
             lambda: sum(1 for ep in self.endpoints.snapshot() if ep.healthy))
@@ -116,11 +150,13 @@ class EppServer:
     async def _start_discovery(self) -> None:
         from epp.server.pipeline import start_data_layer
 
-        self._background.extend(await start_data_layer(self.options, self.endpoints, self.metrics))
+        self._background.extend(await start_data_layer(self.options, self.endpoints, self.metrics, self.objectives))
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop taking new streams, let in-flight ones finish within `grace` seconds, then stop all."""
         self.draining = True
+        if self.leader is not None:  # hand the lease over first: a standby becomes ready meanwhile
+            await self.leader.stop()
         grace = self.options.grace_period_s if grace is None else grace
         if self._grpc is not None:
             await self._grpc.stop(grace)
@@ -143,12 +179,43 @@ class EppServer:
             await self._grpc.wait_for_termination()
 
 
-async def serve_forever(options: ServeOptions) -> None:
-    """Run until SIGTERM/SIGINT, then drain within the grace period."""
+def _bind(server: grpc.aio.Server, host: str, port: int, flag: str,
+          credentials: grpc.ServerCredentials | None = None) -> int:
+    """Add a listening port to a gRPC server; the port bound, or BindError naming the flag."""
+    address = f"{host}:{port}"
+    if port != 0:
+        # gRPC reports a taken port only as a core log line and a bare RuntimeError: probe it first
+        # for the reason. SO_REUSEADDR as gRPC sets it, so only a live listener counts as taken.
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as exc:
+                raise BindError(f"cannot listen on {address} ({flag}): {exc.strerror or exc}") from None
+    try:
+        bound = (server.add_secure_port(address, credentials) if credentials is not None
+                 else server.add_insecure_port(address))
+    except RuntimeError:  # taken between the probe and now
+        bound = 0
+    if bound == 0:
+        raise BindError(f"cannot listen on {address} ({flag}): the port is in use or the address is not local")
+    return bound
+
+
+async def serve_forever(options: ServeOptions, on_started: Callable[[EppServer], None] | None = None) -> None:
+    """Run until SIGTERM/SIGINT, then drain within the grace period; `on_started` is called once serving."""
     import signal
 
     server = EppServer(options)
-    await server.start()
+    try:
+        await server.start()
+    except BaseException:
+        # What did start (discovery, scrapers' HTTP sessions, plugins) is stopped before the error surfaces.
+        await server.stop(0)
+        raise
+    if on_started is not None:
+        on_started(server)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

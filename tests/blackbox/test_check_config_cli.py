@@ -8,35 +8,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.configs import endpoint_picker_config, objectives, plugin
+
 EPP = Path(sys.executable).with_name("epp")
 
-VALID = """\
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- name: prefix
-  type: prefix-cache-scorer
-- type: lora-affinity-scorer
-- type: max-score-picker
-  parameters:
-    maxNumOfEndpoints: 2
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: queue-scorer
-    weight: 2
-  - pluginRef: kv-cache-utilization-scorer
-    weight: 2
-  - pluginRef: prefix
-    weight: 3
-  - pluginRef: lora-affinity-scorer
-  - pluginRef: max-score-picker
-objectives:
-- name: batch
-  priority: -1
-"""
+# The cases below edit this document's text: a typo, a bad value, a broken line.
+VALID = endpoint_picker_config(
+    ["queue-scorer", "kv-cache-utilization-scorer", plugin("prefix-cache-scorer", name="prefix"),
+     "lora-affinity-scorer", plugin("max-score-picker", maxNumOfEndpoints=2)],
+    {"queue-scorer": 2, "kv-cache-utilization-scorer": 2, "prefix": 3, "lora-affinity-scorer": None,
+     "max-score-picker": None},
+    objectives=objectives(batch=-1))
 
 
 def check_config(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]:
@@ -66,10 +48,20 @@ def test_valid_file_prints_the_resolved_pipeline_and_exits_0(tmp_path):
 INVALID = [
     ("unknown plugin type",
      VALID.replace("- type: lora-affinity-scorer", "- type: lora-affinity-scorr"),
-     "plugins[3].type: unknown plugin type 'lora-affinity-scorr'; registered types: "),
+     "plugins[3].type: unknown plugin type 'lora-affinity-scorr' (did you mean 'lora-affinity-scorer'?); "
+     "registered types: "),
     ("unknown field",
      VALID.replace("    weight: 3", "    wieght: 3"),
-     "schedulingProfiles[0].plugins[2].wieght: unknown field; allowed fields: pluginRef, weight"),
+     "schedulingProfiles[0].plugins[2].wieght: unknown field (did you mean 'weight'?); "
+     "allowed fields: pluginRef, weight"),
+    ("empty weight",
+     VALID.replace("    weight: 3", "    weight:"),
+     "schedulingProfiles[0].plugins[2].weight: is empty; give a non-negative number, or leave the field out "
+     "for the default 1"),
+    ("YAML syntax",
+     VALID.replace("    maxNumOfEndpoints: 2", "    maxNumOfEndpoints: [2"),
+     "invalid YAML: line 12, column 19: expected ',' or ']', but got ':' "
+     "(while parsing a flow sequence at line 11, column 24)"),
     ("bad weight",
      VALID.replace("    weight: 3", "    weight: -3"),
      "schedulingProfiles[0].plugins[2].weight: must be a non-negative number, got -3"),
@@ -78,7 +70,8 @@ INVALID = [
      "plugins[4].parameters: plugin 'max-score-picker': parameter 'maxNumOfEndpoints' must be >= 1, got 0"),
     ("unknown reference",
      VALID.replace("  - pluginRef: prefix\n", "  - pluginRef: prefx\n"),
-     ("schedulingProfiles[0].plugins[2].pluginRef: unknown plugin 'prefx'; defined plugins: queue-scorer, "
+     ("schedulingProfiles[0].plugins[2].pluginRef: unknown plugin 'prefx' (did you mean 'prefix'?); "
+      "defined plugins: queue-scorer, "
       "kv-cache-utilization-scorer, prefix, lora-affinity-scorer, max-score-picker")),
     ("missing producer",
      VALID.replace("- type: lora-affinity-scorer", "- type: predicted-ttft-scorer")

@@ -13,6 +13,7 @@ import pytest
 
 from tests.blackbox.calls import gie_body, immediate, route
 from tests.blackbox.pods import FakeVllmPod, start_picker, start_pods, wait_for_scraped
+from tests.configs import gie_test_config, objectives
 from tests.extproc_support import (
     ExtProcClient,
     request_body,
@@ -23,29 +24,7 @@ from tests.extproc_support import (
 # GIE's integration-test config: queue + kv + prefix + lora at weight 1, max-score picker.
 # `critical` is a non-sheddable objective (priority 2), as in "no shedding at priority 2";
 # `batch` (priority -1) is sheddable.
-VECTOR_CONFIG = """
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- type: prefix-cache-scorer
-- type: lora-affinity-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: queue-scorer
-  - pluginRef: kv-cache-utilization-scorer
-  - pluginRef: prefix-cache-scorer
-  - pluginRef: lora-affinity-scorer
-  - pluginRef: max-score-picker
-objectives:
-- name: critical
-  priority: 2
-- name: batch
-  priority: -1
-"""
+VECTOR_CONFIG = gie_test_config(objectives=objectives(critical=2, batch=-1))
 
 
 @pytest.fixture

@@ -6,32 +6,15 @@ import pytest
 
 from tests.blackbox.calls import gie_body, immediate, route
 from tests.blackbox.pods import start_picker, start_pods, wait_for_scraped, wait_until
+from tests.configs import endpoint_picker_config, objectives, plugin
 from tests.extproc_support import ExtProcClient, request_body, request_headers
 
 # Staleness is widened from GIE's 200 ms to 1 s so that a busy test machine (the scraper shares
 # the event loop with the gRPC server) cannot make a healthy pool look saturated.
-CONFIG = """
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- type: utilization-detector
-  parameters:
-    metricsStalenessThreshold: 1s
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: queue-scorer
-  - pluginRef: kv-cache-utilization-scorer
-saturationDetector:
-  pluginRef: utilization-detector
-objectives:
-- name: batch
-  priority: -1
-- name: critical
-  priority: 2
-"""
+CONFIG = endpoint_picker_config(
+    ["queue-scorer", "kv-cache-utilization-scorer", plugin("utilization-detector", metricsStalenessThreshold="1s")],
+    ["queue-scorer", "kv-cache-utilization-scorer"],
+    saturationDetector={"pluginRef": "utilization-detector"}, objectives=objectives(batch=-1, critical=2))
 
 SHED = (429, b"inference error: ResourceExhausted - system saturated, sheddable request dropped")
 BATCH = ("x-gateway-inference-objective", "batch")

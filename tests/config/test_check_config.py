@@ -1,20 +1,9 @@
 """`epp check-config FILE`: prints the resolved pipeline (exit 0) or the error (exit 1)."""
 
 from epp.config.check import check_config_main
+from tests.configs import endpoint_picker_config
 
-GOOD = """apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: queue-scorer
-- type: prefix-cache-scorer
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: queue-scorer
-    weight: 2
-  - pluginRef: prefix-cache-scorer
-    weight: 3
-"""
+GOOD = endpoint_picker_config(["queue-scorer", "prefix-cache-scorer"], {"queue-scorer": 2, "prefix-cache-scorer": 3})
 
 
 def test_valid_config_prints_the_pipeline(tmp_path, capsys):
@@ -38,3 +27,23 @@ def test_invalid_config_prints_the_error(tmp_path, capsys):
     assert captured.out == ""
     assert captured.err == (f"error: {path}: schedulingProfiles[0].plugins[1].weight: "
                             "must be a non-negative number, got -3\n")
+
+
+def test_parameters_are_printed_as_they_are_written_in_yaml(tmp_path, capsys):
+    path = tmp_path / "legacy.yaml"
+    path.write_text(GOOD.replace("- type: prefix-cache-scorer\n",
+                                 "- type: prefix-cache-scorer\n  parameters: {autoTune: false, blockSize: 64}\n"))
+    assert check_config_main(str(path)) == 0
+    out = capsys.readouterr().out
+    assert "prefix-cache-scorer (type prefix-cache-scorer; scorer) [autoTune=false, blockSize=64]" in out
+    assert "False" not in out and "True" not in out
+
+
+def test_a_yaml_syntax_error_names_the_file_line_and_column(tmp_path, capsys):
+    path = tmp_path / "broken.yaml"
+    path.write_text(GOOD.replace("- type: queue-scorer\n", "- type: queue-scorer\n - type: oops\n"))
+    assert check_config_main(str(path)) == 1
+    err = capsys.readouterr().err
+    assert err == (f"error: {path}: invalid YAML: line 5, column 2: expected <block end>, but found "
+                   "'<block sequence start>' (while parsing a block mapping at line 1, column 1)\n")
+    assert "<unicode string>" not in err

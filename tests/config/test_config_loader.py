@@ -200,12 +200,14 @@ INVALID = [
     ("apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: Pod\n",
      "epp.yaml: kind: unsupported kind 'Pod'; allowed: EndpointPickerConfig"),
     (HEADER + "pluginz: []\n",
-     "epp.yaml: pluginz: unknown field; allowed fields: apiVersion, kind, plugins, schedulingProfiles, "
+     "epp.yaml: pluginz: unknown field (did you mean 'plugins'?); allowed fields: apiVersion, kind, plugins, "
+     "schedulingProfiles, "
      "saturationDetector, featureGates, dataLayer, parser, objectives"),
     (HEADER + "plugins:\n- type: queue-scorer\n  weight: 2\n",
      "epp.yaml: plugins[0].weight: unknown field; allowed fields: name, type, parameters"),
     (HEADER + "plugins:\n- name: x\n", "epp.yaml: plugins[0].type: is required"),
-    (HEADER + "plugins:\n- type: quue-scorer\n", "epp.yaml: plugins[0].type: unknown plugin type 'quue-scorer'; "
+    (HEADER + "plugins:\n- type: quue-scorer\n", "epp.yaml: plugins[0].type: unknown plugin type 'quue-scorer' "
+                                                "(did you mean 'queue-scorer'?); "
                                                 "registered types: active-request-scorer, "),
     (HEADER + "plugins:\n- type: queue-scorer\n- type: queue-scorer\n",
      "epp.yaml: plugins[1].name: duplicate plugin name 'queue-scorer'; plugin names must be unique "
@@ -246,7 +248,8 @@ INVALID = [
      "epp.yaml: schedulingProfiles[1].name: duplicate profile name 'a'; profile names must be unique"),
     (HEADER + P + "schedulingProfiles:\n- plugins: []\n", "epp.yaml: schedulingProfiles[0].name: is required"),
     (HEADER + P + "schedulingProfiles:\n- name: a\n  plugins:\n  - pluginRef: queue-scorer\n    wieght: 2\n",
-     "epp.yaml: schedulingProfiles[0].plugins[0].wieght: unknown field; allowed fields: pluginRef, weight"),
+     "epp.yaml: schedulingProfiles[0].plugins[0].wieght: unknown field (did you mean 'weight'?); "
+     "allowed fields: pluginRef, weight"),
     (HEADER + P + "schedulingProfiles:\n- name: a\n- name: b\n",
      "epp.yaml: plugins: 2 scheduling profiles need a profile handler plugin; registered types: "),
     (HEADER + "plugins:\n- type: single-profile-handler\nschedulingProfiles:\n- name: a\n- name: b\n",

@@ -35,7 +35,7 @@ class MetricsServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.port = self._runner.addresses[0][1]
         return self
 
     async def stop(self) -> None:

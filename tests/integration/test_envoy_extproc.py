@@ -15,20 +15,12 @@ from epp.datalayer.registry import parse_endpoint_list
 from epp.envoy import EnvoyProcess, render_config
 from epp.server.runner import EppServer, ServeOptions
 from tests.backends import EchoBackend
+from tests.configs import endpoint_picker_config
 from tests.conftest import free_port
 
 pytestmark = [pytest.mark.envoy, pytest.mark.asyncio(loop_scope="module")]
 
-RANDOM_PICKER_CONFIG = """
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: random-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: random-picker
-"""
+RANDOM_PICKER_CONFIG = endpoint_picker_config(["random-picker"], ["random-picker"])
 
 
 class Stack:

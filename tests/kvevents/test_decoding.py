@@ -44,17 +44,17 @@ def test_map_events_in_array_batch_decode_to_typed_events():
 
 def test_legacy_tagged_arrays_decode_by_position_with_trailing_fields_omitted():
     payload = wire.encode_batch([
-        wire.LegacyBlockStored([5], 4, [1, 2, 3, 4], 4, None, "CPU", "adapter"),
-        wire.LegacyBlockStored([6], None, [1, 2, 3, 4], 4, None),  # medium and lora omitted
-        wire.LegacyBlockRemoved([5], "STORAGE"),
-        wire.LegacyAllBlocksCleared(),
+        wire.legacy(wire.stored([5], [1, 2, 3, 4], parent=4, medium="CPU", lora_name="adapter")),
+        ["BlockStored", [6], None, [1, 2, 3, 4], 4, None],  # an older vLLM: medium and lora omitted
+        wire.legacy(wire.removed([5], "STORAGE")),
+        wire.legacy(wire.AllBlocksCleared()),
     ])
     raw = msgspec.msgpack.decode(payload)
     assert raw[1][0][0] == "BlockStored"  # really the positional form
     events = decode_batch(payload).events
     assert events[0] == BlockStored((5,), 4, (1, 2, 3, 4), 4, Tier.CPU, "adapter")
     assert events[1].tier is Tier.GPU and events[1].lora_name is None
-    assert events[2] == BlockRemoved((5,), Tier.DISK)
+    assert events[2] == BlockRemoved((5,), Tier.DISK, 0)
     assert isinstance(events[3], AllBlocksCleared)
 
 

@@ -15,6 +15,7 @@ import pytest
 from epp.engine.sim import FleetConfig, SimFleet
 from epp.engine.sim.fleet import default_tokenizer_dir
 from epp.kvevents.decoding import Tier
+from tests.configs import endpoint_picker_config, plugin
 from tests.precise.support import (
     Picker,
     fleet_specs,
@@ -30,23 +31,13 @@ BLOCK = 16
 GPU_BLOCKS = 32
 QUESTION = " Now answer the question about that document in one word."
 
-CONFIG = """
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: precise-prefix-cache-producer
-  parameters:
-    blockSizeTokens: 16
-    tokenizers: {sim-model: "%(tokenizer_dir)s"}
-    tierWeights: {gpu: 1.0, %(tier)s: %(weight)s}
-- type: prefix-cache-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: prefix-cache-scorer
-  - pluginRef: max-score-picker
-"""
+def picker_config(tokenizer_dir: str, tier: str, weight: float) -> str:
+    """Prefix routing from KV events, an offload tier's blocks counting `weight` of a GPU block."""
+    return endpoint_picker_config(
+        [plugin("precise-prefix-cache-producer", blockSizeTokens=BLOCK, tokenizers={MODEL: tokenizer_dir},
+                tierWeights={"gpu": 1.0, tier: weight}),
+         "prefix-cache-scorer", "max-score-picker"],
+        ["prefix-cache-scorer", "max-score-picker"])
 
 
 @pytest.mark.parametrize("tier", ["cpu", "disk"])
@@ -68,8 +59,7 @@ async def test_offload_tier_weight_decides_between_long_offloaded_and_short_gpu_
             await post_completion(http, x, MODEL, prompt_of(tokenizer_dir, seed=seed, tokens=24 * BLOCK))
         await post_completion(http, y, MODEL, half)
 
-        pickers = {weight: await Picker.start(CONFIG % {"tokenizer_dir": tokenizer_dir, "tier": tier,
-                                                        "weight": weight}, fleet_specs(fleet.info))
+        pickers = {weight: await Picker.start(picker_config(tokenizer_dir, tier, weight), fleet_specs(fleet.info))
                    for weight in (0.8, 0.1)}
         try:
             for picker in pickers.values():

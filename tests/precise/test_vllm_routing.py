@@ -19,6 +19,7 @@ import pytest
 
 from epp.datalayer.registry import parse_endpoint_list
 from epp.engine.vllm.testing import TinyVllmServer, require_vllm_python, start_tiny_vllm
+from tests.configs import endpoint_picker_config, plugin
 from tests.precise.support import Picker, completion_body, prompt_of, wait_until
 
 pytestmark = pytest.mark.timeout(240)
@@ -30,32 +31,13 @@ PREFIX_TOKENS = 16 * BLOCK  # a 16-block prefix: a third of a replica's KV cache
 FILLER_TOKENS = 20 * BLOCK
 QUESTION = " Now answer the question about that document in one word."
 
-CONFIG = """
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: precise-prefix-cache-producer
-  parameters:
-    mode: per-endpoint
-    blockSizeTokens: 32
-    tokenizers: {tiny: "%(tokenizer_dir)s"}
-    speculativeTTL: 100ms
-    replayTimeout: 5s
-- type: prefix-cache-scorer
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: prefix-cache-scorer
-    weight: 10
-  - pluginRef: queue-scorer
-    weight: 1
-  - pluginRef: kv-cache-utilization-scorer
-    weight: 1
-  - pluginRef: max-score-picker
-"""
+def picker_config(tokenizer_dir: str) -> str:
+    """Precise prefix routing from each replica's KV events, well above the load scorers."""
+    return endpoint_picker_config(
+        [plugin("precise-prefix-cache-producer", mode="per-endpoint", blockSizeTokens=BLOCK,
+                tokenizers={MODEL: tokenizer_dir}, speculativeTTL="100ms", replayTimeout="5s"),
+         "prefix-cache-scorer", "queue-scorer", "kv-cache-utilization-scorer", "max-score-picker"],
+        {"prefix-cache-scorer": 10, "queue-scorer": 1, "kv-cache-utilization-scorer": 1, "max-score-picker": None})
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +83,7 @@ async def test_routing_follows_the_prefix_through_warm_up_eviction_and_a_picker_
     a, b = replicas
     ep_a, ep_b = endpoint_of(a), endpoint_of(b)
     tokenizer_dir = str(a.model_dir)
-    config = CONFIG % {"tokenizer_dir": tokenizer_dir}
+    config = picker_config(tokenizer_dir)
     specs = parse_endpoint_list(endpoints_arg(replicas))
     prefix = prompt_of(tokenizer_dir, seed=1, tokens=PREFIX_TOKENS)
     request = prefix + QUESTION

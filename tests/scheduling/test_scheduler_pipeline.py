@@ -6,25 +6,12 @@ import pytest
 
 from epp.config import load_config_text, load_default_config
 from epp.framework import ErrorCode, InferenceError
+from tests.configs import gie_test_config
 from tests.scheduling.sched_fixtures import builtin_registry, endpoint, request, run_cycle
 
 HEADER = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
 
-# GIE integration-test config: queue, kv-cache-utilization, prefix and lora-affinity scorers at weight 1.
-GIE_TEST_CONFIG = HEADER + """
-plugins:
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- type: prefix-cache-scorer
-- type: lora-affinity-scorer
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: queue-scorer
-  - pluginRef: kv-cache-utilization-scorer
-  - pluginRef: prefix-cache-scorer
-  - pluginRef: lora-affinity-scorer
-"""
+GIE_TEST_CONFIG = gie_test_config()
 
 
 def load(text):

@@ -7,10 +7,13 @@ import json
 import re
 import signal
 import sys
+import tempfile
+from pathlib import Path
 
 import aiohttp
 
 from epp.engine.sim import FleetConfig, SimFleet
+from epp.engine.sim.fleet import default_tokenizer_dir
 from tests.conftest import free_port
 
 ENDPOINTS = re.compile(r"^127\.0\.0\.1:\d+(,127\.0\.0\.1:\d+)*$")
@@ -95,3 +98,11 @@ async def test_centralized_mode_every_replica_dials_one_bound_subscriber(tokeniz
         sub.disable_monitor()
         monitor.close(0)
         sub.close(0)
+
+
+def test_the_shared_tokenizer_copy_is_readable_by_every_user_of_the_host(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    shared = Path(default_tokenizer_dir(seed=3))
+    assert shared.parent == tmp_path
+    assert shared.stat().st_mode & 0o777 == 0o755
+    assert all(f.stat().st_mode & 0o004 for f in shared.iterdir())  # the files too

@@ -206,3 +206,14 @@ def test_cli_refuses_invalid_options_with_exit_code_2(capsys, tmp_path):
     err = capsys.readouterr().err
     assert rc == 2
     assert "refused by the CPU platform" in err and "needs a CPU tier" in err
+
+
+def test_cli_dry_run_for_a_gpu_pod_does_not_hold_it_to_this_machines_ram(capsys):
+    # A 64 TiB CPU tier fits no machine this test runs on: the dry run previews another machine's command.
+    gpu_pod = ["--model", "/m", "--python", "/py", "--pod-ip", "10.0.0.9", "--cpu-offload-bytes", "64TiB",
+              "--dry-run"]
+    assert cli.main([*gpu_pod, "--platform", "gpu"]) == 0
+    assert "OffloadingConnector" in capsys.readouterr().out
+    # Without a named platform the dry run is for this machine, and its RAM is the limit.
+    assert cli.main(gpu_pod) == 2
+    assert "does not fit in RAM" in capsys.readouterr().err

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from epp.framework import CycleState, Endpoint, InferenceRequest, PluginContext, Scorer, ScorerCategory, clamp_score
-from epp.framework.registry import PluginParams
+from epp.framework import (
+    CycleState,
+    Endpoint,
+    InferenceRequest,
+    PluginContext,
+    PluginParams,
+    Scorer,
+    ScorerCategory,
+    clamp_score,
+)
 
 
 class KVHeadroomScorer(Scorer):

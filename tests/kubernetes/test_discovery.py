@@ -1,0 +1,406 @@
+"""Kubernetes discovery with the real kubernetes_asyncio client against the local API server."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from epp.datalayer.kubernetes import (
+    KubernetesDiscovery,
+    KubernetesDiscoveryError,
+    ObjectivePriorities,
+    PoolSpecError,
+    parse_selector,
+    parse_target_ports,
+    pool_view_of,
+)
+from epp.datalayer.registry import EndpointRegistry
+from tests.kubernetes.apiserver import (
+    PODS,
+    FakeApiServer,
+    inference_objective,
+    inference_pool,
+    pod,
+)
+
+
+async def wait_for(condition, timeout: float = 5.0, what: str = "condition") -> float:
+    """Seconds until `condition()` holds; fails after `timeout`."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    while not condition():
+        if loop.time() - start > timeout:
+            raise AssertionError(f"{what} not met within {timeout}s")
+        await asyncio.sleep(0.005)
+    return loop.time() - start
+
+
+def names(registry: EndpointRegistry) -> set[str]:
+    return {ep.name for ep in registry.snapshot()}
+
+
+class Rig:
+    """A registry fed by KubernetesDiscovery from the local API server."""
+
+    def __init__(self, api: FakeApiServer, kubeconfig: str, **kw) -> None:
+        self.api = api
+        self.registry = EndpointRegistry()
+        self.metrics = CollectorRegistry()
+        self.objectives = ObjectivePriorities({"static-objective": 7})
+        kw.setdefault("pool_name", "pool")
+        self.discovery = KubernetesDiscovery(self.registry, namespace="default", kubeconfig=kubeconfig,
+                                             objectives=self.objectives, metrics_registry=self.metrics,
+                                             watch_timeout_s=kw.pop("watch_timeout_s", 30), **kw)
+
+    def metric(self, name: str, labels: dict | None = None) -> float:
+        return self.metrics.get_sample_value(name, labels or {}) or 0.0
+
+
+@pytest.fixture
+async def rig(api, kubeconfig):
+    made = []
+
+    def make(**kw) -> Rig:
+        made.append(Rig(api, kubeconfig, **kw))
+        return made[-1]
+
+    yield make
+    for r in made:
+        await r.discovery.stop()
+
+
+async def test_ready_pods_of_the_pool_become_endpoints_with_their_metadata(api, rig):
+    api.apply(inference_pool("pool", {"app": "vllm"}, [8000, 8001]))
+    api.apply(pod("ready", "10.1.0.1", labels={"app": "vllm", "role": "decode"}, annotations={
+        "llm-epp.io/kv-events-port": "5557", "llm-epp.io/kv-replay-port": "5558", "unrelated/x": "y"}))
+    api.apply(pod("not-ready", "10.1.0.2", ready=False))
+    api.apply(pod("pending", None))
+    api.apply(pod("terminating", "10.1.0.3", terminating=True))
+    api.apply(pod("other-app", "10.1.0.4", labels={"app": "other"}))
+    api.apply(pod("one-port", "10.1.0.5", annotations={"inference.networking.k8s.io/active-ports": "8001"}))
+    r = rig()
+    assert await r.discovery.start(5.0)
+    assert names(r.registry) == {"10.1.0.1:8000", "10.1.0.1:8001", "10.1.0.5:8001"}
+    ep = r.registry.get("10.1.0.1:8001")
+    assert dict(ep.labels) == {"app": "vllm", "role": "decode", "kv-events-port": "5557", "kv-replay-port": "5558",
+                               "llm-epp.io/pod": "ready", "llm-epp.io/endpoint": "ready-rank-1"}
+    assert r.registry.get("10.1.0.5:8001").labels["llm-epp.io/endpoint"] == "one-port-rank-1"
+    assert r.metric("epp_kubernetes_discovered_endpoints") == 3
+    assert r.metric("epp_kubernetes_pool_synced") == 1
+    # The pods were listed with the pool's selector, then watched from the list's resourceVersion.
+    assert api.list_requests("pods")[0]["labelSelector"] == "app=vllm"
+    await wait_for(lambda: any(q.get("labelSelector") == "app=vllm" for q in api.watch_requests()), 2.0, "pod watch")
+    watch = next(q for q in api.watch_requests() if q.get("labelSelector") == "app=vllm")
+    assert watch["allowWatchBookmarks"] == "True" and int(watch["resourceVersion"]) > 1000
+
+
+async def test_pod_turning_ready_is_routable_within_two_seconds(api, rig):
+    api.apply(inference_pool("pool", {"app": "vllm"}, [8000]))
+    api.apply(pod("a", "10.1.0.1"))
+    api.apply(pod("b", "10.1.0.2", ready=False))
+    r = rig()
+    assert await r.discovery.start(5.0)
+    assert names(r.registry) == {"10.1.0.1:8000"}
+    api.apply(pod("b", "10.1.0.2", ready=True))
+    took = await wait_for(lambda: "10.1.0.2:8000" in names(r.registry), 2.0, "pod b routable")
+    assert took < 2.0
+
+
+async def test_deleted_or_unready_pod_is_dropped_at_once_and_never_comes_back(api, rig):
+    api.apply(inference_pool("pool", {"app": "vllm"}, [8000]))
+    for i in range(3):
+        api.apply(pod(f"p{i}", f"10.1.0.{i + 1}"))
+    r = rig(watch_timeout_s=1)
+    removed: list[str] = []
+    r.registry.add_listener(lambda added, gone: removed.extend(ep.name for ep in gone))
+    assert await r.discovery.start(5.0)
+    api.delete(pod("p0", None))
+    api.apply(pod("p1", "10.1.0.2", terminating=True))
+    await wait_for(lambda: names(r.registry) == {"10.1.0.3:8000"}, 2.0, "p0 and p1 gone")
+    assert sorted(removed) == ["10.1.0.1:8000", "10.1.0.2:8000"]
+    # Through watch restarts (the server ends each watch after 1 s) and a relist, they stay gone.
+    seen: set[str] = set()
+    deadline = time.monotonic() + 2.5
+    while time.monotonic() < deadline:
+        seen |= names(r.registry)
+        await asyncio.sleep(0.01)
+    assert seen == {"10.1.0.3:8000"}
+    assert r.metric("epp_kubernetes_watch_restarts_total", {"resource": "pods", "reason": "closed"}) >= 1
+
+
+async def test_pool_selector_and_target_port_changes_apply_live(api, rig):
+    api.apply(inference_pool("pool", {"app": "blue"}, [8000]))
+    api.apply(pod("blue", "10.1.0.1", labels={"app": "blue"}))
+    api.apply(pod("green", "10.1.0.2", labels={"app": "green"}))
+    r = rig()
+    assert await r.discovery.start(5.0)
+    assert names(r.registry) == {"10.1.0.1:8000"}
+    api.apply(inference_pool("pool", {"app": "green"}, [8000]))
+    await wait_for(lambda: names(r.registry) == {"10.1.0.2:8000"}, 2.0, "selector switched to green")
+    api.apply(inference_pool("pool", {"app": "green"}, [9000, 9001]))
+    await wait_for(lambda: names(r.registry) == {"10.1.0.2:9000", "10.1.0.2:9001"}, 2.0, "ports switched")
+    # A pod relabelled out of the selector leaves (the API server sends DELETED to the filtered watch).
+    api.apply(pod("green", "10.1.0.2", labels={"app": "blue"}))
+    await wait_for(lambda: names(r.registry) == set(), 2.0, "relabelled pod gone")
+    api.apply(pod("green", "10.1.0.2", labels={"app": "green"}))
+    await wait_for(lambda: names(r.registry) == {"10.1.0.2:9000", "10.1.0.2:9001"}, 2.0, "relabelled back")
+
+
+async def test_a_dropped_watch_resumes_from_its_resource_version_without_relisting(api, rig):
+    api.apply(inference_pool("pool", {"app": "vllm"}, [8000]))
+    api.apply(pod("a", "10.1.0.1"))
+    r = rig()
+    assert await r.discovery.start(5.0)
+    await wait_for(lambda: len(api.watchers) == 3, 2.0, "pool, pod and objective watches open")
+    pod_lists = len(api.list_requests("pods"))
+    last_rv = api.rv
+    assert api.drop_watches() == 3
+    # Changes while no watch is open arrive through the resumed watch.
+    api.apply(pod("b", "10.1.0.2"))
+    api.delete(pod("a", None))
+    await wait_for(lambda: names(r.registry) == {"10.1.0.2:8000"}, 3.0, "changes made while disconnected")
+    resumed = [q for q in api.watch_requests() if q.get("labelSelector") == "app=vllm"][-1]
+    assert int(resumed["resourceVersion"]) >= last_rv
+    assert len(api.list_requests("pods")) == pod_lists
+    assert r.metric("epp_kubernetes_watch_restarts_total", {"resource": "pods", "reason": "error"}) >= 1
+
+
+async def test_410_gone_relists_with_no_endpoint_lost_or_duplicated(api, rig):
+    api.apply(inference_pool("pool", {"app": "vllm"}, [8000]))
+    for i in range(20):
+        api.apply(pod(f"p{i}", f"10.1.0.{i + 1}"))
+    r = rig()
+    changes: list[tuple[set, set]] = []
+    r.registry.add_listener(lambda added, gone: changes.append(({e.name for e in added}, {e.name for e in gone})))
+    assert await r.discovery.start(5.0)
+    changes.clear()
+    await wait_for(lambda: len(api.watchers) == 3, 2.0, "watches open")
+    # Disconnect, change things, and compact history in one go: the resumed watch gets 410 Gone.
+    api.drop_watches()
+    api.delete(pod("p0", None))
+    api.apply(pod("p1", "10.1.0.2", ready=False))
+    api.apply(pod("new", "10.1.0.99"))
+    api.compact()
+    expected = {f"10.1.0.{i + 1}:8000" for i in range(2, 20)} | {"10.1.0.99:8000"}
+    await wait_for(lambda: r.metric("epp_kubernetes_lists_total", {"resource": "pods"}) == 2, 3.0, "relist")
+    await wait_for(lambda: names(r.registry) == expected, 2.0, "relisted view")
+    assert r.metric("epp_kubernetes_watch_restarts_total", {"resource": "pods", "reason": "expired"}) == 1
+    assert len(r.registry.snapshot()) == len(expected)  # no duplicates
+    # Kept endpoints were never removed and re-added: only the real differences were announced.
+    added = set().union(*(a for a, _ in changes))
+    gone = set().union(*(g for _, g in changes))
+    assert added == {"10.1.0.99:8000"} and gone == {"10.1.0.1:8000", "10.1.0.2:8000"}
+    # And the watch goes on from the relist.
+    api.apply(pod("later", "10.1.0.100"))
+    await wait_for(lambda: "10.1.0.100:8000" in names(r.registry), 2.0, "watch after relist")
+
+
+async def test_api_errors_back_off_and_recover(api, rig):
+    api.apply(inference_pool("pool", {"app": "vllm"}, [8000]))
+    api.apply(pod("a", "10.1.0.1"))
+    api.fail_next(4, 500)
+    r = rig()
+    assert await r.discovery.start(8.0)
+    assert names(r.registry) == {"10.1.0.1:8000"}
+    errors = sum(r.metric("epp_kubernetes_watch_restarts_total", {"resource": res, "reason": "error"})
+                 for res in ("pods", "inferencepools", "inferenceobjectives"))
+    assert errors == 4
+
+
+async def test_a_pool_that_does_not_exist_is_a_clear_error_and_not_ready(api, rig, caplog):
+    r = rig(pool_name="missing")
+    assert await r.discovery.start(1.0) is False
+    assert not r.registry.synced
+    assert "InferencePool default/missing (inference.networking.k8s.io/v1) does not exist" in r.discovery.pool_error
+    assert "does not exist" in caplog.text
+    assert r.metric("epp_kubernetes_pool_synced") == 0
+    # Created later, it is picked up by the pool watch.
+    api.apply(pod("a", "10.1.0.1"))
+    api.apply(inference_pool("missing", {"app": "vllm"}, [8000]))
+    await wait_for(lambda: names(r.registry) == {"10.1.0.1:8000"}, 3.0, "pool created")
+    assert r.discovery.pool_error is None
+    # Deleted again: no endpoints, so the picker is not ready.
+    api.delete(inference_pool("missing", {}, []))
+    await wait_for(lambda: len(r.registry) == 0, 2.0, "pool deleted")
+    assert r.metric("epp_kubernetes_pool_synced") == 0
+
+
+async def test_crds_not_installed_is_a_clear_error(kubeconfig, tmp_path):
+    api = FakeApiServer(resources=[PODS])
+    await api.start()
+    try:
+        r = Rig(api, api.write_kubeconfig(str(tmp_path / "kc")))
+        assert await r.discovery.start(1.0) is False
+        assert "does not serve inferencepools.inference.networking.k8s.io" in r.discovery.pool_error
+        assert "CRDs installed" in r.discovery.pool_error
+        await r.discovery.stop()
+    finally:
+        await api.stop()
+
+
+async def test_standalone_mode_needs_no_crds(tmp_path):
+    api = FakeApiServer(resources=[PODS])
+    await api.start()
+    try:
+        api.apply(pod("a", "10.1.0.1", labels={"app": "x", "tier": "y"}))
+        api.apply(pod("b", "10.1.0.2", labels={"app": "x", "tier": "z"}))
+        registry = EndpointRegistry()
+        discovery = KubernetesDiscovery(registry, namespace="default", selector=parse_selector("app=x,tier=y"),
+                                        target_ports=parse_target_ports("8000,8001"),
+                                        kubeconfig=api.write_kubeconfig(str(tmp_path / "kc")))
+        assert await discovery.start(5.0)
+        assert names(registry) == {"10.1.0.1:8000", "10.1.0.1:8001"}
+        assert api.list_requests("pods")[0]["labelSelector"] == "app=x,tier=y"
+        await discovery.stop()
+    finally:
+        await api.stop()
+
+
+async def test_bad_credentials_keep_the_picker_not_ready(api, tmp_path, caplog):
+    registry = EndpointRegistry()
+    discovery = KubernetesDiscovery(registry, namespace="default", pool_name="pool",
+                                    kubeconfig=api.write_kubeconfig(str(tmp_path / "kc"), token="wrong"))
+    api.apply(inference_pool("pool", {"app": "vllm"}, [8000]))
+    assert await discovery.start(1.0) is False
+    assert "401" in discovery.pool_error and "Unauthorized" in caplog.text
+    await discovery.stop()
+
+
+def test_flag_parsing_errors_name_the_flag():
+    assert parse_selector("app=x, tier==y") == {"app": "x", "tier": "y"}
+    assert parse_target_ports("8000,8001") == (8000, 8001)
+    for bad in ("app", "app!=x", ""):
+        with pytest.raises(KubernetesDiscoveryError, match="--endpoint-selector"):
+            parse_selector(bad)
+    for bad in ("http", "8000,8000", "0", ",".join(str(8000 + i) for i in range(9))):
+        with pytest.raises(KubernetesDiscoveryError, match="--endpoint-target-ports"):
+            parse_target_ports(bad)
+    with pytest.raises(KubernetesDiscoveryError, match="--endpoint-target-ports"):
+        KubernetesDiscovery(EndpointRegistry(), namespace="d", selector={"app": "x"})
+
+
+async def test_inference_objectives_set_priorities_over_the_static_fallback(api, rig):
+    api.apply(inference_pool("pool", {"app": "vllm"}, [8000]))
+    api.apply(pod("a", "10.1.0.1"))
+    api.apply(inference_objective("critical", 10, "pool"))
+    api.apply(inference_objective("batch", -1, "pool"))
+    api.apply(inference_objective("no-priority", None, "pool"))
+    api.apply(inference_objective("elsewhere", 99, "other-pool"))
+    r = rig()
+    assert await r.discovery.start(5.0)
+    await wait_for(lambda: "critical" in r.objectives, 2.0, "objectives listed")
+    assert dict(r.objectives) == {"static-objective": 7, "critical": 10, "batch": -1, "no-priority": 0}
+    api.apply(inference_objective("critical", 20, "pool"))
+    api.apply(inference_objective("static-objective", 1, "pool"))
+    await wait_for(lambda: r.objectives.get("critical") == 20 and r.objectives.get("static-objective") == 1,
+                   2.0, "objectives modified")
+    api.delete(inference_objective("static-objective", 1, "pool"))
+    api.delete(inference_objective("batch", -1, "pool"))
+    await wait_for(lambda: "batch" not in r.objectives, 2.0, "objective deleted")
+    assert r.objectives.get("static-objective") == 7  # back to the config's value
+    assert r.metric("epp_kubernetes_objectives") == 2
+
+
+async def test_a_thousand_pods_churning_end_in_exactly_the_ready_set(api, rig):
+    rng = random.Random(13)
+    api.apply(inference_pool("pool", {"app": "vllm"}, [8000]))
+    ready: dict[str, str] = {}
+
+    def put(i: int, is_ready: bool) -> None:
+        name, ip = f"pod-{i}", f"10.{i // 250}.{i % 250}.1"
+        api.apply(pod(name, ip, ready=is_ready))
+        if is_ready:
+            ready[name] = f"{ip}:8000"
+        else:
+            ready.pop(name, None)
+
+    for i in range(1000):
+        put(i, rng.random() < 0.8)
+    r = rig()
+    assert await r.discovery.start(10.0)
+    assert names(r.registry) == set(ready.values())
+    assert api.list_requests("pods")[0]["limit"] == "500"  # paged list
+    for round_ in range(6):
+        for _ in range(300):
+            i = rng.randrange(1200)
+            if rng.random() < 0.2 and f"pod-{i}" in {k for (_, k) in api.objects.get(("", "pods"), {})}:
+                api.delete(pod(f"pod-{i}", None))
+                ready.pop(f"pod-{i}", None)
+            else:
+                put(i, rng.random() < 0.7)
+        if round_ == 2:
+            api.drop_watches()
+        if round_ == 4:
+            api.drop_watches()
+            api.compact()
+        await asyncio.sleep(0.05)
+    await wait_for(lambda: names(r.registry) == set(ready.values()), 5.0, "final ready set")
+    assert len(r.registry.snapshot()) == len(ready)
+    assert r.metric("epp_kubernetes_discovered_endpoints") == len(ready)
+
+
+async def test_a_pool_with_an_unsupported_app_protocol_is_not_served(api, rig):
+    pool = inference_pool("pool", {"app": "vllm"}, [8000])
+    pool["spec"]["appProtocol"] = "kubernetes.io/h2c"
+    api.apply(pool)
+    api.apply(pod("a", "10.1.0.1"))
+    r = rig()
+    assert await r.discovery.start(1.0) is False
+    assert "appProtocol 'kubernetes.io/h2c' is not supported" in r.discovery.pool_error
+    pool["spec"]["appProtocol"] = "http"
+    api.apply(pool)
+    await wait_for(lambda: names(r.registry) == {"10.1.0.1:8000"}, 3.0, "pool served once it speaks http")
+
+
+async def test_v1alpha2_pools_are_read_with_pool_group_x_k8s(api, rig):
+    api.apply({"apiVersion": "inference.networking.x-k8s.io/v1alpha2", "kind": "InferencePool",
+               "metadata": {"name": "old-pool", "namespace": "default"},
+               "spec": {"selector": {"app": "vllm"}, "targetPortNumber": 8000,
+                        "extensionRef": {"name": "epp"}}})
+    api.apply(pod("a", "10.1.0.1"))
+    r = rig(pool_name="old-pool", pool_group="inference.networking.x-k8s.io")
+    assert await r.discovery.start(5.0)
+    assert names(r.registry) == {"10.1.0.1:8000"}
+    assert api.list_requests("inferencepools")[0] == {"limit": "500", "fieldSelector": "metadata.name=old-pool"}
+    assert any(p.startswith("/apis/inference.networking.x-k8s.io/v1alpha2/") for p, _ in api.requests)
+
+
+def test_pool_specs_that_cannot_be_used_name_the_field():
+    for spec, field in (({"targetPorts": [{"number": 8000}]}, "spec.selector"),
+                        ({"selector": {"matchLabels": {"a": "b"}}}, "spec.targetPorts"),
+                        ({"selector": {"matchLabels": {"a": "b"}}, "targetPorts": [{"number": 0}]}, "spec.targetPorts"),
+                        ({"selector": {"matchLabels": {"a": "b"}},
+                          "targetPorts": [{"number": 8000}, {"number": 8000}]}, "spec.targetPorts")):
+        with pytest.raises(PoolSpecError, match=field):
+            pool_view_of({"spec": spec})
+
+
+async def test_an_expired_continue_token_restarts_the_list(api, rig):
+    api.apply(inference_pool("pool", {"app": "vllm"}, [8000]))
+    for i in range(600):  # two pages
+        api.apply(pod(f"p{i}", f"10.1.{i // 250}.{i % 250 + 1}"))
+    api.expire_continue_tokens()
+    r = rig()
+    assert await r.discovery.start(5.0)
+    assert len(names(r.registry)) == 600
+    pages = [q for q in api.list_requests("pods")]
+    assert [("continue" in q) for q in pages] == [False, True, False, True]  # 410 on page 2, then a new list
+    assert r.metric("epp_kubernetes_watch_restarts_total", {"resource": "pods", "reason": "expired"}) == 1
+
+
+async def test_pod_metadata_changes_reach_the_endpoint_labels(api, rig):
+    api.apply(inference_pool("pool", {"app": "vllm"}, [8000]))
+    api.apply(pod("a", "10.1.0.1", annotations={"llm-epp.io/kv-events-port": "5557"}))
+    api.apply(pod("b", "10.1.0.2"))
+    r = rig()
+    assert await r.discovery.start(5.0)
+    untouched = r.registry.get("10.1.0.2:8000")
+    api.apply(pod("a", "10.1.0.1", labels={"app": "vllm", "role": "prefill"},
+                  annotations={"llm-epp.io/kv-events-port": "6000"}))
+    await wait_for(lambda: r.registry.get("10.1.0.1:8000").labels.get("kv-events-port") == "6000", 2.0, "relabel")
+    assert r.registry.get("10.1.0.1:8000").labels["role"] == "prefill"
+    assert r.registry.get("10.1.0.2:8000") is untouched  # the other endpoint (and its metrics) kept as it was

@@ -1,0 +1,218 @@
+"""deploy/kubernetes: every overlay renders with `kubectl kustomize`; built-in kinds validate against
+the Kubernetes OpenAPI schemas; custom resources against their API fields; the pieces refer to
+each other correctly (pool ↔ pods ↔ picker ↔ route ↔ autoscaler)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from epp.config.loader import load_config_text
+from epp.envoy import envoy_binary, render_config
+from tests.kubernetes.crd_schemas import CUSTOM_RESOURCE_SCHEMAS
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy" / "kubernetes"
+OVERLAYS = sorted(p.name for p in (DEPLOY / "overlays").iterdir() if (p / "kustomization.yaml").exists())
+# Kubernetes minor versions the built-in objects must be valid for.
+KUBERNETES_VERSIONS = ("1.30", "1.32", "1.34")
+BUILTIN_GROUPS = {"", "apps", "rbac.authorization.k8s.io", "policy", "networking.k8s.io"}
+NAMESPACE = "llm-serving"
+
+
+def kubectl() -> str:
+    path = shutil.which("kubectl")
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("kubectl is missing: .ci/run installs it (apt-get install kubectl)")
+        pytest.skip("kubectl not installed (CI installs it)")
+    return path
+
+
+def render(overlay: str) -> list[dict]:
+    out = subprocess.run([kubectl(), "kustomize", str(DEPLOY / "overlays" / overlay)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    return {overlay: render(overlay) for overlay in OVERLAYS}
+
+
+def group_of(obj: dict) -> str:
+    return obj["apiVersion"].rpartition("/")[0]
+
+
+def one(objects: list[dict], kind: str, name: str | None = None) -> dict:
+    found = [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+def test_the_overlays_are_the_documented_ones():
+    assert OVERLAYS == ["envoy", "gateway", "production"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_builtin_objects_validate_against_the_kubernetes_schemas(rendered, overlay):
+    builtin = [o for o in rendered[overlay] if group_of(o) in BUILTIN_GROUPS]
+    assert {"Deployment", "Service", "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "NetworkPolicy",
+            "PodDisruptionBudget"} <= {o["kind"] for o in builtin}
+    for version in KUBERNETES_VERSIONS:
+        for obj in builtin:
+            try:
+                kubernetes_validate.validate(obj, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                pytest.fail(f"{overlay}: {obj['kind']}/{obj['metadata']['name']} invalid for {version}: {exc}")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_custom_resources_match_their_api_fields(rendered, overlay):
+    custom = [o for o in rendered[overlay] if group_of(o) not in BUILTIN_GROUPS]
+    assert custom, "every overlay ships an InferencePool"
+    for obj in custom:
+        schema = CUSTOM_RESOURCE_SCHEMAS.get((obj["apiVersion"], obj["kind"]))
+        assert schema is not None, f"{overlay}: no schema for {obj['apiVersion']} {obj['kind']}"
+        try:
+            jsonschema.validate(obj, schema)
+        except jsonschema.ValidationError as exc:
+            pytest.fail(f"{overlay}: {obj['kind']}/{obj['metadata']['name']}: {exc.message} at {list(exc.path)}")
+
+
+def test_the_crd_schemas_reject_wrong_fields():
+    pool = {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool", "metadata": {"name": "p"},
+            "spec": {"selector": {"matchLabels": {"app": "x"}}, "targetPorts": [{"number": 8000}],
+                     "endpointPickerRef": {"name": "epp", "port": {"number": 9002}}}}
+    schema = CUSTOM_RESOURCE_SCHEMAS[("inference.networking.k8s.io/v1", "InferencePool")]
+    jsonschema.validate(pool, schema)
+    for broken in ({"targetPortNumber": 8000}, {"targetPorts": []}, {"selector": {"app": "x"}},
+                   {"endpointPickerRef": {"name": "epp", "portNumber": 9002}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({**pool, "spec": {**pool["spec"], **broken}}, schema)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_object_lands_in_the_serving_namespace(rendered, overlay):
+    for obj in rendered[overlay]:
+        if obj["kind"] != "Namespace":
+            assert obj["metadata"].get("namespace") == NAMESPACE, f"{obj['kind']}/{obj['metadata']['name']}"
+    for binding in (o for o in rendered[overlay] if o["kind"] == "RoleBinding"):
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "epp", "namespace": NAMESPACE}]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pool_pods_picker_and_traffic_refer_to_each_other(rendered, overlay):
+    objects = rendered[overlay]
+    pool = one(objects, "InferencePool")
+    vllm = one(objects, "Deployment", "vllm")
+    picker = one(objects, "Deployment", "epp")
+    service = one(objects, "Service", "epp")
+    pod_labels = vllm["spec"]["template"]["metadata"]["labels"]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    vllm_container = vllm["spec"]["template"]["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in vllm_container["ports"]}
+    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [ports["http"]]
+    # The KV-event ports announced to the picker are the ones the containers open.
+    annotations = vllm["spec"]["template"]["metadata"]["annotations"]
+    sidecar = vllm["spec"]["template"]["spec"]["containers"][1]
+    assert int(annotations["llm-epp.io/kv-events-port"]) == ports["kv-events"]
+    assert int(annotations["llm-epp.io/kv-replay-port"]) == ports["kv-replay"]
+    assert int(annotations["llm-epp.io/kv-disk-events-port"]) == sidecar["ports"][0]["containerPort"]
+    assert vllm_container["command"] == ["epp", "engine", "serve"]
+    assert sidecar["command"] == ["epp", "engine", "disk-manager"]
+    assert any(a.startswith("--disk-path=") for a in vllm_container["args"])
+    assert any(a.startswith("--cpu-offload-bytes=") for a in vllm_container["args"])
+    assert vllm_container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    # The pool names the picker's Service and port; the picker serves that pool with TLS.
+    ref = pool["spec"]["endpointPickerRef"]
+    assert ref["name"] == service["metadata"]["name"]
+    grpc = next(p for p in service["spec"]["ports"] if p["name"] == "grpc-ext-proc")
+    assert ref["port"]["number"] == grpc["port"] == 9002 and grpc["appProtocol"] == "http2"
+    args = picker["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert f"--pool-name={pool['metadata']['name']}" in args and "--secure-serving" in args
+    container = picker["spec"]["template"]["spec"]["containers"][0]
+    assert container["readinessProbe"]["grpc"] == {"port": 9003, "service": "readiness"}
+    assert container["livenessProbe"]["grpc"] == {"port": 9003, "service": "liveness"}
+    assert picker["spec"]["template"]["spec"]["serviceAccountName"] == "epp"
+    for objective in (o for o in objects if o["kind"] == "InferenceObjective"):
+        assert objective["spec"]["poolRef"]["name"] == pool["metadata"]["name"]
+    for route in (o for o in objects if o["kind"] == "HTTPRoute"):
+        backend = route["spec"]["rules"][0]["backendRefs"][0]
+        assert (backend["group"], backend["kind"], backend["name"]) == (
+            "inference.networking.k8s.io", "InferencePool", pool["metadata"]["name"])
+    for scaled in (o for o in objects if o["kind"] == "ScaledObject"):
+        assert scaled["spec"]["scaleTargetRef"]["name"] == "vllm"
+        queries = " ".join(t["metadata"]["query"] for t in scaled["spec"]["triggers"])
+        assert "vllm:num_requests_waiting" in queries and "vllm:kv_cache_usage_perc" in queries
+
+
+def test_the_picker_role_only_reads_what_discovery_needs(rendered):
+    role = one(rendered["gateway"], "Role", "epp")
+    granted = {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
+               for resource in rule["resources"] for verb in rule["verbs"]}
+    assert granted == {(g, r, v) for g, r in [("", "pods"), ("inference.networking.k8s.io", "inferencepools"),
+                                              ("inference.networking.x-k8s.io", "inferenceobjectives")]
+                       for v in ("list", "watch")}
+
+
+def test_only_the_gateway_reaches_the_ext_proc_port(rendered):
+    policy = one(rendered["envoy"], "NetworkPolicy")
+    assert policy["spec"]["podSelector"]["matchLabels"] == {"app": "epp"}
+    grpc_rules = [r for r in policy["spec"]["ingress"] if {"protocol": "TCP", "port": 9002} in r["ports"]]
+    assert len(grpc_rules) == 1 and grpc_rules[0]["from"]
+    selector = grpc_rules[0]["from"][0]["podSelector"]["matchLabels"]
+    envoy = one(rendered["envoy"], "Deployment", "envoy")
+    assert selector.items() <= envoy["spec"]["template"]["metadata"]["labels"].items()
+    vllm = one(rendered["envoy"], "Deployment", "vllm")
+    assert not selector.items() <= vllm["spec"]["template"]["metadata"]["labels"].items()
+    for rule in policy["spec"]["ingress"]:
+        if rule is not grpc_rules[0]:
+            assert all(p["port"] != 9002 for p in rule["ports"])
+
+
+def test_the_picker_config_in_the_config_map_loads(rendered):
+    config_map = next(o for o in rendered["gateway"] if o["kind"] == "ConfigMap"
+                      and o["metadata"]["name"].startswith("epp-config"))
+    loaded = load_config_text(config_map["data"]["picker.yaml"], source="epp-config")
+    assert loaded.objectives == {"batch": -1}
+
+
+def test_production_scales_and_keeps_two_pickers_one_ready_by_leader_election(rendered):
+    objects = rendered["production"]
+    picker = one(objects, "Deployment", "epp")
+    assert picker["spec"]["replicas"] == 2
+    assert "--ha-enable-leader-election" in picker["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert one(objects, "Role", "epp-leader-election")["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]}]
+    assert not any(o["kind"] == "Role" and o["metadata"]["name"] == "epp-leader-election" for o in rendered["gateway"])
+    assert one(objects, "PodDisruptionBudget", "epp")["spec"]["minAvailable"] == 1
+    assert one(objects, "PodMonitor")["spec"]["selector"]["matchLabels"] == {"app": "vllm"}
+    assert one(objects, "ServiceMonitor")["spec"]["selector"]["matchLabels"] == {"app": "epp"}
+    triggers = one(objects, "ScaledObject")["spec"]["triggers"]
+    assert [t["name"] for t in triggers] == ["waiting-requests", "kv-cache-usage"]
+
+
+@pytest.mark.envoy
+def test_the_envoy_overlay_runs_our_ext_proc_config_and_envoy_accepts_it(rendered, tmp_path):
+    bootstrap = (DEPLOY / "overlays" / "envoy" / "envoy-bootstrap.yaml").read_text()
+    assert bootstrap == render_config(listen_address="0.0.0.0", epp_tls=True,
+                                      epp_host=f"epp.{NAMESPACE}.svc.cluster.local"), \
+        "regenerate with: epp envoy-config --listen-address 0.0.0.0 --epp-tls " \
+        "--epp-host epp.llm-serving.svc.cluster.local"
+    config_map = next(o for o in rendered["envoy"] if o["kind"] == "ConfigMap"
+                      and o["metadata"]["name"].startswith("envoy-config"))
+    assert config_map["data"]["envoy.yaml"] == bootstrap
+    path = tmp_path / "envoy.yaml"
+    path.write_text(bootstrap)
+    out = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
