@@ -76,6 +76,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds between /metrics scrapes of each endpoint (default 0.05)")
     p.add_argument("--disable-endpoint-subset-filter", action="store_true",
                    help="ignore the subset hint from the data plane")
+    p.add_argument("--workers", default="1",
+                   help="picker processes sharing the ports (SO_REUSEPORT; one metrics page for all; a worker "
+                        "that exits is restarted): a number, or 'auto' for one per CPU (default 1)")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logs (-v info, -vv debug)")
 
 
@@ -172,13 +175,23 @@ def _run_serve(args: argparse.Namespace) -> int:
         grace_period_s=args.grace_period, refresh_metrics_interval_s=args.refresh_metrics_interval,
         disable_endpoint_subset_filter=args.disable_endpoint_subset_filter, **k8s)
     from epp.datalayer.kubernetes import KubernetesDiscoveryError
+    from epp.server.workers import WorkerStartError, supervise_forever, worker_count
 
     try:
-        _run_loop(serve_forever(options, on_started=_start_line(options)))
+        workers = worker_count(args.workers)
+    except ValueError as exc:
+        print(f"epp serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if workers == 1:
+            _run_loop(serve_forever(options, on_started=_start_line(options)))
+        else:
+            _run_loop(supervise_forever(options, workers, log_level=logging.getLogger().level,
+                                        on_started=_start_line(options)))
     except ConfigError as exc:
         print(f"epp serve: invalid configuration: {exc}", file=sys.stderr)
         return 2
-    except (BindError, KubernetesDiscoveryError) as exc:
+    except (BindError, KubernetesDiscoveryError, WorkerStartError) as exc:
         print(f"epp serve: {exc}", file=sys.stderr)
         return 2
     return 0
