@@ -76,6 +76,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds between /metrics scrapes of each endpoint (default 0.05)")
     p.add_argument("--disable-endpoint-subset-filter", action="store_true",
                    help="ignore the subset hint from the data plane")
+    p.add_argument("--peer-port", type=int, default=None,
+                   help="share this picker's routing decisions with its peers on this port (approximate prefix "
+                        "homes; protocol in proto/epp/peer/v1); default: no peer link")
+    p.add_argument("--peers", default="",
+                   help="the other pickers of the pool, host:port,... of their --peer-port (a full mesh: list "
+                        "every other picker); a picker that starts late catches up from one of them")
     p.add_argument("--workers", default="1",
                    help="picker processes sharing the ports (SO_REUSEPORT; one metrics page for all; a worker "
                         "that exits is restarted): a number, or 'auto' for one per CPU (default 1)")
@@ -167,13 +173,22 @@ def _run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"epp serve: {exc}", file=sys.stderr)
         return 2
+    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    bad_peer = next((p for p in peers if not p.rpartition(":")[2].isdigit() or not p.rpartition(":")[0]), None)
+    if bad_peer is not None:
+        print(f"epp serve: --peers: {bad_peer!r} is not host:port", file=sys.stderr)
+        return 2
+    if peers and args.peer_port is None:
+        print("epp serve: --peers needs --peer-port (peers follow each other both ways)", file=sys.stderr)
+        return 2
     options = ServeOptions(
         grpc_port=args.grpc_port, grpc_health_port=args.grpc_health_port, metrics_port=args.metrics_port,
         bind_address=args.bind_address, config_text=args.config_text, config_file=args.config_file,
         endpoints=endpoints, endpoints_file=args.endpoints_file, secure_serving=args.secure_serving,
         cert_path=args.cert_path, max_body_bytes=args.max_request_body_bytes,
         grace_period_s=args.grace_period, refresh_metrics_interval_s=args.refresh_metrics_interval,
-        disable_endpoint_subset_filter=args.disable_endpoint_subset_filter, **k8s)
+        disable_endpoint_subset_filter=args.disable_endpoint_subset_filter,
+        peer_port=args.peer_port, peers=peers, **k8s)
     from epp.datalayer.kubernetes import KubernetesDiscoveryError
     from epp.server.workers import WorkerStartError, supervise_forever, worker_count
 

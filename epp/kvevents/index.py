@@ -129,6 +129,11 @@ class KVBlockIndex:
         mask = self._keys.get(key, {}).get(endpoint, 0)
         return {t for t in Tier if mask & _BIT[t]}
 
+    def contents(self) -> dict[int, dict[str, frozenset[Tier]]]:
+        """Every confirmed request key with its endpoints and their tiers (tests and debugging: O(entries))."""
+        return {key: {ep: frozenset(t for t in Tier if mask & _BIT[t]) for ep, mask in holders.items() if mask}
+                for key, holders in self._keys.items()}
+
     # ---- events ------------------------------------------------------------------------------
     def apply_batch(self, endpoint: str, batch: DecodedBatch, model: str | None) -> ApplyStats:
         """Apply one decoded batch from `endpoint`'s publisher; `model` is the topic's model."""

@@ -63,6 +63,9 @@ class ServeOptions:
     # Set in a worker of `epp serve --workers N`: the ext_proc port is shared with the other workers
     # (SO_REUSEPORT, checked free by the supervisor), health and metrics bind private loopback ports.
     worker_index: int | None = None
+    # Peer link (epp.peer): serve this picker's decisions on this port (None: no link) and follow these pickers.
+    peer_port: int | None = None
+    peers: list[str] = field(default_factory=list)
 
 
 class EppServer:
@@ -87,16 +90,26 @@ class EppServer:
         self.director: Director | None = None
         self.objectives = ObjectivePriorities()
         self.leader: Any = None
+        self.peer: Any = None
 
     def is_ready(self) -> bool:
         """Ready once discovery produced endpoints (and, with leader election, while leader), until shutdown."""
         return not self.draining and self.endpoints.synced and len(self.endpoints) > 0 and \
-            (self.leader is None or self.leader.is_leader)
+            (self.leader is None or self.leader.is_leader) and \
+            (self.peer is None or self.peer.caught_up.is_set())
 
     async def start(self) -> None:
         opts = self.options
         if opts.ha_enable_leader_election and not opts.pool_name:
             raise ValueError("--ha-enable-leader-election needs --pool-name (the lease is the pool's)")
+        if opts.peer_port is not None:
+            # Before the pipeline is built: plugins take the sharing service from their context.
+            from epp.framework.sharing import SHARING_SERVICE
+            from epp.peer.node import PeerNode
+
+            self.peer = PeerNode(host="127.0.0.1" if opts.worker_index is not None else opts.bind_address,
+                                 port=opts.peer_port, peers=opts.peers, metrics_registry=self.metrics.registry)
+            self.context.services[SHARING_SERVICE] = self.peer
         pipeline, admission, objectives = self._build_pipeline()
         # Static objectives from the config; Kubernetes discovery layers InferenceObjectives over them.
         self.objectives = ObjectivePriorities(objectives)
@@ -115,6 +128,11 @@ class EppServer:
             await self.leader.start()
         for plugin in pipeline.plugins:
             await plugin.start()
+        if self.peer is not None:
+            try:
+                await self.peer.start()
+            except OSError as exc:
+                raise BindError(str(exc)) from None
         parser = RequestParser(objectives)
         parser.objective_priorities = self.objectives  # a live view: InferenceObjectives change at run time
         service = ExtProcService(self.director, parser, self.metrics,
@@ -171,6 +189,8 @@ class EppServer:
             await self._grpc.stop(grace)
         if self._health is not None:
             await self._health.stop(0)
+        if self.peer is not None:
+            await self.peer.stop()
         for item in reversed(self._background):
             await item.stop()
         if self.director is not None:

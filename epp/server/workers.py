@@ -160,6 +160,7 @@ class WorkerSupervisor:
         self._http: aiohttp.ClientSession | None = None
         self._monitor: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
+        self._sibling_ports: list[int] = []
 
     @property
     def endpoints(self) -> list[int]:
@@ -177,9 +178,14 @@ class WorkerSupervisor:
         if opts.ha_enable_leader_election:
             raise BindError("--ha-enable-leader-election needs --workers 1 (workers of one pod would "
                             "compete for the pool's lease)")
-        if opts.grpc_port == 0:
-            from epp.netutil import free_ports
+        if opts.peer_port is not None or opts.peers:
+            raise BindError("--peer-port/--peers need --workers 1 (the workers of one pod share their decisions "
+                            "among themselves over loopback)")
+        from epp.netutil import free_ports
 
+        # Each worker serves its decisions on a loopback port of its own and follows its siblings.
+        self._sibling_ports = free_ports(self.count)
+        if opts.grpc_port == 0:
             self.grpc_port = free_ports(1, "127.0.0.1" if opts.bind_address == "0.0.0.0" else opts.bind_address)[0]
         else:
             probe_port(opts.bind_address, opts.grpc_port, "--grpc-port")
@@ -226,7 +232,9 @@ class WorkerSupervisor:
 
     def _spawn(self, worker: WorkerState) -> None:
         parent_end, child_end = self._context.Pipe()
-        options = dataclasses.replace(self.options, grpc_port=self.grpc_port, worker_index=worker.index)
+        peers = [f"127.0.0.1:{port}" for i, port in enumerate(self._sibling_ports) if i != worker.index]
+        options = dataclasses.replace(self.options, grpc_port=self.grpc_port, worker_index=worker.index,
+                                      peer_port=self._sibling_ports[worker.index], peers=peers)
         process = self._context.Process(target=_worker_main, args=(options, child_end, self.log_level),
                                         name=f"epp-worker-{worker.index}", daemon=False)
         process.start()
