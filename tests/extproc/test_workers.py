@@ -20,7 +20,7 @@ from epp.server.metrics_merge import merge_pages
 from epp.server.workers import worker_count
 from tests.extproc_support import ExtProcClient, headers_of, request_body, request_headers
 
-ENDPOINTS = "127.0.0.1:1,127.0.0.1:2"
+ENDPOINTS = "127.0.0.1:1,127.0.0.1:2,127.0.0.1:3,127.0.0.1:4"
 BODY = json.dumps({"model": "m", "prompt": "hello", "max_tokens": 1}).encode()
 DESTINATION = "x-gateway-destination-endpoint"
 
@@ -56,13 +56,31 @@ def readiness(health_port: int) -> int | None:
             return None
 
 
+APPROXIMATE = """
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: approx-prefix-cache-producer
+  parameters: {autoTune: false, blockSizeTokens: 4, charsPerToken: 4}
+- type: prefix-cache-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: prefix-cache-scorer
+  - pluginRef: max-score-picker
+"""
+
+
 @pytest.fixture
-def two_workers():
+def two_workers(request):
     grpc_port, health_port, metrics_port = free_ports(3)
+    config = ["--config-text", APPROXIMATE] if getattr(request, "param", "") == "approximate" else []
     proc = subprocess.Popen(
         [sys.executable, "-m", "epp.cli", "serve", "--workers", "2", "--grpc-port", str(grpc_port),
          "--grpc-health-port", str(health_port), "--metrics-port", str(metrics_port), "--bind-address",
-         "127.0.0.1", "--endpoints", ENDPOINTS, "--refresh-metrics-interval", "60", "--grace-period", "1"],
+         "127.0.0.1", "--endpoints", ENDPOINTS, "--refresh-metrics-interval", "60", "--grace-period", "1",
+         *config],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_until(lambda: readiness(health_port) == health_pb2.HealthCheckResponse.SERVING, 60,
@@ -78,11 +96,11 @@ def two_workers():
                 proc.wait()
 
 
-async def route_once(port: int) -> str:
+async def route_once(port: int, body: bytes = BODY) -> str:
     """One request on a fresh connection (the kernel spreads connections, not streams, across workers)."""
     client = ExtProcClient(port)
     try:
-        replies = await client.exchange([request_headers(), request_body(BODY)], expect=2)
+        replies = await client.exchange([request_headers(), request_body(body)], expect=2)
         return headers_of(replies[0].request_headers.response.header_mutation)[DESTINATION]
     finally:
         await client.close()
@@ -139,6 +157,23 @@ async def test_a_killed_worker_is_replaced_while_the_other_keeps_serving(two_wor
     for _ in range(24):
         await route_once(grpc_port)
     assert metric_samples(metrics_port)['epp_worker_requests{worker="0"}'] > taken_before
+
+
+@pytest.mark.parametrize("two_workers", ["approximate"], indirect=True)
+async def test_workers_share_prefix_homes_so_a_group_stays_on_one_endpoint(two_workers):
+    _proc, grpc_port, _health_port, metrics_port = two_workers
+    systems = [f"You are assistant {g}. " + " ".join(f"rule{g}x{i}" for i in range(60)) for g in range(5)]
+    placed: dict[int, set[str]] = {}
+    for i in range(30):
+        group = i % len(systems)
+        body = json.dumps({"model": "m", "prompt": f"{systems[group]} question {i}", "max_tokens": 1}).encode()
+        placed.setdefault(group, set()).add(await route_once(grpc_port, body))
+        await asyncio.sleep(0.1)  # staleness bound with room to spare on a loaded machine
+    samples = metric_samples(metrics_port)
+    assert all(samples[f'epp_worker_requests{{worker="{w}"}}'] > 0 for w in ("0", "1"))
+    # Each worker applied the other's routes, and each group kept one home whichever worker routed it.
+    assert samples['epp_peer_decisions_received_total'] == 30
+    assert all(len(homes) == 1 for homes in placed.values()), placed
 
 
 def test_sigterm_stops_every_worker(two_workers):
