@@ -32,7 +32,7 @@ from epp.engine.sim import FleetConfig, SimFleet  # noqa: E402
 from epp.engine.sim.fleet import default_tokenizer_dir  # noqa: E402
 from epp.engine.sim.profiles import get_profile  # noqa: E402
 
-PROFILE, TIME_SCALE = "h100-llama3-8b", 5.0
+PROFILE = "h100-llama3-8b"
 
 
 async def send(http: aiohttp.ClientSession, url: str, body: dict) -> None:
@@ -71,9 +71,9 @@ async def main(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     prompts = [text_of_tokens(rng, rng.randint(256, 4096), tok, f"cal{i}:") for i in range(2 * args.requests)]
     contender = CONTENDERS[args.contender]
-    truth = get_profile(PROFILE).prefill_per_token * TIME_SCALE
+    truth = get_profile(PROFILE).prefill_per_token * args.time_scale
     config = FleetConfig(replicas=args.replicas, model="sim-model", tokenizer_dir=tok_dir, profile=PROFILE,
-                         time_scale=TIME_SCALE, num_gpu_blocks=4000, processes=1)
+                         time_scale=args.time_scale, num_gpu_blocks=4000, processes=1)
     async with SimFleet(config) as fleet, aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
         tuning = Tuning(tok_dir, 16, 0.0, 0)  # nothing about the simulator's costs
         with tempfile.TemporaryDirectory() as workdir:
@@ -92,7 +92,7 @@ async def main(args: argparse.Namespace) -> int:
             finally:
                 await router.stop()
     print(f"contender {contender.name}: {contender.description}")
-    print(f"{args.replicas} replicas ({PROFILE}, time scale {TIME_SCALE:g}), {args.requests} requests per phase, "
+    print(f"{args.replicas} replicas ({PROFILE}, time scale {args.time_scale:g}), {args.requests} requests per phase, "
           f"{args.rate:g} req/s then {args.rate / args.slowdown:g} req/s, {elapsed:.0f} s\n")
     print(table(f"after {args.requests} requests", before, truth))
     print()
@@ -106,6 +106,7 @@ if __name__ == "__main__":
     parser.add_argument("--rate", type=float, default=6.0, help="requests/s in phase 1 (default 6)")
     parser.add_argument("--slowdown", type=float, default=2.0, help="replica slowdown for phase 2 (default 2)")
     parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--time-scale", type=float, default=5.0, help="simulator slowdown (default 5)")
     parser.add_argument("--contender", default="epp-approx-ttft", choices=[n for n in CONTENDERS
                                                                           if CONTENDERS[n].kind == "epp"])
     parser.add_argument("--seed", type=int, default=7)

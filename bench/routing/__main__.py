@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--out", help="output directory (default bench/results/<scenario>)")
     run.add_argument("--rates", help="override the schedule: comma-separated open-loop rates (req/s, wall clock)")
     run.add_argument("--stage-seconds", type=float, help="override every stage's duration")
+    run.add_argument("--time-scale", type=float,
+                     help="override the simulator's slowdown (a busy machine: slower replicas need less CPU per "
+                          "wall second; divide --rates accordingly)")
     run.add_argument("--arrivals", choices=("poisson", "constant"), help="override the arrival process")
     run.add_argument("--concurrency", help="closed loop instead: comma-separated client counts, one stage each")
     run.add_argument("--continuous", action="store_true",
@@ -78,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # includes TraceFormatError: a bad trace file or knob
         parser.error(str(exc))
     scenario.stages = _schedule(scenario.stages, args)
+    if args.time_scale:
+        if args.time_scale <= 0:
+            parser.error("--time-scale must be > 0")
+        scenario.fleet = replace(scenario.fleet, time_scale=args.time_scale)
     scenario.continuous = scenario.continuous or args.continuous
     out = Path(args.out) if args.out else RESULTS / args.scenario
     command = "python -m bench.routing " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
