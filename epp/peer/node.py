@@ -25,6 +25,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from epp.framework.sharing import DecisionSharing, PrefixLearner, PrefixSnapshotter
+from epp.peer.ledger import SharedInflightLedger
 from epp.peer.v1 import peer_pb2 as pb
 from epp.peer.v1 import peer_pb2_grpc as pb_grpc
 
@@ -58,7 +59,9 @@ class PeerMetrics:
     def __init__(self, registry: CollectorRegistry | None) -> None:
         r = registry or CollectorRegistry()
         self.sent = Counter("epp_peer_decisions_sent", "Decisions sent to subscribed peers.", registry=r)
-        self.received = Counter("epp_peer_decisions_received", "Peers' decisions applied.", registry=r)
+        self.received = Counter("epp_peer_decisions_received", "Peers' decisions applied, by kind.", ["kind"],
+                                registry=r)
+        self.received_by_kind = {kind: self.received.labels(kind) for kind in ("prefix_routed", "booked", "released")}
         self.dropped = Counter("epp_peer_decisions_dropped",
                                "Decisions dropped for a subscriber that fell behind (oldest first).", registry=r)
         self.lost = Counter("epp_peer_decisions_lost", "Gaps seen in a peer's decision sequence.", registry=r)
@@ -89,7 +92,8 @@ class PeerNode(DecisionSharing, pb_grpc.PickerPeersServicer):
         self._snapshotter: PrefixSnapshotter | None = None
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._pending: deque[pb.Decision] = deque(maxlen=outbox_limit)
+        self._pending: deque[tuple[str, pb.Decision]] = deque(maxlen=outbox_limit)
+        self.ledger: SharedInflightLedger | None = None
         self._expected: dict[str, int] = {}
         self._subscribed: dict[str, asyncio.Event] = {peer: asyncio.Event() for peer in self.peers}
         self.snapshot_source: str | None = None
@@ -109,6 +113,22 @@ class PeerNode(DecisionSharing, pb_grpc.PickerPeersServicer):
         decision = pb.Decision(prefix_routed=pb.PrefixRouted(endpoint=endpoint, block_hashes=hashes,
                                                              capacity=capacity))
         self._publish(decision)
+
+    def publish_booked(self, ticket: int, endpoint: str, uncached_tokens: int) -> None:
+        """The own ledger booked a pick (SharedInflightLedger calls this)."""
+        if self._outboxes:
+            self._publish(pb.Decision(booked=pb.Booked(ticket=ticket, endpoint=endpoint,
+                                                       uncached_tokens=uncached_tokens)))
+
+    def publish_released(self, ticket: int, prefill_only: bool) -> None:
+        """A booking of the own ledger ended its prefill or ended."""
+        if self._outboxes:
+            self._publish(pb.Decision(released=pb.Released(ticket=ticket, prefill_only=prefill_only)))
+
+    def shared_ledger(self, **kwargs: Any) -> SharedInflightLedger:
+        """The in-flight ledger for this picker's PluginContext: its bookings go to the peers and theirs come in."""
+        self.ledger = SharedInflightLedger(self, **kwargs)
+        return self.ledger
 
     def _publish(self, decision: pb.Decision) -> None:
         seq = next(self._sequence)
@@ -195,6 +215,7 @@ class PeerNode(DecisionSharing, pb_grpc.PickerPeersServicer):
         backoff = 0.1
         while True:
             following = False
+            publisher = ""
             try:
                 async with grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS) as channel:
                     stub = pb_grpc.PickerPeersStub(channel)
@@ -206,6 +227,7 @@ class PeerNode(DecisionSharing, pb_grpc.PickerPeersServicer):
                             self._subscribed[address].set()
                             backoff = 0.1
                             self.metrics.following.inc()
+                        publisher = batch.picker_id
                         self._receive(batch)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
@@ -215,6 +237,8 @@ class PeerNode(DecisionSharing, pb_grpc.PickerPeersServicer):
             finally:
                 if following:
                     self.metrics.following.dec()
+                if publisher and self.ledger is not None:
+                    self.ledger.forget_peer(publisher)
             await asyncio.sleep(backoff)
             backoff = min(2.0, backoff * 2)
 
@@ -225,17 +249,27 @@ class PeerNode(DecisionSharing, pb_grpc.PickerPeersServicer):
                 self.metrics.lost.inc(max(0, batch.first_sequence - expected))
             self._expected[batch.picker_id] = batch.first_sequence + len(batch.decisions)
         if not self.caught_up.is_set():
-            self._pending.extend(batch.decisions)
+            self._pending.extend((batch.picker_id, d) for d in batch.decisions)
             return
-        self._apply(batch.decisions)
+        self._apply(batch.picker_id, batch.decisions)
 
-    def _apply(self, decisions: Sequence[pb.Decision]) -> None:
-        learner = self._learner
+    def _apply(self, picker: str, decisions: Sequence[pb.Decision]) -> None:
+        learner, ledger = self._learner, self.ledger
         for decision in decisions:
-            if decision.WhichOneof("kind") == "prefix_routed" and learner is not None:
-                route = decision.prefix_routed
-                learner(route.endpoint, route.block_hashes, route.capacity)
-        self.metrics.received.inc(len(decisions))
+            kind = decision.WhichOneof("kind")
+            counter = self.metrics.received_by_kind.get(kind or "")
+            if counter is not None:
+                counter.inc()
+            if kind == "prefix_routed":
+                if learner is not None:
+                    route = decision.prefix_routed
+                    learner(route.endpoint, route.block_hashes, route.capacity)
+            elif kind == "booked":
+                if ledger is not None:
+                    booked = decision.booked
+                    ledger.peer_booked(picker, booked.ticket, booked.endpoint, booked.uncached_tokens)
+            elif kind == "released" and ledger is not None:
+                ledger.peer_released(picker, decision.released.ticket, decision.released.prefill_only)
 
     async def _catch_up(self) -> None:
         """Apply one peer's snapshot (the first that answers), then what arrived meanwhile."""
@@ -256,7 +290,8 @@ class PeerNode(DecisionSharing, pb_grpc.PickerPeersServicer):
                 break
         finally:
             pending, self._pending = list(self._pending), deque(maxlen=self.outbox_limit)
-            self._apply(pending)
+            for picker, decision in pending:
+                self._apply(picker, [decision])
             self.caught_up.set()
 
     async def _load_snapshot(self, address: str) -> int:

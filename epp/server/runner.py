@@ -110,6 +110,8 @@ class EppServer:
             self.peer = PeerNode(host="127.0.0.1" if opts.worker_index is not None else opts.bind_address,
                                  port=opts.peer_port, peers=opts.peers, metrics_registry=self.metrics.registry)
             self.context.services[SHARING_SERVICE] = self.peer
+            # The peers' in-flight bookings count beside this picker's own (and its own go to them).
+            self.context.load = self.peer.shared_ledger()
         pipeline, admission, objectives = self._build_pipeline()
         # Static objectives from the config; Kubernetes discovery layers InferenceObjectives over them.
         self.objectives = ObjectivePriorities(objectives)

@@ -172,7 +172,7 @@ async def test_workers_share_prefix_homes_so_a_group_stays_on_one_endpoint(two_w
     samples = metric_samples(metrics_port)
     assert all(samples[f'epp_worker_requests{{worker="{w}"}}'] > 0 for w in ("0", "1"))
     # Each worker applied the other's routes, and each group kept one home whichever worker routed it.
-    assert samples['epp_peer_decisions_received_total'] == 30
+    assert samples['epp_peer_decisions_received_total{kind="prefix_routed"}'] == 30
     assert all(len(homes) == 1 for homes in placed.values()), placed
 
 

@@ -69,8 +69,8 @@ class RoutingPicker:
         """Per endpoint, the block hashes this picker believes it holds."""
         return {ep: set(hashes) for ep, hashes, _capacity in self.index.entries()}
 
-    def metric(self, name: str) -> float:
-        return self.server.metrics.registry.get_sample_value(name) or 0.0
+    def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
+        return self.server.metrics.registry.get_sample_value(name, labels or {}) or 0.0
 
 
 def group_prompts(groups: int, per_group: int, seed: int = 7) -> list[tuple[int, str]]:
@@ -106,7 +106,9 @@ async def test_two_pickers_with_a_peer_link_send_each_group_to_one_home_and_agre
         placed = await route_alternately([a, b], group_prompts(groups=7, per_group=4), wait_for_peers=True)
         assert all(len(homes) == 1 for homes in placed.values()), placed
         assert a.homes() == b.homes()
-        assert a.metric("epp_peer_decisions_received_total") == b.metric("epp_peer_decisions_received_total") == 14
+        routed = {"kind": "prefix_routed"}
+        assert a.metric("epp_peer_decisions_received_total", routed) == 14
+        assert b.metric("epp_peer_decisions_received_total", routed) == 14
     finally:
         await a.stop()
         await b.stop()
@@ -161,3 +163,61 @@ async def test_a_picker_whose_peers_are_all_down_starts_alone_within_the_catch_u
         assert (await a.route("hello " * 50)) in ENDPOINTS.split(",")
     finally:
         await a.stop()
+
+
+QUEUE_CONFIG = """
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: queue-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: queue-scorer
+  - pluginRef: max-score-picker
+"""
+
+
+async def test_in_flight_bookings_of_a_peer_count_in_the_other_pickers_load_until_released():
+    from tests.extproc_support import request_body, request_headers
+
+    port_a, port_b = free_ports(2)
+    pickers = []
+    for port, peer in ((port_a, port_b), (port_b, port_a)):
+        server = EppServer(ServeOptions(
+            grpc_port=0, grpc_health_port=0, metrics_port=0, bind_address="127.0.0.1", config_text=QUEUE_CONFIG,
+            endpoints=parse_endpoint_list(ENDPOINTS), scrape_metrics=False, grace_period_s=0,
+            peer_port=port, peers=[f"127.0.0.1:{peer}"]))
+        await server.start()
+        pickers.append(RoutingPicker(server))
+    a, b = pickers
+    calls = []
+
+    def inflight(picker: RoutingPicker) -> dict[str, int]:
+        ledger = picker.server.context.load
+        return {ep.name: ledger.load(ep).inflight_requests for ep in picker.server.endpoints.snapshot()}
+
+    try:
+        await wait_until(lambda: a.metric("epp_peer_following") == 1 and b.metric("epp_peer_following") == 1,
+                         "the pickers to follow each other", 10)
+        body = json.dumps({"model": "m", "prompt": "hello", "max_tokens": 1}).encode()
+        for _ in range(3):  # requests routed by A whose responses have not come back
+            call = await a.client.open()
+            await call.write(request_headers())
+            await call.write(request_body(body))
+            await call.read()
+            await call.read()
+            calls.append(call)
+        await wait_until(lambda: inflight(b) == inflight(a) and sum(inflight(a).values()) == 3,
+                         "B to count A's three in-flight requests where A does", 5)
+        # B's own pick now sees them: it avoids the endpoints A loaded (queue-scorer with in-flight).
+        loaded = {ep for ep, n in inflight(a).items() if n}
+        assert await b.route("another") not in loaded
+        for call in calls:
+            call.cancel()  # the streams end: A releases its bookings, and B its copies
+        await wait_until(lambda: sum(inflight(b).values()) == 0 and b.server.context.load.remote_bookings == 0,
+                         "B to drop A's released bookings", 5)
+    finally:
+        for picker in pickers:
+            await picker.stop()
