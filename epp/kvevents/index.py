@@ -21,6 +21,9 @@ Policies (documented because they are choices):
   used (stored or matched) first. Each endpoint's engine-hash map is bounded too (FIFO).
 - Speculative entries (after a pick) count as GPU, expire after their TTL and are replaced by
   the confirmed event for the same key and endpoint.
+- Pools: each endpoint belongs to one pool (its P/D role: `prefill`, `decode`, or `both` for an
+  aggregated replica, the default), so a lookup can be limited to a pool and the entries of each
+  pool are counted (`epp_kv_index_pool_entries{pool}`).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from epp.kvevents.keys import BlockKeyer
 from epp.kvevents.metrics import KVIndexMetrics
 
 _BIT = (1, 2, 4)  # Tier -> bit in an entry's tier mask
+DEFAULT_POOL = "both"  # an endpoint with no P/D role prefills and decodes: the aggregated pool
 # Best (fastest) tier of a non-zero tier mask.
 _BEST_TIER = (Tier.GPU, Tier.GPU, Tier.CPU, Tier.GPU, Tier.DISK, Tier.GPU, Tier.CPU, Tier.GPU)
 
@@ -105,7 +109,10 @@ class KVBlockIndex:
         self._engine: dict[str, dict[int, _EngineBlock]] = {}
         self._spec: dict[int, dict[str, float]] = {}
         self._spec_queue: deque[tuple[float, int, str]] = deque()
+        self._pools: dict[str, str] = {}
+        self._pool_entries: dict[str, int] = {}
         self.metrics.bind_size(lambda: self._entries, lambda: len(self._keys))
+        self._bind_pool(DEFAULT_POOL)
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -123,6 +130,38 @@ class KVBlockIndex:
     def engine_blocks(self, endpoint: str) -> int:
         """Engine hashes known for an endpoint (bounded by `engine_capacity_per_endpoint`)."""
         return len(self._engine.get(endpoint, ()))
+
+    # ---- pools -------------------------------------------------------------------------------
+    def _bind_pool(self, pool: str) -> None:
+        if pool not in self._pool_entries:
+            self._pool_entries[pool] = 0
+            self.metrics.bind_pool(pool, lambda: self._pool_entries.get(pool, 0))
+
+    def set_pool(self, endpoint: str, pool: str) -> None:
+        """Put `endpoint` in `pool` (its P/D role); entries it already holds move with it."""
+        old = self._pools.get(endpoint, DEFAULT_POOL)
+        self._pools[endpoint] = pool
+        self._bind_pool(pool)
+        if old != pool:
+            # Rare (a pod relabelled), so a scan of the keys is fine here.
+            held = sum(1 for eps in self._keys.values() if endpoint in eps)
+            self._pool_entries[old] -= held
+            self._pool_entries[pool] += held
+
+    def pool_of(self, endpoint: str) -> str:
+        """The pool `endpoint` belongs to (`both` unless set)."""
+        return self._pools.get(endpoint, DEFAULT_POOL)
+
+    def pool_entries(self) -> dict[str, int]:
+        """Confirmed entries held by the endpoints of each pool."""
+        return dict(self._pool_entries)
+
+    def pools_holding(self, key: int) -> dict[str, list[str]]:
+        """For one request key: the pools whose endpoints hold it, with those endpoints."""
+        found: dict[str, list[str]] = {}
+        for ep in self._keys.get(key, {}):
+            found.setdefault(self.pool_of(ep), []).append(ep)
+        return found
 
     def tiers_of(self, key: int, endpoint: str) -> set[Tier]:
         """The confirmed tiers holding `key` on `endpoint` (for tests and debugging)."""
@@ -316,6 +355,7 @@ class KVBlockIndex:
         old = eps.get(endpoint, 0)
         if not old:
             self._entries += 1
+            self._pool_entries[self._pools.get(endpoint, DEFAULT_POOL)] += 1
         eps[endpoint] = old | bit
         spec = self._spec.get(key)
         if spec is not None and endpoint in spec:
@@ -336,15 +376,19 @@ class KVBlockIndex:
         else:
             del eps[endpoint]
             self._entries -= 1
+            self._pool_entries[self._pools.get(endpoint, DEFAULT_POOL)] -= 1
             if not eps:
                 del self._keys[key]
 
     def _evict_over_capacity(self) -> None:
         evicted = 0
+        pools, counts = self._pools, self._pool_entries
         while self._entries > self.capacity:
             _, eps = self._keys.popitem(last=False)
             self._entries -= len(eps)
             evicted += len(eps)
+            for ep in eps:
+                counts[pools.get(ep, DEFAULT_POOL)] -= 1
         if evicted:
             self.metrics.evictions.inc(evicted)
 
@@ -359,6 +403,7 @@ class KVBlockIndex:
                     if eps and endpoint in eps:
                         del eps[endpoint]
                         self._entries -= 1
+                        self._pool_entries[self.pool_of(endpoint)] -= 1
                         removed += 1
                         if not eps:
                             del self._keys[key]
@@ -371,7 +416,9 @@ class KVBlockIndex:
 
     def remove_endpoint(self, endpoint: str) -> int:
         """The endpoint left the pool: drop its entries and its engine-hash map."""
-        return self.clear_endpoint(endpoint)
+        removed = self.clear_endpoint(endpoint)
+        self._pools.pop(endpoint, None)
+        return removed
 
     # ---- speculative entries -----------------------------------------------------------------
     def add_speculative(self, endpoint: str, keys: Sequence[int], ttl_s: float | None = None) -> int:
@@ -412,9 +459,11 @@ class KVBlockIndex:
             self._drop_spec(*queue.popleft())
 
     # ---- lookups -----------------------------------------------------------------------------
-    def lookup(self, keys: Sequence[int], endpoints: Iterable[str] | None = None) -> dict[str, list[Tier]]:
+    def lookup(self, keys: Sequence[int], endpoints: Iterable[str] | None = None,
+               pool: str | None = None) -> dict[str, list[Tier]]:
         """Per endpoint, the best tier of each block in its longest run of consecutive keys from
-        the start; endpoints with no first block are left out. O(blocks × endpoints still in run)."""
+        the start; endpoints with no first block are left out. O(blocks × endpoints still in run).
+        With `pool`, only endpoints of that pool are considered."""
         result: dict[str, list[Tier]] = {}
         if not keys:
             return result
@@ -428,6 +477,8 @@ class KVBlockIndex:
             alive = list(set(first or ()) | set(first_spec or ()))
         else:
             alive = list(endpoints)
+        if pool is not None:
+            alive = [ep for ep in alive if self._pools.get(ep, DEFAULT_POOL) == pool]
         matched = 0
         touched = self._keys.move_to_end
         for key in keys:

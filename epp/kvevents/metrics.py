@@ -29,11 +29,18 @@ class KVIndexMetrics:
             f"{prefix}_events_dropped", "KV events dropped, by reason", ["reason"], **kw)
         self.unknown_fields = Counter(
             f"{prefix}_unknown_fields", "Event fields skipped because we do not know them", **kw)
+        self.pool_entries = Gauge(
+            f"{prefix}_pool_entries", "Confirmed entries held by the endpoints of each pool (P/D role)",
+            ["pool"], **kw)
 
     def bind_size(self, entries: Callable[[], int], keys: Callable[[], int]) -> None:
         """Read the sizes lazily at scrape time (no cost on the hot path)."""
         self.entries.set_function(entries)
         self.keys.set_function(keys)
+
+    def bind_pool(self, pool: str, entries: Callable[[], int]) -> None:
+        """Read one pool's entry count lazily at scrape time."""
+        self.pool_entries.labels(pool).set_function(entries)
 
     def record_apply(self, applied: int, dropped: Mapping[str, int], unknown_fields: int) -> None:
         if applied:
