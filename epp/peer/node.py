@@ -41,13 +41,28 @@ _CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1), ("grpc.initial_reconn
                     ("grpc.max_receive_message_length", 16 * 1024 * 1024)]
 
 
+# A decision as the hot path records it: its protobuf message is built by the sender task, off the
+# request's path (one tuple per decision, shared by every subscriber's outbox).
+_Pending = tuple[int, Any, Any, Any]  # (kind, a, b, c)
+_ROUTED, _BOOKED, _RELEASED = 0, 1, 2
+
+
+def _decision(pending: _Pending) -> pb.Decision:
+    kind, a, b, c = pending
+    if kind == _ROUTED:
+        return pb.Decision(prefix_routed=pb.PrefixRouted(endpoint=a, block_hashes=b, capacity=c))
+    if kind == _BOOKED:
+        return pb.Decision(booked=pb.Booked(ticket=a, endpoint=b, uncached_tokens=c))
+    return pb.Decision(released=pb.Released(ticket=a, prefill_only=b))
+
+
 class _Outbox:
     """One subscriber's queue of decisions: bounded, oldest dropped first."""
 
     __slots__ = ("items", "wake", "dropped", "subscriber")
 
     def __init__(self, limit: int, subscriber: str) -> None:
-        self.items: deque[tuple[int, pb.Decision]] = deque(maxlen=limit)
+        self.items: deque[tuple[int, _Pending]] = deque(maxlen=limit)
         self.wake = asyncio.Event()
         self.dropped = 0
         self.subscriber = subscriber
@@ -110,27 +125,24 @@ class PeerNode(DecisionSharing, pb_grpc.PickerPeersServicer):
     def publish_prefix(self, endpoint: str, hashes: Sequence[int], capacity: int) -> None:
         if not self._outboxes:
             return
-        decision = pb.Decision(prefix_routed=pb.PrefixRouted(endpoint=endpoint, block_hashes=hashes,
-                                                             capacity=capacity))
-        self._publish(decision)
+        self._publish((_ROUTED, endpoint, hashes, capacity))
 
     def publish_booked(self, ticket: int, endpoint: str, uncached_tokens: int) -> None:
         """The own ledger booked a pick (SharedInflightLedger calls this)."""
         if self._outboxes:
-            self._publish(pb.Decision(booked=pb.Booked(ticket=ticket, endpoint=endpoint,
-                                                       uncached_tokens=uncached_tokens)))
+            self._publish((_BOOKED, ticket, endpoint, uncached_tokens))
 
     def publish_released(self, ticket: int, prefill_only: bool) -> None:
         """A booking of the own ledger ended its prefill or ended."""
         if self._outboxes:
-            self._publish(pb.Decision(released=pb.Released(ticket=ticket, prefill_only=prefill_only)))
+            self._publish((_RELEASED, ticket, prefill_only, None))
 
     def shared_ledger(self, **kwargs: Any) -> SharedInflightLedger:
         """The in-flight ledger for this picker's PluginContext: its bookings go to the peers and theirs come in."""
         self.ledger = SharedInflightLedger(self, **kwargs)
         return self.ledger
 
-    def _publish(self, decision: pb.Decision) -> None:
+    def _publish(self, decision: _Pending) -> None:
         seq = next(self._sequence)
         for box in self._outboxes:
             if len(box.items) == box.items.maxlen:
@@ -185,7 +197,7 @@ class PeerNode(DecisionSharing, pb_grpc.PickerPeersServicer):
                 while box.items:
                     count = min(_BATCH, len(box.items))
                     first = box.items[0][0]
-                    decisions = [box.items.popleft()[1] for _ in range(count)]
+                    decisions = [_decision(box.items.popleft()[1]) for _ in range(count)]
                     self.metrics.sent.inc(count)
                     yield pb.DecisionBatch(protocol_version=PROTOCOL_VERSION, picker_id=self.picker_id,
                                            first_sequence=first, decisions=decisions)
