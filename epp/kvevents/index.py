@@ -595,16 +595,21 @@ class KVBlockIndex:
         all_keys = self._keys
         if endpoints is None:
             first = all_keys.get(keys[0])
-            names = {self._ep_names[h >> 3] for h in _holder_items(first)} if first is not None else set()
-            names |= set(spec_all.get(keys[0]) or ())
+            names: Iterable[str] = {self._ep_names[h >> 3] for h in _holder_items(first)} if first is not None \
+                else set()
+            names = set(names) | set(spec_all.get(keys[0]) or ())
         else:
-            names = set(endpoints)
+            names = endpoints
         if pool is not None:
             pools = self._pools
-            names = {name for name in names if pools.get(name, DEFAULT_POOL) == pool}
+            names = [name for name in names if pools.get(name, DEFAULT_POOL) == pool]
         # Endpoints still in the run, by id: each key's few holders are looked up here, rather than
         # every endpoint in each key's holders.
-        alive = {self._id_of(name): name for name in names}
+        ids = self._ep_ids
+        alive: dict[int, str] = {}
+        for name in names:
+            ep_id = ids.get(name)
+            alive[self._id_of(name) if ep_id is None else ep_id] = name
         matched = 0
         touched = all_keys.move_to_end
         best = _BEST_TIER
@@ -613,30 +618,31 @@ class KVBlockIndex:
             spec = spec_all.get(key)
             if holders is None and spec is None:
                 break
-            hit: list[int] = []
-            if holders is not None:
-                for h in ((holders,) if holders.__class__ is int else holders):  # type: ignore[union-attr]
-                    name = alive.get(h >> 3)
-                    if name is not None:
-                        hit.append(h >> 3)
-                        tiers = result.get(name)
-                        if tiers is None:
-                            tiers = result[name] = []
-                        tiers.append(best[h & 7])
-            if spec is not None and len(hit) < len(alive):
-                for ep_id, name in alive.items():
-                    if ep_id not in hit and name in spec:
-                        hit.append(ep_id)
-                        tiers = result.get(name)
-                        if tiers is None:
-                            tiers = result[name] = []
-                        tiers.append(Tier.GPU)
-            if not hit:
-                break
+            hits = 0
+            items = () if holders is None else (holders,) if holders.__class__ is int else holders
+            for h in items:  # type: ignore[union-attr]
+                name = alive.get(h >> 3)
+                if name is not None:
+                    hits += 1
+                    tiers = result.get(name)
+                    if tiers is None:
+                        tiers = result[name] = []
+                    tiers.append(best[h & 7])
+            if hits < len(alive):  # the run ends here for some: keep the others
+                still = {h >> 3: alive[h >> 3] for h in items if h >> 3 in alive}  # type: ignore[union-attr]
+                if spec is not None:
+                    for ep_id, name in alive.items():
+                        if ep_id not in still and name in spec:
+                            still[ep_id] = name
+                            tiers = result.get(name)
+                            if tiers is None:
+                                tiers = result[name] = []
+                            tiers.append(Tier.GPU)
+                if not still:
+                    break
+                alive = still
             if holders is not None:
                 touched(key)
-            if len(hit) < len(alive):  # the run ended for some: keep the others
-                alive = {ep_id: alive[ep_id] for ep_id in hit}
             matched += 1
         self.metrics.record_lookup(matched, len(keys) - matched)
         return result
