@@ -126,8 +126,12 @@ async def test_two_workers_share_one_port_and_all_answer(two_workers):
     assert len(set(pids.values())) == 2 and proc.pid not in pids.values()
 
 
+@pytest.mark.parametrize("two_workers", ["approximate"], indirect=True)
 async def test_a_killed_worker_is_replaced_while_the_other_keeps_serving(two_workers):
     _proc, grpc_port, health_port, metrics_port = two_workers
+    for i in range(6):  # prefix homes the replacement must learn from its sibling
+        body = json.dumps({"model": "m", "prompt": f"tenant {i % 2} " + "shared rules " * 40, "max_tokens": 1})
+        await route_once(grpc_port, body.encode())
     before = worker_pids(metrics_port)
     os.kill(before["0"], signal.SIGKILL)
     killed_at = time.monotonic()
@@ -152,6 +156,8 @@ async def test_a_killed_worker_is_replaced_while_the_other_keeps_serving(two_wor
     assert samples["epp_worker_restarts_total"] == 1
     await asyncio.to_thread(wait_until, lambda: metric_samples(metrics_port)['epp_workers{state="ready"}'] == 2,
                             30, "the new worker to be ready")
+    # The replacement caught up from its sibling's snapshot before it reported ready.
+    assert metric_samples(metrics_port)['epp_peer_snapshot_blocks{worker="0"}'] > 0
     # The replacement takes its share of new connections.
     taken_before = metric_samples(metrics_port)['epp_worker_requests{worker="0"}']
     for _ in range(24):
