@@ -195,7 +195,8 @@ class WorkerSupervisor:
 
         self.health_port = _bind(self._health, opts.bind_address, opts.grpc_health_port, "--grpc-health-port")
         await self._health.start()
-        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3))
+        # Within Prometheus' default scrape timeout (10 s), with room for a loaded worker.
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
         app = web.Application()
         app.router.add_get("/metrics", self._serve_metrics)
         app.router.add_get("/", self._serve_metrics)
