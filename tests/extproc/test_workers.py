@@ -13,6 +13,7 @@ import urllib.request
 
 import grpc
 import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epp.netutil import free_ports
@@ -96,9 +97,18 @@ def two_workers(request):
                 proc.wait()
 
 
+class FreshConnectionClient(ExtProcClient):
+    """An ext_proc client on a TCP connection of its own (gRPC would otherwise reuse the process-wide
+    pool's connection, and the kernel spreads connections, not streams, across workers)."""
+
+    def __init__(self, port: int) -> None:
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
+        self.stub = pb_grpc.ExternalProcessorStub(self.channel)
+
+
 async def route_once(port: int, body: bytes = BODY) -> str:
-    """One request on a fresh connection (the kernel spreads connections, not streams, across workers)."""
-    client = ExtProcClient(port)
+    """One request on a fresh connection."""
+    client = FreshConnectionClient(port)
     try:
         replies = await client.exchange([request_headers(), request_body(body)], expect=2)
         return headers_of(replies[0].request_headers.response.header_mutation)[DESTINATION]
