@@ -184,7 +184,7 @@ async def test_a_killed_worker_is_replaced_while_the_other_keeps_serving(two_wor
 @pytest.mark.parametrize("two_workers", ["approximate"], indirect=True)
 async def test_workers_share_prefix_homes_so_a_group_stays_on_one_endpoint(two_workers):
     _proc, grpc_port, _health_port, metrics_port = two_workers
-    systems = [f"You are assistant {g}. " + " ".join(f"rule{g}x{i}" for i in range(60)) for g in range(5)]
+    systems = [f"Tenant {g:04d} assistant. " + " ".join(f"rule{g}x{i}" for i in range(60)) for g in range(5)]
     placed: dict[int, set[str]] = {}
     for i in range(30):
         group = i % len(systems)

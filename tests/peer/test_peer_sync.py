@@ -74,9 +74,10 @@ class RoutingPicker:
 
 
 def group_prompts(groups: int, per_group: int, seed: int = 7) -> list[tuple[int, str]]:
-    """Requests of `groups` tenants, each a long shared system prompt and a short question, interleaved."""
+    """Requests of `groups` tenants, each a long shared system prompt and a short question, interleaved.
+    Tenants differ from the first block on (16 characters), so no two groups share a prefix."""
     rng = random.Random(seed)
-    systems = [f"You are assistant {g}. " + " ".join(f"rule{g}x{i}" for i in range(60)) for g in range(groups)]
+    systems = [f"Tenant {g:04d} assistant. " + " ".join(f"rule{g}x{i}" for i in range(60)) for g in range(groups)]
     requests = [(g, f"{systems[g]} Question {q}: {rng.random()}") for q in range(per_group) for g in range(groups)]
     return requests
 
