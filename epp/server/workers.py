@@ -15,10 +15,12 @@ import logging
 import multiprocessing
 import os
 import signal
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -161,6 +163,7 @@ class WorkerSupervisor:
         self._monitor: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
         self._sibling_ports: list[int] = []
+        self._cert_dir: tempfile.TemporaryDirectory[str] | None = None
 
     @property
     def endpoints(self) -> list[int]:
@@ -183,6 +186,14 @@ class WorkerSupervisor:
                             "among themselves over loopback)")
         from epp.netutil import free_ports
 
+        if opts.secure_serving and not opts.cert_path:
+            # One self-signed pair for every worker: a client that pins it must reach any of them.
+            from epp.server.tls import self_signed_pair
+
+            self._cert_dir = tempfile.TemporaryDirectory(prefix="epp-tls-")  # 0700: the key stays private
+            key, cert = self_signed_pair()
+            (Path(self._cert_dir.name) / "tls.key").write_bytes(key)
+            (Path(self._cert_dir.name) / "tls.crt").write_bytes(cert)
         # Each worker serves its decisions on a loopback port of its own and follows its siblings.
         self._sibling_ports = free_ports(self.count)
         if opts.grpc_port == 0:
@@ -236,6 +247,8 @@ class WorkerSupervisor:
         peers = [f"127.0.0.1:{port}" for i, port in enumerate(self._sibling_ports) if i != worker.index]
         options = dataclasses.replace(self.options, grpc_port=self.grpc_port, worker_index=worker.index,
                                       peer_port=self._sibling_ports[worker.index], peers=peers)
+        if self._cert_dir is not None:
+            options = dataclasses.replace(options, cert_path=self._cert_dir.name)
         process = self._context.Process(target=_worker_main, args=(options, child_end, self.log_level),
                                         name=f"epp-worker-{worker.index}", daemon=False)
         process.start()
@@ -360,6 +373,8 @@ class WorkerSupervisor:
             await self._metrics_runner.cleanup()
         if self._http is not None:
             await self._http.close()
+        if self._cert_dir is not None:
+            self._cert_dir.cleanup()
 
 
 _REQUESTS_SAMPLE = 'epp_extproc_messages_total{phase="request_headers"} '

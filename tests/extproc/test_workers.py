@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -233,3 +234,23 @@ def test_a_config_no_worker_can_load_stops_the_supervisor_with_the_reason():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "invalid configuration" in proc.stderr
+
+
+def test_workers_serve_tls_with_one_self_signed_certificate():
+    grpc_port, health_port, metrics_port = free_ports(3)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "epp.cli", "serve", "--workers", "2", "--secure-serving", "--grpc-port", str(grpc_port),
+         "--grpc-health-port", str(health_port), "--metrics-port", str(metrics_port), "--bind-address",
+         "127.0.0.1", "--endpoints", ENDPOINTS, "--refresh-metrics-interval", "60", "--grace-period", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until(lambda: readiness(health_port) == health_pb2.HealthCheckResponse.SERVING, 60, "ready")
+        # Every fresh connection (the kernel spreads them over both workers) shows the same certificate,
+        # so a client that pins it reaches either worker.
+        certificates = {ssl.get_server_certificate(("127.0.0.1", grpc_port)) for _ in range(16)}
+        assert len(certificates) == 1
+        samples = metric_samples(metrics_port)
+        assert all(samples[f'epp_worker_pid{{worker="{w}"}}'] > 0 for w in ("0", "1"))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
