@@ -95,35 +95,34 @@ def test_timeouts_and_capacity_drop_lost_bookings():
 
 
 # A burst of requests within one scrape interval, all endpoints idle at the scrape, through GIE's
-# default load scorers (queue 2, kv 2). Scrape-only (useInflight: false) every request of the
-# burst sees the same stale view and ties; with the ledger they spread evenly.
+# default load scorers (queue 2, kv 2): with the ledger they spread evenly. (Scrape-only, every
+# request of the burst sees the same stale view: see test_scorers_read_the_ledger_... below and
+# tests/integration/test_inflight_burst.py.)
 @pytest.mark.parametrize(
-    ("use_inflight", "burst", "max_per_endpoint"),
+    ("burst", "max_per_endpoint"),
     [
-        (True, 4, 1),    # 4 requests over 4 idle endpoints: one each
-        (True, 8, 2),
-        (True, 12, 3),
+        (4, 1),    # 4 requests over 4 idle endpoints: one each
+        (8, 2),
+        (12, 3),
     ],
 )
-async def test_a_burst_within_one_scrape_interval_spreads(use_inflight, burst, max_per_endpoint):
+async def test_a_burst_within_one_scrape_interval_spreads(burst, max_per_endpoint):
     from epp.config import load_config_text
     from epp.director import BOOKING_STATE_KEY
 
-    config = f"""
+    config = """
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
 plugins:
 - type: queue-scorer
-  parameters: {{useInflight: {str(use_inflight).lower()}}}
 - type: kv-cache-utilization-scorer
-  parameters: {{useInflight: {str(use_inflight).lower()}}}
 - type: max-score-picker
 schedulingProfiles:
 - name: default
   plugins:
-  - {{pluginRef: queue-scorer, weight: 2}}
-  - {{pluginRef: kv-cache-utilization-scorer, weight: 2}}
-  - {{pluginRef: max-score-picker}}
+  - {pluginRef: queue-scorer, weight: 2}
+  - {pluginRef: kv-cache-utilization-scorer, weight: 2}
+  - {pluginRef: max-score-picker}
 """
     context = PluginContext()
     loaded = load_config_text(config, context=context)
