@@ -2,7 +2,7 @@
 
 A load client (a separate process, many gRPC connections so that the kernel spreads them over
 the workers) drives ext_proc streams straight at the picker as Envoy would send them (request
-headers, a 4 KB body; the picker's two replies), closed-loop at a fixed concurrency, for a fixed
+headers, a ~4 KB body of one of 64 tenants' prompts; the picker's two replies), closed-loop at a fixed concurrency, for a fixed
 time per row. 16 static endpoints, GIE's default pipeline, no scraping (the endpoints are not
 reachable; the scrapers back off). Reported per row: routed requests/s, the picker's CPU (the
 supervisor and every worker, from /proc) in cores and per request, and the client's CPU in cores
@@ -56,14 +56,19 @@ def _client(port: int, seconds: float, concurrency: int, connections: int, out: 
     from envoy.config.core.v3 import base_pb2
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-    body = json.dumps({"model": "m", "prompt": ("The quick brown fox jumps over the lazy dog. " * 92)[:4096]})
     headers = [(":method", "POST"), (":path", "/v1/completions"), ("content-type", "application/json"),
                ("x-request-id", "r")]
-    messages = [
-        pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(
-            headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers]))),
-        pb.ProcessingRequest(request_body=pb.HttpBody(body=body.encode(), end_of_stream=True)),
-    ]
+    header_message = pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers])))
+    # 64 tenants, each a ~3.5 KB system prompt of its own, and 8 questions each: prefixes shared
+    # within a tenant as in real traffic (one prompt for everything would put every block on every
+    # endpoint and measure only the prefix index's worst case).
+    bodies = []
+    for tenant in range(64):
+        system = f"Tenant {tenant:03d}. " + ("The quick brown fox jumps over the lazy dog. " * 80)
+        for question in range(8):
+            body = json.dumps({"model": "m", "prompt": f"{system} Question {question}: what now?"})
+            bodies.append(pb.ProcessingRequest(request_body=pb.HttpBody(body=body.encode(), end_of_stream=True)))
 
     async def run() -> tuple[int, int]:
         channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
@@ -80,8 +85,8 @@ def _client(port: int, seconds: float, concurrency: int, connections: int, out: 
             while time.monotonic() < deadline:
                 try:
                     call = stub.Process()
-                    for message in messages:
-                        await call.write(message)
+                    await call.write(header_message)
+                    await call.write(bodies[(done + errors) % len(bodies)])
                     await call.read()
                     await call.read()
                     await call.done_writing()

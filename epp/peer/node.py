@@ -91,7 +91,7 @@ class PeerNode(DecisionSharing, pb_grpc.PickerPeersServicer):
     """Serves this picker's decisions on `port` and follows the pickers at `peers` (host:port)."""
 
     def __init__(self, *, host: str, port: int, peers: Sequence[str], picker_id: str | None = None,
-                 outbox_limit: int = 20_000, catch_up_timeout_s: float = 3.0,
+                 outbox_limit: int = 20_000, catch_up_timeout_s: float = 3.0, flush_interval_s: float = 0.001,
                  metrics_registry: CollectorRegistry | None = None) -> None:
         self.host = host
         self.port = port
@@ -99,6 +99,9 @@ class PeerNode(DecisionSharing, pb_grpc.PickerPeersServicer):
         self.picker_id = picker_id or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.outbox_limit = outbox_limit
         self.catch_up_timeout_s = catch_up_timeout_s
+        # Decisions made within this long go out in one message: a gRPC message costs far more CPU
+        # than the decisions in it, and this (plus the network) bounds how stale a peer's view is.
+        self.flush_interval_s = flush_interval_s
         self.metrics = PeerMetrics(metrics_registry)
         self.caught_up = asyncio.Event()
         self._outboxes: list[_Outbox] = []
@@ -193,6 +196,8 @@ class PeerNode(DecisionSharing, pb_grpc.PickerPeersServicer):
                                    first_sequence=0)
             while True:
                 await box.wake.wait()
+                if self.flush_interval_s > 0:
+                    await asyncio.sleep(self.flush_interval_s)
                 box.wake.clear()
                 while box.items:
                     count = min(_BATCH, len(box.items))
