@@ -105,10 +105,13 @@ def _client(port: int, seconds: float, concurrency: int, connections: int, out: 
     out.put((done, errors, end.ru_utime - start.ru_utime + end.ru_stime - start.ru_stime))
 
 
-def measure(workers: int, seconds: float, concurrency: int) -> dict[str, float]:
+def measure(row: str, seconds: float, concurrency: int) -> dict[str, float]:
+    """`row`: a worker count, `N-nolink` for N workers without the peer link."""
+    workers, _, variant = row.partition("-")
+    extra = ["--no-worker-peer-link"] if variant == "nolink" else []
     grpc_port, health_port, metrics_port = free_ports(3)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "epp.cli", "serve", "--workers", str(workers), "--grpc-port", str(grpc_port),
+        [sys.executable, "-m", "epp.cli", "serve", *extra, "--workers", workers, "--grpc-port", str(grpc_port),
          "--grpc-health-port", str(health_port), "--metrics-port", str(metrics_port), "--bind-address",
          "127.0.0.1", "--endpoints", ENDPOINTS, "--refresh-metrics-interval", "60", "--grace-period", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -136,17 +139,19 @@ def measure(workers: int, seconds: float, concurrency: int) -> dict[str, float]:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
-    return {"workers": workers, "rps": done / seconds, "errors": errors, "picker_cores": picker_cpu / wall,
+    return {"workers": row, "rps": done / seconds, "errors": errors, "picker_cores": picker_cpu / wall,
             "picker_us_per_req": picker_cpu / max(1, done) * 1e6, "client_cores": client_cpu / seconds}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workers", default="1,2", help="worker counts to measure, in this order (default 1,2)")
+    parser.add_argument("--workers", default="1,2,2-nolink",
+                        help="rows in this order: worker counts, N-nolink = N workers without the peer link "
+                             "(default 1,2,2-nolink)")
     parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per row (default 10)")
     parser.add_argument("--concurrency", type=int, default=32, help="streams in flight (default 32)")
     args = parser.parse_args()
-    rows = [measure(int(n), args.seconds, args.concurrency) for n in args.workers.split(",")]
+    rows = [measure(n, args.seconds, args.concurrency) for n in args.workers.split(",")]
     print(f"## epp serve --workers N ({os.cpu_count()} CPUs, concurrency {args.concurrency}, "
           f"{args.seconds:g} s per row, 4 KB bodies, 16 endpoints)\n")
     print("| workers | routed req/s | vs first row | errors | picker CPU (cores) | picker CPU µs/request | "

@@ -82,6 +82,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--peers", default="",
                    help="the other pickers of the pool, host:port,... of their --peer-port (a full mesh: list "
                         "every other picker); a picker that starts late catches up from one of them")
+    p.add_argument("--no-worker-peer-link", action="store_true",
+                   help="with --workers N: the workers do not share their decisions (each knows only its own "
+                        "prefix homes and in-flight requests; cheaper per request, worse routing)")
     p.add_argument("--workers", default="1",
                    help="picker processes sharing the ports (SO_REUSEPORT; one metrics page for all; a worker "
                         "that exits is restarted): a number, or 'auto' for one per CPU (default 1)")
@@ -188,7 +191,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         cert_path=args.cert_path, max_body_bytes=args.max_request_body_bytes,
         grace_period_s=args.grace_period, refresh_metrics_interval_s=args.refresh_metrics_interval,
         disable_endpoint_subset_filter=args.disable_endpoint_subset_filter,
-        peer_port=args.peer_port, peers=peers, **k8s)
+        peer_port=args.peer_port, peers=peers, worker_peer_link=not args.no_worker_peer_link, **k8s)
     from epp.datalayer.kubernetes import KubernetesDiscoveryError
     from epp.server.workers import WorkerStartError, supervise_forever, worker_count
 

@@ -66,6 +66,8 @@ class ServeOptions:
     # Peer link (epp.peer): serve this picker's decisions on this port (None: no link) and follow these pickers.
     peer_port: int | None = None
     peers: list[str] = field(default_factory=list)
+    # With --workers N: whether the workers share their decisions over loopback peer links.
+    worker_peer_link: bool = True
 
 
 class EppServer:

@@ -244,9 +244,10 @@ class WorkerSupervisor:
 
     def _spawn(self, worker: WorkerState) -> None:
         parent_end, child_end = self._context.Pipe()
-        peers = [f"127.0.0.1:{port}" for i, port in enumerate(self._sibling_ports) if i != worker.index]
-        options = dataclasses.replace(self.options, grpc_port=self.grpc_port, worker_index=worker.index,
-                                      peer_port=self._sibling_ports[worker.index], peers=peers)
+        options = dataclasses.replace(self.options, grpc_port=self.grpc_port, worker_index=worker.index)
+        if self.options.worker_peer_link:
+            peers = [f"127.0.0.1:{port}" for i, port in enumerate(self._sibling_ports) if i != worker.index]
+            options = dataclasses.replace(options, peer_port=self._sibling_ports[worker.index], peers=peers)
         if self._cert_dir is not None:
             options = dataclasses.replace(options, cert_path=self._cert_dir.name)
         process = self._context.Process(target=_worker_main, args=(options, child_end, self.log_level),

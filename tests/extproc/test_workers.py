@@ -77,7 +77,9 @@ schedulingProfiles:
 @pytest.fixture
 def two_workers(request):
     grpc_port, health_port, metrics_port = free_ports(3)
-    config = ["--config-text", APPROXIMATE] if getattr(request, "param", "") == "approximate" else []
+    variant = getattr(request, "param", "")
+    config = ["--config-text", APPROXIMATE] if variant == "approximate" else \
+        ["--no-worker-peer-link"] if variant == "nolink" else []
     proc = subprocess.Popen(
         [sys.executable, "-m", "epp.cli", "serve", "--workers", "2", "--grpc-port", str(grpc_port),
          "--grpc-health-port", str(health_port), "--metrics-port", str(metrics_port), "--bind-address",
@@ -197,6 +199,16 @@ async def test_workers_share_prefix_homes_so_a_group_stays_on_one_endpoint(two_w
     # Each worker applied the other's routes, and each group kept one home whichever worker routed it.
     assert samples['epp_peer_decisions_received_total{kind="prefix_routed"}'] == 30
     assert all(len(homes) == 1 for homes in placed.values()), placed
+
+
+@pytest.mark.parametrize("two_workers", ["nolink"], indirect=True)
+async def test_workers_without_the_peer_link_share_nothing(two_workers):
+    _proc, grpc_port, _health_port, metrics_port = two_workers
+    for _ in range(8):
+        await route_once(grpc_port)
+    samples = metric_samples(metrics_port)
+    assert samples['epp_extproc_messages_total{phase="request_headers"}'] == 8
+    assert not any(key.startswith("epp_peer_") for key in samples)
 
 
 def test_sigterm_stops_every_worker(two_workers):
