@@ -10,15 +10,20 @@ Tokenization (tiny local byte-level BPE tokenizer, `epp.engine.tinymodel`): 4 KB
 256 KB prompts cold (empty cache), repeated (full hit) and extended by a new 1 KB turn.
 
 Run: `python bench/kv_index_bench.py` (add `--quick` for a small grid).
+Before/after in one run: `python bench/kv_index_bench.py --compare-with REF [--sizes 1000000 --endpoints 4]`
+measures the index as it is at git REF and as it is now, alternating in fresh processes, with ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import multiprocessing
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -70,9 +75,21 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * 4096 / 2**20
 
 
-def bench_index(size: int, n_endpoints: int) -> dict:
+def _index_class(source: str | None) -> type:
+    """KVBlockIndex now, or as in the file `source` (an older version, for before/after runs)."""
+    if source is None:
+        return KVBlockIndex
+    spec = importlib.util.spec_from_file_location("epp.kvevents._baseline_index", source)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.KVBlockIndex
+
+
+def bench_index(size: int, n_endpoints: int, source: str | None = None) -> dict:
     endpoints = [f"10.0.{i // 250}.{i % 250}:8000" for i in range(n_endpoints)]
-    index = KVBlockIndex(BLOCK, size, engine_capacity_per_endpoint=10 * size)
+    index = _index_class(source)(BLOCK, size, engine_capacity_per_endpoint=10 * size)
     # Each event goes to two endpoints, so a key has two holders (shared prefixes across replicas).
     n_events = size // (BLOCKS_PER_EVENT * 2)
     batches = _event_batches(n_events, seed=1)
@@ -165,10 +182,49 @@ def bench_tokenization(model_dir: Path) -> list[dict]:
     return rows
 
 
+def compare(ref: str, sizes: list[int], endpoint_counts: list[int], rounds: int) -> None:
+    """The index at git `ref` against the index now, alternating in fresh processes; medians of `rounds`."""
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as fh:
+        fh.write(subprocess.run(["git", "show", f"{ref}:epp/kvevents/index.py"], check=True, capture_output=True,
+                                text=True).stdout)
+        baseline = fh.name
+    print(f"## KV block index: git {ref} (before) against the working tree (after), medians of {rounds}\n")
+    print("| entries | endpoints | bytes/entry before | after | ratio | fill blocks/s before | after | ratio | "
+          "at-capacity events/s before | after | ratio | lookup hit p50 µs before | after | ratio |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for size in sizes:
+        for n_endpoints in endpoint_counts:
+            runs: dict[str, list[dict]] = {"before": [], "after": []}
+            for _ in range(rounds):
+                for label, source in (("before", baseline), ("after", None)):
+                    with multiprocessing.get_context("fork").Pool(1) as worker:  # fresh heap: honest RSS growth
+                        runs[label].append(worker.apply(bench_index, (size, n_endpoints, source)))
+
+            def med(label: str, key: str, runs: dict[str, list[dict]] = runs) -> float:
+                return statistics.median(r[key] for r in runs[label])
+
+            b_bytes = med("before", "index_mb") * 2**20 / med("before", "entries")
+            a_bytes = med("after", "index_mb") * 2**20 / med("after", "entries")
+            cells = [f"{med('before', 'entries'):,.0f}", str(n_endpoints), f"{b_bytes:.0f}", f"{a_bytes:.0f}",
+                     f"{a_bytes / b_bytes:.2f}x"]
+            for key, fmt in (("fill_blocks_s", ",.0f"), ("steady_events_s", ",.0f"), ("hit_p50_us", ".1f")):
+                before, after = med("before", key), med("after", key)
+                cells += [format(before, fmt), format(after, fmt), f"{after / before:.2f}x"]
+            print("| " + " | ".join(cells) + " |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="sizes 1e4 and 1e5 only")
+    parser.add_argument("--compare-with", metavar="REF", help="before/after: the index at this git ref against now")
+    parser.add_argument("--sizes", default="100000,1000000", help="--compare-with: index sizes")
+    parser.add_argument("--endpoints", default="4,64", help="--compare-with: endpoint counts")
+    parser.add_argument("--rounds", type=int, default=1, help="--compare-with: alternating rounds (medians)")
     args = parser.parse_args()
+    if args.compare_with:
+        compare(args.compare_with, [int(x) for x in args.sizes.split(",")],
+                [int(x) for x in args.endpoints.split(",")], args.rounds)
+        return
     sizes = [10_000, 100_000] if args.quick else [10_000, 100_000, 1_000_000]
     print("## KV block index (block 16 tokens, events of 8 blocks, prompt of 64 blocks)\n")
     print("| entries | endpoints | fill events/s | fill blocks/s | at-capacity events/s | "

@@ -99,6 +99,18 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                         "or none (default fairness)")
     p.add_argument("--prefill-capacity-tokens-per-second", type=float, default=0.0,
                    help="prefill tokens/s one replica computes; adds the pool's prefill capacity gauges")
+    p.add_argument("--peer-port", type=int, default=None,
+                   help="share this picker's routing decisions with its peers on this port (approximate prefix "
+                        "homes; protocol in proto/epp/peer/v1); default: no peer link")
+    p.add_argument("--peers", default="",
+                   help="the other pickers of the pool, host:port,... of their --peer-port (a full mesh: list "
+                        "every other picker); a picker that starts late catches up from one of them")
+    p.add_argument("--no-worker-peer-link", action="store_true",
+                   help="with --workers N: the workers do not share their decisions (each knows only its own "
+                        "prefix homes and in-flight requests; cheaper per request, worse routing)")
+    p.add_argument("--workers", default="1",
+                   help="picker processes sharing the ports (SO_REUSEPORT; one metrics page for all; a worker "
+                        "that exits is restarted): a number, or 'auto' for one per CPU (default 1)")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logs (-v info, -vv debug)")
 
 
@@ -189,6 +201,14 @@ def _run_serve(args: argparse.Namespace) -> int:
     except (UsageError, ValueError) as exc:
         print(f"epp serve: {exc}", file=sys.stderr)
         return 2
+    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    bad_peer = next((p for p in peers if not p.rpartition(":")[2].isdigit() or not p.rpartition(":")[0]), None)
+    if bad_peer is not None:
+        print(f"epp serve: --peers: {bad_peer!r} is not host:port", file=sys.stderr)
+        return 2
+    if peers and args.peer_port is None:
+        print("epp serve: --peers needs --peer-port (peers follow each other both ways)", file=sys.stderr)
+        return 2
     options = ServeOptions(
         grpc_port=args.grpc_port, grpc_health_port=args.grpc_health_port, metrics_port=args.metrics_port,
         bind_address=args.bind_address, config_text=args.config_text, config_file=args.config_file,
@@ -197,15 +217,26 @@ def _run_serve(args: argparse.Namespace) -> int:
         grace_period_s=args.grace_period, refresh_metrics_interval_s=args.refresh_metrics_interval,
         disable_endpoint_subset_filter=args.disable_endpoint_subset_filter, limits=limits,
         token_accounting_tenant=args.token_accounting_tenant,
-        prefill_capacity_tokens_per_s=args.prefill_capacity_tokens_per_second, **k8s)
+        prefill_capacity_tokens_per_s=args.prefill_capacity_tokens_per_second,
+        peer_port=args.peer_port, peers=peers, worker_peer_link=not args.no_worker_peer_link, **k8s)
     from epp.datalayer.kubernetes import KubernetesDiscoveryError
+    from epp.server.workers import WorkerStartError, supervise_forever, worker_count
 
     try:
-        _run_loop(serve_forever(options, on_started=_start_line(options)))
+        workers = worker_count(args.workers)
+    except ValueError as exc:
+        print(f"epp serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if workers == 1:
+            _run_loop(serve_forever(options, on_started=_start_line(options)))
+        else:
+            _run_loop(supervise_forever(options, workers, log_level=logging.getLogger().level,
+                                        on_started=_start_line(options)))
     except ConfigError as exc:
         print(f"epp serve: invalid configuration: {exc}", file=sys.stderr)
         return 2
-    except (BindError, KubernetesDiscoveryError) as exc:
+    except (BindError, KubernetesDiscoveryError, WorkerStartError) as exc:
         print(f"epp serve: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -31,6 +31,7 @@ from epp.framework.plugin import (
     SchedulingResult,
 )
 from epp.framework.registry import PluginParams
+from epp.framework.sharing import decision_sharing
 from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 from epp.scorers.prefix_hashing import AVERAGE_CHARACTERS_PER_TOKEN, block_hashes, chain_seed
 from epp.scorers.prefix_index import PrefixIndex
@@ -113,6 +114,10 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
         self.metrics = prefix_index_metrics(context.metrics_registry or CollectorRegistry())
         if context.endpoints is not None:
             context.endpoints.add_listener(self._on_endpoints_changed)
+        self._endpoints = context.endpoints
+        # Other pickers of the pool learn this one's routes and it theirs (epp.framework.sharing).
+        self.sharing = decision_sharing(context.services)
+        self.sharing.share_prefixes(self._learn_peer_route, self.index.entries)
 
     def describe(self) -> str:
         cpt = "learned" if self.learn_chars_per_token else f"{self.chars_per_token:g}"
@@ -204,7 +209,16 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
         self.metrics.hit_ratio.observe(hit_blocks / len(info.hashes))
         self.metrics.hit_bytes.observe(hit_blocks * info.block_size_tokens * AVERAGE_CHARACTERS_PER_TOKEN)
         for ep in targets:
-            self.index.add(info.hashes, ep.name, self._capacity_for(ep))
+            capacity = self._capacity_for(ep)
+            self.index.add(info.hashes, ep.name, capacity)
+            self.sharing.publish_prefix(ep.name, info.hashes, capacity)
+        self.metrics.size.set(self.index.size)
+
+    def _learn_peer_route(self, endpoint: str, hashes: Sequence[int], capacity: int) -> None:
+        """A peer picker sent a request with these blocks to `endpoint`: it holds them now, as if we had."""
+        if self._endpoints is not None and self._endpoints.get(endpoint) is None:
+            return  # not (or no longer) in this picker's pool: nothing would ever remove it
+        self.index.add(hashes, endpoint, max(1, capacity))
         self.metrics.size.set(self.index.size)
 
 

@@ -26,6 +26,10 @@ class PrefixIndex:
     def capacity(self, endpoint: str) -> int | None:
         return self._capacity.get(endpoint)
 
+    def entries(self) -> list[tuple[str, list[int], int]]:
+        """Per endpoint: its hashes from least to most recently added, and its capacity (a peer's snapshot)."""
+        return [(ep, list(lru), self._capacity.get(ep, len(lru))) for ep, lru in self._lrus.items()]
+
     def match_longest_prefix(self, hashes: Sequence[int]) -> dict[str, int]:
         """Blocks matched per endpoint, walking the chain until a hash no endpoint holds."""
         matched: dict[str, int] = {}

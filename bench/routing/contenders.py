@@ -193,6 +193,7 @@ class Contender:
     description: str = ""
     default: bool = True  # part of `--contenders all`
     fleet_options: dict[str, Any] = field(default_factory=dict)  # FleetConfig overrides this router needs
+    workers: int = 1  # epp: `epp serve --workers N` (N pickers sharing decisions over the peer link)
 
     @property
     def is_peer(self) -> bool:
@@ -219,6 +220,10 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
               ORACLE_LABEL + "predicted-TTFT with the simulator profile's prefill cost", default=False),
     Contender("epp-precise-active", "epp", "precise-active",
               "our EPP: precise prefix 3, active-request (in-flight) 2, kv 2", default=False),
+    Contender("epp-approx-w2", "epp", "approx", "epp-approx with --workers 2 (two pickers sharing decisions)",
+              default=False, workers=2),
+    Contender("epp-precise-w2", "epp", "precise", "epp-precise with --workers 2 (two pickers sharing decisions)",
+              default=False, workers=2),
     Contender("vllm-router-rr", "vllm-router", "round_robin", "vllm-router --policy round_robin"),
     Contender("vllm-router-cache-aware", "vllm-router", "cache_aware", "vllm-router --policy cache_aware"),
     # vllm-router 0.1.17 subscribes to topic "" only (vLLM's default) and drops every other frame:
@@ -243,6 +248,22 @@ async def _wait_http(url: str, timeout: float, proc: asyncio.subprocess.Process 
                         return
             await asyncio.sleep(0.2)
     raise Unavailable(f"not ready at {url} after {timeout:.0f}s: {_tail(log)}")
+
+
+async def _serving_workers(url: str, count: int, timeout: float = 60) -> list[int]:
+    """The worker pids of `epp serve --workers N`, once all N serve (from its metrics page)."""
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                async with session.get(url) as resp:
+                    page = await resp.text()
+                pids = [int(float(line.rsplit(" ", 1)[1])) for line in page.splitlines()
+                        if line.startswith("epp_worker_pid{")]
+                if len(pids) == count and all(pids):
+                    return pids
+            await asyncio.sleep(0.2)
+    raise Unavailable(f"epp --workers {count}: workers not serving after {timeout:.0f}s")
 
 
 def _tail(log: Path | None, lines: int = 8) -> str:
@@ -376,13 +397,16 @@ async def _start(c: Contender, fleet: SimFleet, tuning: Tuning, workdir: Path) -
         proc = await _spawn([sys.executable, "-m", "epp.cli", "serve", "--grpc-port", str(grpc),
                              "--grpc-health-port", str(health), "--metrics-port", str(metrics),
                              "--bind-address", "127.0.0.1", "--config-text", config,
-                             "--endpoints", ",".join(endpoints)], log)
+                             "--endpoints", ",".join(endpoints), "--workers", str(c.workers)], log)
         router.pids.append(proc.pid)
         router.stoppers.append(lambda: _terminate(proc))
         router.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
         router.flags = f"epp serve --config-text <{c.variant} config: {workdir.name}/epp-config.yaml> + envoy ext_proc"
         try:
             await _wait_http(f"http://127.0.0.1:{metrics}/metrics", 60, proc, log)
+            if c.workers > 1:  # the router's CPU is the supervisor's and every worker's
+                router.pids.extend(await _serving_workers(f"http://127.0.0.1:{metrics}/metrics", c.workers))
+                router.flags += f" --workers {c.workers}"
             await _start_envoy(router, render_config(listen_port=listen, admin_port=admin, epp_port=grpc),
                                admin, workdir)
         except BaseException:

@@ -28,6 +28,7 @@ from epp.framework.plugin import (
     clamp_score,
 )
 from epp.framework.registry import PluginParams, PluginRegistry, PluginSpec, default_registry, register_plugin
+from epp.framework.sharing import SHARING_SERVICE, DecisionSharing, decision_sharing
 from epp.framework.types import (
     ApiKind,
     Endpoint,
@@ -45,4 +46,5 @@ __all__ = [
     "ProfileHandler", "ProfileRunResult", "ResponseCompleteHook", "ResponseHeadersHook",
     "ResponseInfo", "ScoredEndpoint", "Scorer", "ScorerCategory", "SchedulingResult",
     "clamp_score", "default_registry", "register_plugin",
+    "DecisionSharing", "SHARING_SERVICE", "decision_sharing",
 ]

@@ -21,6 +21,9 @@ Policies (documented because they are choices):
   used (stored or matched) first. Each endpoint's engine-hash map is bounded too (FIFO).
 - Speculative entries (after a pick) count as GPU, expire after their TTL and are replaced by
   the confirmed event for the same key and endpoint.
+- Memory: a key's holders are one small int (`endpoint id << 3 | tier mask`) or a tuple of them,
+  an engine block's tier counts one packed int and its single request key the int itself
+  (measured in bench/kv_index_bench.py --compare-with: about half the bytes per entry).
 - Pools: each endpoint belongs to one pool (its P/D role: `prefill`, `decode`, or `both` for an
   aggregated replica, the default), so a lookup can be limited to a pool and the entries of each
   pool are counted (`epp_kv_index_pool_entries{pool}`).
@@ -52,6 +55,80 @@ DEFAULT_POOL = "both"  # an endpoint with no P/D role prefills and decodes: the 
 _BEST_TIER = (Tier.GPU, Tier.GPU, Tier.CPU, Tier.GPU, Tier.DISK, Tier.GPU, Tier.CPU, Tier.GPU)
 
 
+# An engine block's per-tier counts packed in one int (21 bits a tier): a GPU-only block's counts
+# are the cached small int 1, where a list of three cost 80 bytes per block.
+_COUNT_SHIFT = (0, 21, 42)
+_COUNT_MASK = (1 << 21) - 1
+
+
+def _count(eb: _EngineBlock, tier: int) -> int:
+    return (eb.counts >> _COUNT_SHIFT[tier]) & _COUNT_MASK
+
+
+def _set_count(eb: _EngineBlock, tier: int, value: int) -> None:
+    shift = _COUNT_SHIFT[tier]
+    eb.counts = (eb.counts & ~(_COUNT_MASK << shift)) | (min(value, _COUNT_MASK) << shift)
+
+
+def _keys_of(keys: int | list[int]) -> Sequence[int]:
+    """An engine block's request keys: one key is held as the int itself (the common case, engine and
+    index blocks of one size: no list of 64 bytes per block), several as a list."""
+    return (keys,) if keys.__class__ is int else keys  # type: ignore[return-value]
+
+
+def _with_key(keys: int | list[int] | None, key: int) -> int | list[int]:
+    """`keys` with `key` added (kept once)."""
+    if keys is None:
+        return key
+    if keys.__class__ is int:
+        return keys if keys == key else [keys, key]  # type: ignore[list-item]
+    if key not in keys:  # type: ignore[operator]
+        keys.append(key)  # type: ignore[union-attr]
+    return keys
+
+
+# A request key's holders: one holder is one small int `endpoint id << 3 | tier mask`; several are
+# a tuple of them (a dict of endpoint name -> mask cost ~230 bytes per key, a tuple of two 56).
+Holders = int | tuple[int, ...]
+
+
+def _holder_mask(holders: Holders, ep_id: int) -> int:
+    if holders.__class__ is int:
+        return holders & 7 if holders >> 3 == ep_id else 0  # type: ignore[operator]
+    for h in holders:  # type: ignore[union-attr]
+        if h >> 3 == ep_id:
+            return h & 7
+    return 0
+
+
+def _holder_count(holders: Holders) -> int:
+    return 1 if holders.__class__ is int else len(holders)  # type: ignore[arg-type]
+
+
+def _holder_items(holders: Holders) -> tuple[int, ...]:
+    return (holders,) if holders.__class__ is int else holders  # type: ignore[return-value]
+
+
+def _with_holder(holders: Holders, ep_id: int, mask: int) -> Holders:
+    """`holders` with `ep_id`'s mask set to `mask` (> 0)."""
+    packed = ep_id << 3 | mask
+    items = _holder_items(holders)
+    for i, h in enumerate(items):
+        if h >> 3 == ep_id:
+            if len(items) == 1:
+                return packed
+            return items[:i] + (packed,) + items[i + 1:]
+    return items + (packed,)
+
+
+def _without_holder(holders: Holders, ep_id: int) -> Holders | None:
+    """`holders` without `ep_id` (None when no holder is left)."""
+    rest = tuple(h for h in _holder_items(holders) if h >> 3 != ep_id)
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else rest
+
+
 class _EngineBlock:
     """What an endpoint's engine block maps to: request keys, the chain to continue, tier counts."""
 
@@ -60,11 +137,11 @@ class _EngineBlock:
     def __init__(self, block_hash: int) -> None:
         self.hash = block_hash
         self.parent: int | None = None  # the previous engine block's hash in this chain
-        self.keys: list[int] = []
+        self.keys: int | list[int] = []
         self.chain_key = 0
         self.tail: tuple[int, ...] = ()
         self.tail_hashes: tuple[int, ...] = ()
-        self.counts = [0, 0, 0]
+        self.counts = 0  # packed per tier, see _count
 
 
 @dataclass
@@ -104,7 +181,10 @@ class KVBlockIndex:
         self.speculative_capacity = speculative_capacity
         self.metrics = metrics or KVIndexMetrics(None)
         self._clock = clock
-        self._keys: OrderedDict[int, dict[str, int]] = OrderedDict()
+        self._keys: OrderedDict[int, Holders] = OrderedDict()
+        # Endpoint names as small ids in the holders (never reused: a removed endpoint leaves its name here).
+        self._ep_ids: dict[str, int] = {}
+        self._ep_names: list[str] = []
         self._entries = 0
         self._engine: dict[str, dict[int, _EngineBlock]] = {}
         self._spec: dict[int, dict[str, float]] = {}
@@ -144,7 +224,8 @@ class KVBlockIndex:
         self._bind_pool(pool)
         if old != pool:
             # Rare (a pod relabelled), so a scan of the keys is fine here.
-            held = sum(1 for eps in self._keys.values() if endpoint in eps)
+            ep_id = self._ep_ids.get(endpoint)
+            held = 0 if ep_id is None else sum(1 for h in self._keys.values() if _holder_mask(h, ep_id))
             self._pool_entries[old] -= held
             self._pool_entries[pool] += held
 
@@ -159,14 +240,31 @@ class KVBlockIndex:
     def pools_holding(self, key: int) -> dict[str, list[str]]:
         """For one request key: the pools whose endpoints hold it, with those endpoints."""
         found: dict[str, list[str]] = {}
-        for ep in self._keys.get(key, {}):
+        holders = self._keys.get(key)
+        for h in _holder_items(holders) if holders is not None else ():
+            ep = self._ep_names[h >> 3]
             found.setdefault(self.pool_of(ep), []).append(ep)
         return found
 
     def tiers_of(self, key: int, endpoint: str) -> set[Tier]:
         """The confirmed tiers holding `key` on `endpoint` (for tests and debugging)."""
-        mask = self._keys.get(key, {}).get(endpoint, 0)
+        holders = self._keys.get(key)
+        ep_id = self._ep_ids.get(endpoint)
+        mask = _holder_mask(holders, ep_id) if holders is not None and ep_id is not None else 0
         return {t for t in Tier if mask & _BIT[t]}
+
+    def contents(self) -> dict[int, dict[str, frozenset[Tier]]]:
+        """Every confirmed request key with its endpoints and their tiers (tests and debugging: O(entries))."""
+        names = self._ep_names
+        return {key: {names[h >> 3]: frozenset(t for t in Tier if h & _BIT[t]) for h in _holder_items(holders)}
+                for key, holders in self._keys.items()}
+
+    def _id_of(self, endpoint: str) -> int:
+        ep_id = self._ep_ids.get(endpoint)
+        if ep_id is None:
+            ep_id = self._ep_ids[endpoint] = len(self._ep_names)
+            self._ep_names.append(endpoint)
+        return ep_id
 
     # ---- events ------------------------------------------------------------------------------
     def apply_batch(self, endpoint: str, batch: DecodedBatch, model: str | None) -> ApplyStats:
@@ -246,8 +344,8 @@ class KVBlockIndex:
                 first_j = 0
                 for th in tail_hashes:  # earlier engine blocks that hold the start of this key
                     teb = engine.get(th)
-                    if teb is not None and key not in teb.keys:
-                        teb.keys.append(key)
+                    if teb is not None:
+                        teb.keys = _with_key(teb.keys, key)
             else:
                 first_j = (start - offset) // esize
             for j in range(first_j, last_j + 1):
@@ -256,11 +354,13 @@ class KVBlockIndex:
             block_end = offset + (j + 1) * esize
             done = block_end // bsize  # index blocks complete at the end of engine block j
             eb = engine.pop(h, None)
+            block_keys = keys_by_block[j]
             if eb is None:
                 eb = _EngineBlock(h)
-                eb.keys = keys_by_block[j]
+                eb.keys = block_keys[0] if len(block_keys) == 1 else block_keys
             else:  # re-announced: keep keys that children's events added to it
-                eb.keys.extend(k for k in keys_by_block[j] if k not in eb.keys)
+                for k in block_keys:
+                    eb.keys = _with_key(eb.keys, k)
             engine[h] = eb  # re-insert: newest last for the FIFO bound
             eb.parent = ev.parent_block_hash if j == 0 else ev.block_hashes[j - 1]
             eb.chain_key = keys[done - 1] if done > 0 else chain
@@ -279,13 +379,14 @@ class KVBlockIndex:
 
     def _add_tier(self, endpoint: str, eb: _EngineBlock, tier: Tier, force_bits: bool = False) -> None:
         if tier is Tier.GPU:
-            eb.counts[0] = 1
+            eb.counts |= 1
         else:
-            eb.counts[tier] += 1
+            _set_count(eb, tier, _count(eb, tier) + 1)
         bit = _BIT[tier]
-        if force_bits or eb.counts[tier] == 1:
-            for key in eb.keys:
-                self._set_bit(key, endpoint, bit)
+        if force_bits or _count(eb, tier) == 1:
+            ep_id = self._id_of(endpoint)
+            for key in _keys_of(eb.keys):
+                self._set_bit(key, endpoint, ep_id, bit)
 
     def _removed(self, endpoint: str, ev: BlockRemoved, stats: ApplyStats) -> None:
         if (ev.group_idx or 0) != 0:
@@ -295,19 +396,21 @@ class KVBlockIndex:
         tier = ev.tier
         for h in ev.block_hashes:
             chunk = self._offload_chunk(engine, h, tier) if engine else []
-            if not chunk or chunk[0].counts[tier] == 0:
+            if not chunk or _count(chunk[0], tier) == 0:
                 stats.drop("unknown_engine_key")
                 continue
             for eb in chunk:
-                if eb.counts[tier] == 0:
+                count = _count(eb, tier)
+                if count == 0:
                     continue
-                eb.counts[tier] = 0 if tier is Tier.GPU else eb.counts[tier] - 1
-                if eb.counts[tier] == 0:
+                count = 0 if tier is Tier.GPU else count - 1
+                _set_count(eb, tier, count)
+                if count == 0:
                     bit = _BIT[tier]
-                    for key in eb.keys:
+                    for key in _keys_of(eb.keys):
                         self._clear_bit(key, endpoint, bit)
             for eb in chunk:
-                if not any(eb.counts) and engine.get(eb.hash) is eb:
+                if not eb.counts and engine.get(eb.hash) is eb:
                     del engine[eb.hash]
         stats.applied += 1
 
@@ -334,24 +437,36 @@ class KVBlockIndex:
             eb = engine.pop(h)
             # We can no longer see this block's removal, so stop claiming it.
             for tier in Tier:
-                if eb.counts[tier]:
-                    for key in eb.keys:
+                if _count(eb, tier):
+                    for key in _keys_of(eb.keys):
                         self._clear_bit(key, endpoint, _BIT[tier])
             evicted += 1
         self.metrics.engine_evictions.inc(evicted)
 
     # ---- entries -----------------------------------------------------------------------------
-    def _set_bit(self, key: int, endpoint: str, bit: int) -> None:
-        eps = self._keys.get(key)
-        if eps is None:
-            eps = self._keys[key] = {}
+    def _set_bit(self, key: int, endpoint: str, ep_id: int, bit: int) -> None:
+        keys = self._keys
+        holders = keys.get(key)
+        if holders is None:
+            keys[key] = ep_id << 3 | bit
+            old = 0
         else:
-            self._keys.move_to_end(key)
-        old = eps.get(endpoint, 0)
+            keys.move_to_end(key)
+            if holders.__class__ is int:  # one holder (inlined: this runs for every block stored)
+                if holders >> 3 == ep_id:  # type: ignore[operator]
+                    old = holders & 7  # type: ignore[operator]
+                    if not old & bit:
+                        keys[key] = holders | bit  # type: ignore[operator]
+                else:
+                    old = 0
+                    keys[key] = (holders, ep_id << 3 | bit)  # type: ignore[assignment]
+            else:
+                old = _holder_mask(holders, ep_id)
+                if old | bit != old:
+                    keys[key] = _with_holder(holders, ep_id, old | bit)
         if not old:
             self._entries += 1
             self._pool_entries[self._pools.get(endpoint, DEFAULT_POOL)] += 1
-        eps[endpoint] = old | bit
         spec = self._spec.get(key)
         if spec is not None and endpoint in spec:
             del spec[endpoint]
@@ -359,31 +474,36 @@ class KVBlockIndex:
                 del self._spec[key]
 
     def _clear_bit(self, key: int, endpoint: str, bit: int) -> None:
-        eps = self._keys.get(key)
-        if not eps:
+        holders = self._keys.get(key)
+        ep_id = self._ep_ids.get(endpoint)
+        if holders is None or ep_id is None:
             return
-        old = eps.get(endpoint)
-        if old is None:
+        old = _holder_mask(holders, ep_id)
+        if not old:
             return
         new = old & ~bit
         if new:
-            eps[endpoint] = new
+            if new != old:
+                self._keys[key] = _with_holder(holders, ep_id, new)
+            return
+        self._entries -= 1
+        self._pool_entries[self._pools.get(endpoint, DEFAULT_POOL)] -= 1
+        rest = _without_holder(holders, ep_id)
+        if rest is None:
+            del self._keys[key]
         else:
-            del eps[endpoint]
-            self._entries -= 1
-            self._pool_entries[self._pools.get(endpoint, DEFAULT_POOL)] -= 1
-            if not eps:
-                del self._keys[key]
+            self._keys[key] = rest
 
     def _evict_over_capacity(self) -> None:
         evicted = 0
-        pools, counts = self._pools, self._pool_entries
+        pools, counts, names = self._pools, self._pool_entries, self._ep_names
         while self._entries > self.capacity:
-            _, eps = self._keys.popitem(last=False)
-            self._entries -= len(eps)
-            evicted += len(eps)
-            for ep in eps:
-                counts[pools.get(ep, DEFAULT_POOL)] -= 1
+            _, holders = self._keys.popitem(last=False)
+            items = _holder_items(holders)
+            self._entries -= len(items)
+            evicted += len(items)
+            for h in items:
+                counts[pools.get(names[h >> 3], DEFAULT_POOL)] -= 1
         if evicted:
             self.metrics.evictions.inc(evicted)
 
@@ -391,17 +511,22 @@ class KVBlockIndex:
         """Forget everything `endpoint` holds (AllBlocksCleared, publisher restart, lost events)."""
         engine = self._engine.pop(endpoint, None)
         removed = 0
-        if engine:
+        ep_id = self._ep_ids.get(endpoint)
+        if engine and ep_id is not None:
+            keys = self._keys
+            pool = self.pool_of(endpoint)
             for eb in engine.values():
-                for key in eb.keys:
-                    eps = self._keys.get(key)
-                    if eps and endpoint in eps:
-                        del eps[endpoint]
+                for key in _keys_of(eb.keys):
+                    holders = keys.get(key)
+                    if holders is not None and _holder_mask(holders, ep_id):
                         self._entries -= 1
-                        self._pool_entries[self.pool_of(endpoint)] -= 1
+                        self._pool_entries[pool] -= 1
                         removed += 1
-                        if not eps:
-                            del self._keys[key]
+                        rest = _without_holder(holders, ep_id)
+                        if rest is None:
+                            del keys[key]
+                        else:
+                            keys[key] = rest
         for key in [k for k, spec in self._spec.items() if endpoint in spec]:
             spec = self._spec[key]
             del spec[endpoint]
@@ -423,11 +548,12 @@ class KVBlockIndex:
             return 0
         now = self._clock()
         self._purge_speculative(now)
+        ep_id = self._ep_ids.get(endpoint)
         expiry = now + ttl
         added = 0
         for key in keys:
-            eps = self._keys.get(key)
-            if eps is not None and endpoint in eps:
+            holders = self._keys.get(key)
+            if holders is not None and ep_id is not None and _holder_mask(holders, ep_id):
                 continue
             self._spec.setdefault(key, {})[endpoint] = expiry
             self._spec_queue.append((expiry, key, endpoint))
@@ -466,40 +592,57 @@ class KVBlockIndex:
         if self._spec_queue:
             self._purge_speculative(now)
         spec_all = self._spec
-        first = self._keys.get(keys[0])
-        first_spec = spec_all.get(keys[0])
+        all_keys = self._keys
         if endpoints is None:
-            alive = list(set(first or ()) | set(first_spec or ()))
+            first = all_keys.get(keys[0])
+            names: Iterable[str] = {self._ep_names[h >> 3] for h in _holder_items(first)} if first is not None \
+                else set()
+            names = set(names) | set(spec_all.get(keys[0]) or ())
         else:
-            alive = list(endpoints)
+            names = endpoints
         if pool is not None:
-            alive = [ep for ep in alive if self._pools.get(ep, DEFAULT_POOL) == pool]
+            pools = self._pools
+            names = [name for name in names if pools.get(name, DEFAULT_POOL) == pool]
+        # Endpoints still in the run, by id: each key's few holders are looked up here, rather than
+        # every endpoint in each key's holders.
+        ids = self._ep_ids
+        alive: dict[int, str] = {}
+        for name in names:
+            ep_id = ids.get(name)
+            alive[self._id_of(name) if ep_id is None else ep_id] = name
         matched = 0
-        touched = self._keys.move_to_end
+        touched = all_keys.move_to_end
+        best = _BEST_TIER
         for key in keys:
-            eps = self._keys.get(key)
+            holders = all_keys.get(key)
             spec = spec_all.get(key)
-            if eps is None and spec is None:
+            if holders is None and spec is None:
                 break
-            still = []
-            for ep in alive:
-                mask = eps.get(ep, 0) if eps is not None else 0
-                if mask:
-                    tier = _BEST_TIER[mask]
-                elif spec is not None and ep in spec:
-                    tier = Tier.GPU
-                else:
-                    continue
-                tiers = result.get(ep)
-                if tiers is None:
-                    tiers = result[ep] = []
-                tiers.append(tier)
-                still.append(ep)
-            if not still:
-                break
-            if eps is not None:
+            hits = 0
+            items = () if holders is None else (holders,) if holders.__class__ is int else holders
+            for h in items:  # type: ignore[union-attr]
+                name = alive.get(h >> 3)
+                if name is not None:
+                    hits += 1
+                    tiers = result.get(name)
+                    if tiers is None:
+                        tiers = result[name] = []
+                    tiers.append(best[h & 7])
+            if hits < len(alive):  # the run ends here for some: keep the others
+                still = {h >> 3: alive[h >> 3] for h in items if h >> 3 in alive}  # type: ignore[union-attr]
+                if spec is not None:
+                    for ep_id, name in alive.items():
+                        if ep_id not in still and name in spec:
+                            still[ep_id] = name
+                            tiers = result.get(name)
+                            if tiers is None:
+                                tiers = result[name] = []
+                            tiers.append(Tier.GPU)
+                if not still:
+                    break
+                alive = still
+            if holders is not None:
                 touched(key)
-            alive = still
             matched += 1
         self.metrics.record_lookup(matched, len(keys) - matched)
         return result

@@ -67,6 +67,14 @@ class ServeOptions:
     token_accounting_tenant: str = "fairness"
     # Prefill tokens/s one replica can compute; > 0 adds the pool's prefill capacity gauges.
     prefill_capacity_tokens_per_s: float = 0.0
+    # Set in a worker of `epp serve --workers N`: the ext_proc port is shared with the other workers
+    # (SO_REUSEPORT, checked free by the supervisor), health and metrics bind private loopback ports.
+    worker_index: int | None = None
+    # Peer link (epp.peer): serve this picker's decisions on this port (None: no link) and follow these pickers.
+    peer_port: int | None = None
+    peers: list[str] = field(default_factory=list)
+    # With --workers N: whether the workers share their decisions over loopback peer links.
+    worker_peer_link: bool = True
 
 
 class EppServer:
@@ -91,16 +99,28 @@ class EppServer:
         self.director: Director | None = None
         self.objectives = ObjectivePriorities()
         self.leader: Any = None
+        self.peer: Any = None
 
     def is_ready(self) -> bool:
         """Ready once discovery produced endpoints (and, with leader election, while leader), until shutdown."""
         return not self.draining and self.endpoints.synced and len(self.endpoints) > 0 and \
-            (self.leader is None or self.leader.is_leader)
+            (self.leader is None or self.leader.is_leader) and \
+            (self.peer is None or self.peer.caught_up.is_set())
 
     async def start(self) -> None:
         opts = self.options
         if opts.ha_enable_leader_election and not opts.pool_name:
             raise ValueError("--ha-enable-leader-election needs --pool-name (the lease is the pool's)")
+        if opts.peer_port is not None:
+            # Before the pipeline is built: plugins take the sharing service from their context.
+            from epp.framework.sharing import SHARING_SERVICE
+            from epp.peer.node import PeerNode
+
+            self.peer = PeerNode(host="127.0.0.1" if opts.worker_index is not None else opts.bind_address,
+                                 port=opts.peer_port, peers=opts.peers, metrics_registry=self.metrics.registry)
+            self.context.services[SHARING_SERVICE] = self.peer
+            # The peers' in-flight bookings count beside this picker's own (and its own go to them).
+            self.context.load = self.peer.shared_ledger()
         pipeline, admission, objectives = self._build_pipeline()
         # Static objectives from the config; Kubernetes discovery layers InferenceObjectives over them.
         self.objectives = ObjectivePriorities(objectives)
@@ -121,6 +141,11 @@ class EppServer:
             await self.leader.start()
         for plugin in pipeline.plugins:
             await plugin.start()
+        if self.peer is not None:
+            try:
+                await self.peer.start()
+            except OSError as exc:
+                raise BindError(str(exc)) from None
         limits = opts.limits
         parser = RequestParser(objectives, max_json_depth=limits.max_json_depth)
         parser.objective_priorities = self.objectives  # a live view: InferenceObjectives change at run time
@@ -129,17 +154,23 @@ class EppServer:
         # Large bodies arrive in Envoy-sized pieces; the cap on whole messages only needs headroom.
         grpc_options = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
                         ("grpc.max_send_message_length", 64 * 1024 * 1024)]
+        worker = opts.worker_index is not None
+        if worker:
+            grpc_options.append(("grpc.so_reuseport", 1))
         self._grpc = grpc.aio.server(options=grpc_options)
         pb_grpc.add_ExternalProcessorServicer_to_server(service, self._grpc)
         credentials = server_credentials(opts.cert_path) if opts.secure_serving else None
-        self.grpc_port = _bind(self._grpc, opts.bind_address, opts.grpc_port, "--grpc-port", credentials)
+        self.grpc_port = _bind(self._grpc, opts.bind_address, opts.grpc_port, "--grpc-port", credentials,
+                               shared=worker)
+        private_host = "127.0.0.1" if worker else opts.bind_address
         self._health = grpc.aio.server()
         health_pb2_grpc.add_HealthServicer_to_server(HealthService(self.is_ready), self._health)
-        self.health_port = _bind(self._health, opts.bind_address, opts.grpc_health_port, "--grpc-health-port")
+        self.health_port = _bind(self._health, private_host, 0 if worker else opts.grpc_health_port,
+                                 "--grpc-health-port")
         await self._grpc.start()
         await self._health.start()
         try:
-            self._metrics_http, _thread = start_http_server(opts.metrics_port, opts.bind_address,
+            self._metrics_http, _thread = start_http_server(0 if worker else opts.metrics_port, private_host,
                                                             registry=self.metrics.registry)
         except OSError as exc:
             raise BindError(f"cannot listen on {opts.bind_address}:{opts.metrics_port} (--metrics-port): "
@@ -185,6 +216,8 @@ class EppServer:
             await self._grpc.stop(grace)
         if self._health is not None:
             await self._health.stop(0)
+        if self.peer is not None:
+            await self.peer.stop()
         for item in reversed(self._background):
             await item.stop()
         if self.director is not None:
@@ -202,20 +235,26 @@ class EppServer:
             await self._grpc.wait_for_termination()
 
 
+def probe_port(host: str, port: int, flag: str) -> None:
+    """BindError naming the flag when `host:port` has a live listener or is no local address."""
+    # gRPC reports a taken port only as a core log line and a bare RuntimeError: probe it first
+    # for the reason. SO_REUSEADDR as gRPC sets it, so only a live listener counts as taken.
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise BindError(f"cannot listen on {host}:{port} ({flag}): {exc.strerror or exc}") from None
+
+
 def _bind(server: grpc.aio.Server, host: str, port: int, flag: str,
-          credentials: grpc.ServerCredentials | None = None) -> int:
-    """Add a listening port to a gRPC server; the port bound, or BindError naming the flag."""
+          credentials: grpc.ServerCredentials | None = None, *, shared: bool = False) -> int:
+    """Add a listening port to a gRPC server; the port bound, or BindError naming the flag.
+    `shared`: the port is one the worker supervisor checked and its sibling workers listen on too."""
     address = f"{host}:{port}"
-    if port != 0:
-        # gRPC reports a taken port only as a core log line and a bare RuntimeError: probe it first
-        # for the reason. SO_REUSEADDR as gRPC sets it, so only a live listener counts as taken.
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind((host, port))
-            except OSError as exc:
-                raise BindError(f"cannot listen on {address} ({flag}): {exc.strerror or exc}") from None
+    if port != 0 and not shared:
+        probe_port(host, port, flag)
     try:
         bound = (server.add_secure_port(address, credentials) if credentials is not None
                  else server.add_insecure_port(address))

@@ -1,0 +1,45 @@
+"""Sharing what a picker learns from its own decisions with the other pickers of its pool.
+
+Several pickers (worker processes, pods) route one pool. What each learns from the replicas
+(metrics, KV events) they all see alike; what each learns from its own picks (which endpoint
+was sent which prompt prefix) only it knows, unless it shares it. A plugin publishes such
+decisions here and registers how to apply its peers' ones; the server decides how they travel
+(`epp.peer`: a versioned gRPC protocol in `proto/`). With no peers configured it is a no-op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+#: Key of the sharing service in `PluginContext.services`.
+SHARING_SERVICE = "epp.decision-sharing"
+
+#: Applies a peer's route: (endpoint, block hashes first block first, LRU capacity in blocks).
+PrefixLearner = Callable[[str, Sequence[int], int], None]
+#: Lists what this picker knows, for a peer that starts late: (endpoint, hashes oldest first, capacity).
+PrefixSnapshotter = Callable[[], Iterable[tuple[str, Sequence[int], int]]]
+
+
+class DecisionSharing:
+    """The picker's link to its peers; this base class has no peers (every call does nothing)."""
+
+    def publish_prefix(self, endpoint: str, hashes: Sequence[int], capacity: int) -> None:
+        """Tell the peers that `endpoint` was sent a request with these prefix block hashes."""
+
+    def share_prefixes(self, learner: PrefixLearner, snapshotter: PrefixSnapshotter) -> None:
+        """Register how to apply the peers' prefix routes and how to list this picker's for a late peer."""
+
+    @property
+    def has_peers(self) -> bool:
+        """Whether any peer is configured (plugins may skip building what they would publish)."""
+        return False
+
+
+_ALONE = DecisionSharing()
+
+
+def decision_sharing(services: dict[str, Any]) -> DecisionSharing:
+    """The sharing service among `PluginContext.services`, or one without peers."""
+    sharing = services.get(SHARING_SERVICE)
+    return sharing if isinstance(sharing, DecisionSharing) else _ALONE

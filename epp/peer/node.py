@@ -1,0 +1,324 @@
+"""A picker's peer link: publishes its decisions to every subscribed peer and applies theirs.
+
+Full mesh over the protocol in `proto/epp/peer/v1/peer.proto`: every picker serves
+`PickerPeers` and subscribes to each peer it is told of, so no picker is special and any may die.
+Publishing costs the hot path one tuple appended per subscriber; a sender task per subscriber
+batches them into messages. Staleness is bounded by the event loop and the network: decisions are
+sent as soon as the loop runs the sender, and a subscriber that cannot keep up loses the oldest
+(`epp_peer_decisions_dropped_total`; it sees the gap in sequence numbers), never blocking the
+publisher or growing its memory. A picker that starts late subscribes first, then asks one peer
+for a snapshot, applies it, then the decisions that arrived meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from epp.framework.sharing import DecisionSharing, PrefixLearner, PrefixSnapshotter
+from epp.peer.ledger import SharedInflightLedger
+from epp.peer.v1 import peer_pb2 as pb
+from epp.peer.v1 import peer_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+_BATCH = 512  # decisions per message at most
+_SNAPSHOT_CHUNK = 32_768  # hashes per snapshot message at most (256 KiB)
+# A peer that is down now is retried within seconds: gRPC's own reconnect backoff (up to 120 s) and
+# its process-wide subchannel sharing would otherwise keep a restarted peer unheard for minutes.
+_CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1), ("grpc.initial_reconnect_backoff_ms", 200),
+                    ("grpc.min_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000),
+                    ("grpc.max_receive_message_length", 16 * 1024 * 1024)]
+
+
+# A decision as the hot path records it: its protobuf message is built by the sender task, off the
+# request's path (one tuple per decision, shared by every subscriber's outbox).
+_Pending = tuple[int, Any, Any, Any]  # (kind, a, b, c)
+_ROUTED, _BOOKED, _RELEASED = 0, 1, 2
+
+
+def _decision(pending: _Pending) -> pb.Decision:
+    kind, a, b, c = pending
+    if kind == _ROUTED:
+        return pb.Decision(prefix_routed=pb.PrefixRouted(endpoint=a, block_hashes=b, capacity=c))
+    if kind == _BOOKED:
+        return pb.Decision(booked=pb.Booked(ticket=a, endpoint=b, uncached_tokens=c))
+    return pb.Decision(released=pb.Released(ticket=a, prefill_only=b))
+
+
+class _Outbox:
+    """One subscriber's queue of decisions: bounded, oldest dropped first."""
+
+    __slots__ = ("items", "wake", "dropped", "subscriber")
+
+    def __init__(self, limit: int, subscriber: str) -> None:
+        self.items: deque[tuple[int, _Pending]] = deque(maxlen=limit)
+        self.wake = asyncio.Event()
+        self.dropped = 0
+        self.subscriber = subscriber
+
+
+class PeerMetrics:
+    """The peer link's series."""
+
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        r = registry or CollectorRegistry()
+        self.sent = Counter("epp_peer_decisions_sent", "Decisions sent to subscribed peers.", registry=r)
+        self.received = Counter("epp_peer_decisions_received", "Peers' decisions applied, by kind.", ["kind"],
+                                registry=r)
+        self.received_by_kind = {kind: self.received.labels(kind) for kind in ("prefix_routed", "booked", "released")}
+        self.dropped = Counter("epp_peer_decisions_dropped",
+                               "Decisions dropped for a subscriber that fell behind (oldest first).", registry=r)
+        self.lost = Counter("epp_peer_decisions_lost", "Gaps seen in a peer's decision sequence.", registry=r)
+        self.subscribers = Gauge("epp_peer_subscribers", "Peers subscribed to this picker now.", registry=r)
+        self.following = Gauge("epp_peer_following", "Peers this picker receives decisions from now.",
+                               registry=r)
+        self.snapshot_blocks = Gauge("epp_peer_snapshot_blocks",
+                                     "Prefix blocks learned from a peer's snapshot at start.", registry=r)
+
+
+class PeerNode(DecisionSharing, pb_grpc.PickerPeersServicer):
+    """Serves this picker's decisions on `port` and follows the pickers at `peers` (host:port)."""
+
+    def __init__(self, *, host: str, port: int, peers: Sequence[str], picker_id: str | None = None,
+                 outbox_limit: int = 20_000, catch_up_timeout_s: float = 3.0, flush_interval_s: float = 0.001,
+                 metrics_registry: CollectorRegistry | None = None) -> None:
+        self.host = host
+        self.port = port
+        self.peers = [p for p in peers if p]
+        self.picker_id = picker_id or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.outbox_limit = outbox_limit
+        self.catch_up_timeout_s = catch_up_timeout_s
+        # Decisions made within this long go out in one message: a gRPC message costs far more CPU
+        # than the decisions in it, and this (plus the network) bounds how stale a peer's view is.
+        self.flush_interval_s = flush_interval_s
+        self.metrics = PeerMetrics(metrics_registry)
+        self.caught_up = asyncio.Event()
+        self._outboxes: list[_Outbox] = []
+        self._sequence = itertools.count(1)
+        self._learner: PrefixLearner | None = None
+        self._snapshotter: PrefixSnapshotter | None = None
+        self._server: grpc.aio.Server | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._pending: deque[tuple[str, pb.Decision]] = deque(maxlen=outbox_limit)
+        self.ledger: SharedInflightLedger | None = None
+        self._expected: dict[str, int] = {}
+        self._subscribed: dict[str, asyncio.Event] = {peer: asyncio.Event() for peer in self.peers}
+        self.snapshot_source: str | None = None
+
+    # -- DecisionSharing (called by plugins) -------------------------------------------------
+
+    @property
+    def has_peers(self) -> bool:
+        return bool(self._outboxes)
+
+    def share_prefixes(self, learner: PrefixLearner, snapshotter: PrefixSnapshotter) -> None:
+        self._learner, self._snapshotter = learner, snapshotter
+
+    def publish_prefix(self, endpoint: str, hashes: Sequence[int], capacity: int) -> None:
+        if not self._outboxes:
+            return
+        self._publish((_ROUTED, endpoint, hashes, capacity))
+
+    def publish_booked(self, ticket: int, endpoint: str, uncached_tokens: int) -> None:
+        """The own ledger booked a pick (SharedInflightLedger calls this)."""
+        if self._outboxes:
+            self._publish((_BOOKED, ticket, endpoint, uncached_tokens))
+
+    def publish_released(self, ticket: int, prefill_only: bool) -> None:
+        """A booking of the own ledger ended its prefill or ended."""
+        if self._outboxes:
+            self._publish((_RELEASED, ticket, prefill_only, None))
+
+    def shared_ledger(self, **kwargs: Any) -> SharedInflightLedger:
+        """The in-flight ledger for this picker's PluginContext: its bookings go to the peers and theirs come in."""
+        self.ledger = SharedInflightLedger(self, **kwargs)
+        return self.ledger
+
+    def _publish(self, decision: _Pending) -> None:
+        seq = next(self._sequence)
+        for box in self._outboxes:
+            if len(box.items) == box.items.maxlen:
+                box.dropped += 1
+                self.metrics.dropped.inc()
+            box.items.append((seq, decision))
+            box.wake.set()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Serve the peer port, follow every peer, and catch up from one of them."""
+        self._server = grpc.aio.server(options=[("grpc.max_send_message_length", 16 * 1024 * 1024)])
+        pb_grpc.add_PickerPeersServicer_to_server(self, self._server)
+        bound = self._server.add_insecure_port(f"{self.host}:{self.port}")
+        if bound == 0:
+            raise OSError(f"cannot listen on {self.host}:{self.port} (--peer-port)")
+        self.port = bound
+        await self._server.start()
+        for peer in self.peers:
+            self._tasks.append(asyncio.create_task(self._follow(peer)))
+        self._tasks.append(asyncio.create_task(self._catch_up()))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._server is not None:
+            await self._server.stop(0)
+
+    # -- serving peers -----------------------------------------------------------------------
+
+    async def Subscribe(self, request: pb.SubscribeRequest,  # noqa: N802
+                        context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[pb.DecisionBatch]:
+        if request.protocol_version != PROTOCOL_VERSION:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"peer protocol version {request.protocol_version} is not {PROTOCOL_VERSION}")
+        box = _Outbox(self.outbox_limit, request.subscriber_id)
+        self._outboxes.append(box)
+        self.metrics.subscribers.set(len(self._outboxes))
+        try:
+            # An empty first batch tells the subscriber it is subscribed (it may ask for a snapshot now).
+            yield pb.DecisionBatch(protocol_version=PROTOCOL_VERSION, picker_id=self.picker_id,
+                                   first_sequence=0)
+            while True:
+                await box.wake.wait()
+                if self.flush_interval_s > 0:
+                    await asyncio.sleep(self.flush_interval_s)
+                box.wake.clear()
+                while box.items:
+                    count = min(_BATCH, len(box.items))
+                    first = box.items[0][0]
+                    decisions = [_decision(box.items.popleft()[1]) for _ in range(count)]
+                    self.metrics.sent.inc(count)
+                    yield pb.DecisionBatch(protocol_version=PROTOCOL_VERSION, picker_id=self.picker_id,
+                                           first_sequence=first, decisions=decisions)
+        finally:
+            self._outboxes.remove(box)
+            self.metrics.subscribers.set(len(self._outboxes))
+
+    async def Snapshot(self, request: pb.SnapshotRequest,  # noqa: N802
+                       context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[pb.PrefixSnapshot]:
+        if request.protocol_version != PROTOCOL_VERSION:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"peer protocol version {request.protocol_version} is not {PROTOCOL_VERSION}")
+        if self._snapshotter is None:
+            return
+        # Copied before the first yield, so routes made while it streams do not change it under us.
+        entries = [(ep, list(hashes), capacity) for ep, hashes, capacity in self._snapshotter()]
+        for endpoint, hashes, capacity in entries:
+            for start in range(0, max(1, len(hashes)), _SNAPSHOT_CHUNK):
+                yield pb.PrefixSnapshot(endpoints=[pb.PrefixRouted(
+                    endpoint=endpoint, block_hashes=hashes[start:start + _SNAPSHOT_CHUNK], capacity=capacity)])
+                await asyncio.sleep(0)  # a large snapshot must not hold the loop (the hot path shares it)
+
+    # -- following peers ---------------------------------------------------------------------
+
+    async def _follow(self, address: str) -> None:
+        """Receive a peer's decisions for as long as this picker runs; reconnect with backoff."""
+        backoff = 0.1
+        while True:
+            following = False
+            publisher = ""
+            try:
+                async with grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS) as channel:
+                    stub = pb_grpc.PickerPeersStub(channel)
+                    call = stub.Subscribe(pb.SubscribeRequest(protocol_version=PROTOCOL_VERSION,
+                                                              subscriber_id=self.picker_id))
+                    async for batch in call:
+                        if not following:
+                            following = True
+                            self._subscribed[address].set()
+                            backoff = 0.1
+                            self.metrics.following.inc()
+                        publisher = batch.picker_id
+                        self._receive(batch)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    log.error("peer %s speaks another protocol version: %s", address, exc.details())
+            except Exception:  # a bad message or a bug must not end the link for good
+                log.exception("following peer %s failed; reconnecting", address)
+            finally:
+                if following:
+                    self.metrics.following.dec()
+                if publisher and self.ledger is not None:
+                    self.ledger.forget_peer(publisher)
+            await asyncio.sleep(backoff)
+            backoff = min(2.0, backoff * 2)
+
+    def _receive(self, batch: pb.DecisionBatch) -> None:
+        if batch.first_sequence:
+            expected = self._expected.get(batch.picker_id)
+            if expected is not None and batch.first_sequence != expected:
+                self.metrics.lost.inc(max(0, batch.first_sequence - expected))
+            self._expected[batch.picker_id] = batch.first_sequence + len(batch.decisions)
+        if not self.caught_up.is_set():
+            self._pending.extend((batch.picker_id, d) for d in batch.decisions)
+            return
+        self._apply(batch.picker_id, batch.decisions)
+
+    def _apply(self, picker: str, decisions: Sequence[pb.Decision]) -> None:
+        learner, ledger = self._learner, self.ledger
+        for decision in decisions:
+            kind = decision.WhichOneof("kind")
+            counter = self.metrics.received_by_kind.get(kind or "")
+            if counter is not None:
+                counter.inc()
+            if kind == "prefix_routed":
+                if learner is not None:
+                    route = decision.prefix_routed
+                    learner(route.endpoint, route.block_hashes, route.capacity)
+            elif kind == "booked":
+                if ledger is not None:
+                    booked = decision.booked
+                    ledger.peer_booked(picker, booked.ticket, booked.endpoint, booked.uncached_tokens)
+            elif kind == "released" and ledger is not None:
+                ledger.peer_released(picker, decision.released.ticket, decision.released.prefill_only)
+
+    async def _catch_up(self) -> None:
+        """Apply one peer's snapshot (the first that answers), then what arrived meanwhile."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.catch_up_timeout_s  # for all peers together: a pool's first picker waits once
+        try:
+            for address in self.peers:
+                try:
+                    # Subscribed first: what the peer decides after its snapshot reaches us live.
+                    await asyncio.wait_for(self._subscribed[address].wait(), max(0.0, deadline - loop.time()))
+                    blocks = await asyncio.wait_for(self._load_snapshot(address), self.catch_up_timeout_s)
+                except (grpc.aio.AioRpcError, TimeoutError) as exc:
+                    log.info("no snapshot from peer %s: %s", address, exc)
+                    continue
+                self.snapshot_source = address
+                self.metrics.snapshot_blocks.set(blocks)
+                log.info("caught up from peer %s: %d prefix blocks", address, blocks)
+                break
+        finally:
+            pending, self._pending = list(self._pending), deque(maxlen=self.outbox_limit)
+            for picker, decision in pending:
+                self._apply(picker, [decision])
+            self.caught_up.set()
+
+    async def _load_snapshot(self, address: str) -> int:
+        blocks = 0
+        async with grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS) as channel:
+            stub = pb_grpc.PickerPeersStub(channel)
+            async for chunk in stub.Snapshot(pb.SnapshotRequest(protocol_version=PROTOCOL_VERSION)):
+                if self._learner is None:
+                    continue
+                for route in chunk.endpoints:
+                    self._learner(route.endpoint, route.block_hashes, route.capacity)
+                    blocks += len(route.block_hashes)
+        return blocks

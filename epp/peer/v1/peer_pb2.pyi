@@ -1,0 +1,77 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SubscribeRequest(_message.Message):
+    __slots__ = ("protocol_version", "subscriber_id")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SUBSCRIBER_ID_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    subscriber_id: str
+    def __init__(self, protocol_version: _Optional[int] = ..., subscriber_id: _Optional[str] = ...) -> None: ...
+
+class DecisionBatch(_message.Message):
+    __slots__ = ("protocol_version", "picker_id", "first_sequence", "decisions")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PICKER_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    picker_id: str
+    first_sequence: int
+    decisions: _containers.RepeatedCompositeFieldContainer[Decision]
+    def __init__(self, protocol_version: _Optional[int] = ..., picker_id: _Optional[str] = ..., first_sequence: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ...) -> None: ...
+
+class Decision(_message.Message):
+    __slots__ = ("prefix_routed", "booked", "released")
+    PREFIX_ROUTED_FIELD_NUMBER: _ClassVar[int]
+    BOOKED_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    prefix_routed: PrefixRouted
+    booked: Booked
+    released: Released
+    def __init__(self, prefix_routed: _Optional[_Union[PrefixRouted, _Mapping]] = ..., booked: _Optional[_Union[Booked, _Mapping]] = ..., released: _Optional[_Union[Released, _Mapping]] = ...) -> None: ...
+
+class PrefixRouted(_message.Message):
+    __slots__ = ("endpoint", "block_hashes", "capacity")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    capacity: int
+    def __init__(self, endpoint: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ..., capacity: _Optional[int] = ...) -> None: ...
+
+class Booked(_message.Message):
+    __slots__ = ("ticket", "endpoint", "uncached_tokens")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    UNCACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ticket: int
+    endpoint: str
+    uncached_tokens: int
+    def __init__(self, ticket: _Optional[int] = ..., endpoint: _Optional[str] = ..., uncached_tokens: _Optional[int] = ...) -> None: ...
+
+class Released(_message.Message):
+    __slots__ = ("ticket", "prefill_only")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ONLY_FIELD_NUMBER: _ClassVar[int]
+    ticket: int
+    prefill_only: bool
+    def __init__(self, ticket: _Optional[int] = ..., prefill_only: _Optional[bool] = ...) -> None: ...
+
+class SnapshotRequest(_message.Message):
+    __slots__ = ("protocol_version",)
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    def __init__(self, protocol_version: _Optional[int] = ...) -> None: ...
+
+class PrefixSnapshot(_message.Message):
+    __slots__ = ("endpoints",)
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    endpoints: _containers.RepeatedCompositeFieldContainer[PrefixRouted]
+    def __init__(self, endpoints: _Optional[_Iterable[_Union[PrefixRouted, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,224 @@
+"""Pickers that route as one: approximate prefix homes shared over the peer protocol, late pickers catch up."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from epp.datalayer.registry import parse_endpoint_list
+from epp.netutil import free_ports
+from epp.scorers.approx_prefix import ApproxPrefixCacheProducer
+from epp.server.runner import EppServer, ServeOptions
+from tests.blackbox.calls import route
+from tests.extproc_support import ExtProcClient
+from tests.precise.support import wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+ENDPOINTS = "10.0.0.1:8000,10.0.0.2:8000,10.0.0.3:8000,10.0.0.4:8000"
+CONFIG = """
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: approx-prefix-cache-producer
+  parameters: {autoTune: false, blockSizeTokens: 4, lruCapacityPerServer: 5000, charsPerToken: 4}
+- type: prefix-cache-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: prefix-cache-scorer
+  - pluginRef: max-score-picker
+"""
+
+
+class RoutingPicker:
+    """A started picker (real config, real gRPC) with an ext_proc client and its approximate index."""
+
+    def __init__(self, server: EppServer) -> None:
+        self.server = server
+        self.client = ExtProcClient(server.grpc_port)
+
+    @classmethod
+    async def start(cls, peer_port: int | None = None, peers: tuple[int, ...] = ()) -> RoutingPicker:
+        server = EppServer(ServeOptions(
+            grpc_port=0, grpc_health_port=0, metrics_port=0, bind_address="127.0.0.1", config_text=CONFIG,
+            endpoints=parse_endpoint_list(ENDPOINTS), scrape_metrics=False, grace_period_s=0,
+            peer_port=peer_port, peers=[f"127.0.0.1:{p}" for p in peers]))
+        await server.start()
+        return cls(server)
+
+    async def stop(self) -> None:
+        await self.client.close()
+        await self.server.stop(0)
+
+    async def route(self, prompt: str) -> str:
+        body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 1}).encode()
+        destination, _, _ = await route(self.client, body)
+        return destination
+
+    @property
+    def index(self):
+        assert self.server.director is not None
+        [producer] = [p for p in self.server.director.pipeline.plugins if isinstance(p, ApproxPrefixCacheProducer)]
+        return producer.index
+
+    def homes(self) -> dict[str, set[int]]:
+        """Per endpoint, the block hashes this picker believes it holds."""
+        return {ep: set(hashes) for ep, hashes, _capacity in self.index.entries()}
+
+    def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
+        return self.server.metrics.registry.get_sample_value(name, labels or {}) or 0.0
+
+
+def group_prompts(groups: int, per_group: int, seed: int = 7) -> list[tuple[int, str]]:
+    """Requests of `groups` tenants, each a long shared system prompt and a short question, interleaved.
+    Tenants differ from the first block on (16 characters), so no two groups share a prefix."""
+    rng = random.Random(seed)
+    systems = [f"Tenant {g:04d} assistant. " + " ".join(f"rule{g}x{i}" for i in range(60)) for g in range(groups)]
+    requests = [(g, f"{systems[g]} Question {q}: {rng.random()}") for q in range(per_group) for g in range(groups)]
+    return requests
+
+
+async def route_alternately(pickers: list[RoutingPicker], requests: list[tuple[int, str]],
+                            wait_for_peers: bool) -> dict[int, set[str]]:
+    """Send request i to picker i mod n; the endpoints each group went to."""
+    placed: dict[int, set[str]] = {}
+    for i, (group, prompt) in enumerate(requests):
+        picker = pickers[i % len(pickers)]
+        placed.setdefault(group, set()).add(await picker.route(prompt))
+        if wait_for_peers:
+            # Bounded staleness, made visible: every peer knows this route before the next request.
+            size = picker.index.size
+            await wait_until(lambda size=size: all(p.index.size == size for p in pickers),
+                             "the peers to learn the route", 5)
+    return placed
+
+
+async def test_two_pickers_with_a_peer_link_send_each_group_to_one_home_and_agree_on_homes():
+    port_a, port_b = free_ports(2)
+    a = await RoutingPicker.start(port_a, (port_b,))
+    b = await RoutingPicker.start(port_b, (port_a,))
+    try:
+        await wait_until(lambda: a.metric("epp_peer_following") == 1 and b.metric("epp_peer_following") == 1,
+                         "the pickers to follow each other", 10)
+        placed = await route_alternately([a, b], group_prompts(groups=7, per_group=4), wait_for_peers=True)
+        assert all(len(homes) == 1 for homes in placed.values()), placed
+        assert a.homes() == b.homes()
+        routed = {"kind": "prefix_routed"}
+        assert a.metric("epp_peer_decisions_received_total", routed) == 14
+        assert b.metric("epp_peer_decisions_received_total", routed) == 14
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_without_a_peer_link_the_same_traffic_scatters_groups():
+    # The control: each picker knows only its own routes, so a group's first request at the
+    # second picker lands wherever a tie falls (7 groups all landing alike: chance 4^-7; an odd group count makes every group meet both pickers).
+    a = await RoutingPicker.start()
+    b = await RoutingPicker.start()
+    try:
+        placed = await route_alternately([a, b], group_prompts(groups=7, per_group=4), wait_for_peers=False)
+        assert any(len(homes) > 1 for homes in placed.values()), placed
+        assert a.homes() != b.homes()
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_picker_that_starts_late_catches_up_from_a_peer_snapshot_and_then_live():
+    port_a, port_b, port_c = free_ports(3)
+    a = await RoutingPicker.start(port_a, (port_b, port_c))
+    b = await RoutingPicker.start(port_b, (port_a, port_c))
+    late = None
+    try:
+        await route_alternately([a, b], group_prompts(groups=5, per_group=3), wait_for_peers=True)
+        late = await RoutingPicker.start(port_c, (port_a, port_b))
+        # Ready (what a readiness probe sees) only once caught up.
+        await wait_until(late.server.is_ready, "the late picker to be ready", 10)
+        assert late.homes() == a.homes() == b.homes()
+        assert late.metric("epp_peer_snapshot_blocks") == sum(len(h) for h in a.homes().values())
+        # Live from now on: its routes reach the others, and theirs reach it.
+        await wait_until(lambda: a.metric("epp_peer_subscribers") == 2 and late.metric("epp_peer_subscribers") == 2,
+                         "the late picker and its peers to subscribe to each other", 10)
+        placed = await route_alternately([late, a, b], group_prompts(groups=5, per_group=3, seed=8),
+                                         wait_for_peers=True)
+        assert all(len(homes) == 1 for homes in placed.values()), placed
+        # The groups kept the homes they had before the late picker came.
+        assert late.homes() == a.homes() == b.homes()
+    finally:
+        for picker in (a, b, late):
+            if picker is not None:
+                await picker.stop()
+
+
+async def test_a_picker_whose_peers_are_all_down_starts_alone_within_the_catch_up_timeout():
+    port_a, port_gone = free_ports(2)
+    a = await RoutingPicker.start(port_a, (port_gone,))
+    try:
+        await wait_until(a.server.is_ready, "the picker to give up waiting for its peer", 5)
+        assert a.server.peer.snapshot_source is None
+        assert (await a.route("hello " * 50)) in ENDPOINTS.split(",")
+    finally:
+        await a.stop()
+
+
+QUEUE_CONFIG = """
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: queue-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: queue-scorer
+  - pluginRef: max-score-picker
+"""
+
+
+async def test_in_flight_bookings_of_a_peer_count_in_the_other_pickers_load_until_released():
+    from tests.extproc_support import request_body, request_headers
+
+    port_a, port_b = free_ports(2)
+    pickers = []
+    for port, peer in ((port_a, port_b), (port_b, port_a)):
+        server = EppServer(ServeOptions(
+            grpc_port=0, grpc_health_port=0, metrics_port=0, bind_address="127.0.0.1", config_text=QUEUE_CONFIG,
+            endpoints=parse_endpoint_list(ENDPOINTS), scrape_metrics=False, grace_period_s=0,
+            peer_port=port, peers=[f"127.0.0.1:{peer}"]))
+        await server.start()
+        pickers.append(RoutingPicker(server))
+    a, b = pickers
+    calls = []
+
+    def inflight(picker: RoutingPicker) -> dict[str, int]:
+        ledger = picker.server.context.load
+        return {ep.name: ledger.load(ep).inflight_requests for ep in picker.server.endpoints.snapshot()}
+
+    try:
+        await wait_until(lambda: a.metric("epp_peer_following") == 1 and b.metric("epp_peer_following") == 1,
+                         "the pickers to follow each other", 10)
+        body = json.dumps({"model": "m", "prompt": "hello", "max_tokens": 1}).encode()
+        for _ in range(3):  # requests routed by A whose responses have not come back
+            call = await a.client.open()
+            await call.write(request_headers())
+            await call.write(request_body(body))
+            await call.read()
+            await call.read()
+            calls.append(call)
+        await wait_until(lambda: inflight(b) == inflight(a) and sum(inflight(a).values()) == 3,
+                         "B to count A's three in-flight requests where A does", 5)
+        # B's own pick now sees them: it avoids the endpoints A loaded (queue-scorer with in-flight).
+        loaded = {ep for ep, n in inflight(a).items() if n}
+        assert await b.route("another") not in loaded
+        for call in calls:
+            call.cancel()  # the streams end: A releases its bookings, and B its copies
+        await wait_until(lambda: sum(inflight(b).values()) == 0 and b.server.context.load.remote_bookings == 0,
+                         "B to drop A's released bookings", 5)
+    finally:
+        for picker in pickers:
+            await picker.stop()

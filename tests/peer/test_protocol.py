@@ -1,0 +1,73 @@
+"""The peer protocol: the checked-in generated code is what proto/ generates, and versions are checked."""
+
+from __future__ import annotations
+
+import filecmp
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from epp.netutil import free_ports
+from epp.peer.node import PROTOCOL_VERSION, PeerNode
+from epp.peer.v1 import peer_pb2 as pb
+from epp.peer.v1 import peer_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+GENERATED = ("peer_pb2.py", "peer_pb2.pyi", "peer_pb2_grpc.py")
+
+
+def test_checked_in_code_is_what_proto_generate_makes(tmp_path):
+    pytest.importorskip("grpc_tools", reason="grpcio-tools (test extras) regenerates the code")
+    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT / 'proto'}", f"--python_out={tmp_path}",
+                    f"--pyi_out={tmp_path}", f"--grpc_python_out={tmp_path}",
+                    str(ROOT / "proto/epp/peer/v1/peer.proto")], check=True)
+    for name in GENERATED:
+        assert filecmp.cmp(tmp_path / "epp/peer/v1" / name, ROOT / "epp/peer/v1" / name, shallow=False), \
+            f"epp/peer/v1/{name} is stale: run proto/generate.sh"
+
+
+async def test_a_peer_of_another_protocol_version_is_refused():
+    [port] = free_ports(1)
+    node = PeerNode(host="127.0.0.1", port=port, peers=[])
+    await node.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.PickerPeersStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in stub.Subscribe(pb.SubscribeRequest(protocol_version=PROTOCOL_VERSION + 1)):
+                    pass
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in stub.Snapshot(pb.SnapshotRequest(protocol_version=0)):
+                    pass
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        await node.stop()
+
+
+async def test_a_subscriber_that_falls_behind_loses_the_oldest_decisions_and_sees_the_gap():
+    [port] = free_ports(1)
+    registry = CollectorRegistry()
+    publisher = PeerNode(host="127.0.0.1", port=port, peers=[], outbox_limit=4, metrics_registry=registry)
+    await publisher.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = pb_grpc.PickerPeersStub(channel).Subscribe(
+                pb.SubscribeRequest(protocol_version=PROTOCOL_VERSION, subscriber_id="slow"))
+            hello = await call.read()
+            assert (hello.picker_id, hello.first_sequence, len(hello.decisions)) == (publisher.picker_id, 0, 0)
+            # Ten routes published before the subscriber reads: its outbox keeps the newest four.
+            for i in range(10):
+                publisher.publish_prefix(f"10.0.0.{i}:8000", [i, i + 1], 100)
+            batch = await call.read()
+            assert batch.first_sequence == 7
+            assert [d.prefix_routed.endpoint for d in batch.decisions] == [f"10.0.0.{i}:8000" for i in range(6, 10)]
+            assert list(batch.decisions[-1].prefix_routed.block_hashes) == [9, 10]
+            assert registry.get_sample_value("epp_peer_decisions_dropped_total") == 6
+            call.cancel()
+    finally:
+        await publisher.stop()
