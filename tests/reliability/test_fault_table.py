@@ -366,6 +366,14 @@ async def _sim_load(url: str, stop: asyncio.Event, rate: float = 20.0) -> list[b
     return results
 
 
+async def _complete_directly(endpoint: str, prompt: str) -> None:
+    """One completion sent straight to a replica (not through the picker), so that it publishes."""
+    async with aiohttp.ClientSession() as session:
+        body = {"model": "sim-model", "prompt": prompt, "max_tokens": 1}
+        async with session.post(f"http://{endpoint}/v1/completions", json=body) as resp:
+            assert resp.status == 200
+
+
 @pytest.mark.parametrize("fault", ["restart", "gap"])
 async def test_kv_event_publisher_restart_or_gap_fails_no_request_and_the_index_recovers(fault):
     tokenizer_dir = default_tokenizer_dir()
@@ -384,6 +392,10 @@ async def test_kv_event_publisher_restart_or_gap_fails_no_request_and_the_index_
             async with envoy_in_front(epp.grpc_port) as (_, url):
                 stop = asyncio.Event()
                 load = asyncio.create_task(_sim_load(url, stop))
+                # The faulty replica must have published before the fault, or there is nothing to
+                # break: the picker would meet its first message after the fault as a first contact.
+                for n in range(3):
+                    await _complete_directly(fleet.info[0]["endpoint"], f"before {n} " * 40)
                 await asyncio.sleep(1.5)
                 replica = fleet.replicas[0]
                 old = replica.publisher
@@ -398,7 +410,20 @@ async def test_kv_event_publisher_restart_or_gap_fails_no_request_and_the_index_
                 else:  # ten batches lost on the way: the replica's buffer cannot replay them either
                     old._seq = itertools.count(next(old._seq) + 10)
                 applied_at_fault = sample("epp_kv_index_events_applied_total")
-                await asyncio.sleep(2.5)
+
+                def noticed() -> bool:
+                    if fault == "restart":
+                        return sample("epp_kv_events_publisher_restarts_total") >= 1
+                    return sample("epp_kv_events_endpoint_resets_total", {"reason": "gap_unrepairable"}) >= 1
+
+                # The picker can only notice once the faulty replica publishes again; the routed load
+                # may all go to the other replica, so the faulty one is also asked directly.
+                deadline, n = time.monotonic() + 15, 0
+                while not noticed() and time.monotonic() < deadline:
+                    n += 1
+                    await _complete_directly(fleet.info[0]["endpoint"], f"after {n} " * 40)
+                    await asyncio.sleep(0.25)
+                await asyncio.sleep(1.0)  # routed load keeps going over the rebuilt view
                 stop.set()
                 results = await load
             assert results and all(results), f"{results.count(False)} of {len(results)} requests failed"
