@@ -10,6 +10,7 @@ from collections import defaultdict
 from prometheus_client.parser import text_string_to_metric_families
 
 COLUMNS = (("prefill_seconds_per_token", "prefill µs/token", 1e6),
+           ("queued_prefill_seconds_per_token", "queued prefill µs/token", 1e6),
            ("seconds_per_waiting_request", "queue ms/waiting req", 1e3),
            ("seconds_per_running_request", "running ms/req", 1e3),
            ("cpu_load_seconds_per_token", "cpu load µs/token", 1e6),

@@ -5,7 +5,8 @@ the picker's own in-flight work on e (`PluginContext.load`: prefill tokens it se
 first token has not come back) and e's scraped metrics:
 
     T(e) = base
-         + prefill(e) * (ahead(e) + uncached(e))        (prefill queued ahead in tokens, then our own)
+         + queuedPrefill(e) * ahead(e)                  (prefill queued ahead, in tokens)
+         + prefill(e) * uncached(e)                     (our own prefill)
          + queueCost(e) * waiting(e)                    (requests queued ahead, e.g. for KV space)
          + runningCost(e) * running(e)                  (decoding requests share each step)
          + cpuLoad(e) * cpu(e) + diskLoad(e) * disk(e)  (load offloaded blocks back)
@@ -18,7 +19,9 @@ first token has not come back) and e's scraped metrics:
 
 **Self-calibration** (default): the coefficients are learned per endpoint and model from the
 picker's own requests (dispatch to first streamed token, see `ttft_calibration.py`), starting
-from sane defaults (`prefill 2e-4 s/token`, ...) before the first observation. They are exported
+from sane defaults (`prefill 2e-4 s/token`, ...) before the first observation. `queuedPrefill`
+is learned apart from `prefill` (tokens in flight ahead are partly prefilled already when a
+request arrives); before any observation it is `prefill`. They are exported
 as `epp_ttft_calibration{plugin,endpoint,model,term}` and shown by `epp calibration`.
 
 **Configured constants** (`prefillSecondsPerToken`, `queueSecondsPerWaitingRequest`,
@@ -116,9 +119,9 @@ class PredictedTTFTScorer(Scorer):
             queue = max(scraped, own_ahead * self.prefill_s_per_token)
             return (self.base_s + queue + uncached * self.prefill_s_per_token
                     + cpu * self.cpu_load_s_per_token + disk * self.disk_load_s_per_token)
-        base, prefill, running_cost, cpu_cost, disk_cost, queue_cost = self.calibrator.coefficients(
+        base, prefill, running_cost, cpu_cost, disk_cost, queue_cost, queued_prefill = self.calibrator.coefficients(
             endpoint.name, model, now)
-        return (max(base, 1e-6) + prefill * (own_ahead + uncached) + queue_cost * m.waiting_queue_size
+        return (max(base, 1e-6) + queued_prefill * own_ahead + prefill * uncached + queue_cost * m.waiting_queue_size
                 + running_cost * m.running_requests_size + cpu_cost * cpu + disk_cost * disk)
 
     def score(self, state: CycleState, request: InferenceRequest,
@@ -149,8 +152,8 @@ class PredictedTTFTScorer(Scorer):
             cached = details.get("cached_tokens") if isinstance(details, dict) else None
             if isinstance(prompt, int) and isinstance(cached, int) and 0 <= cached <= prompt:
                 uncached = prompt - cached  # what the server really computed
-        x = features(uncached + booking.ahead_tokens, booking.running, booking.cpu_tokens, booking.disk_tokens,
-                     booking.waiting)
+        x = features(uncached, booking.running, booking.cpu_tokens, booking.disk_tokens, booking.waiting,
+                     ahead=booking.ahead_tokens)
         self.calibrator.observe(booking.endpoint, booking.model, x, booking.first_token_at - booking.picked_at,
                                 now=booking.first_token_at)
 

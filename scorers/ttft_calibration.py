@@ -2,20 +2,27 @@
 
 Model (seconds, from the picker's dispatch to the first streamed token):
 
-    ttft = base + prefill * (uncached + ahead) + queue_cost * waiting + running_cost * running
-         + cpu_load * cpu + disk_load * disk
+    ttft = base + prefill * uncached + queued_prefill * ahead + queue_cost * waiting
+         + running_cost * running + cpu_load * cpu + disk_load * disk
 
 `uncached`: the request's prompt tokens not in the prefix cache (from the response's
 `cached_tokens` when the server reports it, else the picker's own prefix match); `ahead`: prefill
-tokens the picker had in flight on that endpoint when it sent the request (the queue in tokens);
+tokens the picker had in flight on that endpoint when it sent the request (the queue in tokens).
+`ahead` has its own coefficient: a continuous-batching engine starts a request's prefill step
+as soon as it arrives, so a request picked later waits only for the rest of that step (or joins
+the next one), and the in-flight tokens cost it less than its own uncached tokens do (about half,
+on a fleet that is busy part of the time). One coefficient for both (the sum) fitted a blend of
+the two and learned a prefill cost 20-40 % below the true one;
 `waiting`: the endpoint's scraped waiting queue (a request can wait for KV space, which costs
 time that prefill tokens do not explain);
 `running`: the scraped running requests (they share each step); `cpu`/`disk`: tokens loaded back
 from offload tiers.
 
 The fit is a ridge-regularised, exponentially forgetting, Huber-weighted least squares:
+- observations with prefill in flight ahead count less (`ahead_weight`: their TTFT is noisier);
 - forgetting (`decay` per observation) lets it follow an endpoint that slows down or speeds up;
-- Huber weights (residuals past `huber_k` times the running residual scale count less) keep one
+- Huber weights (residuals past `huber_k` times the running residual scale count less; 1.345 is
+  the textbook constant, 95 % efficient on Gaussian noise: 2.5 let 5 % stalls move a fit 20 %+) keep one
   stalled request from moving it; but residuals that stay on one side (their moving average
   past `step_threshold` scales) are a step change, not noise, and make it forget the old data;
 - the ridge pulls towards a prior: the configured constants for the pooled fit of a model (all
@@ -35,14 +42,41 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 TERMS = ("base_seconds", "prefill_seconds_per_token", "seconds_per_running_request",
-         "cpu_load_seconds_per_token", "disk_load_seconds_per_token", "seconds_per_waiting_request")
+         "cpu_load_seconds_per_token", "disk_load_seconds_per_token", "seconds_per_waiting_request",
+         "queued_prefill_seconds_per_token")
 # Feature i enters the fit as x_i * SCALE[i], so coefficients are comparable in size.
-SCALE = (1.0, 1e-3, 0.1, 1e-3, 1e-3, 0.1)
+SCALE = (1.0, 1e-3, 0.1, 1e-3, 1e-3, 0.1, 1e-3)
 N = len(TERMS)
 # An endpoint's own fit stays close to its pool's in the terms that describe the fleet and the
 # traffic (base, per queued and per running request: one slow burst must not make one replica
 # look slow for good) and follows the endpoint freely in its per-token speeds.
-ENDPOINT_PRIOR_WEIGHTS = (20.0, 0.05, 20.0, 0.05, 0.05, 20.0)
+ENDPOINT_PRIOR_WEIGHTS = (20.0, 0.05, 20.0, 0.05, 0.05, 20.0, 0.05)
+
+AHEAD = TERMS.index("queued_prefill_seconds_per_token")
+# How much of the prefill in flight ahead of a request is still to do when it arrives is unknown
+# (anywhere from none to all of it), so the spread of its TTFT grows with the tokens ahead. The
+# fit weights each observation by the inverse of that variance: with AHEAD_NOISE_TOKENS ahead it
+# counts a quarter. Unweighted, a few requests behind long prompts moved a replica's learned
+# prefill cost by 20-40 %.
+AHEAD_NOISE_TOKENS = 1000.0
+
+
+def ahead_weight(ahead_tokens: float) -> float:
+    """Inverse-variance weight of an observation with `ahead_tokens` prefill tokens in flight ahead."""
+    return 1.0 / (1.0 + max(0.0, ahead_tokens) / AHEAD_NOISE_TOKENS) ** 2
+
+
+def full_prior(prior: Sequence[float]) -> tuple[float, ...]:
+    """A prior in TERMS order; one without the queued-prefill term charges queued tokens the prefill cost.
+
+    (Before any evidence, tokens ahead are assumed to cost what the request's own tokens do: the
+    cautious guess, which spreads load rather than piling it up.)
+    """
+    if len(prior) == N - 1:
+        return (*prior, prior[TERMS.index("prefill_seconds_per_token")])
+    if len(prior) != N:
+        raise ValueError(f"a TTFT prior has {N} terms ({', '.join(TERMS)}), got {len(prior)}")
+    return tuple(prior)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +87,11 @@ class Observation:
     ttft_s: float
 
 
-def features(uncached_plus_ahead: float, running: float, cpu_tokens: float, disk_tokens: float,
-             waiting: float = 0.0) -> tuple[float, ...]:
+def features(uncached: float, running: float, cpu_tokens: float, disk_tokens: float,
+             waiting: float = 0.0, ahead: float = 0.0) -> tuple[float, ...]:
     """The feature vector of the TTFT model (unscaled, TERMS order)."""
-    return (1.0, float(uncached_plus_ahead), float(running), float(cpu_tokens), float(disk_tokens), float(waiting))
+    return (1.0, float(uncached), float(running), float(cpu_tokens), float(disk_tokens), float(waiting),
+            float(ahead))
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
@@ -83,8 +118,8 @@ class RobustLinearFit:
     """Exponentially forgetting, Huber-weighted ridge regression of TTFT on the model's features."""
 
     def __init__(self, prior: Sequence[float], *, prior_weight: float | Sequence[float] = 0.05, decay: float = 0.95,
-                 huber_k: float = 2.5, initial_scale_s: float = 0.05, step_threshold: float = 1.5) -> None:
-        self.prior = [p / s for p, s in zip(prior, SCALE)]  # in scaled units
+                 huber_k: float = 1.345, initial_scale_s: float = 0.05, step_threshold: float = 1.5) -> None:
+        self.prior = [p / s for p, s in zip(full_prior(prior), SCALE)]  # in scaled units
         # One weight per term (or one for all): how many observations' worth the prior counts.
         self.prior_weight = [float(prior_weight)] * N if isinstance(prior_weight, (int, float)) else \
             [float(w) for w in prior_weight]
@@ -110,7 +145,7 @@ class RobustLinearFit:
 
     def set_prior(self, prior: Sequence[float]) -> None:
         """Move the ridge target (the pooled fit, for an endpoint's own fit); refits."""
-        self.prior = [p / s for p, s in zip(prior, SCALE)]
+        self.prior = [p / s for p, s in zip(full_prior(prior), SCALE)]
         self._refit()
 
     def observe(self, x: Sequence[float], y: float) -> float:
@@ -127,7 +162,7 @@ class RobustLinearFit:
             self._forget(0.25)
             self.resets += 1
             self._bias = 0.0
-        w = limit / abs(residual) if outlier else 1.0
+        w = (limit / abs(residual) if outlier else 1.0) * ahead_weight(x[AHEAD])
         z = [xi * s for xi, s in zip(x, SCALE)]
         d = self.decay
         s_, b_ = self._s, self._b
@@ -183,7 +218,7 @@ class TTFTCalibrator:
 
     def __init__(self, prior: Sequence[float], *, capacity: int = 1024, decay: float = 0.95,
                  prior_weight: float = 0.05, stale_after_s: float = 30.0) -> None:
-        self.prior = tuple(prior)
+        self.prior = full_prior(prior)
         self.stale_after_s = stale_after_s
         self._last_seen: dict[tuple[str, str], float] = {}
         self.capacity = capacity

@@ -10,21 +10,25 @@ from epp.framework import PluginContext
 from tests.scheduling.sched_fixtures import make_plugin
 
 
-def learned_registry() -> CollectorRegistry:
-    """A registry whose predicted-ttft-scorer has learned 0.5 ms per token on one endpoint."""
+def learned_registry() -> tuple[CollectorRegistry, object]:
+    """A registry whose predicted-ttft-scorer has learned 0.5 ms per token on one endpoint, and the scorer.
+
+    The registry holds its scorers weakly (a picker's pipeline owns them), so the caller keeps it alive.
+    """
     registry = CollectorRegistry()
     context = PluginContext(metrics_registry=registry)
-    make_plugin("predicted-ttft-scorer", context=context)
+    scorer = make_plugin("predicted-ttft-scorer", context=context)
     for i in range(60):
         tokens = 500 + 100 * (i % 7)
         booking = context.load.pick("10.0.0.1:8000", model="m", prompt_tokens=tokens, now=100.0 + i)
         context.load.first_token(booking, now=100.0 + i + 0.02 + 5e-4 * tokens)
         context.load.complete(booking)
-    return registry
+    return registry, scorer
 
 
 def test_reads_the_learned_costs_from_the_metrics_page():
-    rows = read_calibration(generate_latest(learned_registry()).decode())
+    registry, _scorer = learned_registry()
+    rows = read_calibration(generate_latest(registry).decode())
     [(key, values)] = rows.items()
     assert key == ("predicted-ttft-scorer", "10.0.0.1:8000", "m")
     assert values["prefill_seconds_per_token"] == pytest.approx(5e-4, rel=0.05)
@@ -36,7 +40,8 @@ def test_reads_the_learned_costs_from_the_metrics_page():
 
 
 def test_cli_prints_the_table_of_a_running_picker(capsys):
-    server, thread = start_http_server(0, "127.0.0.1", registry=learned_registry())
+    registry, _scorer = learned_registry()
+    server, thread = start_http_server(0, "127.0.0.1", registry=registry)
     try:
         assert calibration_main(f"127.0.0.1:{server.server_port}") == 0
     finally:
