@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from epp.limits import DEFAULT_MAX_LABEL_VALUE_LENGTH
@@ -15,7 +17,28 @@ _DURATION_BUCKETS = (0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5
                      8, 10, 15, 20, 30, 45, 60, 120, 180, 240, 300, 360, 480, 600, 900, 1200)
 
 
-OTHER_MODELS = "__other__"
+# The series every client-chosen value shares once a label's budget of distinct values is spent.
+OTHER_LABEL = "__other__"
+OTHER_MODELS = OTHER_LABEL
+
+
+class BoundedLabels:
+    """Label values (made safe by `shorten`) as given until `limit` distinct ones were seen, then `__other__`."""
+
+    def __init__(self, limit: int, shorten: Callable[[str], str] | None = None) -> None:
+        self.limit = limit
+        self.shorten = shorten
+        self._seen: set[str] = set()
+
+    def __call__(self, value: str) -> str:
+        if self.shorten is not None:
+            value = self.shorten(value)
+        if value in self._seen:
+            return value
+        if len(self._seen) < self.limit:
+            self._seen.add(value)
+            return value
+        return OTHER_LABEL
 
 
 class EppMetrics:

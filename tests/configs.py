@@ -16,6 +16,12 @@ SAMPLE_CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 GIE_TEST_SCORERS = ("queue-scorer", "kv-cache-utilization-scorer", "prefix-cache-scorer", "lora-affinity-scorer")
 
 
+def scorer_then_max_score(producer: PluginDef | None, scorer: str = "prefix-cache-scorer") -> str:
+    """One scorer and the max-score picker, after an optional data producer (`plugin(...)` entry)."""
+    plugins = [producer] if producer is not None else []
+    return endpoint_picker_config([*plugins, scorer, "max-score-picker"], [scorer, "max-score-picker"])
+
+
 def gie_test_config(**sections: Any) -> str:
     """GIE's integration-test config: queue, kv-cache-utilization, prefix and lora-affinity at weight 1,
     max-score picker; `sections` adds top-level fields (objectives, ...)."""
@@ -48,5 +54,5 @@ def pd_config(threshold: int = 512, *first_plugins: PluginDef) -> str:
     return as_yaml(document)
 
 
-__all__ = ["GIE_TEST_SCORERS", "SAMPLE_CONFIGS", "as_yaml", "endpoint_picker_config", "gie_test_config", "objectives",
+__all__ = ["GIE_TEST_SCORERS", "SAMPLE_CONFIGS", "as_yaml", "endpoint_picker_config", "gie_test_config", "objectives", "scorer_then_max_score",
            "pd_config", "plugin", "sample_config"]

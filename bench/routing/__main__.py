@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--continuous", action="store_true",
                      help="continuous ramp: no draining between stages (in-flight requests run into the next)")
     trace = run.add_argument_group("trace scenario (Mooncake JSONL replayed at its timestamps)")
-    trace.add_argument("--trace", metavar="PATH", help="the trace file (e.g. ../shared/data/mooncake/conversation_trace.jsonl)")
+    trace.add_argument("--trace", metavar="PATH", help="the trace file: Mooncake JSONL (timestamp, input_length, output_length, hash_ids)")
     trace.add_argument("--trace-block-tokens", type=int, help="tokens per 512-token hash block of the trace")
     trace.add_argument("--trace-max-prompt", type=int, help="cap on prompt tokens (longer prompts keep their first blocks)")
     trace.add_argument("--trace-max-output", type=int, help="cap on output tokens")

@@ -129,8 +129,8 @@ TRACE_KNOBS: dict[str, dict[str, float]] = {
 def trace(scale: str, path: str | None = None, **knobs: float | None) -> Scenario:
     """A Mooncake trace replayed at its timestamps (one timed stage); `knobs` override TRACE_KNOBS."""
     if not path:
-        raise ValueError("the trace scenario needs --trace PATH (a Mooncake JSONL file, e.g. "
-                         "../shared/data/mooncake/conversation_trace.jsonl)")
+        raise ValueError("the trace scenario needs --trace PATH (a Mooncake JSONL file: timestamp, "
+                         "input_length, output_length, hash_ids)")
     params = {**TRACE_KNOBS[scale], **{k: v for k, v in knobs.items() if v is not None}}
     for k in ("block_tokens", "max_prompt_tokens", "max_output_tokens"):
         params[k] = int(params[k])

@@ -23,29 +23,10 @@ from prometheus_client import CollectorRegistry, Counter
 from epp.framework.datakeys import PREFIX_MATCH_INFO, PREFIX_TIER_MATCH, PrefixMatchInfo, TierMatch
 from epp.framework.plugin import CycleState, ResponseCompleteHook
 from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
+from epp.metrics import BoundedLabels
 
-OTHER = "__other__"
 TIERS = ("gpu", "cpu", "disk")
 TENANT_SOURCES = ("fairness", "objective", "header", "none")
-
-
-class BoundedLabels:
-    """Label values (made safe by `shorten`) as given until `limit` distinct ones were seen, then `__other__`."""
-
-    def __init__(self, limit: int, shorten: Callable[[str], str] | None = None) -> None:
-        self.limit = limit
-        self.shorten = shorten
-        self._seen: set[str] = set()
-
-    def __call__(self, value: str) -> str:
-        if self.shorten is not None:
-            value = self.shorten(value)
-        if value in self._seen:
-            return value
-        if len(self._seen) < self.limit:
-            self._seen.add(value)
-            return value
-        return OTHER
 
 
 def parse_tenant_source(text: str) -> tuple[str, str | None]:

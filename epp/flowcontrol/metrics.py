@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from epp.metrics import BoundedLabels
+
 OTHER_FLOWS = "__other__"
 MAX_FAIRNESS_LABEL_CHARS = 64
 DEFAULT_MAX_FLOW_LABELS = 100
@@ -22,8 +24,7 @@ class FlowControlMetrics:
     def __init__(self, registry: CollectorRegistry | None = None, *,
                  max_flow_labels: int = DEFAULT_MAX_FLOW_LABELS) -> None:
         r = registry if registry is not None else CollectorRegistry()
-        self.max_flow_labels = max_flow_labels
-        self._flow_labels: set[str] = set()
+        self._flow_labels = BoundedLabels(max_flow_labels, lambda fairness_id: fairness_id[:MAX_FAIRNESS_LABEL_CHARS])
         self.queue_size = Gauge(
             "inference_extension_flow_control_queue_size", "Requests waiting in the flow-control queues.",
             ["priority", "fairness_id"], registry=r)
@@ -43,15 +44,18 @@ class FlowControlMetrics:
             "Pool saturation seen by the last dispatch cycle (>= the band's ceiling: nothing dispatched).",
             registry=r)
 
+    @property
+    def max_flow_labels(self) -> int:
+        """How many distinct fairness ids get their own series."""
+        return self._flow_labels.limit
+
+    @max_flow_labels.setter
+    def max_flow_labels(self, limit: int) -> None:
+        self._flow_labels.limit = limit
+
     def flow_label(self, fairness_id: str) -> str:
         """The label of a fairness id: itself (cut short) while the label budget lasts."""
-        label = fairness_id[:MAX_FAIRNESS_LABEL_CHARS]
-        if label in self._flow_labels:
-            return label
-        if len(self._flow_labels) >= self.max_flow_labels:
-            return OTHER_FLOWS
-        self._flow_labels.add(label)
-        return label
+        return self._flow_labels(fairness_id)
 
     def queued(self, priority: int, fairness_id: str, size_bytes: int, sign: int) -> None:
         """A request entered (`sign` 1) or left (`sign` -1) a flow queue."""

@@ -265,17 +265,22 @@ def _bind(server: grpc.aio.Server, host: str, port: int, flag: str,
     return bound
 
 
-async def serve_forever(options: ServeOptions, on_started: Callable[[EppServer], None] | None = None) -> None:
-    """Run until SIGTERM/SIGINT, then drain within the grace period; `on_started` is called once serving."""
-    import signal
-
+async def start_server(options: ServeOptions) -> EppServer:
+    """A started `EppServer`; if starting fails, what did start (discovery, scrapers, plugins) is stopped first."""
     server = EppServer(options)
     try:
         await server.start()
     except BaseException:
-        # What did start (discovery, scrapers' HTTP sessions, plugins) is stopped before the error surfaces.
         await server.stop(0)
         raise
+    return server
+
+
+async def serve_forever(options: ServeOptions, on_started: Callable[[EppServer], None] | None = None) -> None:
+    """Run until SIGTERM/SIGINT, then drain within the grace period; `on_started` is called once serving."""
+    import signal
+
+    server = await start_server(options)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     # Handlers first: whoever reads the start line may signal at once, and must get a drain, not a kill.

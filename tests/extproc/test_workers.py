@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from epp.netutil import free_ports
 from epp.server.metrics_merge import merge_pages
 from epp.server.workers import worker_count
+from tests.configs import plugin, scorer_then_max_score
 from tests.extproc_support import ExtProcClient, headers_of, request_body, request_headers
 
 ENDPOINTS = "127.0.0.1:1,127.0.0.1:2,127.0.0.1:3,127.0.0.1:4"
@@ -58,20 +59,8 @@ def readiness(health_port: int) -> int | None:
             return None
 
 
-APPROXIMATE = """
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: approx-prefix-cache-producer
-  parameters: {autoTune: false, blockSizeTokens: 4, charsPerToken: 4}
-- type: prefix-cache-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: prefix-cache-scorer
-  - pluginRef: max-score-picker
-"""
+APPROXIMATE = scorer_then_max_score(plugin("approx-prefix-cache-producer", autoTune=False, blockSizeTokens=4,
+                                          charsPerToken=4))
 
 
 @pytest.fixture

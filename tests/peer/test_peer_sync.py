@@ -12,26 +12,15 @@ from epp.netutil import free_ports
 from epp.scorers.approx_prefix import ApproxPrefixCacheProducer
 from epp.server.runner import EppServer, ServeOptions
 from tests.blackbox.calls import route
+from tests.configs import plugin, scorer_then_max_score
 from tests.extproc_support import ExtProcClient
 from tests.precise.support import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
 ENDPOINTS = "10.0.0.1:8000,10.0.0.2:8000,10.0.0.3:8000,10.0.0.4:8000"
-CONFIG = """
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: approx-prefix-cache-producer
-  parameters: {autoTune: false, blockSizeTokens: 4, lruCapacityPerServer: 5000, charsPerToken: 4}
-- type: prefix-cache-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: prefix-cache-scorer
-  - pluginRef: max-score-picker
-"""
+CONFIG = scorer_then_max_score(plugin("approx-prefix-cache-producer", autoTune=False, blockSizeTokens=4,
+                                     lruCapacityPerServer=5000, charsPerToken=4))
 
 
 class RoutingPicker:
@@ -166,18 +155,8 @@ async def test_a_picker_whose_peers_are_all_down_starts_alone_within_the_catch_u
         await a.stop()
 
 
-QUEUE_CONFIG = """
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: queue-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: queue-scorer
-  - pluginRef: max-score-picker
-"""
+
+QUEUE_CONFIG = scorer_then_max_score(None, "queue-scorer")
 
 
 async def test_in_flight_bookings_of_a_peer_count_in_the_other_pickers_load_until_released():

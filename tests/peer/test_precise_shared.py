@@ -7,28 +7,17 @@ import pytest
 
 from epp.engine.sim import FleetConfig, SimFleet
 from epp.engine.sim.fleet import default_tokenizer_dir
+from tests.configs import plugin, scorer_then_max_score
 from tests.precise.support import Picker, fleet_specs, post_completion, prompt_of, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
 MODEL = "sim-model"
-CONFIG = """
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: precise-prefix-cache-producer
-  parameters:
-    blockSizeTokens: 16
-    mode: per-endpoint
-    tokenizers: {sim-model: "%(tokenizer_dir)s"}
-- type: prefix-cache-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: prefix-cache-scorer
-  - pluginRef: max-score-picker
-"""
+
+
+def picker_config(tokenizer_dir: str) -> str:
+    return scorer_then_max_score(plugin("precise-prefix-cache-producer", blockSizeTokens=16, mode="per-endpoint",
+                                        tokenizers={MODEL: tokenizer_dir}))
 
 
 async def test_two_pickers_fed_the_same_traffic_hold_the_same_precise_index_and_route_alike():
@@ -37,7 +26,7 @@ async def test_two_pickers_fed_the_same_traffic_hold_the_same_precise_index_and_
     groups = [prompt_of(tokenizer_dir, seed=40 + g, tokens=6 * 16) for g in range(5)]
     async with SimFleet(config) as fleet:
         specs = fleet_specs(fleet.info)
-        pickers = [await Picker.start(CONFIG % {"tokenizer_dir": tokenizer_dir}, specs) for _ in range(2)]
+        pickers = [await Picker.start(picker_config(tokenizer_dir), specs) for _ in range(2)]
         try:
             async with aiohttp.ClientSession() as session:
                 # Requests alternate between the pickers; each goes where its picker said.

@@ -18,30 +18,18 @@ from epp.datalayer.registry import EndpointSpec
 from epp.engine.sim import FleetConfig, SimFleet
 from epp.engine.sim.fleet import default_tokenizer_dir
 from epp.netutil import free_ports
+from tests.configs import plugin, scorer_then_max_score
 from tests.precise.support import Picker, fleet_specs, post_completion, prompt_of, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
 MODEL = "sim-model"
 
-CONFIG = """
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: precise-prefix-cache-producer
-  parameters:
-    blockSizeTokens: 16
-    mode: %(mode)s
-    zmqEndpoint: "%(bind)s"
-    tokenizers: {sim-model: "%(tokenizer_dir)s"}
-- type: prefix-cache-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: prefix-cache-scorer
-  - pluginRef: max-score-picker
-"""
+
+
+def picker_config(mode: str, bind: str, tokenizer_dir: str) -> str:
+    return scorer_then_max_score(plugin("precise-prefix-cache-producer", blockSizeTokens=16, mode=mode,
+                                        zmqEndpoint=bind, tokenizers={MODEL: tokenizer_dir}))
 
 
 async def test_per_endpoint_mode_routes_on_events_published_with_the_empty_topic():
@@ -50,8 +38,7 @@ async def test_per_endpoint_mode_routes_on_events_published_with_the_empty_topic
     prompt = prompt_of(tokenizer_dir, seed=11, tokens=8 * 16)
     async with SimFleet(config) as fleet:
         assert {d["kv_topic"] for d in fleet.info} == {""}
-        picker = await Picker.start(CONFIG % {"mode": "per-endpoint", "bind": "tcp://127.0.0.1:0",
-                                              "tokenizer_dir": tokenizer_dir}, fleet_specs(fleet.info))
+        picker = await Picker.start(picker_config("per-endpoint", "tcp://127.0.0.1:0", tokenizer_dir), fleet_specs(fleet.info))
         try:
             holder = fleet.endpoints[1]
             async with aiohttp.ClientSession() as session:
@@ -78,7 +65,7 @@ async def test_centralized_mode_drops_empty_topic_events_and_says_why(caplog):
     async with SimFleet(config) as fleet:
         specs = [EndpointSpec(d["endpoint"].rsplit(":", 1)[0], int(d["endpoint"].rsplit(":", 1)[1]))
                  for d in fleet.info]
-        picker = await Picker.start(CONFIG % {"mode": "centralized", "bind": bind, "tokenizer_dir": tokenizer_dir},
+        picker = await Picker.start(picker_config("centralized", bind, tokenizer_dir),
                                     specs)
         try:
             async with aiohttp.ClientSession() as session:
