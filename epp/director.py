@@ -240,7 +240,9 @@ class Director:
         if self.pipeline.flow_control is not None:
             self.pipeline.flow_control.on_request_complete()
         try:
-            self.ledger.complete(state.get(BOOKING_STATE_KEY), response)
+            # No response header seen: the request may still run there (request-only Envoy mode,
+            # or the client left), so it counts until the endpoint's next scrape shows it.
+            self.ledger.complete(state.get(BOOKING_STATE_KEY), response, response_seen=bool(response.status))
         except Exception:  # an observer (a calibrator) must not break the completion hooks
             log.exception("in-flight ledger observer failed")
         for hook in self.pipeline.response_complete_hooks:

@@ -4,7 +4,10 @@ Scraped gauges (`num_requests_waiting`, KV usage) are up to one scrape interval 
 replica in mid-prefill reports its request as *running*, so it looks as idle as one that is only
 decoding. The director books every pick here (`pick`), marks its prefill done when the first
 token (or, for a non-streamed response, the response headers) comes back (`first_token`), and
-releases it when the response ends (`complete`). Load-aware scorers read `load(endpoint)`:
+releases it when the response ends (`complete`). A stream that ends before any response header
+reached the picker (Envoy set to keep responses from it, a client that left) may leave its request
+running on the endpoint: `complete(..., response_seen=False)` keeps it counted until a scrape
+taken after the pick, which shows it. Load-aware scorers read `load(endpoint)`:
 
 - `unseen_requests`: picks sent after the endpoint's last scrape (the scrape cannot show them);
 - `prefilling_requests` / `prefill_tokens`: picks whose first token has not been seen, and their
@@ -99,12 +102,14 @@ Observer = Callable[[Booking, Any], None]
 
 
 class _EndpointBook:
-    __slots__ = ("inflight", "prefill_tokens", "prefilling")
+    __slots__ = ("inflight", "prefill_tokens", "prefilling", "unanswered")
 
     def __init__(self) -> None:
         self.inflight: OrderedDict[int, Booking] = OrderedDict()  # pick order
         self.prefilling = 0
         self.prefill_tokens = 0
+        # Ended without a response the picker saw: counted until a scrape taken after the pick.
+        self.unanswered: OrderedDict[int, Booking] = OrderedDict()  # pick order
 
 
 class InflightLedger:
@@ -135,6 +140,9 @@ class InflightLedger:
         scraped_at = endpoint.metrics.update_time
         age = now - scraped_at if scraped_at > 0 else math.inf
         book = self._books.get(endpoint.name)
+        if book is not None and book.unanswered:
+            self._settle_unanswered(book, scraped_at)
+            book = self._books.get(endpoint.name)
         if book is None:
             return EndpointLoad(scrape_age_s=age) if age != math.inf else NO_LOAD
         unseen = unseen_tokens = 0
@@ -193,13 +201,31 @@ class InflightLedger:
         booking.ttft_observed = observed
         self._end_prefill(booking)
 
-    def complete(self, booking: Booking | None, response: Any = None) -> None:
-        """The booking's response ended (or its stream died): stop counting it; tell the observers."""
-        if booking is None or self._all.pop(booking.ticket, None) is None:
+    def complete(self, booking: Booking | None, response: Any = None, *, response_seen: bool = True) -> None:
+        """The booking's stream ended: stop counting it (once scraped, if its response was never seen)."""
+        if booking is None or booking.ticket not in self._all:
             return
-        self._forget(booking)
+        book = self._books.get(booking.endpoint)
+        if response_seen or book is None:
+            del self._all[booking.ticket]
+            self._forget(booking)
+        elif booking.ticket in book.unanswered:
+            return
+        else:
+            book.unanswered[booking.ticket] = booking
         for observer in self._observers:
             observer(booking, response)
+
+    def _settle_unanswered(self, book: _EndpointBook, scraped_at: float) -> None:
+        """Stop counting unanswered requests that a scrape taken after their pick already shows."""
+        unanswered = book.unanswered
+        while unanswered:
+            booking = next(iter(unanswered.values()))
+            if booking.picked_at > scraped_at:
+                break
+            del unanswered[booking.ticket]
+            if self._all.pop(booking.ticket, None) is not None:
+                self._forget(booking)
 
     def expire(self, now: float | None = None) -> None:
         """Drop bookings past their timeouts (their first token or end was never seen)."""
@@ -243,6 +269,7 @@ class InflightLedger:
         if book is None:
             return
         book.inflight.pop(booking.ticket, None)
+        book.unanswered.pop(booking.ticket, None)
         if not book.inflight:
             del self._books[booking.endpoint]
 

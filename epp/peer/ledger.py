@@ -73,9 +73,9 @@ class SharedInflightLedger(InflightLedger):
         if booking is not None and was_prefilling and not booking.prefilling:
             self.publisher.publish_released(booking.ticket, True)
 
-    def complete(self, booking: Booking | None, response: Any = None) -> None:
-        super().complete(booking, response)
-        if booking is not None:
+    def complete(self, booking: Booking | None, response: Any = None, *, response_seen: bool = True) -> None:
+        super().complete(booking, response, response_seen=response_seen)
+        if booking is not None:  # an unanswered one too: the peers' scrapes will show it
             self.publisher.publish_released(booking.ticket, False)
 
     # -- peers' bookings -----------------------------------------------------------------------

@@ -36,6 +36,26 @@ def test_bookings_table_pick_first_token_complete():
     assert len(ledger) == 0
 
 
+def test_a_request_whose_response_was_never_seen_counts_until_a_scrape_shows_it():
+    # Request-only Envoy mode: the stream ends when the request is sent, the work has just begun.
+    ledger = InflightLedger()
+    ep = endpoint(0)
+    sent_after_scrape = ledger.pick(ep.name, prompt_tokens=300, now=1.01)
+    ledger.complete(sent_after_scrape, response_seen=False)
+    ledger.complete(sent_after_scrape, response_seen=False)  # twice is harmless
+    assert loads(ledger, [ep], 1.02) == [(1, 1, 1, 300)]
+    rescraped = type(ep)(ep.address, ep.port, metrics=EndpointMetrics(update_time=1.5))
+    assert loads(ledger, [rescraped], 1.6) == [(0, 0, 0, 0)]  # the scrape at 1.5 shows it now
+    assert len(ledger) == 0
+
+
+def test_an_answered_request_stops_counting_at_once():
+    ledger = InflightLedger()
+    ep = endpoint(0)
+    ledger.complete(ledger.pick(ep.name, prompt_tokens=300, now=1.01), response_seen=True)
+    assert loads(ledger, [ep], 1.02) == [(0, 0, 0, 0)]
+
+
 @pytest.mark.parametrize(
     ("picked_at", "scraped_at", "unseen"),
     [
