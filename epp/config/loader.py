@@ -6,11 +6,12 @@ Every error names the source (file), the field path inside the document
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 
@@ -29,10 +30,18 @@ from epp.framework.plugin import (
     ProfileHandler,
     ResponseCompleteHook,
     ResponseHeadersHook,
+    SaturationDetector,
     Scorer,
 )
 from epp.framework.registry import PluginRegistry, default_registry, did_you_mean
 from epp.framework.scheduler import Scheduler, SchedulerProfile, WeightedScorer
+
+if TYPE_CHECKING:
+    from epp.flowcontrol.controller import FlowController
+
+log = logging.getLogger(__name__)
+
+P = TypeVar("P", bound=Plugin)
 
 API_VERSION = "inference.networking.x-k8s.io/v1alpha1"
 KIND = "EndpointPickerConfig"
@@ -101,7 +110,12 @@ class DataSourceConfig:
 
 @dataclass(frozen=True)
 class LoadedConfig:
-    """The resolved pipeline: scheduler, producers in dependency order, hooks, and every plugin instance."""
+    """The runtime pipeline the director runs, built only by the loader.
+
+    The scheduler, producers in dependency order, admitters, capacity gates, hooks, the flow
+    controller (with the `flowControl` gate and an endpoint source in the context), and every
+    plugin instance with its lifecycle.
+    """
 
     source: str
     scheduler: Scheduler
@@ -110,7 +124,7 @@ class LoadedConfig:
     pre_request_hooks: tuple[PreRequestHook, ...]
     response_headers_hooks: tuple[ResponseHeadersHook, ...]
     response_complete_hooks: tuple[ResponseCompleteHook, ...]
-    saturation_detector: Plugin | None
+    saturation_detector: SaturationDetector | None
     feature_gates: frozenset[str]
     objectives: Mapping[str, int]
     plugins: tuple[PluginEntry, ...]
@@ -118,6 +132,9 @@ class LoadedConfig:
     parser: Plugin | None = None
     # The `flowControl` section, validated even when the feature gate is off; used only with the gate.
     flow_control_section: FlowControlConfig | None = None
+    capacity_gates: tuple[CapacityGate, ...] = ()
+    # With the `flowControl` gate: queues requests while the pool is saturated (replaces shedding, as in GIE).
+    flow_controller: FlowController | None = None
 
     @property
     def flow_control(self) -> FlowControlConfig | None:
@@ -131,9 +148,9 @@ class LoadedConfig:
         """Name of the saturation detector plugin, if any."""
         return self.saturation_detector.name if self.saturation_detector is not None else None
 
-    @property
-    def plugin_instances(self) -> tuple[Plugin, ...]:
-        return tuple(entry.plugin for entry in self.plugins)
+    def plugins_of(self, kind: type[P]) -> tuple[P, ...]:
+        """The plugin instances of one kind (a class), in config order."""
+        return tuple(entry.plugin for entry in self.plugins if isinstance(entry.plugin, kind))
 
     def plugin(self, name: str) -> Plugin:
         """The plugin instance named `name`."""
@@ -148,9 +165,12 @@ class LoadedConfig:
             await entry.plugin.start()
 
     async def stop(self) -> None:
-        """Stop every plugin, in reverse order."""
+        """Stop every plugin, in reverse order; one that fails to stop does not keep the others running."""
         for entry in reversed(self.plugins):
-            await entry.plugin.stop()
+            try:
+                await entry.plugin.stop()
+            except Exception:
+                log.exception("stopping plugin %s failed", entry.name)
 
 
 class _StrictYamlLoader(yaml.SafeLoader):
@@ -355,14 +375,12 @@ class _Builder:
         else:
             raise self.fail("plugins", f"{len(profiles)} scheduling profiles need a profile handler plugin; "
                                        f"registered types: {', '.join(self.registry.types())}")
-        check = getattr(entry.plugin, "check_profiles", None)
-        if check is not None:
-            try:
-                check(list(profiles))
-            except ConfigError as exc:
-                raise self.fail("schedulingProfiles", f"profile handler {entry.name!r}: {exc}") from None
         if not isinstance(entry.plugin, ProfileHandler):
             raise self.fail("plugins", f"the default profile handler type {entry.type_name} is no profile handler")
+        try:
+            entry.plugin.check_profiles(list(profiles))
+        except ConfigError as exc:
+            raise self.fail("schedulingProfiles", f"profile handler {entry.name!r}: {exc}") from None
         return entry.plugin
 
     # -- data producers -------------------------------------------------------------------------
@@ -398,9 +416,8 @@ class _Builder:
             if id(consumer) in done:
                 continue
             done.add(id(consumer))
-            consumes = getattr(consumer, "consumes", None)
-            for key in sorted(consumes() if consumes else ()):
-                legacy = dict(getattr(consumer, "default_producer_parameters", None) or {})
+            for key in sorted(consumer.consumes()):
+                legacy = dict(consumer.default_producer_parameters())
                 if key in producer_of:
                     if legacy and producer_of[key].auto_created is None:
                         raise self.fail(f"plugins[{self.position(consumer)}].parameters",
@@ -477,20 +494,38 @@ class _Builder:
                                   f"{', '.join(allowed_types)}")
         return entry.plugin
 
-    def saturation_detector(self, doc: Mapping[str, Any]) -> Plugin | None:
+    def saturation_detector(self, doc: Mapping[str, Any]) -> SaturationDetector | None:
         raw = doc.get("saturationDetector")
+        entry: PluginEntry | None = None
+        path = "saturationDetector"
         if raw is not None:
             item = self.mapping(raw, "saturationDetector", ("pluginRef",), required=("pluginRef",))
-            return self.ref(item["pluginRef"], "saturationDetector.pluginRef").plugin
-        for entry in self.entries:
-            if entry.type_name == DEFAULT_SATURATION_DETECTOR_TYPE:
-                return entry.plugin
-        try:
-            self.registry.get(DEFAULT_SATURATION_DETECTOR_TYPE)
-        except ConfigError:
-            return None
-        return self.add_plugin(DEFAULT_SATURATION_DETECTOR_TYPE, self.free_name(DEFAULT_SATURATION_DETECTOR_TYPE),
-                               None, "saturationDetector", auto_created="default saturation detector").plugin
+            path = "saturationDetector.pluginRef"
+            entry = self.ref(item["pluginRef"], path)
+        else:
+            entry = next((e for e in self.entries if e.type_name == DEFAULT_SATURATION_DETECTOR_TYPE), None)
+        if entry is None:
+            try:
+                self.registry.get(DEFAULT_SATURATION_DETECTOR_TYPE)
+            except ConfigError:
+                return None
+            entry = self.add_plugin(DEFAULT_SATURATION_DETECTOR_TYPE,
+                                    self.free_name(DEFAULT_SATURATION_DETECTOR_TYPE), None, "saturationDetector",
+                                    auto_created="default saturation detector")
+        if not isinstance(entry.plugin, SaturationDetector):
+            raise self.fail(path, f"plugin {entry.name!r} (type {entry.type_name}) is no saturation detector; "
+                                  f"allowed: a saturation detector, e.g. {DEFAULT_SATURATION_DETECTOR_TYPE}")
+        return entry.plugin
+
+    def shedding_admitter(self, detector: SaturationDetector) -> None:
+        """GIE's default admission: the admitter that sheds sheddable requests while `detector` says saturated."""
+        from epp.admission import TYPE_NAME, SaturationAdmitter
+
+        name = self.free_name(TYPE_NAME)
+        entry = PluginEntry(name, TYPE_NAME, SaturationAdmitter(name, detector, self.context), {},
+                            auto_created=f"sheds sheddable requests while {detector.name} says saturated")
+        self.entries.append(entry)
+        self.by_name[name] = entry
 
     def parser(self, doc: Mapping[str, Any]) -> Plugin | None:
         raw = doc.get("parser")
@@ -539,11 +574,16 @@ class _Builder:
         if "flowControl" in doc or FLOW_CONTROL_GATE in gates:
             flow_control = parse_flow_control(doc.get("flowControl"), source=self.source,
                                               plugins={e.name: e.plugin for e in self.entries})
-            if FLOW_CONTROL_GATE in gates and not callable(getattr(detector, "saturation", None)):
-                raise self.fail("saturationDetector", "flow control needs a saturation detector (a plugin with "
-                                                      f"a saturation rating, e.g. {DEFAULT_SATURATION_DETECTOR_TYPE})"
-                                                      f"; got {detector!r}")
+            if FLOW_CONTROL_GATE in gates and detector is None:
+                raise self.fail("saturationDetector", "flow control needs a saturation detector (e.g. "
+                                                      f"{DEFAULT_SATURATION_DETECTOR_TYPE}); none is configured")
+        elif detector is not None:
+            # GIE's default admission; with flow control the controller queues instead of shedding.
+            self.shedding_admitter(detector)
         plugins = [e.plugin for e in self.entries]
+        controller = None
+        if flow_control is not None and FLOW_CONTROL_GATE in gates and self.context.endpoints is not None:
+            controller = self.flow_controller(flow_control, detector)
         return LoadedConfig(
             source=self.source,
             scheduler=Scheduler(handler, profiles),
@@ -559,7 +599,21 @@ class _Builder:
             data_sources=data_sources,
             parser=parser,
             flow_control_section=flow_control,
+            capacity_gates=tuple(p for p in plugins if isinstance(p, CapacityGate)),
+            flow_controller=controller,
         )
+
+    def flow_controller(self, config: FlowControlConfig, detector: SaturationDetector | None) -> FlowController:
+        """The flow controller over the context's endpoints, woken by their metric updates."""
+        from epp.flowcontrol.controller import FlowController
+        from epp.flowcontrol.metrics import FlowControlMetrics
+
+        endpoints = self.context.endpoints
+        assert endpoints is not None and detector is not None  # checked by build()
+        controller = FlowController(config, detector, endpoints, FlowControlMetrics(self.context.metrics_registry))
+        endpoints.add_metrics_listener(controller.on_metrics_update)
+        endpoints.add_listener(controller.forget_endpoints)
+        return controller
 
 
 def load_config_text(text: str, *, source: str = "<config-text>", registry: PluginRegistry | None = None,
@@ -603,6 +657,17 @@ def load_config(path: str | os.PathLike[str], *, registry: PluginRegistry | None
     return load_config_text(text, source=source, registry=registry, context=context)
 
 
+def load_config_or_default(config_file: str | os.PathLike[str] | None = None, config_text: str | None = None, *,
+                           registry: PluginRegistry | None = None,
+                           context: PluginContext | None = None) -> LoadedConfig:
+    """The pipeline of `config_file`, else of `config_text`, else GIE's system defaults."""
+    if config_file:
+        return load_config(config_file, registry=registry, context=context)
+    if config_text:
+        return load_config_text(config_text, source="--config-text", registry=registry, context=context)
+    return load_default_config(registry=registry, context=context)
+
+
 def load_default_config(*, registry: PluginRegistry | None = None,
                         context: PluginContext | None = None) -> LoadedConfig:
     """GIE's system defaults: queue 2, kv-cache-utilization 2, prefix-cache 3, max-score, single profile."""
@@ -616,8 +681,7 @@ def _yaml_value(value: Any) -> str:
 
 
 def _plugin_line(entry: PluginEntry) -> str:
-    details = getattr(entry.plugin, "describe", None)
-    text = details() if callable(details) else ""
+    text = entry.plugin.describe()
     if not text and entry.parameters:
         text = ", ".join(f"{k}={_yaml_value(v)}" for k, v in entry.parameters.items())
     line = f"{entry.name} (type {entry.type_name}; {', '.join(_kinds(entry.plugin)) or 'config'})"

@@ -1,4 +1,5 @@
-"""Legacy admission: only sheddable requests (priority < 0) are dropped, and only when saturated."""
+"""GIE's default admission (the saturation admitter): only sheddable requests (priority < 0) are
+dropped, only when saturated, and only without flow control."""
 
 from __future__ import annotations
 
@@ -7,11 +8,23 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from epp.admission import SHED_MESSAGE, AdmissionController
+from epp.admission import SHED_MESSAGE, SaturationAdmitter
+from epp.config import load_config_text
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
-from epp.framework.errors import ErrorCode, InferenceError
-from epp.framework.types import ApiKind, Endpoint, EndpointMetrics, InferenceRequest
+from epp.framework import (
+    ApiKind,
+    ConfigError,
+    CycleState,
+    Endpoint,
+    EndpointMetrics,
+    ErrorCode,
+    InferenceError,
+    InferenceRequest,
+    PluginContext,
+    SaturationDetector,
+)
 from epp.scorers.saturation import UtilizationDetector
+from tests.configs import endpoint_picker_config
 
 
 def endpoints(*queues: int) -> list[Endpoint]:
@@ -22,6 +35,10 @@ def endpoints(*queues: int) -> list[Endpoint]:
 
 def request(priority: int) -> InferenceRequest:
     return InferenceRequest("r", ApiKind.COMPLETIONS, "m", "m", {"prompt": "x"}, priority=priority)
+
+
+def admitter(detector: SaturationDetector, **context) -> SaturationAdmitter:
+    return SaturationAdmitter("saturation-admitter", detector, PluginContext(**context))
 
 
 @pytest.mark.parametrize("priority, queues, shed", [
@@ -35,30 +52,29 @@ def request(priority: int) -> InferenceRequest:
 ])
 def test_sheds_only_sheddable_requests_when_saturated(priority, queues, shed):
     metrics = CollectorRegistry()
-    controller = AdmissionController(UtilizationDetector(), metrics_registry=metrics)
+    shedder = admitter(UtilizationDetector(), metrics_registry=metrics)
     if shed:
         with pytest.raises(InferenceError) as info:
-            controller.admit(request(priority), endpoints(*queues))
+            shedder.admit(CycleState(), request(priority), endpoints(*queues))
         assert info.value.code is ErrorCode.RESOURCE_EXHAUSTED
         assert info.value.code.http_status == 429
         assert info.value.message == SHED_MESSAGE
     else:
-        controller.admit(request(priority), endpoints(*queues))
+        shedder.admit(CycleState(), request(priority), endpoints(*queues))
     assert metrics.get_sample_value("epp_admission_shed_requests_total") == (1.0 if shed else 0.0)
 
 
 def test_saturation_gauge_from_the_last_sheddable_request():
     metrics = CollectorRegistry()
-    controller = AdmissionController(UtilizationDetector(), metrics_registry=metrics)
-    controller.admit(request(-1), endpoints(2, 3))
+    admitter(UtilizationDetector(), metrics_registry=metrics).admit(CycleState(), request(-1), endpoints(2, 3))
     assert metrics.get_sample_value("epp_pool_saturation") == pytest.approx(0.5)
 
 
-def test_saturation_gauge_follows_the_pool_when_given():
+def test_saturation_gauge_follows_the_pool_of_the_context():
     pool = EndpointRegistry()
     pool.set_endpoints([EndpointSpec("10.0.0.1", 8000), EndpointSpec("10.0.0.2", 8000)])
     metrics = CollectorRegistry()
-    AdmissionController(UtilizationDetector(), metrics_registry=metrics, pool=pool)
+    admitter(UtilizationDetector(), metrics_registry=metrics, endpoints=pool)
     assert metrics.get_sample_value("epp_pool_saturation") == 1.0  # never scraped
     now = time.monotonic()
     pool.update("10.0.0.1:8000", metrics=EndpointMetrics(kv_cache_usage=0.4, update_time=now))
@@ -67,9 +83,25 @@ def test_saturation_gauge_follows_the_pool_when_given():
 
 
 def test_any_detector_works():
-    class Always:
+    class Always(SaturationDetector):
+        type_name = "always-saturated"
+
         def saturation(self, endpoints):
             return 1.0
 
     with pytest.raises(InferenceError):
-        AdmissionController(Always()).admit(request(-1), [])
+        admitter(Always()).admit(CycleState(), request(-1), [])
+
+
+def test_the_loader_adds_the_admitter_for_the_saturation_detector_unless_flow_control_queues():
+    shedding = load_config_text(endpoint_picker_config(["queue-scorer"]))
+    [shedder] = shedding.admitters
+    assert isinstance(shedder, SaturationAdmitter) and shedder.detector is shedding.saturation_detector
+    assert not shedder.consumes()  # so the director runs it before the data producers
+    queueing = load_config_text(endpoint_picker_config(["queue-scorer"], featureGates=["flowControl"]))
+    assert queueing.admitters == () and queueing.saturation_detector is not None
+
+
+def test_a_saturation_detector_reference_must_be_a_detector():
+    with pytest.raises(ConfigError, match=r"saturationDetector.pluginRef: plugin 'queue-scorer' .* is no saturation"):
+        load_config_text(endpoint_picker_config(["queue-scorer"], saturationDetector={"pluginRef": "queue-scorer"}))

@@ -210,7 +210,7 @@ async def test_precise_mode_sees_the_transferred_blocks_in_the_decode_pool(start
 
     assert PRECISE != CONFIG
     stack = await start_stack(config=PRECISE)
-    [producer] = [p for p in stack.epp.director.pipeline.plugins if isinstance(p, PrecisePrefixCacheProducer)]
+    [producer] = stack.epp.director.pipeline.plugins_of(PrecisePrefixCacheProducer)
     index = producer.index
     decode_pod = f"127.0.0.1:{stack.sidecar.bound_port}"
     async with aiohttp.ClientSession() as session:

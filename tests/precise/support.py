@@ -79,8 +79,7 @@ class Picker:
     @property
     def producer(self) -> PrecisePrefixCacheProducer:
         assert self.server.director is not None
-        [producer] = [p for p in self.server.director.pipeline.plugins
-                      if isinstance(p, PrecisePrefixCacheProducer)]
+        [producer] = self.server.director.pipeline.plugins_of(PrecisePrefixCacheProducer)
         return producer
 
     async def held_tiers(self, model: str, prompt: str, endpoints: Sequence[str]) -> dict[str, list[Tier]]:

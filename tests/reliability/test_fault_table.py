@@ -309,7 +309,7 @@ async def test_missing_tokenizer_files_route_on_without_prefix_scores_and_recove
     epp = EppServer(picker_options(backends, config_text=config))
     await epp.start()  # before the fix: the preload raised and the picker did not start
     try:
-        [producer] = [p for p in epp.director.pipeline.plugins if getattr(p, "tokenizers", None) is not None]
+        [producer] = [e.plugin for e in epp.director.pipeline.plugins if getattr(e.plugin, "tokenizers", None) is not None]
         producer.tokenizers.retry_s = 0.2
         async with envoy_in_front(epp.grpc_port) as (_, url):
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
