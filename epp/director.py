@@ -20,7 +20,7 @@ from epp.logutil import log_failure
 from epp.metrics import EppMetrics
 
 if TYPE_CHECKING:
-    from epp.config.loader import LoadedConfig
+    from epp.config import LoadedConfig
     from epp.flowcontrol.controller import Dispatch
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2_grpc
 from prometheus_client import start_http_server
 
-from epp.config.loader import LoadedConfig, load_config_or_default
+from epp.config import LoadedConfig, load_config_or_default
 from epp.datalayer.freshness import freshness_window
 from epp.datalayer.kubernetes import ObjectivePriorities
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec

@@ -19,7 +19,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from epp.config.loader import API_VERSION, KIND
+from epp.config import API_VERSION, KIND
 from epp.datalayer.registry import parse_endpoint_list
 from epp.engine.kv_publisher import KVEventPublisher
 from epp.engine.sim import FleetConfig, SimFleet
