@@ -62,9 +62,6 @@ class SaturationAdmitter(Admitter):
             self.saturation_gauge.set_function(lambda: detector.saturation(pool.snapshot()))
         self._gauge_from_pool = pool is not None
 
-    def describe(self) -> str:
-        return f"sheds requests with priority < 0 while {self.detector.name} rates the pool >= 1.0"
-
     def admit(self, state: CycleState, request: InferenceRequest, endpoints: Sequence[Endpoint]) -> None:
         """Return if admitted; raise InferenceError(RESOURCE_EXHAUSTED) to shed the request."""
         if not is_sheddable(request.priority):

@@ -122,5 +122,5 @@ def plugin_kinds(plugin: Plugin) -> list[str]:
     kinds = [("filter", Filter), ("scorer", Scorer), ("picker", Picker), ("profile-handler", ProfileHandler),
              ("data-producer", DataProducer), ("admitter", Admitter), ("pre-request", PreRequestHook),
              ("response-headers", ResponseHeadersHook), ("response-complete", ResponseCompleteHook),
-             ("capacity-gate", CapacityGate)]
+             ("capacity-gate", CapacityGate), ("saturation-detector", SaturationDetector)]
     return [label for label, cls in kinds if isinstance(plugin, cls)]

@@ -48,7 +48,7 @@ def add_shedding_admitter(plugins: PluginSet, detector: SaturationDetector) -> N
 
     name = plugins.free_name(TYPE_NAME)
     plugins.append(PluginEntry(name, TYPE_NAME, SaturationAdmitter(name, detector, plugins.context), {},
-                               auto_created=f"sheds sheddable requests while {detector.name} says saturated"))
+                               auto_created=f"sheds requests of priority < 0 while {detector.name} rates the pool >= 1"))
 
 
 def flow_controller(plugins: PluginSet, config: FlowControlConfig, detector: SaturationDetector) -> FlowController:

@@ -22,8 +22,9 @@ from epp.framework.plugin import (
     SchedulingResult,
 )
 from epp.framework.types import ApiKind, Endpoint, EndpointMetrics, InferenceRequest
+from epp.kvevents import producer as precise_prefix
 from epp.kvevents.decoding import decode_batch
-from epp.scorers import precise_prefix, predicted_ttft
+from epp.scorers import predicted_ttft
 from epp.scorers.prefix import PrefixCacheScorer
 from tests.kvevents import wire
 from tests.kvevents.publisher import FakePublisher

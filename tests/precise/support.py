@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 from epp.datalayer.registry import EndpointSpec
 from epp.framework.types import ApiKind, InferenceRequest
 from epp.kvevents.decoding import Tier
-from epp.scorers.precise_prefix import PrecisePrefixCacheProducer
+from epp.kvevents.producer import PrecisePrefixCacheProducer
 from epp.server.runner import EppServer, ServeOptions
 from tests.blackbox.calls import route
 from tests.extproc_support import ExtProcClient

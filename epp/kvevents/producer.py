@@ -1,5 +1,9 @@
 """precise-prefix-cache-producer: prefix match info from the KV events the replicas publish.
 
+It owns the KV-event machinery (subscriber, block index, tokenizers), so it lives with it here
+rather than among the built-ins in `scorers/`, which use only `epp.framework`; it registers
+through its own `epp.plugins` entry point (`kvevents`).
+
 Per request: the prompt is tokenized in process (vLLM's rendering), cut into index blocks,
 keyed by our own hash chain (model or LoRA name, cache_salt), and looked up in the KV block
 index that the producer's subscriber keeps up to date from vLLM KV events. It writes, for every
@@ -172,7 +176,7 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
 
 
 def register(registry: PluginRegistry) -> None:
-    """Register `precise-prefix-cache-producer`."""
+    """Entry point of the `epp.plugins` group: registers `precise-prefix-cache-producer`."""
     registry.register_class(PrecisePrefixCacheProducer)
 
 
