@@ -11,18 +11,23 @@ from prometheus_client import CollectorRegistry
 from epp.admission import SHED_MESSAGE, SaturationAdmitter
 from epp.config import load_config_text
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
+from epp.director import Director
 from epp.framework import (
     ApiKind,
     ConfigError,
     CycleState,
+    DataProducer,
     Endpoint,
     EndpointMetrics,
     ErrorCode,
     InferenceError,
     InferenceRequest,
     PluginContext,
+    PluginRegistry,
     SaturationDetector,
 )
+from epp.metrics import EppMetrics
+from epp.scorers import register_builtin_plugins
 from epp.scorers.saturation import UtilizationDetector
 from tests.configs import endpoint_picker_config
 
@@ -105,3 +110,35 @@ def test_the_loader_adds_the_admitter_for_the_saturation_detector_unless_flow_co
 def test_a_saturation_detector_reference_must_be_a_detector():
     with pytest.raises(ConfigError, match=r"saturationDetector.pluginRef: plugin 'queue-scorer' .* is no saturation"):
         load_config_text(endpoint_picker_config(["queue-scorer"], saturationDetector={"pluginRef": "queue-scorer"}))
+
+
+class CountingProducer(DataProducer):
+    """Counts the requests it prepared data for."""
+
+    type_name = "counting-producer"
+    prepared = 0
+
+    def produces(self):
+        return frozenset({"counted"})
+
+    async def prepare(self, state, request, endpoints):
+        type(self).prepared += 1
+
+
+async def test_the_director_sheds_before_the_data_producers_run():
+    registry = PluginRegistry()
+    register_builtin_plugins(registry)
+    registry.register_class(CountingProducer)
+    pool = EndpointRegistry()
+    pool.set_endpoints([EndpointSpec("10.0.0.1", 8000)])  # never scraped: saturation 1.0
+    metrics = EppMetrics()
+    pipeline = load_config_text(endpoint_picker_config(["counting-producer", "queue-scorer"]), registry=registry,
+                                context=PluginContext(metrics_registry=metrics.registry, endpoints=pool))
+    director = Director(pipeline, pool, metrics)
+    CountingProducer.prepared = 0
+    with pytest.raises(InferenceError) as info:
+        await director.schedule(CycleState(), request(-1))
+    assert info.value.message == SHED_MESSAGE and CountingProducer.prepared == 0
+    assert metrics.registry.get_sample_value("epp_admission_shed_requests_total") == 1.0
+    result = await director.schedule(CycleState(), request(0))  # not sheddable: scheduled, data prepared
+    assert result.targets[0].name == "10.0.0.1:8000" and CountingProducer.prepared == 1
