@@ -36,3 +36,7 @@ class EndpointSource(Protocol):
     def add_metrics_listener(self, listener: Callable[[Endpoint], None]) -> None:
         """Call `listener(endpoint)` after each new scrape of an endpoint's metrics or health."""
         ...
+
+    def expect_sleeping(self, name: str, sleeping: bool, for_seconds: float) -> None:
+        """Mark an endpoint asleep or awake after a sleep/wake call, held until a scrape agrees or time passes."""
+        ...
