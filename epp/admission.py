@@ -1,28 +1,29 @@
-"""Legacy (GIE default) admission: shed sheddable requests while the pool is saturated."""
+"""GIE's default admission as an `Admitter`: shed sheddable requests while the pool is saturated.
+
+The loader adds it to every pipeline with a saturation detector, unless the `flowControl`
+feature gate is on: then the flow controller queues requests instead (as in GIE).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from epp.framework.errors import ErrorCode, InferenceError
-from epp.framework.types import Endpoint, InferenceRequest
+from epp.framework import (
+    Admitter,
+    CycleState,
+    Endpoint,
+    ErrorCode,
+    InferenceError,
+    InferenceRequest,
+    PluginContext,
+    SaturationDetector,
+    once_per_registry,
+)
 
 SHED_MESSAGE = "system saturated, sheddable request dropped"
-
-
-class SaturationDetector(Protocol):
-    """Anything that rates a set of endpoints: >= 1.0 means saturated (e.g. `utilization-detector`)."""
-
-    def saturation(self, endpoints: Sequence[Endpoint]) -> float: ...
-
-
-class EndpointSource(Protocol):
-    """Where the pool's endpoints come from (the `EndpointRegistry`)."""
-
-    def snapshot(self) -> Sequence[Endpoint]: ...
+TYPE_NAME = "saturation-admitter"
 
 
 def is_sheddable(priority: int) -> bool:
@@ -30,34 +31,42 @@ def is_sheddable(priority: int) -> bool:
     return priority < 0
 
 
-class AdmissionController:
+def _shed_counter(registry: CollectorRegistry | None) -> Counter:
+    return Counter("epp_admission_shed_requests", "Sheddable requests dropped because the pool was saturated.",
+                   registry=registry)
+
+
+def _saturation_gauge(registry: CollectorRegistry | None) -> Gauge:
+    return Gauge("epp_pool_saturation", "Pool saturation from the saturation detector (>= 1 is saturated).",
+                 registry=registry)
+
+
+class SaturationAdmitter(Admitter):
     """Admits every request except sheddable ones (priority < 0) while saturation >= 1.0 (429).
 
-    Non-sheddable requests never pay for the saturation computation. With `pool` given, the
-    pool-saturation gauge is computed when our metrics are collected; otherwise it shows the
-    value seen by the last sheddable request.
+    Non-sheddable requests never pay for the saturation computation. With the pool's endpoints
+    in the context, the pool-saturation gauge is computed when the metrics are collected;
+    otherwise it shows the value seen by the last sheddable request.
     """
 
-    def __init__(self, detector: SaturationDetector, *,
-                 metrics_registry: CollectorRegistry | None = None,
-                 pool: EndpointSource | None = None) -> None:
+    type_name = TYPE_NAME
+
+    def __init__(self, name: str | None, detector: SaturationDetector, context: PluginContext) -> None:
+        super().__init__(name)
         self.detector = detector
-        registry = metrics_registry if metrics_registry is not None else CollectorRegistry()
-        self.saturation_gauge = Gauge(
-            "epp_pool_saturation", "Pool saturation from the saturation detector (>= 1 is saturated).",
-            registry=registry)
-        self.shed_requests = Counter(
-            "epp_admission_shed_requests", "Sheddable requests dropped because the pool was saturated.",
-            registry=registry)
+        registry = context.metrics_registry
+        self.shed_requests = once_per_registry(registry, "epp_admission_shed_requests", _shed_counter)
+        self.saturation_gauge = once_per_registry(registry, "epp_pool_saturation", _saturation_gauge)
+        pool = context.endpoints
         if pool is not None:
             self.saturation_gauge.set_function(lambda: detector.saturation(pool.snapshot()))
         self._gauge_from_pool = pool is not None
 
-    def admit(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> None:
+    def admit(self, state: CycleState, request: InferenceRequest, endpoints: Sequence[Endpoint]) -> None:
         """Return if admitted; raise InferenceError(RESOURCE_EXHAUSTED) to shed the request."""
         if not is_sheddable(request.priority):
             return
-        saturation = self.detector.saturation(candidates)
+        saturation = self.detector.saturation(endpoints)
         if not self._gauge_from_pool:
             self.saturation_gauge.set(saturation)
         if saturation >= 1.0:

@@ -7,32 +7,21 @@ import logging
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from epp.datalayer.freshness import prefer_fresh
 from epp.datalayer.registry import EndpointRegistry
 from epp.framework.datakeys import PREFIX_MATCH_INFO, PREFIX_TIER_MATCH, PrefixMatchInfo, TierMatch
 from epp.framework.errors import ErrorCode, InferenceError
 from epp.framework.load import CHARACTERS_PER_TOKEN, Booking, InflightLedger, prompt_characters
-from epp.framework.plugin import (
-    Admitter,
-    CapacityGate,
-    CycleState,
-    DataProducer,
-    Plugin,
-    PreRequestHook,
-    ResponseCompleteHook,
-    ResponseHeadersHook,
-    SchedulingResult,
-)
-from epp.framework.scheduler import Scheduler
+from epp.framework.plugin import Admitter, CycleState, ResponseCompleteHook, SchedulingResult
 from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 from epp.logutil import log_failure
 from epp.metrics import EppMetrics
 
 if TYPE_CHECKING:
-    from epp.flowcontrol.controller import Dispatch, FlowController
+    from epp.config import LoadedConfig
+    from epp.flowcontrol.controller import Dispatch
 
 log = logging.getLogger(__name__)
 
@@ -40,28 +29,6 @@ log = logging.getLogger(__name__)
 PREPARE_DATA_TIMEOUT_S = 0.4
 # Where the director keeps a request's in-flight booking in its CycleState.
 BOOKING_STATE_KEY = "epp.director/inflight-booking"
-
-
-class AdmissionPolicy(Protocol):
-    """Decides before scheduling whether a request may proceed (raises `InferenceError` if not)."""
-
-    def admit(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> None: ...
-
-
-@dataclass
-class Pipeline:
-    """The configured plugins of the request path, in the order they run."""
-
-    scheduler: Scheduler
-    producers: Sequence[DataProducer] = ()
-    admitters: Sequence[Admitter] = ()
-    pre_request_hooks: Sequence[PreRequestHook] = ()
-    response_headers_hooks: Sequence[ResponseHeadersHook] = ()
-    response_complete_hooks: Sequence[ResponseCompleteHook] = ()
-    capacity_gates: Sequence[CapacityGate] = ()
-    plugins: Sequence[Plugin] = field(default_factory=list)
-    # With the `flowControl` feature gate: queues requests while the pool is saturated (replaces shedding).
-    flow_control: FlowController | None = None
 
 
 def match_subset(endpoints: Sequence[Endpoint], hint: Sequence[str]) -> list[Endpoint]:
@@ -83,16 +50,20 @@ def match_subset(endpoints: Sequence[Endpoint], hint: Sequence[str]) -> list[End
 class Director:
     """Runs admission, candidate selection, producers, scheduling and hooks for each request."""
 
-    def __init__(self, pipeline: Pipeline, endpoints: EndpointRegistry, metrics: EppMetrics,
-                 admission: AdmissionPolicy | None = None, *, use_subset_hint: bool = True,
+    def __init__(self, pipeline: LoadedConfig, endpoints: EndpointRegistry, metrics: EppMetrics, *,
+                 server_hooks: Sequence[ResponseCompleteHook] = (), use_subset_hint: bool = True,
                  metrics_freshness_s: float | None = None,
                  ledger: InflightLedger | None = None) -> None:
         self.pipeline = pipeline
+        # The server's own completion hooks (token accounting), run after the configured ones.
+        self.response_complete_hooks = (*pipeline.response_complete_hooks, *server_hooks)
+        # Admitters that read no producer data refuse before the producers run (tokenization costs).
+        self._admitters_before_data = tuple(a for a in pipeline.admitters if not a.consumes())
+        self._admitters_after_data = tuple(a for a in pipeline.admitters if a.consumes())
         # Every pick is booked here so that load-aware scorers see work the scrape cannot show yet.
         self.ledger = ledger if ledger is not None else InflightLedger()
         self.endpoints = endpoints
         self.metrics = metrics
-        self.admission = admission
         self.use_subset_hint = use_subset_hint
         # With scraping on: endpoints without fresh metrics are left out while others have them.
         self.metrics_freshness_s = metrics_freshness_s
@@ -127,7 +98,7 @@ class Director:
 
     async def schedule(self, state: CycleState, request: InferenceRequest, size_bytes: int = 0) -> SchedulingResult:
         """Pick the target endpoints of a request or raise `InferenceError` (`size_bytes`: its body)."""
-        flow_control = self.pipeline.flow_control
+        flow_control = self.pipeline.flow_controller
         if flow_control is None:
             return await self._schedule(state, request)
         dispatch: Dispatch = await flow_control.admit(request, size_bytes)  # waits while the pool is saturated
@@ -146,24 +117,13 @@ class Director:
             candidates = self.candidates(request)
             for gate in self.pipeline.capacity_gates:
                 candidates = list(await gate.ensure_capacity(state, request, candidates))
-            if self.admission is not None and self.pipeline.flow_control is None:
-                self.admission.admit(request, candidates)
+            self._admit(self._admitters_before_data, state, request, candidates)
             if not candidates:
                 raise InferenceError(ErrorCode.SERVICE_UNAVAILABLE,
                                      "failed to find endpoint candidates for serving the request")
-            if self.pipeline.producers:
+            if self.pipeline.data_producers:
                 await self._prepare_data(state, request, candidates)
-            for admitter in self.pipeline.admitters:
-                t0 = time.perf_counter()
-                try:
-                    admitter.admit(state, request, candidates)
-                except InferenceError:
-                    raise
-                except Exception as exc:  # an admitter that fails denies, as GIE does
-                    log_failure(log, logging.WARNING, "admitter %s failed", exc, admitter.name)
-                    raise InferenceError(ErrorCode.INTERNAL, "request cannot be admitted") from exc
-                finally:
-                    timer("Admitter", admitter, time.perf_counter() - t0)
+            self._admit(self._admitters_after_data, state, request, candidates)
             result = self.pipeline.scheduler.schedule(state, request, candidates, timer)
         except InferenceError:
             self.metrics.scheduler_attempts.labels("failure").inc()
@@ -179,6 +139,20 @@ class Director:
         self.metrics.scheduler_attempts.labels("success").inc()
         self.metrics.scheduler_e2e.observe(time.perf_counter() - started)
         return result
+
+    def _admit(self, admitters: Sequence[Admitter], state: CycleState, request: InferenceRequest,
+               candidates: Sequence[Endpoint]) -> None:
+        for admitter in admitters:
+            t0 = time.perf_counter()
+            try:
+                admitter.admit(state, request, candidates)
+            except InferenceError:
+                raise
+            except Exception as exc:  # an admitter that fails denies, as GIE does
+                log_failure(log, logging.WARNING, "admitter %s failed", exc, admitter.name)
+                raise InferenceError(ErrorCode.INTERNAL, "request cannot be admitted") from exc
+            finally:
+                self.metrics.observe_plugin("Admitter", admitter, time.perf_counter() - t0)
 
     def _book(self, state: CycleState, request: InferenceRequest, result: SchedulingResult) -> None:
         """Book the pick in the ledger: prompt tokens, and those the prefix match says are uncached."""
@@ -210,7 +184,7 @@ class Director:
     async def _prepare_data(self, state: CycleState, request: InferenceRequest,
                             candidates: Sequence[Endpoint]) -> None:
         deadline = time.monotonic() + PREPARE_DATA_TIMEOUT_S
-        for producer in self.pipeline.producers:
+        for producer in self.pipeline.data_producers:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 log.warning("data producers ran out of time before %s", producer.name)
@@ -237,15 +211,15 @@ class Director:
     def response_complete(self, state: CycleState, request: InferenceRequest,
                           response: ResponseInfo, target: Endpoint | None) -> None:
         """Run the completion hooks once per picked request, also when the stream died."""
-        if self.pipeline.flow_control is not None:
-            self.pipeline.flow_control.on_request_complete()
+        if self.pipeline.flow_controller is not None:
+            self.pipeline.flow_controller.on_request_complete()
         try:
             # No response header seen: the request may still run there (request-only Envoy mode,
             # or the client left), so it counts until the endpoint's next scrape shows it.
             self.ledger.complete(state.get(BOOKING_STATE_KEY), response, response_seen=bool(response.status))
         except Exception:  # an observer (a calibrator) must not break the completion hooks
             log.exception("in-flight ledger observer failed")
-        for hook in self.pipeline.response_complete_hooks:
+        for hook in self.response_complete_hooks:
             t0 = time.perf_counter()
             try:
                 hook.on_response_complete(state, request, response, target)

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from epp.framework.plugin import Plugin
 from epp.limits import DEFAULT_MAX_LABEL_VALUE_LENGTH
 
 # Scheduling takes tens of microseconds to a few milliseconds: sub-millisecond buckets matter.
@@ -146,13 +147,12 @@ class EppMetrics:
             return model
         return OTHER_MODELS
 
-    def observe_plugin(self, extension_point: str, plugin: object, seconds: float) -> None:
+    def observe_plugin(self, extension_point: str, plugin: Plugin, seconds: float) -> None:
         """Record one plugin call; label children are cached because this runs per request."""
         key = (extension_point, id(plugin))
         child = self._plugin_children.get(key)
         if child is None:
-            child = self.plugin_duration.labels(
-                extension_point, getattr(plugin, "type_name", type(plugin).__name__),
-                getattr(plugin, "name", ""))
+            child = self.plugin_duration.labels(extension_point, plugin.type_name or type(plugin).__name__,
+                                                plugin.name)
             self._plugin_children[key] = child
         child.observe(seconds)

@@ -1,7 +1,7 @@
 """Built-in plugins, written only against the public plugin API of `epp.framework`."""
 
+from epp.framework import PluginRegistry
 from epp.framework.datakeys import INFLIGHT_LOAD, PREFIX_MATCH_INFO
-from epp.framework.registry import PluginRegistry
 
 
 def register_builtin_plugins(registry: PluginRegistry) -> None:
@@ -34,10 +34,9 @@ def register_builtin_plugins(registry: PluginRegistry) -> None:
     registry.register_class(approx_prefix.ApproxPrefixCacheProducer, default_producer_for=[PREFIX_MATCH_INFO])
     registry.register_class(inflight.InflightLoadProducer, default_producer_for=[INFLIGHT_LOAD])
     # Plugins of modules that register themselves, each exporting `register(registry)`.
-    from epp.scorers import pd, precise_prefix, predicted_ttft, prefix_home, saturation
+    from epp.scorers import pd, predicted_ttft, prefix_home, saturation
 
     saturation.register(registry)
     prefix_home.register(registry)
-    precise_prefix.register(registry)
     predicted_ttft.register(registry)
     pd.register(registry)

@@ -7,18 +7,19 @@ import binascii
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
-from epp.framework.datakeys import PREFIX_MATCH_INFO
-from epp.framework.plugin import (
+from epp.framework import (
     CycleState,
+    Endpoint,
+    InferenceRequest,
     PluginContext,
+    PluginParams,
     PreRequestHook,
     ResponseHeadersHook,
+    ResponseInfo,
     SchedulingResult,
     Scorer,
-    ScorerCategory,
 )
-from epp.framework.registry import PluginParams
-from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
+from epp.framework.datakeys import PREFIX_MATCH_INFO
 
 SESSION_HEADER = "x-session-token"
 PREFILL_PROFILE = "prefill"
@@ -33,10 +34,6 @@ class SessionAffinityScorer(Scorer, ResponseHeadersHook):
     """1.0 for the endpoint named by header `x-session-token`, 0 otherwise; the response carries the token."""
 
     type_name = "session-affinity-scorer"
-    category = ScorerCategory.AFFINITY
-
-    def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
-        super().__init__(name)
 
     def score(self, state: CycleState, request: InferenceRequest,
               endpoints: Sequence[Endpoint]) -> Mapping[str, float]:
@@ -59,7 +56,6 @@ class NoHitLRUScorer(Scorer, PreRequestHook):
     """Cold requests (no prefix hit anywhere) go to the least recently cold-picked endpoint; warm: 0.5 all."""
 
     type_name = "no-hit-lru-scorer"
-    category = ScorerCategory.DISTRIBUTION
 
     def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
         super().__init__(name)

@@ -14,7 +14,6 @@ matching. GIE's algorithm, unchanged, is `gie-approx-prefix-cache-producer`.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,6 +22,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram
 from epp.framework.datakeys import PREFIX_MATCH_INFO, PREFIX_TIER_MATCH, PrefixMatchInfo, TierMatch
 from epp.framework.errors import ConfigError
 from epp.framework.load import Booking, prompt_characters
+from epp.framework.metrics import once_per_registry
 from epp.framework.plugin import (
     CycleState,
     DataProducer,
@@ -31,7 +31,6 @@ from epp.framework.plugin import (
     SchedulingResult,
 )
 from epp.framework.registry import PluginParams
-from epp.framework.sharing import decision_sharing
 from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 from epp.scorers.prefix_hashing import AVERAGE_CHARACTERS_PER_TOKEN, block_hashes, chain_seed
 from epp.scorers.prefix_index import PrefixIndex
@@ -49,27 +48,18 @@ class PrefixIndexMetrics:
     hit_bytes: Histogram
 
 
-_metrics_by_registry: weakref.WeakKeyDictionary[CollectorRegistry, PrefixIndexMetrics] = \
-    weakref.WeakKeyDictionary()
-
-
 def prefix_index_metrics(registry: CollectorRegistry) -> PrefixIndexMetrics:
     """The metrics on `registry`, created once per registry (several producers share them)."""
-    metrics = _metrics_by_registry.get(registry)
-    if metrics is None:
-        metrics = PrefixIndexMetrics(
-            size=Gauge("inference_extension_prefix_indexer_size",
-                       "Entries in the approximate prefix index, over all endpoints.", registry=registry),
-            hit_ratio=Histogram("inference_extension_prefix_indexer_hit_ratio",
-                                "Fraction of the prompt's blocks found on the picked endpoint.",
-                                buckets=[i / 10 for i in range(11)], registry=registry),
-            hit_bytes=Histogram("inference_extension_prefix_indexer_hit_bytes",
-                                "Prompt bytes found cached on the picked endpoint.",
-                                buckets=[0, 256, 1024, 4096, 16384, 65536, 262144, 1048576],
-                                registry=registry),
-        )
-        _metrics_by_registry[registry] = metrics
-    return metrics
+    return once_per_registry(registry, "inference_extension_prefix_indexer", lambda r: PrefixIndexMetrics(
+        size=Gauge("inference_extension_prefix_indexer_size",
+                   "Entries in the approximate prefix index, over all endpoints.", registry=r),
+        hit_ratio=Histogram("inference_extension_prefix_indexer_hit_ratio",
+                            "Fraction of the prompt's blocks found on the picked endpoint.",
+                            buckets=[i / 10 for i in range(11)], registry=r),
+        hit_bytes=Histogram("inference_extension_prefix_indexer_hit_bytes",
+                            "Prompt bytes found cached on the picked endpoint.",
+                            buckets=[0, 256, 1024, 4096, 16384, 65536, 262144, 1048576], registry=r),
+    ))
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +106,7 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
             context.endpoints.add_listener(self._on_endpoints_changed)
         self._endpoints = context.endpoints
         # Other pickers of the pool learn this one's routes and it theirs (epp.framework.sharing).
-        self.sharing = decision_sharing(context.services)
+        self.sharing = context.sharing
         self.sharing.share_prefixes(self._learn_peer_route, self.index.entries)
 
     def describe(self) -> str:

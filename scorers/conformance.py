@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from epp.framework.plugin import CycleState, Filter, PluginContext, ResponseHeadersHook
-from epp.framework.registry import PluginParams
-from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
+from epp.framework import (
+    CycleState,
+    Endpoint,
+    Filter,
+    InferenceRequest,
+    ResponseHeadersHook,
+    ResponseInfo,
+)
 
 SELECTION_HEADER = "test-epp-endpoint-selection"
 SERVED_HEADER = "x-conformance-test-served-endpoint"
@@ -30,9 +35,6 @@ class HeaderBasedTestingFilter(Filter):
 
     type_name = "header-based-testing-filter"
 
-    def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
-        super().__init__(name)
-
     def filter(self, state: CycleState, request: InferenceRequest,
                endpoints: Sequence[Endpoint]) -> list[Endpoint]:
         value = request.headers.get(SELECTION_HEADER, "")
@@ -51,9 +53,6 @@ class DestinationEndpointServedVerifier(ResponseHeadersHook):
     """Echoes the endpoint Envoy reports as served into response header `x-conformance-test-served-endpoint`."""
 
     type_name = "destination-endpoint-served-verifier"
-
-    def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
-        super().__init__(name)
 
     def on_response_headers(self, state: CycleState, request: InferenceRequest, response: ResponseInfo,
                             target: Endpoint | None) -> None:

@@ -6,9 +6,7 @@ Our scraper reads vLLM `/metrics` itself; these plugins carry the settings a GIE
 
 from __future__ import annotations
 
-from epp.framework.errors import ConfigError
-from epp.framework.plugin import Plugin, PluginContext
-from epp.framework.registry import PluginParams
+from epp.framework import ConfigError, Plugin, PluginContext, PluginParams
 
 SUPPORTED_ENGINES = ("vllm",)
 
@@ -51,6 +49,3 @@ class OpenAIParser(Plugin):
     """The OpenAI request parser (completions, chat, responses, conversations, embeddings by path)."""
 
     type_name = "openai-parser"
-
-    def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
-        super().__init__(name)

@@ -4,22 +4,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from prometheus_client import CollectorRegistry
-
-from epp.framework.datakeys import INFLIGHT_LOAD, InflightLoad
-from epp.framework.plugin import (
+from epp.framework import (
+    ConfigError,
     CycleState,
     DataProducer,
+    Endpoint,
+    InferenceRequest,
     PluginContext,
+    PluginParams,
     PreRequestHook,
     ResponseCompleteHook,
+    ResponseInfo,
     SchedulingResult,
     Scorer,
-    ScorerCategory,
 )
-from epp.framework.registry import PluginParams
-from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
-from epp.scorers.durations import parse_duration
+from epp.framework.datakeys import INFLIGHT_LOAD, InflightLoad
 from epp.scorers.inflight_tracker import InflightTracker, tracked_requests_gauge
 from epp.scorers.prompt_text import user_input_length
 
@@ -33,13 +32,11 @@ def estimate_tokens(request: InferenceRequest) -> int:
     return int(input_tokens * (1.0 + OUTPUT_TO_INPUT_RATIO))
 
 
-def _tracker(name: str, params: PluginParams, context: PluginContext, default_timeout: str) -> InflightTracker:
-    timeout = parse_duration(params.str("requestTimeout", default_timeout) or default_timeout,
-                             what=f"plugin {name!r}: parameter 'requestTimeout'")
+def _tracker(params: PluginParams, context: PluginContext, default_timeout_s: float) -> InflightTracker:
+    timeout = params.duration("requestTimeout", default_timeout_s)
     if timeout <= 0:
-        from epp.framework.errors import ConfigError
-        raise ConfigError(f"plugin {name!r}: parameter 'requestTimeout' must be positive, got {timeout}s")
-    gauge = tracked_requests_gauge(context.metrics_registry or CollectorRegistry()).labels(plugin=name)
+        raise ConfigError(f"plugin {params.plugin_name!r}: parameter 'requestTimeout' must be positive, got {timeout}s")
+    gauge = tracked_requests_gauge(context.metrics_registry).labels(plugin=params.plugin_name)
     return InflightTracker(timeout, gauge=gauge)
 
 
@@ -47,11 +44,10 @@ class ActiveRequestScorer(Scorer, PreRequestHook, ResponseCompleteHook):
     """Fewer requests in flight from this picker scores higher: (max - n) / max, 1 when idle."""
 
     type_name = "active-request-scorer"
-    category = ScorerCategory.DISTRIBUTION
 
     def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
         super().__init__(name)
-        self.tracker = _tracker(name, params, context, "2m")
+        self.tracker = _tracker(params, context, 120.0)
 
     def describe(self) -> str:
         return f"requestTimeout={self.tracker.timeout_s:g}s"
@@ -83,7 +79,7 @@ class InflightLoadProducer(DataProducer, PreRequestHook, ResponseCompleteHook):
 
     def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
         super().__init__(name)
-        self.tracker = _tracker(name, params, context, "5m")
+        self.tracker = _tracker(params, context, 300.0)
 
     def describe(self) -> str:
         return f"requestTimeout={self.tracker.timeout_s:g}s"

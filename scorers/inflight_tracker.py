@@ -4,25 +4,20 @@ from __future__ import annotations
 
 import itertools
 import time
-import weakref
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Gauge
 
-_gauges: weakref.WeakKeyDictionary[CollectorRegistry, Gauge] = weakref.WeakKeyDictionary()
+from epp.framework import once_per_registry
 
 
-def tracked_requests_gauge(registry: CollectorRegistry) -> Gauge:
+def tracked_requests_gauge(registry: CollectorRegistry | None) -> Gauge:
     """`epp_plugin_inflight_tracked_requests{plugin}` on `registry`, created once per registry."""
-    gauge = _gauges.get(registry)
-    if gauge is None:
-        gauge = Gauge("epp_plugin_inflight_tracked_requests",
-                      "Requests a plugin tracks as in flight (until completion or timeout).",
-                      ["plugin"], registry=registry)
-        _gauges[registry] = gauge
-    return gauge
+    return once_per_registry(registry, "epp_plugin_inflight_tracked_requests", lambda r: Gauge(
+        "epp_plugin_inflight_tracked_requests", "Requests a plugin tracks as in flight (until completion or timeout).",
+        ["plugin"], registry=r))
 
 
 @dataclass(frozen=True, slots=True)

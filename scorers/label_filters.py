@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from epp.framework.errors import ConfigError
-from epp.framework.plugin import CycleState, Filter, PluginContext
-from epp.framework.registry import PluginParams
-from epp.framework.types import Endpoint, InferenceRequest
+from epp.framework import ConfigError, CycleState, Endpoint, Filter, InferenceRequest, PluginContext, PluginParams
 
 ROLE_LABEL = "llm-d.ai/role"
 

@@ -10,11 +10,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+from epp.framework import (
+    CycleState,
+    Endpoint,
+    EndpointLoad,
+    InferenceRequest,
+    InflightLedger,
+    PluginContext,
+    PluginParams,
+    Scorer,
+)
 from epp.framework.datakeys import INFLIGHT_LOAD, InflightLoad
-from epp.framework.load import NO_LOAD, EndpointLoad, InflightLedger
-from epp.framework.plugin import CycleState, PluginContext, Scorer, ScorerCategory
-from epp.framework.registry import PluginParams
-from epp.framework.types import Endpoint, InferenceRequest
+from epp.framework.load import NO_LOAD
 
 
 def min_max_inverted(values: Sequence[float]) -> list[float]:
@@ -42,7 +49,6 @@ class _LoadReader:
 
 
 class _MinMaxScorer(Scorer):
-    category = ScorerCategory.DISTRIBUTION
     _metric: Callable[[Endpoint, EndpointLoad], float]
 
     def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
@@ -83,7 +89,6 @@ class KVCacheUtilizationScorer(Scorer):
     """Free KV cache scores higher: 1 - kv_cache_usage."""
 
     type_name = "kv-cache-utilization-scorer"
-    category = ScorerCategory.DISTRIBUTION
 
     def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
         super().__init__(name)
@@ -102,7 +107,6 @@ class LoadAwareScorer(Scorer):
     """llm-d load-aware: empty queue 0.5, else 0.5 × (1 - min(q, threshold) / threshold)."""
 
     type_name = "load-aware-scorer"
-    category = ScorerCategory.DISTRIBUTION
 
     def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
         super().__init__(name)
@@ -126,7 +130,6 @@ class TokenLoadScorer(Scorer):
     """Fewer in-flight tokens scores higher: 1 - min(1, tokens / queueThresholdTokens)."""
 
     type_name = "token-load-scorer"
-    category = ScorerCategory.DISTRIBUTION
 
     def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
         super().__init__(name)

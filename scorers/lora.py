@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from epp.framework.plugin import CycleState, PluginContext, Scorer, ScorerCategory
-from epp.framework.registry import PluginParams
-from epp.framework.types import Endpoint, InferenceRequest
+from epp.framework import CycleState, Endpoint, InferenceRequest, Scorer
 
 
 def lora_affinity(ep: Endpoint, target_model: str) -> float:
@@ -25,10 +23,6 @@ class LoraAffinityScorer(Scorer):
     """Adapter already active 1.0, free adapter slot 0.8, adapter waiting 0.6, otherwise 0."""
 
     type_name = "lora-affinity-scorer"
-    category = ScorerCategory.AFFINITY
-
-    def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
-        super().__init__(name)
 
     def score(self, state: CycleState, request: InferenceRequest,
               endpoints: Sequence[Endpoint]) -> Mapping[str, float]:

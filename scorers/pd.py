@@ -11,7 +11,6 @@ A prefill profile that finds no endpoint leaves the request aggregated (decode p
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +30,7 @@ from epp.framework import (
     ProfileHandler,
     ProfileRunResult,
     SchedulingResult,
+    once_per_registry,
 )
 from epp.framework.datakeys import PREFIX_MATCH_INFO, PREFIX_TIER_MATCH, PrefixMatchInfo, TierMatch
 from epp.scorers.prefix_hashing import AVERAGE_CHARACTERS_PER_TOKEN
@@ -40,19 +40,13 @@ DECODE_ONLY = "decode-only"
 PREFILL_DECODE = "prefill-decode"
 NO_PREFILLER = "no-prefiller"  # wanted a remote prefill, but the prefill profile found no endpoint
 
-_counters: weakref.WeakKeyDictionary[CollectorRegistry, Counter] = weakref.WeakKeyDictionary()
-
-
 def _decisions_counter(registry: CollectorRegistry | None) -> Counter | None:
     """`epp_pd_decisions_total{decision}`, once per registry (several handlers may share it)."""
     if registry is None:
         return None
-    counter = _counters.get(registry)
-    if counter is None:
-        counter = _counters[registry] = Counter(
-            "epp_pd_decisions", "P/D decisions of the profile handler: decode-only, prefill-decode, "
-            "no-prefiller (disaggregation wanted, no prefill endpoint)", ["decision"], registry=registry)
-    return counter
+    return once_per_registry(registry, "epp_pd_decisions", lambda r: Counter(
+        "epp_pd_decisions", "P/D decisions of the profile handler: decode-only, prefill-decode, "
+        "no-prefiller (disaggregation wanted, no prefill endpoint)", ["decision"], registry=r))
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,9 +5,15 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from epp.framework.plugin import CycleState, Picker, PluginContext, ProfileRunResult, ScoredEndpoint
-from epp.framework.registry import PluginParams
-from epp.framework.types import InferenceRequest
+from epp.framework import (
+    CycleState,
+    InferenceRequest,
+    Picker,
+    PluginContext,
+    PluginParams,
+    ProfileRunResult,
+    ScoredEndpoint,
+)
 
 
 class _CountedPicker(Picker):

@@ -52,11 +52,21 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from epp.framework import (
+    Booking,
+    CycleState,
+    Endpoint,
+    InferenceRequest,
+    InflightLedger,
+    PluginContext,
+    PluginParams,
+    PluginRegistry,
+    ResponseInfo,
+    Scorer,
+    estimate_prompt_tokens,
+    once_per_registry,
+)
 from epp.framework.datakeys import PREFIX_TIER_MATCH, TierMatch
-from epp.framework.load import Booking, InflightLedger, estimate_prompt_tokens
-from epp.framework.plugin import CycleState, PluginContext, Scorer, ScorerCategory
-from epp.framework.registry import PluginParams, PluginRegistry
-from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 from epp.scorers.ttft_calibration import TERMS, TTFTCalibrator, features
 
 DEFAULTS = {"baseSeconds": 0.01, "prefillSecondsPerToken": 2e-4, "secondsPerRunningRequest": 0.005,
@@ -70,7 +80,6 @@ class PredictedTTFTScorer(Scorer):
     """min(T) / T(e), T = queue + prefill of uncached tokens + running share + CPU/disk loads; self-calibrating."""
 
     type_name = "predicted-ttft-scorer"
-    category = ScorerCategory.AFFINITY
 
     def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
         super().__init__(name)
@@ -188,17 +197,16 @@ class _CalibrationCollector(Collector):
         yield from (coef, count, scale, resets)
 
 
-_collectors: weakref.WeakKeyDictionary[CollectorRegistry, _CalibrationCollector] = weakref.WeakKeyDictionary()
+def _new_collector(registry: CollectorRegistry | None) -> _CalibrationCollector:
+    collector = _CalibrationCollector()
+    if registry is not None:
+        registry.register(collector)
+    return collector
 
 
 def _collector(registry: CollectorRegistry | None) -> _CalibrationCollector:
-    if registry is None:
-        return _CalibrationCollector()  # nowhere to export: a private one
-    collector = _collectors.get(registry)
-    if collector is None:
-        collector = _collectors[registry] = _CalibrationCollector()
-        registry.register(collector)
-    return collector
+    """The calibration collector of `registry` (none: a private one, exported nowhere)."""
+    return once_per_registry(registry, "epp_predicted_ttft_calibration", _new_collector)
 
 
 def register(registry: PluginRegistry) -> None:

@@ -5,10 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from epp.framework import CycleState, Endpoint, InferenceRequest, PluginContext, PluginParams, Scorer
 from epp.framework.datakeys import PREFIX_MATCH_INFO, PrefixMatchInfo
-from epp.framework.plugin import CycleState, PluginContext, Scorer, ScorerCategory
-from epp.framework.registry import PluginParams
-from epp.framework.types import Endpoint, InferenceRequest
 
 # Hashing parameters that GIE v1.x configs put on the scorer; they now belong to the producer.
 LEGACY_PRODUCER_PARAMETERS = ("autoTune", "blockSize", "blockSizeTokens", "hashBlockSize",
@@ -19,7 +17,6 @@ class PrefixCacheScorer(Scorer):
     """matchedBlocks / totalBlocks from the prefix match info; 0 when unknown."""
 
     type_name = "prefix-cache-scorer"
-    category = ScorerCategory.AFFINITY
 
     def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
         super().__init__(name)
@@ -34,8 +31,11 @@ class PrefixCacheScorer(Scorer):
             legacy.setdefault("blockSizeTokens", max(1, int(chars) // 4))
         if "blockSize" in legacy and "blockSizeTokens" not in legacy:
             legacy["blockSizeTokens"] = max(1, int(legacy.pop("blockSize")) // 4)
-        #: Parameters for the auto-created producer (empty: its defaults).
-        self.default_producer_parameters: Mapping[str, Any] = legacy
+        self._producer_parameters: Mapping[str, Any] = legacy
+
+    def default_producer_parameters(self) -> Mapping[str, Any]:
+        """The legacy producer parameters given on this scorer (empty: the producer's defaults)."""
+        return self._producer_parameters
 
     def consumes(self) -> frozenset[str]:
         return frozenset({PREFIX_MATCH_INFO})

@@ -15,9 +15,7 @@ from collections.abc import Mapping, Sequence
 
 import xxhash
 
-from epp.framework.plugin import CycleState, PluginContext, Scorer, ScorerCategory
-from epp.framework.registry import PluginParams, PluginRegistry
-from epp.framework.types import Endpoint, InferenceRequest
+from epp.framework import CycleState, Endpoint, InferenceRequest, PluginContext, PluginParams, PluginRegistry, Scorer
 from epp.scorers.prompt_text import user_input_bytes
 
 
@@ -25,7 +23,6 @@ class PrefixHomeScorer(Scorer):
     """Scores 1 for the rendezvous-hash home of the request's prompt prefix, 0 elsewhere."""
 
     type_name = "prefix-home-scorer"
-    category = ScorerCategory.AFFINITY
 
     def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
         super().__init__(name)

@@ -5,19 +5,20 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from epp.framework.errors import ConfigError
-from epp.framework.plugin import CycleState, PluginContext, ProfileHandler, ProfileRunResult, SchedulingResult
-from epp.framework.registry import PluginParams
-from epp.framework.types import InferenceRequest
+from epp.framework import (
+    ConfigError,
+    CycleState,
+    InferenceRequest,
+    ProfileHandler,
+    ProfileRunResult,
+    SchedulingResult,
+)
 
 
 class SingleProfileHandler(ProfileHandler):
     """Runs the one configured profile once; its result is the primary result."""
 
     type_name = "single-profile-handler"
-
-    def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
-        super().__init__(name)
 
     def check_profiles(self, names: Sequence[str]) -> None:
         """Fail at start-up unless exactly one profile is configured."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from epp.framework.types import ApiKind, InferenceRequest
+from epp.framework import ApiKind, InferenceRequest
 
 
 def _compact(value: Any) -> bytes:

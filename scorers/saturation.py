@@ -9,26 +9,20 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from epp.datalayer.staleness import is_stale
-from epp.framework.errors import ConfigError
-from epp.framework.plugin import CycleState, Filter, PluginContext
-from epp.framework.registry import PluginParams, PluginRegistry
-from epp.framework.types import Endpoint, InferenceRequest
-from epp.scorers.durations import parse_duration
+from epp.framework import (
+    ConfigError,
+    CycleState,
+    Endpoint,
+    Filter,
+    InferenceRequest,
+    PluginContext,
+    PluginParams,
+    PluginRegistry,
+    SaturationDetector,
+)
 
 
-def duration_param(params: PluginParams, key: str, default: float, plugin_name: str) -> float:
-    """A duration parameter: a Go-style string (`200ms`, `1s`) or a number of seconds."""
-    try:
-        text = params.str(key, None)
-    except ConfigError:  # not a string: must then be a plain number of seconds
-        return params.float(key, default, minimum=0.0)
-    if text is None:
-        return default
-    return parse_duration(text, what=f"plugin {plugin_name!r}: parameter {key!r}")
-
-
-class UtilizationDetector(Filter):
+class UtilizationDetector(Filter, SaturationDetector):
     """Saturation detector over queue depth and KV-cache use; as a Filter keeps unsaturated endpoints."""
 
     type_name = "utilization-detector"
@@ -41,8 +35,7 @@ class UtilizationDetector(Filter):
         if params is not None:
             queue_depth_threshold = params.float("queueDepthThreshold", queue_depth_threshold)
             kv_cache_util_threshold = params.float("kvCacheUtilThreshold", kv_cache_util_threshold)
-            metrics_staleness_threshold = duration_param(
-                params, "metricsStalenessThreshold", metrics_staleness_threshold, self.name)
+            metrics_staleness_threshold = params.duration("metricsStalenessThreshold", metrics_staleness_threshold)
             headroom = params.float("headroom", headroom, minimum=0.0)
         where = f"plugin {self.name!r}: parameter"
         if queue_depth_threshold <= 0:
@@ -61,7 +54,7 @@ class UtilizationDetector(Filter):
     def endpoint_saturation(self, endpoint: Endpoint, now: float | None = None) -> float:
         """`max(q/qThr, kv/kvThr)`; 1.0 if the metrics are stale or missing or the endpoint is down."""
         metrics = endpoint.metrics
-        if not endpoint.healthy or is_stale(metrics, self.metrics_staleness_threshold, now):
+        if not endpoint.healthy or metrics.is_stale(self.metrics_staleness_threshold, now):
             return 1.0
         return max(metrics.waiting_queue_size / self.queue_depth_threshold,
                    metrics.kv_cache_usage / self.kv_cache_util_threshold)
@@ -80,7 +73,7 @@ class UtilizationDetector(Filter):
         queue_limit = self.queue_depth_threshold * (1.0 + self.headroom)
         kv_limit = self.kv_cache_util_threshold * (1.0 + self.headroom)
         kept = [ep for ep in endpoints
-                if ep.healthy and not is_stale(ep.metrics, self.metrics_staleness_threshold, now)
+                if ep.healthy and not ep.metrics.is_stale(self.metrics_staleness_threshold, now)
                 and ep.metrics.waiting_queue_size < queue_limit and ep.metrics.kv_cache_usage < kv_limit]
         # Failing open: with every endpoint busy, a busy pick beats failing the profile.
         return kept if kept else list(endpoints)

@@ -12,11 +12,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 
+from epp.config import LoadedConfig, load_config_text
 from epp.datalayer.registry import parse_endpoint_list
-from epp.director import Pipeline
-from epp.framework.plugin import Picker, ProfileHandler, ProfileRunResult, SchedulingResult
-from epp.framework.scheduler import Scheduler, SchedulerProfile
+from epp.framework import Picker, Plugin, PluginRegistry, PluginSpec, ProfileHandler, ProfileRunResult, SchedulingResult
 from epp.server.runner import EppServer, ServeOptions
+from tests.configs import endpoint_picker_config
 
 
 class FirstByNamePicker(Picker):
@@ -24,9 +24,9 @@ class FirstByNamePicker(Picker):
 
     type_name = "first-by-name-picker"
 
-    def __init__(self, count: int = 1) -> None:
-        super().__init__()
-        self.count = count
+    def __init__(self, name=None, params=None, context=None) -> None:
+        super().__init__(name)
+        self.count = params.int("count", 1, minimum=1) if params is not None else 1
 
     def pick(self, state, request, scored):
         ordered = sorted((s.endpoint for s in scored), key=lambda ep: ep.name)
@@ -43,13 +43,21 @@ class OneProfile(ProfileHandler):
         return SchedulingResult(results, "default")
 
 
-def simple_pipeline(count: int = 1, hooks: Sequence = ()) -> Pipeline:
-    profile = SchedulerProfile("default", (), (), FirstByNamePicker(count))
-    return Pipeline(Scheduler(OneProfile(), {"default": profile}),
-                    pre_request_hooks=[h for h in hooks if hasattr(h, "pre_request")],
-                    response_headers_hooks=[h for h in hooks if hasattr(h, "on_response_headers")],
-                    response_complete_hooks=[h for h in hooks if hasattr(h, "on_response_complete")],
-                    plugins=list(hooks))
+def pipeline_of(plugins: Sequence[Plugin], count: int = 1) -> LoadedConfig:
+    """A pipeline built by the config loader: the first-by-name picker, one profile, and `plugins` as they are."""
+    registry = PluginRegistry()
+    registry.register_class(FirstByNamePicker)
+    registry.register_class(OneProfile)
+    for plugin in plugins:
+        registry.register(PluginSpec(plugin.type_name, lambda name, params, context, plugin=plugin: plugin))
+    text = endpoint_picker_config([{"type": "first-by-name-picker", "parameters": {"count": count}}, "one-profile",
+                                   *(p.type_name for p in plugins)], ["first-by-name-picker"])
+    return load_config_text(text, source="<test pipeline>", registry=registry)
+
+
+def simple_pipeline(count: int = 1, hooks: Sequence[Plugin] = ()) -> LoadedConfig:
+    """The first `count` endpoints by name, with `hooks` in the pipeline."""
+    return pipeline_of(hooks, count)
 
 
 def options(endpoints: str = "10.0.0.1:8000,10.0.0.2:8000,10.0.0.3:8000", **kw) -> ServeOptions:
@@ -128,7 +136,7 @@ class ExtProcClient:
         await self.channel.close()
 
 
-async def started(pipeline: Pipeline | None = None, **kw) -> EppServer:
+async def started(pipeline: LoadedConfig | None = None, **kw) -> EppServer:
     server = EppServer(options(**kw), pipeline=pipeline or simple_pipeline())
     await server.start()
     return server

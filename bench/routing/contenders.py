@@ -30,7 +30,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from epp.config.loader import API_VERSION, DEFAULT_CONFIG_YAML, KIND
+from epp.config import API_VERSION, DEFAULT_CONFIG_YAML, KIND
 from epp.engine.sim.fleet import SimFleet
 from epp.envoy import EnvoyProcess, render_config
 from epp.netutil import free_ports

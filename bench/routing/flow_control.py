@@ -44,7 +44,7 @@ from bench.routing.contenders import RunningRouter, Unavailable, _spawn, _start_
 from bench.routing.loadgen import RequestRecord, send
 from bench.routing.measure import percentile
 from bench.routing.workloads import BenchRequest, completion_request, text_of_tokens, tokenizer
-from epp.config.loader import API_VERSION, KIND
+from epp.config import API_VERSION, KIND
 from epp.engine.sim.fleet import FleetConfig, SimFleet, default_tokenizer_dir
 from epp.engine.sim.profiles import get_profile
 from epp.envoy import render_config

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from epp.config.loader import describe, load_config
+from epp.config.describe import describe
+from epp.config.loader import load_config
 from epp.framework.errors import ConfigError
 
 

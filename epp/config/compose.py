@@ -7,7 +7,8 @@ from typing import Any
 
 import yaml
 
-from epp.config.loader import API_VERSION, DEFAULT_PROFILE_NAME, KIND
+from epp.config.defaults import DEFAULT_PROFILE_NAME
+from epp.config.schema import API_VERSION, KIND
 
 PluginDef = str | Mapping[str, Any]
 ProfileRefs = Sequence[str] | Mapping[str, float | None]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from epp.datalayer.staleness import metrics_age
 from epp.framework.types import Endpoint
 
 # The window is this many scrape intervals, and never under the floor (a busy loop delays scrapes).
@@ -26,5 +25,5 @@ def freshness_window(scrape_interval: float) -> float:
 def prefer_fresh(endpoints: Sequence[Endpoint], window: float, now: float | None = None) -> list[Endpoint]:
     """The endpoints with metrics younger than `window` seconds if there is one; else all of them."""
     now = time.monotonic() if now is None else now
-    fresh = [ep for ep in endpoints if metrics_age(ep.metrics, now) <= window]
+    fresh = [ep for ep in endpoints if ep.metrics.age(now) <= window]
     return fresh if fresh else list(endpoints)

@@ -9,9 +9,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from epp.framework.endpoints import EndpointListener
 from epp.framework.types import Endpoint, EndpointMetrics
-
-EndpointListener = Callable[[tuple[Endpoint, ...], tuple[Endpoint, ...]], None]
 
 
 @dataclass(frozen=True)

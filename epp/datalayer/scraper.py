@@ -15,7 +15,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from epp.datalayer.promparse import VllmMetrics, parse_vllm_metrics
 from epp.datalayer.registry import EndpointRegistry
-from epp.datalayer.staleness import is_stale
 from epp.framework.types import Endpoint, EndpointMetrics
 
 log = logging.getLogger(__name__)
@@ -186,11 +185,11 @@ class MetricsScraper:
         """Names of endpoints whose metrics are older than `staleness_threshold` or missing."""
         now = time.monotonic() if now is None else now
         return [ep.name for ep in self.registry.snapshot()
-                if is_stale(ep.metrics, self.staleness_threshold, now)]
+                if ep.metrics.is_stale(self.staleness_threshold, now)]
 
     def is_stale(self, endpoint: Endpoint, now: float | None = None) -> bool:
         """Whether this endpoint's metrics are too old to trust."""
-        return is_stale(endpoint.metrics, self.staleness_threshold, now)
+        return endpoint.metrics.is_stale(self.staleness_threshold, now)
 
     def effective_interval(self) -> float:
         """The interval in force: `interval`, or longer when the pool exceeds the scrape budget."""

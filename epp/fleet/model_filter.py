@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from epp.framework import PluginParams
 from epp.framework.plugin import CycleState, Filter, PluginContext
-from epp.framework.registry import PluginParams
 from epp.framework.types import Endpoint, InferenceRequest
 
 

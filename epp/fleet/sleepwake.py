@@ -35,6 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from epp.director import match_subset
 from epp.fleet.control import ControlError, ReplicaControl
+from epp.framework import PluginParams
 from epp.framework.errors import ConfigError, ErrorCode, InferenceError
 from epp.framework.plugin import (
     CapacityGate,
@@ -44,7 +45,6 @@ from epp.framework.plugin import (
     ResponseCompleteHook,
     SchedulingResult,
 )
-from epp.framework.registry import PluginParams
 from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 
 log = logging.getLogger(__name__)

@@ -30,10 +30,10 @@ from typing import Any, TypeVar
 from epp.flowcontrol.fairness import DEFAULT_FAIRNESS_POLICY, FAIRNESS_POLICIES, FairnessPolicy
 from epp.flowcontrol.ordering import DEFAULT_ORDERING_POLICY, ORDERING_POLICIES, OrderingPolicy
 from epp.flowcontrol.usage import DEFAULT_USAGE_LIMIT_POLICY, USAGE_LIMIT_POLICIES, UsageLimitPolicy
+from epp.framework import parse_duration
 from epp.framework.errors import ConfigError
 from epp.framework.plugin import Plugin
 from epp.framework.registry import PluginRegistry
-from epp.scorers.durations import parse_duration
 
 FEATURE_GATE = "flowControl"
 FLOW_CONTROL_FIELDS = ("maxBytes", "maxRequests", "defaultRequestTTL", "defaultPriorityBand", "priorityBands",

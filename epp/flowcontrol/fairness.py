@@ -6,8 +6,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from epp.flowcontrol.ordering import OrderingPolicy
-from epp.framework.plugin import Plugin, PluginContext
-from epp.framework.registry import PluginParams
+from epp.framework.plugin import Plugin
 
 if TYPE_CHECKING:
     from epp.flowcontrol.queues import FlowQueue
@@ -24,10 +23,6 @@ class GlobalStrictFairnessPolicy(FairnessPolicy):
     """No fairness between flows: the band's best request by the ordering policy goes next."""
 
     type_name = "global-strict-fairness-policy"
-
-    def __init__(self, name: str | None = None, params: PluginParams | None = None,
-                 context: PluginContext | None = None) -> None:
-        super().__init__(name)
 
     def pick(self, flows: OrderedDict[str, FlowQueue], ordering: OrderingPolicy) -> FlowQueue | None:
         best: FlowQueue | None = None
@@ -46,10 +41,6 @@ class RoundRobinFairnessPolicy(FairnessPolicy):
     """Flows take turns, one request each; a new flow joins at the end of the turn order."""
 
     type_name = "round-robin-fairness-policy"
-
-    def __init__(self, name: str | None = None, params: PluginParams | None = None,
-                 context: PluginContext | None = None) -> None:
-        super().__init__(name)
 
     def pick(self, flows: OrderedDict[str, FlowQueue], ordering: OrderingPolicy) -> FlowQueue | None:
         for fairness_id, flow in flows.items():

@@ -6,8 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from epp.framework.plugin import Plugin, PluginContext
-from epp.framework.registry import PluginParams
+from epp.framework.plugin import Plugin
 
 
 @dataclass(eq=False, slots=True)
@@ -37,10 +36,6 @@ class FCFSOrderingPolicy(OrderingPolicy):
 
     type_name = "fcfs-ordering-policy"
 
-    def __init__(self, name: str | None = None, params: PluginParams | None = None,
-                 context: PluginContext | None = None) -> None:
-        super().__init__(name)
-
     def key(self, item: QueuedRequest) -> tuple[float, ...]:
         return (item.enqueued, item.sequence)
 
@@ -49,10 +44,6 @@ class EDFOrderingPolicy(OrderingPolicy):
     """Earliest deadline first; requests without a deadline go after every request that has one."""
 
     type_name = "edf-ordering-policy"
-
-    def __init__(self, name: str | None = None, params: PluginParams | None = None,
-                 context: PluginContext | None = None) -> None:
-        super().__init__(name)
 
     def key(self, item: QueuedRequest) -> tuple[float, ...]:
         return (item.deadline, item.enqueued, item.sequence)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from epp.framework import PluginParams
 from epp.framework.errors import ConfigError
 from epp.framework.plugin import Plugin, PluginContext
-from epp.framework.registry import PluginParams
 
 
 class UsageLimitPolicy(Plugin):

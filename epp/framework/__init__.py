@@ -1,12 +1,17 @@
 """The public plugin API of the endpoint picker.
 
-Everything a scorer author needs is importable from here:
-data types, plugin interfaces, the registry and the per-request `CycleState`.
+Everything a plugin author needs is importable from here: data types, plugin interfaces and
+their optional capabilities, parameters, the registry, the per-request `CycleState`, the
+in-flight ledger, the pool's endpoints and the helpers plugins share (durations, metrics).
 """
 
+from epp.framework.durations import parse_duration
+from epp.framework.endpoints import EndpointListener, EndpointSource
 from epp.framework.errors import ConfigError, ErrorCode, InferenceError
 from epp.framework.headers import PREFILLER_HOST_PORT_HEADER
 from epp.framework.load import Booking, EndpointLoad, InflightLedger, estimate_prompt_tokens
+from epp.framework.metrics import once_per_registry
+from epp.framework.params import PluginParams
 from epp.framework.plugin import (
     Admitter,
     CapacityGate,
@@ -21,14 +26,14 @@ from epp.framework.plugin import (
     ProfileRunResult,
     ResponseCompleteHook,
     ResponseHeadersHook,
+    SaturationDetector,
     SchedulingResult,
     ScoredEndpoint,
     Scorer,
-    ScorerCategory,
     clamp_score,
 )
-from epp.framework.registry import PluginParams, PluginRegistry, PluginSpec, default_registry, register_plugin
-from epp.framework.sharing import SHARING_SERVICE, DecisionSharing, decision_sharing
+from epp.framework.registry import PluginRegistry, PluginSpec, default_registry
+from epp.framework.sharing import DecisionSharing
 from epp.framework.types import (
     ApiKind,
     Endpoint,
@@ -38,13 +43,11 @@ from epp.framework.types import (
 )
 
 __all__ = [
-    "Admitter", "ApiKind", "Booking", "CapacityGate", "ConfigError", "CycleState", "DataProducer", "Endpoint",
-    "EndpointLoad", "InflightLedger", "estimate_prompt_tokens",
-    "EndpointMetrics", "ErrorCode", "Filter", "InferenceError", "InferenceRequest", "Picker",
-    "PREFILLER_HOST_PORT_HEADER",
-    "Plugin", "PluginContext", "PluginParams", "PluginRegistry", "PluginSpec", "PreRequestHook",
-    "ProfileHandler", "ProfileRunResult", "ResponseCompleteHook", "ResponseHeadersHook",
-    "ResponseInfo", "ScoredEndpoint", "Scorer", "ScorerCategory", "SchedulingResult",
-    "clamp_score", "default_registry", "register_plugin",
-    "DecisionSharing", "SHARING_SERVICE", "decision_sharing",
+    "Admitter", "ApiKind", "Booking", "CapacityGate", "ConfigError", "CycleState", "DataProducer",
+    "DecisionSharing", "Endpoint", "EndpointListener", "EndpointLoad", "EndpointMetrics", "EndpointSource",
+    "ErrorCode", "Filter", "InferenceError", "InferenceRequest", "InflightLedger", "PREFILLER_HOST_PORT_HEADER",
+    "Picker", "Plugin", "PluginContext", "PluginParams", "PluginRegistry", "PluginSpec", "PreRequestHook",
+    "ProfileHandler", "ProfileRunResult", "ResponseCompleteHook", "ResponseHeadersHook", "ResponseInfo",
+    "SaturationDetector", "SchedulingResult", "ScoredEndpoint", "Scorer", "clamp_score", "default_registry",
+    "estimate_prompt_tokens", "once_per_registry", "parse_duration",
 ]

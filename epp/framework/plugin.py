@@ -7,16 +7,19 @@ producers are async and may await (off-loop tokenization, say) under a deadline.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from epp.framework.endpoints import EndpointSource
 from epp.framework.load import InflightLedger
+from epp.framework.sharing import DecisionSharing
 from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 
 if TYPE_CHECKING:  # pragma: no cover
     from prometheus_client import CollectorRegistry
+
+    from epp.framework.params import PluginParams
 
 
 def clamp_score(value: float) -> float:
@@ -104,22 +107,42 @@ class SchedulingResult:
 
 @dataclass
 class PluginContext:
-    """What a plugin factory may use: the endpoint source, a metrics registry and shared services."""
+    """What a plugin's constructor may use: the pool's endpoints, a metrics registry, the load and the peers."""
 
     metrics_registry: CollectorRegistry | None = None
-    endpoints: Any = None  # epp.datalayer.EndpointRegistry: endpoints and their metrics
-    services: dict[str, Any] = field(default_factory=dict)
+    # The pool's endpoints and their metrics (None: no pool, e.g. `epp check-config`).
+    endpoints: EndpointSource | None = None
     # The picker's own in-flight work per endpoint, booked by the director (see epp.framework.load).
     load: InflightLedger = field(default_factory=InflightLedger)
+    # The link to the other pickers of the pool (the default one has no peers).
+    sharing: DecisionSharing = field(default_factory=DecisionSharing)
 
 
 class Plugin:
-    """Base of every plugin: a registered `type_name` and an instance `name` from the config."""
+    """Base of every plugin: a registered `type_name` and an instance `name` from the config.
+
+    The registry builds a plugin as `cls(name, params, context)`; a plugin with parameters reads
+    them from `params` in its own constructor. The optional capabilities below have defaults, so
+    a plugin overrides only what it offers.
+    """
 
     type_name: ClassVar[str] = ""
 
-    def __init__(self, name: str | None = None) -> None:
+    def __init__(self, name: str | None = None, params: PluginParams | None = None,
+                 context: PluginContext | None = None) -> None:
         self.name = name or self.type_name
+
+    def consumes(self) -> frozenset[str]:
+        """Data keys this plugin reads from `CycleState`; a producer must exist for each."""
+        return frozenset()
+
+    def default_producer_parameters(self) -> Mapping[str, Any]:
+        """Parameters for the producer the loader auto-creates for what this plugin consumes (legacy configs)."""
+        return {}
+
+    def describe(self) -> str:
+        """The resolved settings on one line for `epp check-config`; empty: the configured parameters."""
+        return ""
 
     async def start(self) -> None:
         """Start background work (called once the server runs); default: nothing."""
@@ -140,22 +163,8 @@ class Filter(Plugin):
         raise NotImplementedError
 
 
-class ScorerCategory(enum.Enum):
-    """What a scorer optimises, for documentation and for profile authors."""
-
-    AFFINITY = "Affinity"
-    DISTRIBUTION = "Distribution"
-    BALANCE = "Balance"
-
-
 class Scorer(Plugin):
     """Scores each endpoint in [0, 1] (values outside are clamped); higher is better."""
-
-    category: ClassVar[ScorerCategory] = ScorerCategory.DISTRIBUTION
-
-    def consumes(self) -> frozenset[str]:
-        """Data keys this scorer reads from `CycleState`; a producer must exist for each."""
-        return frozenset()
 
     def score(
         self, state: CycleState, request: InferenceRequest, endpoints: Sequence[Endpoint]
@@ -195,16 +204,15 @@ class ProfileHandler(Plugin):
         """Turn the profile results into the cycle's result, or raise `InferenceError`."""
         raise NotImplementedError
 
+    def check_profiles(self, names: Sequence[str]) -> None:
+        """Raise `ConfigError` when the configured profile names do not suit this handler; default: any."""
+
 
 class DataProducer(Plugin):
     """Computes per-request data once, before scheduling, for the plugins that consume it."""
 
     def produces(self) -> frozenset[str]:
         """Data keys this producer writes into `CycleState`."""
-        return frozenset()
-
-    def consumes(self) -> frozenset[str]:
-        """Data keys this producer reads (so producers run in dependency order)."""
         return frozenset()
 
     async def prepare(
@@ -214,7 +222,11 @@ class DataProducer(Plugin):
 
 
 class Admitter(Plugin):
-    """May refuse a request before scheduling by raising `InferenceError`."""
+    """May refuse a request before scheduling by raising `InferenceError`.
+
+    An admitter that consumes no data keys runs before the data producers, so a refusal costs
+    no tokenization; one that consumes data runs after them, right before scheduling.
+    """
 
     def admit(
         self, state: CycleState, request: InferenceRequest, endpoints: Sequence[Endpoint]
@@ -262,4 +274,11 @@ class CapacityGate(Plugin):
     async def ensure_capacity(
         self, state: CycleState, request: InferenceRequest, candidates: Sequence[Endpoint]
     ) -> Sequence[Endpoint]:
+        raise NotImplementedError
+
+
+class SaturationDetector(Plugin):
+    """Rates how loaded a set of endpoints is; >= 1.0 means saturated (the `saturationDetector` of a config)."""
+
+    def saturation(self, endpoints: Sequence[Endpoint]) -> float:
         raise NotImplementedError

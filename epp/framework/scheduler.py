@@ -11,6 +11,7 @@ from epp.framework.plugin import (
     CycleState,
     Filter,
     Picker,
+    Plugin,
     ProfileHandler,
     ProfileRunResult,
     SchedulingResult,
@@ -20,10 +21,10 @@ from epp.framework.plugin import (
 from epp.framework.types import Endpoint, InferenceRequest
 
 # Called with (extension_point, plugin, seconds) after each plugin call, for latency metrics.
-PluginTimer = Callable[[str, object, float], None]
+PluginTimer = Callable[[str, Plugin, float], None]
 
 
-def _no_timer(_point: str, _plugin: object, _seconds: float) -> None:
+def _no_timer(_point: str, _plugin: Plugin, _seconds: float) -> None:
     return None
 
 

@@ -3,17 +3,13 @@
 Several pickers (worker processes, pods) route one pool. What each learns from the replicas
 (metrics, KV events) they all see alike; what each learns from its own picks (which endpoint
 was sent which prompt prefix) only it knows, unless it shares it. A plugin publishes such
-decisions here and registers how to apply its peers' ones; the server decides how they travel
+decisions through `PluginContext.sharing` and registers how to apply its peers' ones; the server decides how they travel
 (`epp.peer`: a versioned gRPC protocol in `proto/`). With no peers configured it is a no-op.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
-
-#: Key of the sharing service in `PluginContext.services`.
-SHARING_SERVICE = "epp.decision-sharing"
 
 #: Applies a peer's route: (endpoint, block hashes first block first, LRU capacity in blocks).
 PrefixLearner = Callable[[str, Sequence[int], int], None]
@@ -34,12 +30,3 @@ class DecisionSharing:
     def has_peers(self) -> bool:
         """Whether any peer is configured (plugins may skip building what they would publish)."""
         return False
-
-
-_ALONE = DecisionSharing()
-
-
-def decision_sharing(services: dict[str, Any]) -> DecisionSharing:
-    """The sharing service among `PluginContext.services`, or one without peers."""
-    sharing = services.get(SHARING_SERVICE)
-    return sharing if isinstance(sharing, DecisionSharing) else _ALONE

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -29,6 +30,16 @@ class EndpointMetrics:
     prefix_cache_hits: float = 0.0
     # vLLM sleep mode: the engine holds requests without serving them until woken (`/wake_up`).
     sleeping: bool = False
+
+    def age(self, now: float | None = None) -> float:
+        """Seconds since these metrics were scraped (`time.monotonic()` clock); infinite if never."""
+        if self.update_time <= 0.0:
+            return float("inf")
+        return (time.monotonic() if now is None else now) - self.update_time
+
+    def is_stale(self, threshold: float, now: float | None = None) -> bool:
+        """True when the metrics were never scraped or are older than `threshold` seconds."""
+        return self.age(now) > threshold
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,11 +14,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2_grpc
 from prometheus_client import start_http_server
 
+from epp.config import LoadedConfig, load_config_or_default
 from epp.datalayer.freshness import freshness_window
 from epp.datalayer.kubernetes import ObjectivePriorities
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
-from epp.director import AdmissionPolicy, Director, Pipeline
-from epp.framework.plugin import PluginContext
+from epp.director import Director
+from epp.framework.plugin import PluginContext, ResponseCompleteHook
 from epp.limits import Limits
 from epp.load_metrics import register_ledger_metrics
 from epp.metrics import EppMetrics
@@ -80,14 +81,14 @@ class ServeOptions:
 class EppServer:
     """One running picker. `start()` binds every port; `stop()` drains in-flight streams."""
 
-    def __init__(self, options: ServeOptions, *, pipeline: Pipeline | None = None,
-                 admission: AdmissionPolicy | None = None) -> None:
+    def __init__(self, options: ServeOptions, *, pipeline: LoadedConfig | None = None) -> None:
         self.options = options
         self.metrics = EppMetrics(max_label_value_length=options.limits.max_label_value_length)
         self.endpoints = EndpointRegistry()
         self.context = PluginContext(metrics_registry=self.metrics.registry, endpoints=self.endpoints)
+        # A pipeline loaded beforehand (tests); None: the loader builds it from the options at start.
         self._pipeline = pipeline
-        self._admission = admission
+        self.pipeline: LoadedConfig | None = None
         self.grpc_port = 0
         self.health_port = 0
         self.metrics_port = 0
@@ -113,20 +114,20 @@ class EppServer:
             raise ValueError("--ha-enable-leader-election needs --pool-name (the lease is the pool's)")
         if opts.peer_port is not None:
             # Before the pipeline is built: plugins take the sharing service from their context.
-            from epp.framework.sharing import SHARING_SERVICE
             from epp.peer.node import PeerNode
 
             self.peer = PeerNode(host="127.0.0.1" if opts.worker_index is not None else opts.bind_address,
                                  port=opts.peer_port, peers=opts.peers, metrics_registry=self.metrics.registry)
-            self.context.services[SHARING_SERVICE] = self.peer
+            self.context.sharing = self.peer
             # The peers' in-flight bookings count beside this picker's own (and its own go to them).
             self.context.load = self.peer.shared_ledger()
-        pipeline, admission, objectives = self._build_pipeline()
+        pipeline = self._pipeline or load_config_or_default(opts.config_file, opts.config_text, context=self.context)
+        self.pipeline = pipeline
+        objectives = dict(pipeline.objectives)
         # Static objectives from the config; Kubernetes discovery layers InferenceObjectives over them.
         self.objectives = ObjectivePriorities(objectives)
         freshness = freshness_window(opts.refresh_metrics_interval_s) if opts.scrape_metrics else None
-        self._add_accounting(pipeline)
-        self.director = Director(pipeline, self.endpoints, self.metrics, admission,
+        self.director = Director(pipeline, self.endpoints, self.metrics, server_hooks=(self._accounting(),),
                                  use_subset_hint=not opts.disable_endpoint_subset_filter,
                                  metrics_freshness_s=freshness, ledger=self.context.load)
         register_ledger_metrics(self.context.load, self.endpoints, self.metrics.registry)
@@ -139,8 +140,7 @@ class EppServer:
                                                                                         opts.pool_name),
                                          kubeconfig=opts.kubeconfig, metrics_registry=self.metrics.registry)
             await self.leader.start()
-        for plugin in pipeline.plugins:
-            await plugin.start()
+        await pipeline.start()
         if self.peer is not None:
             try:
                 await self.peer.start()
@@ -181,7 +181,7 @@ class EppServer:
         log.info("epp serving ext_proc on :%d, health on :%d, metrics on :%d, %d endpoint(s)",
                  self.grpc_port, self.health_port, self.metrics_port, len(self.endpoints))
 
-    def _add_accounting(self, pipeline: Pipeline) -> None:
+    def _accounting(self) -> ResponseCompleteHook:
         """Token accounting and the pool's scaling gauges are on for every configuration."""
         from epp.fleet.accounting import TokenAccounting
         from epp.fleet.pool_gauges import PoolGauges
@@ -192,14 +192,7 @@ class EppServer:
         self.accounting = TokenAccounting(self.metrics.registry, tenant_source=opts.token_accounting_tenant,
                                           on_prefill=self.pool_gauges.record_prefill,
                                           label_value=self.metrics.label_value)
-        pipeline.response_complete_hooks = (*pipeline.response_complete_hooks, self.accounting)
-
-    def _build_pipeline(self) -> tuple[Pipeline, AdmissionPolicy | None, dict[str, int]]:
-        if self._pipeline is not None:
-            return self._pipeline, self._admission, {}
-        from epp.server.pipeline import load_pipeline
-
-        return load_pipeline(self.options, self.context)
+        return self.accounting
 
     async def _start_discovery(self) -> None:
         from epp.server.pipeline import start_data_layer
@@ -220,12 +213,8 @@ class EppServer:
             await self.peer.stop()
         for item in reversed(self._background):
             await item.stop()
-        if self.director is not None:
-            for plugin in self.director.pipeline.plugins:
-                try:
-                    await plugin.stop()
-                except Exception:
-                    log.exception("stopping plugin %s failed", plugin.name)
+        if self.pipeline is not None:
+            await self.pipeline.stop()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()

@@ -30,6 +30,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from tokenizers import Tokenizer
 
+from epp.framework.metrics import once_per_registry
 from epp.framework.types import ApiKind, InferenceRequest
 from epp.tokenization.chat_template import ChatTemplate
 from epp.tokenization.prefix_cache import TokenizationCache
@@ -134,7 +135,8 @@ class TokenizerPool:
         self.cache_tokens = cache_tokens
         self.cache_min_chars = cache_min_chars
         self.offload_chars = offload_chars
-        self.metrics = TokenizationMetrics(registry)
+        # The first pool on a registry exports its series; another one (a second producer) runs unexported.
+        self.metrics = once_per_registry(registry, "epp_tokenization", TokenizationMetrics, shared=False)
         self._tokenizers: dict[str, ModelTokenizer] = {}
         self._failed_at: dict[str, float] = {}  # model key -> monotonic time of its last failed load
         self.retry_s = 5.0

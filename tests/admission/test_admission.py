@@ -1,4 +1,5 @@
-"""Legacy admission: only sheddable requests (priority < 0) are dropped, and only when saturated."""
+"""GIE's default admission (the saturation admitter): only sheddable requests (priority < 0) are
+dropped, only when saturated, and only without flow control."""
 
 from __future__ import annotations
 
@@ -7,11 +8,28 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from epp.admission import SHED_MESSAGE, AdmissionController
+from epp.admission import SHED_MESSAGE, SaturationAdmitter
+from epp.config import load_config_text
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
-from epp.framework.errors import ErrorCode, InferenceError
-from epp.framework.types import ApiKind, Endpoint, EndpointMetrics, InferenceRequest
+from epp.director import Director
+from epp.framework import (
+    ApiKind,
+    ConfigError,
+    CycleState,
+    DataProducer,
+    Endpoint,
+    EndpointMetrics,
+    ErrorCode,
+    InferenceError,
+    InferenceRequest,
+    PluginContext,
+    PluginRegistry,
+    SaturationDetector,
+)
+from epp.metrics import EppMetrics
+from epp.scorers import register_builtin_plugins
 from epp.scorers.saturation import UtilizationDetector
+from tests.configs import endpoint_picker_config
 
 
 def endpoints(*queues: int) -> list[Endpoint]:
@@ -22,6 +40,10 @@ def endpoints(*queues: int) -> list[Endpoint]:
 
 def request(priority: int) -> InferenceRequest:
     return InferenceRequest("r", ApiKind.COMPLETIONS, "m", "m", {"prompt": "x"}, priority=priority)
+
+
+def admitter(detector: SaturationDetector, **context) -> SaturationAdmitter:
+    return SaturationAdmitter("saturation-admitter", detector, PluginContext(**context))
 
 
 @pytest.mark.parametrize("priority, queues, shed", [
@@ -35,30 +57,29 @@ def request(priority: int) -> InferenceRequest:
 ])
 def test_sheds_only_sheddable_requests_when_saturated(priority, queues, shed):
     metrics = CollectorRegistry()
-    controller = AdmissionController(UtilizationDetector(), metrics_registry=metrics)
+    shedder = admitter(UtilizationDetector(), metrics_registry=metrics)
     if shed:
         with pytest.raises(InferenceError) as info:
-            controller.admit(request(priority), endpoints(*queues))
+            shedder.admit(CycleState(), request(priority), endpoints(*queues))
         assert info.value.code is ErrorCode.RESOURCE_EXHAUSTED
         assert info.value.code.http_status == 429
         assert info.value.message == SHED_MESSAGE
     else:
-        controller.admit(request(priority), endpoints(*queues))
+        shedder.admit(CycleState(), request(priority), endpoints(*queues))
     assert metrics.get_sample_value("epp_admission_shed_requests_total") == (1.0 if shed else 0.0)
 
 
 def test_saturation_gauge_from_the_last_sheddable_request():
     metrics = CollectorRegistry()
-    controller = AdmissionController(UtilizationDetector(), metrics_registry=metrics)
-    controller.admit(request(-1), endpoints(2, 3))
+    admitter(UtilizationDetector(), metrics_registry=metrics).admit(CycleState(), request(-1), endpoints(2, 3))
     assert metrics.get_sample_value("epp_pool_saturation") == pytest.approx(0.5)
 
 
-def test_saturation_gauge_follows_the_pool_when_given():
+def test_saturation_gauge_follows_the_pool_of_the_context():
     pool = EndpointRegistry()
     pool.set_endpoints([EndpointSpec("10.0.0.1", 8000), EndpointSpec("10.0.0.2", 8000)])
     metrics = CollectorRegistry()
-    AdmissionController(UtilizationDetector(), metrics_registry=metrics, pool=pool)
+    admitter(UtilizationDetector(), metrics_registry=metrics, endpoints=pool)
     assert metrics.get_sample_value("epp_pool_saturation") == 1.0  # never scraped
     now = time.monotonic()
     pool.update("10.0.0.1:8000", metrics=EndpointMetrics(kv_cache_usage=0.4, update_time=now))
@@ -67,9 +88,57 @@ def test_saturation_gauge_follows_the_pool_when_given():
 
 
 def test_any_detector_works():
-    class Always:
+    class Always(SaturationDetector):
+        type_name = "always-saturated"
+
         def saturation(self, endpoints):
             return 1.0
 
     with pytest.raises(InferenceError):
-        AdmissionController(Always()).admit(request(-1), [])
+        admitter(Always()).admit(CycleState(), request(-1), [])
+
+
+def test_the_loader_adds_the_admitter_for_the_saturation_detector_unless_flow_control_queues():
+    shedding = load_config_text(endpoint_picker_config(["queue-scorer"]))
+    [shedder] = shedding.admitters
+    assert isinstance(shedder, SaturationAdmitter) and shedder.detector is shedding.saturation_detector
+    assert not shedder.consumes()  # so the director runs it before the data producers
+    queueing = load_config_text(endpoint_picker_config(["queue-scorer"], featureGates=["flowControl"]))
+    assert queueing.admitters == () and queueing.saturation_detector is not None
+
+
+def test_a_saturation_detector_reference_must_be_a_detector():
+    with pytest.raises(ConfigError, match=r"saturationDetector.pluginRef: plugin 'queue-scorer' .* is no saturation"):
+        load_config_text(endpoint_picker_config(["queue-scorer"], saturationDetector={"pluginRef": "queue-scorer"}))
+
+
+class CountingProducer(DataProducer):
+    """Counts the requests it prepared data for."""
+
+    type_name = "counting-producer"
+    prepared = 0
+
+    def produces(self):
+        return frozenset({"counted"})
+
+    async def prepare(self, state, request, endpoints):
+        type(self).prepared += 1
+
+
+async def test_the_director_sheds_before_the_data_producers_run():
+    registry = PluginRegistry()
+    register_builtin_plugins(registry)
+    registry.register_class(CountingProducer)
+    pool = EndpointRegistry()
+    pool.set_endpoints([EndpointSpec("10.0.0.1", 8000)])  # never scraped: saturation 1.0
+    metrics = EppMetrics()
+    pipeline = load_config_text(endpoint_picker_config(["counting-producer", "queue-scorer"]), registry=registry,
+                                context=PluginContext(metrics_registry=metrics.registry, endpoints=pool))
+    director = Director(pipeline, pool, metrics)
+    CountingProducer.prepared = 0
+    with pytest.raises(InferenceError) as info:
+        await director.schedule(CycleState(), request(-1))
+    assert info.value.message == SHED_MESSAGE and CountingProducer.prepared == 0
+    assert metrics.registry.get_sample_value("epp_admission_shed_requests_total") == 1.0
+    result = await director.schedule(CycleState(), request(0))  # not sheddable: scheduled, data prepared
+    assert result.targets[0].name == "10.0.0.1:8000" and CountingProducer.prepared == 1

@@ -106,7 +106,7 @@ def test_parameters(parameters, attrs):
     ({"metricsStalenessThreshold": "soon"},
      "plugin 'detector': parameter 'metricsStalenessThreshold': 'soon' is not a duration"),
     ({"metricsStalenessThreshold": "0"}, "'metricsStalenessThreshold' must be > 0"),
-    ({"metricsStalenessThreshold": True}, "'metricsStalenessThreshold' must be a number"),
+    ({"metricsStalenessThreshold": True}, "'metricsStalenessThreshold' must be a duration such as 30s"),
     ({"headroom": -1}, "'headroom' must be >= 0"),
     ({"queueDepthThreshold": "5"}, "'queueDepthThreshold' must be a number"),
     ({"threshold": 5}, "unknown parameter(s) ['threshold']"),

@@ -10,7 +10,8 @@ import textwrap
 from importlib.metadata import entry_points
 from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "outside_scorer"
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "outside_scorer"
 
 SCRIPT = textwrap.dedent("""
     import asyncio, json
@@ -72,12 +73,12 @@ def test_outside_scorer_package_installs_and_schedules(tmp_path):
     installed = run([str(python), "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
                      "-q", str(source)])
     assert installed.returncode == 0, installed.stdout + installed.stderr
-    assert (site_dir / "epp_kv_headroom" / "scorer.py").exists()
+    assert (site_dir / "epp_kv_headroom" / "__init__.py").exists()
 
     done = run([str(python), "-c", SCRIPT], cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
-    assert out["module"] == "epp_kv_headroom.scorer"
+    assert out["module"] == "epp_kv_headroom"
     assert out["scores"] == {"10.1.0.0:8000": 0.1, "10.1.0.1:8000": 0.9, "10.1.0.2:8000": 0.4, "10.1.0.3:8000": 0.0}
     assert out["picks"] == ["10.1.0.1:8000"]
     assert "- kv-headroom-scorer weight 2" in out["describe"]
@@ -86,3 +87,11 @@ def test_outside_scorer_package_installs_and_schedules(tmp_path):
 
     # Installed only into the fresh venv: the environment running the tests is unchanged.
     assert "kv-headroom" not in {ep.name for ep in entry_points(group="epp.plugins")}
+
+
+def test_the_readme_plugin_example_is_the_example_package():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Writing a plugin"):]
+    code = section[section.index("```python\n") + len("```python\n"):]
+    code = code[:code.index("```\n")]
+    assert code == (EXAMPLE / "epp_kv_headroom" / "__init__.py").read_text(encoding="utf-8")

@@ -14,15 +14,13 @@ import logging
 
 import pytest
 
-from epp.director import Pipeline
+from epp.config import LoadedConfig
 from epp.framework.plugin import DataProducer, PreRequestHook, ResponseCompleteHook, ResponseHeadersHook
-from epp.framework.scheduler import Scheduler, SchedulerProfile
 from epp.server.runner import EppServer
 from tests.extproc.test_hostile_input import PREFIX_CONFIG
 from tests.extproc_support import (
-    FirstByNamePicker,
-    OneProfile,
     options,
+    pipeline_of,
     request_body,
     request_headers,
     response_body,
@@ -58,11 +56,8 @@ class LeakyPlugin(DataProducer, PreRequestHook, ResponseHeadersHook, ResponseCom
         raise UnicodeEncodeError("utf-8", _prompt_of(request), 0, 1, "surrogates not allowed")
 
 
-def leaky_pipeline() -> Pipeline:
-    leaky = LeakyPlugin("leaky")
-    profile = SchedulerProfile("default", (), (), FirstByNamePicker())
-    return Pipeline(Scheduler(OneProfile(), {"default": profile}), producers=[leaky], pre_request_hooks=[leaky],
-                    response_headers_hooks=[leaky], response_complete_hooks=[leaky], plugins=[leaky])
+def leaky_pipeline() -> LoadedConfig:
+    return pipeline_of([LeakyPlugin("leaky")])
 
 
 async def run_request(client, path: str, body: dict | bytes, response: bytes | None = None) -> None:

@@ -12,8 +12,8 @@ from epp.datalayer.registry import EndpointRegistry, EndpointSpec
 from epp.fleet.accounting import TokenAccounting
 from epp.fleet.pool_gauges import PoolGauges
 from epp.fleet.sleepwake import SleepWakePolicy
+from epp.framework import PluginParams
 from epp.framework.plugin import PluginContext
-from epp.framework.registry import PluginParams
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "epp-fleet-economics.json"
 

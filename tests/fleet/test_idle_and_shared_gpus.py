@@ -13,8 +13,8 @@ from epp.config.compose import plugin
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
 from epp.envoy import EnvoyProcess, render_config
 from epp.fleet.sleepwake import SleepWakePolicy
+from epp.framework import PluginParams
 from epp.framework.plugin import CycleState, PluginContext, ProfileRunResult, SchedulingResult
-from epp.framework.registry import PluginParams
 from epp.framework.types import ResponseInfo
 from tests.blackbox.pods import start_picker, wait_until
 from tests.conftest import free_port
@@ -23,7 +23,7 @@ from tests.fleet.test_sleep_routing import request_for
 
 
 def policy_of(epp) -> SleepWakePolicy:
-    return next(p for p in epp.director.pipeline.plugins if isinstance(p, SleepWakePolicy))
+    return epp.director.pipeline.plugins_of(SleepWakePolicy)[0]
 
 
 def idle_config(sleep_last: bool) -> str:

@@ -160,7 +160,7 @@ async def test_a_client_that_leaves_is_dropped_from_the_queue_and_never_dispatch
 
 async def test_without_the_feature_gate_requests_go_on_to_a_saturated_replica(replica):
     async with picker(replica, {"defaultRequestTTL": "1s"}, gate=False) as (server, client):
-        assert server.director.pipeline.flow_control is None
+        assert server.director.pipeline.flow_controller is None
         call = await send(client)
         reply = await asyncio.wait_for(call.read(), 5)
         assert reply.HasField("request_headers")

@@ -206,11 +206,11 @@ PRECISE = pd_config(64, plugin("precise-prefix-cache-producer", blockSizeTokens=
 
 async def test_precise_mode_sees_the_transferred_blocks_in_the_decode_pool(start_stack):
     from epp.kvevents.index import DEFAULT_POOL
-    from epp.scorers.precise_prefix import PrecisePrefixCacheProducer
+    from epp.kvevents.producer import PrecisePrefixCacheProducer
 
     assert PRECISE != CONFIG
     stack = await start_stack(config=PRECISE)
-    [producer] = [p for p in stack.epp.director.pipeline.plugins if isinstance(p, PrecisePrefixCacheProducer)]
+    [producer] = stack.epp.director.pipeline.plugins_of(PrecisePrefixCacheProducer)
     index = producer.index
     decode_pod = f"127.0.0.1:{stack.sidecar.bound_port}"
     async with aiohttp.ClientSession() as session:

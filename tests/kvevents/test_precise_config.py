@@ -8,8 +8,9 @@ from epp.config.loader import load_config_text
 from epp.framework.plugin import CycleState, PluginContext
 from epp.framework.registry import PluginRegistry
 from epp.framework.types import ApiKind, Endpoint, InferenceRequest
+from epp.kvevents import producer as precise_prefix
 from epp.kvevents.decoding import decode_batch
-from epp.scorers import precise_prefix, predicted_ttft, register_builtin_plugins
+from epp.scorers import predicted_ttft, register_builtin_plugins
 from tests.kvevents import wire
 
 CONFIG = """

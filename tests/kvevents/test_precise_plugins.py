@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
 from epp.engine.tinymodel import write_tiny_model
+from epp.framework import PluginParams, PluginRegistry
 from epp.framework.datakeys import PREFIX_MATCH_INFO, PREFIX_TIER_MATCH, TierMatch
 from epp.framework.errors import ConfigError
 from epp.framework.plugin import (
@@ -20,10 +21,10 @@ from epp.framework.plugin import (
     ProfileRunResult,
     SchedulingResult,
 )
-from epp.framework.registry import PluginParams, PluginRegistry
 from epp.framework.types import ApiKind, Endpoint, EndpointMetrics, InferenceRequest
+from epp.kvevents import producer as precise_prefix
 from epp.kvevents.decoding import decode_batch
-from epp.scorers import precise_prefix, predicted_ttft
+from epp.scorers import predicted_ttft
 from epp.scorers.prefix import PrefixCacheScorer
 from tests.kvevents import wire
 from tests.kvevents.publisher import FakePublisher

@@ -51,7 +51,7 @@ class RoutingPicker:
     @property
     def index(self):
         assert self.server.director is not None
-        [producer] = [p for p in self.server.director.pipeline.plugins if isinstance(p, ApproxPrefixCacheProducer)]
+        [producer] = self.server.director.pipeline.plugins_of(ApproxPrefixCacheProducer)
         return producer.index
 
     def homes(self) -> dict[str, set[int]]:

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 from epp.datalayer.registry import EndpointSpec
 from epp.framework.types import ApiKind, InferenceRequest
 from epp.kvevents.decoding import Tier
-from epp.scorers.precise_prefix import PrecisePrefixCacheProducer
+from epp.kvevents.producer import PrecisePrefixCacheProducer
 from epp.server.runner import EppServer, ServeOptions
 from tests.blackbox.calls import route
 from tests.extproc_support import ExtProcClient
@@ -79,8 +79,7 @@ class Picker:
     @property
     def producer(self) -> PrecisePrefixCacheProducer:
         assert self.server.director is not None
-        [producer] = [p for p in self.server.director.pipeline.plugins
-                      if isinstance(p, PrecisePrefixCacheProducer)]
+        [producer] = self.server.director.pipeline.plugins_of(PrecisePrefixCacheProducer)
         return producer
 
     async def held_tiers(self, model: str, prompt: str, endpoints: Sequence[str]) -> dict[str, list[Tier]]:

@@ -19,7 +19,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from epp.config.loader import API_VERSION, KIND
+from epp.config import API_VERSION, KIND
 from epp.datalayer.registry import parse_endpoint_list
 from epp.engine.kv_publisher import KVEventPublisher
 from epp.engine.sim import FleetConfig, SimFleet
@@ -309,7 +309,7 @@ async def test_missing_tokenizer_files_route_on_without_prefix_scores_and_recove
     epp = EppServer(picker_options(backends, config_text=config))
     await epp.start()  # before the fix: the preload raised and the picker did not start
     try:
-        [producer] = [p for p in epp.director.pipeline.plugins if getattr(p, "tokenizers", None) is not None]
+        [producer] = [e.plugin for e in epp.director.pipeline.plugins if getattr(e.plugin, "tokenizers", None) is not None]
         producer.tokenizers.retry_s = 0.2
         async with envoy_in_front(epp.grpc_port) as (_, url):
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:

@@ -5,9 +5,16 @@ import base64
 import pytest
 from prometheus_client import CollectorRegistry
 
-from epp.framework import ConfigError, CycleState, PluginContext, ProfileRunResult, ResponseInfo, SchedulingResult
+from epp.framework import (
+    ConfigError,
+    CycleState,
+    PluginContext,
+    ProfileRunResult,
+    ResponseInfo,
+    SchedulingResult,
+    parse_duration,
+)
 from epp.framework.datakeys import INFLIGHT_LOAD, PREFIX_MATCH_INFO, InflightLoad, PrefixMatchInfo
-from epp.scorers.durations import parse_duration
 from epp.scorers.inflight_tracker import InflightTracker
 from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
 

@@ -2,8 +2,8 @@
 
 from collections import Counter
 
+from epp.framework import PluginParams
 from epp.framework.plugin import CycleState, PluginContext
-from epp.framework.registry import PluginParams
 from epp.framework.types import ApiKind, Endpoint, InferenceRequest
 from epp.scorers.prefix_home import PrefixHomeScorer
 

@@ -1,5 +1,9 @@
 """precise-prefix-cache-producer: prefix match info from the KV events the replicas publish.
 
+It owns the KV-event machinery (subscriber, block index, tokenizers), so it lives with it here
+rather than among the built-ins in `scorers/`, which use only `epp.framework`; it registers
+through its own `epp.plugins` entry point (`kvevents`).
+
 Per request: the prompt is tokenized in process (vLLM's rendering), cut into index blocks,
 keyed by our own hash chain (model or LoRA name, cache_salt), and looked up in the KV block
 index that the producer's subscriber keeps up to date from vLLM KV events. It writes, for every
@@ -24,54 +28,35 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry
-
+from epp.framework import (
+    ConfigError,
+    CycleState,
+    DataProducer,
+    Endpoint,
+    InferenceRequest,
+    PluginContext,
+    PluginParams,
+    PluginRegistry,
+    PreRequestHook,
+    SchedulingResult,
+    once_per_registry,
+)
 from epp.framework.datakeys import (
     PREFIX_MATCH_INFO,
     PREFIX_TIER_MATCH,
     PrefixMatchInfo,
     TierMatch,
 )
-from epp.framework.errors import ConfigError
-from epp.framework.plugin import (
-    CycleState,
-    DataProducer,
-    PluginContext,
-    PreRequestHook,
-    SchedulingResult,
-)
-from epp.framework.registry import PluginParams, PluginRegistry
-from epp.framework.types import Endpoint, InferenceRequest
 from epp.kvevents.decoding import Tier
 from epp.kvevents.index import KVBlockIndex
 from epp.kvevents.metrics import KVIndexMetrics, KVSubscriberMetrics
 from epp.kvevents.subscriber import MODES, KVEventSubscriber, SubscriberConfig
-from epp.scorers.durations import parse_duration
 from epp.tokenization.pool import TokenizerPool, token_ids_of
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIER_WEIGHTS = {"gpu": 1.0, "cpu": 0.8, "disk": 0.5}
 OFFLOAD_KEYING_TOKENS = 32_768
-
-
-def _seconds(params: PluginParams, key: str, default: float) -> float:
-    """A duration parameter given as seconds (number) or a Go duration string (`2s`, `500ms`)."""
-    try:
-        value = params.float(key, default, minimum=0.0)
-    except ConfigError:
-        text = params.str(key, None)
-        value = parse_duration(text, what=f"parameter {key!r}") if text is not None else default
-    return value
-
-
-def _exported(factory, registry: CollectorRegistry | None):
-    """Build metrics on `registry`; a second producer on the same registry runs them unexported."""
-    try:
-        return factory(registry)
-    except ValueError:  # duplicated timeseries
-        log.warning("another precise-prefix-cache-producer already exports these metrics; this one does not")
-        return factory(None)
 
 
 class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
@@ -94,7 +79,7 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
                 raise ConfigError(f"plugin {name!r}: tierWeights[{tier!r}] must be a number >= 0")
             weights[tier] = float(weight)
         self.tier_weights = (weights["gpu"], weights["cpu"], weights["disk"])  # indexed by Tier
-        speculative_ttl = _seconds(params, "speculativeTTL", 2.0)
+        speculative_ttl = params.duration("speculativeTTL", 2.0)
         mode = params.str("mode", "per-endpoint", choices=MODES)
         config = SubscriberConfig(
             mode=mode,
@@ -103,8 +88,8 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
             replay_port=params.int("replayPort", 0, minimum=0) or None,  # 0: no replay socket
             topic_filter=params.str("topicFilter", ""),
             default_model=params.str("defaultModel", None),
-            replay_timeout_s=_seconds(params, "replayTimeout", 10.0),
-            replay_cooldown_s=_seconds(params, "replayCooldown", 30.0),
+            replay_timeout_s=params.duration("replayTimeout", 10.0),
+            replay_cooldown_s=params.duration("replayCooldown", 30.0),
         )
         self.subscribe = params.bool("subscribe", True)
         tokenizer_dirs = params.mapping("tokenizers", None) or {}
@@ -123,13 +108,13 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
             self.block_size, capacity, engine_capacity_per_endpoint=engine_capacity,
             offload_chunk_blocks=offload_chunk,
             speculative_ttl_s=speculative_ttl,
-            metrics=_exported(KVIndexMetrics, registry))
+            metrics=once_per_registry(registry, "epp_kv_index", KVIndexMetrics, shared=False))
         self.subscriber = KVEventSubscriber(
             self.index, config, context.endpoints,
-            _exported(KVSubscriberMetrics, registry))
-        self.tokenizers = (_exported(lambda reg: TokenizerPool(
-            tokenizer_dirs, cache_tokens=cache_tokens, offload_chars=offload_chars, registry=reg), registry)
-            if tokenizer_dirs else None)
+            once_per_registry(registry, "epp_kv_events", KVSubscriberMetrics, shared=False))
+        self.tokenizers = (TokenizerPool(tokenizer_dirs, cache_tokens=cache_tokens, offload_chars=offload_chars,
+                                         registry=registry)
+                           if tokenizer_dirs else None)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -191,7 +176,7 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
 
 
 def register(registry: PluginRegistry) -> None:
-    """Register `precise-prefix-cache-producer`."""
+    """Entry point of the `epp.plugins` group: registers `precise-prefix-cache-producer`."""
     registry.register_class(PrecisePrefixCacheProducer)
 
 

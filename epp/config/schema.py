@@ -1,0 +1,71 @@
+"""The shape of an `EndpointPickerConfig` document, and the checks that name the failing field.
+
+Every error names the source (file), the field path inside the document
+(`schedulingProfiles[0].plugins[1].weight`) and what is allowed there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from epp.framework.errors import ConfigError
+from epp.framework.registry import did_you_mean
+
+API_VERSION = "inference.networking.x-k8s.io/v1alpha1"
+KIND = "EndpointPickerConfig"
+KNOWN_FEATURE_GATES = ("flowControl", "enableLegacyMetrics", "dataLayer")
+TOP_LEVEL_FIELDS = ("apiVersion", "kind", "plugins", "schedulingProfiles", "saturationDetector", "featureGates",
+                    "dataLayer", "parser", "objectives", "flowControl")
+PLUGIN_FIELDS = ("name", "type", "parameters")
+PROFILE_FIELDS = ("name", "plugins")
+PROFILE_PLUGIN_FIELDS = ("pluginRef", "weight")
+OBJECTIVE_FIELDS = ("name", "priority")
+DATA_SOURCE_TYPES = ("metrics-data-source",)
+EXTRACTOR_TYPES = ("core-metrics-extractor",)
+PARSER_TYPES = ("openai-parser",)
+
+
+def is_number(value: Any) -> bool:
+    """An int or float, not a bool (YAML `true` is no weight)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class Document:
+    """Shape checks over one config document; each failure is a `ConfigError` naming source and path."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, path: str, message: str) -> ConfigError:
+        """The error for `path` (a field path; empty: the document)."""
+        where = f"{self.source}: {path}: " if path else f"{self.source}: "
+        return ConfigError(where + message)
+
+    def mapping(self, value: Any, path: str, allowed: Sequence[str], required: Sequence[str] = ()) -> dict:
+        """`value` as a mapping with only `allowed` fields and every `required` one."""
+        if not isinstance(value, dict):
+            raise self.fail(path, f"must be a mapping with fields {list(allowed)}, got {type(value).__name__}")
+        for key in value:
+            if key not in allowed:
+                hint = did_you_mean(str(key), allowed)
+                raise self.fail(f"{path}.{key}" if path else str(key),
+                                f"unknown field{hint}; allowed fields: {', '.join(allowed)}")
+        for key in required:
+            if value.get(key) in (None, ""):
+                raise self.fail(f"{path}.{key}" if path else key, "is required")
+        return value
+
+    def sequence(self, value: Any, path: str, what: str) -> list:
+        """`value` as a list of `what` (absent: empty)."""
+        if value is None:
+            return []
+        if not isinstance(value, list):
+            raise self.fail(path, f"must be a list of {what}, got {type(value).__name__}")
+        return value
+
+    def string(self, value: Any, path: str) -> str:
+        """`value` as a non-empty string."""
+        if not isinstance(value, str) or not value:
+            raise self.fail(path, f"must be a non-empty string, got {value!r}")
+        return value
