@@ -155,9 +155,11 @@ class _Parser:
                                       f"types: {', '.join(catalogue)}")
             return configured
         if raw in catalogue:
-            if raw not in self.builtins:
-                self.builtins[raw] = catalogue[raw]()
-            return self.builtins[raw]  # type: ignore[return-value]
+            builtin = self.builtins.get(raw)
+            if builtin is None:
+                builtin = self.builtins[raw] = catalogue[raw]()
+            if isinstance(builtin, kind):  # a type name stands for one kind of policy only
+                return builtin
         raise self.fail(path, f"unknown {what} {raw!r}; allowed: a plugin of type {', '.join(catalogue)}, "
                               "or one of those type names")
 
