@@ -1,8 +1,8 @@
 """Loading and checking the GIE `EndpointPickerConfig` into a ready scheduling pipeline."""
 
+from epp.config.compose import DEFAULT_CONFIG_YAML
 from epp.config.loader import (
     API_VERSION,
-    DEFAULT_CONFIG_YAML,
     KIND,
     KNOWN_FEATURE_GATES,
     DataSourceConfig,

@@ -53,32 +53,6 @@ DATA_SOURCE_TYPES = ("metrics-data-source",)
 EXTRACTOR_TYPES = ("core-metrics-extractor",)
 PARSER_TYPES = ("openai-parser",)
 
-# GIE's built-in default (`loadDefaultConfig`): used when no config is given.
-DEFAULT_CONFIG_YAML = f"""\
-apiVersion: {API_VERSION}
-kind: {KIND}
-plugins:
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- type: prefix-cache-scorer
-- type: metrics-data-source
-- type: core-metrics-extractor
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: queue-scorer
-    weight: 2
-  - pluginRef: kv-cache-utilization-scorer
-    weight: 2
-  - pluginRef: prefix-cache-scorer
-    weight: 3
-dataLayer:
-  sources:
-  - pluginRef: metrics-data-source
-    extractors:
-    - pluginRef: core-metrics-extractor
-"""
-
 
 @dataclass(frozen=True)
 class PluginEntry:
@@ -606,6 +580,8 @@ def load_config(path: str | os.PathLike[str], *, registry: PluginRegistry | None
 def load_default_config(*, registry: PluginRegistry | None = None,
                         context: PluginContext | None = None) -> LoadedConfig:
     """GIE's system defaults: queue 2, kv-cache-utilization 2, prefix-cache 3, max-score, single profile."""
+    from epp.config.compose import DEFAULT_CONFIG_YAML  # compose writes documents with this module's names
+
     return load_config_text(DEFAULT_CONFIG_YAML, source="<default config>", registry=registry, context=context)
 
 

@@ -5,10 +5,8 @@ from collections import Counter
 import pytest
 
 from epp.framework import ErrorCode, InferenceError
-from tests.configs import gie_test_config
+from tests.configs import endpoint_picker_config, gie_test_config, plugin
 from tests.scheduling.sched_fixtures import DirectorHarness, builtin_registry, endpoint, request
-
-HEADER = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
 
 GIE_TEST_CONFIG = gie_test_config()
 
@@ -37,30 +35,22 @@ async def test_gie_reference_vectors(case, pods, model, target, expected):
 async def test_weights_decide_between_scorers():
     # Endpoint 0 has the shorter queue, endpoint 1 the freer KV cache.
     eps = [endpoint(0, queue=0, kv=0.9), endpoint(1, queue=10, kv=0.0)]
-    template = HEADER + """
-plugins: [{type: queue-scorer}, {type: kv-cache-utilization-scorer}]
-schedulingProfiles:
-- name: default
-  plugins: [{pluginRef: queue-scorer, weight: %s}, {pluginRef: kv-cache-utilization-scorer, weight: %s}]
-"""
-    result, _ = await DirectorHarness(template % (2, 1)).cycle(request(), eps)
+
+    def weighted(queue: float, kv: float) -> DirectorHarness:
+        weights = {"queue-scorer": queue, "kv-cache-utilization-scorer": kv}
+        return DirectorHarness(endpoint_picker_config(list(weights), weights))
+
+    result, _ = await weighted(2, 1).cycle(request(), eps)
     assert result.targets[0].name == "192.168.1.1:8000"   # 2*1 + 0.1 vs 0 + 1
-    result, _ = await DirectorHarness(template % (1, 2)).cycle(request(), eps)
+    result, _ = await weighted(1, 2).cycle(request(), eps)
     assert result.targets[0].name == "192.168.1.2:8000"   # 1 + 0.2 vs 0 + 2
-    result, _ = await DirectorHarness(template % (0, 0.5)).cycle(request(), eps)
+    result, _ = await weighted(0, 0.5).cycle(request(), eps)
     assert result.targets[0].name == "192.168.1.2:8000"   # weight 0 turns the queue off
 
 
 async def test_filter_leaving_nothing_fails_the_profile_with_429():
-    picker = DirectorHarness(HEADER + """
-plugins:
-- type: by-label
-  parameters: {label: pool, validValues: [blue]}
-- type: queue-scorer
-schedulingProfiles:
-- name: default
-  plugins: [{pluginRef: by-label}, {pluginRef: queue-scorer}]
-""")
+    picker = DirectorHarness(endpoint_picker_config(
+        [plugin("by-label", label="pool", validValues=["blue"]), "queue-scorer"], ["by-label", "queue-scorer"]))
     with pytest.raises(InferenceError) as err:
         await picker.cycle(request(), [endpoint(0, labels={"pool": "green"}), endpoint(1)])
     assert err.value.code is ErrorCode.RESOURCE_EXHAUSTED and err.value.code.http_status == 429
@@ -75,15 +65,8 @@ async def test_no_candidates_is_503():
 
 
 async def test_fallbacks_come_in_score_order():
-    picker = DirectorHarness(HEADER + """
-plugins:
-- type: queue-scorer
-- type: max-score-picker
-  parameters: {maxNumOfEndpoints: 3}
-schedulingProfiles:
-- name: default
-  plugins: [{pluginRef: queue-scorer}, {pluginRef: max-score-picker}]
-""")
+    picker = DirectorHarness(endpoint_picker_config(
+        ["queue-scorer", plugin("max-score-picker", maxNumOfEndpoints=3)], ["queue-scorer", "max-score-picker"]))
     eps = [endpoint(0, queue=8), endpoint(1, queue=0), endpoint(2, queue=4), endpoint(3, queue=10)]
     result, _ = await picker.cycle(request(), eps)
     assert [ep.name for ep in result.targets] == ["192.168.1.2:8000", "192.168.1.3:8000", "192.168.1.1:8000"]
@@ -129,12 +112,9 @@ async def test_scores_are_clamped_into_0_1_before_weighting():
 
     reg = builtin_registry()
     reg.register_class(Wild)
-    picker = DirectorHarness(HEADER + """
-plugins: [{type: wild-scorer}, {type: max-score-picker, parameters: {maxNumOfEndpoints: 5}}]
-schedulingProfiles:
-- name: default
-  plugins: [{pluginRef: wild-scorer, weight: 2}, {pluginRef: max-score-picker}]
-""", plugins=reg)
+    picker = DirectorHarness(endpoint_picker_config(
+        ["wild-scorer", plugin("max-score-picker", maxNumOfEndpoints=5)], {"wild-scorer": 2, "max-score-picker": None}),
+        plugins=reg)
     picker.set_pool([endpoint(i) for i in range(5)])  # the fifth gets no score at all: 0
     seen = Counter()
     for _ in range(60):
