@@ -63,10 +63,12 @@ def make_plugin(type_name: str, parameters: Mapping[str, Any] | None = None, *, 
 
 
 class DirectorHarness:
-    """The real `Director` over a config loaded here, wired as `epp serve` wires it, driven without gRPC.
+    """The real `Director` over a config loaded here, driven without gRPC.
 
-    Its plugins get this harness's context: its endpoint registry (the pool each request sees)
-    and the in-flight ledger the director books picks in.
+    Wired as `epp serve` wires its request path (`pipeline_of` the loaded config), without the
+    saturation admission policy and flow control, which these tests do not exercise. Its plugins
+    get this harness's context: its endpoint registry (the pool each request sees) and the
+    in-flight ledger the director books picks in.
     """
 
     def __init__(self, config_text: str | None = None, *, plugins: PluginRegistry | None = None,
