@@ -167,9 +167,10 @@ class _Parser:
         item = self.mapping(raw, path, fields)
         priority = 0
         if "priority" in fields:
-            priority = item.get("priority")
-            if not isinstance(priority, int) or isinstance(priority, bool):
-                raise self.fail(f"{path}.priority", f"is required and must be an integer, got {priority!r}")
+            raw_priority = item.get("priority")
+            if not isinstance(raw_priority, int) or isinstance(raw_priority, bool):
+                raise self.fail(f"{path}.priority", f"is required and must be an integer, got {raw_priority!r}")
+            priority = raw_priority
         fairness = (self.policy(item["fairnessPolicyRef"], f"{path}.fairnessPolicyRef", FairnessPolicy,
                                 FAIRNESS_POLICIES, "fairness policy")
                     if item.get("fairnessPolicyRef") is not None
