@@ -8,9 +8,9 @@ ceiling (usage-limit policy), the band's fairness policy picks a flow and its or
 request. A band over its ceiling stops the cycle (head-of-line blocking: lower bands wait too).
 
 Scraped metrics lag the requests just sent, so the detector is shown each endpoint with the
-requests sent to it since its last scrape (the in-flight ledger's `unseen_requests`, booked by the
-director) added to its waiting queue, and requests still being scheduled spread over the
-least-loaded endpoints; otherwise one stale snapshot would let a whole queue through at once.
+requests dispatched to it since its last scrape added to its waiting queue, and requests still
+being scheduled spread over the least-loaded endpoints; otherwise one stale snapshot would let a
+whole queue through at once.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import itertools
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -29,7 +30,6 @@ from epp.flowcontrol.metrics import FlowControlMetrics
 from epp.flowcontrol.ordering import QueuedRequest
 from epp.flowcontrol.queues import PriorityBand
 from epp.framework.errors import ErrorCode, InferenceError
-from epp.framework.load import InflightLedger
 from epp.framework.types import Endpoint, InferenceRequest
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,10 @@ CAPACITY_MESSAGE = "request rejected by flow control: queue capacity exceeded"
 TTL_MESSAGE = "request timed out in queue"
 # Envoy's own deadline for the request (set from the route timeout): the EDF ordering uses it.
 ENVOY_TIMEOUT_HEADER = "x-envoy-expected-rq-timeout-ms"
+# A dispatched request reaches its replica a little after the picker answers Envoy: a scrape
+# finished within this window may not count it yet.
+PLACEMENT_GRACE_S = 0.02
+MAX_UNSEEN_PER_ENDPOINT = 10_000
 
 
 class SaturationDetector(Protocol):
@@ -73,13 +77,10 @@ class FlowController:
     """GIE-style flow control in front of the scheduler (one per picker process)."""
 
     def __init__(self, config: FlowControlConfig, detector: SaturationDetector, pool: EndpointPool,
-                 ledger: InflightLedger, metrics: FlowControlMetrics | None = None, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 metrics: FlowControlMetrics | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.detector = detector
         self.pool = pool
-        # The director's bookings: what each endpoint was sent that its last scrape cannot show.
-        self.ledger = ledger
         self.metrics = metrics or FlowControlMetrics()
         self.clock = clock
         self._bands: dict[int, PriorityBand] = {}
@@ -87,6 +88,7 @@ class FlowController:
         self.queued_requests = 0
         self.queued_bytes = 0
         self._unplaced = 0  # let through, not yet placed by the scheduler
+        self._unseen: dict[str, deque[float]] = {}  # endpoint -> dispatch times its metrics may not show
         self._sequence = itertools.count()
         self._wake_scheduled = False
         self._in_cycle = False
@@ -216,17 +218,28 @@ class FlowController:
             self._in_cycle = False
 
     def _placed(self, endpoint: str | None) -> None:
-        self._unplaced -= 1  # placed: the director's booking in the ledger counts it from now on
+        self._unplaced -= 1
         if endpoint is None:
             self.wake()
+            return
+        times = self._unseen.get(endpoint)
+        if times is None:
+            times = self._unseen[endpoint] = deque(maxlen=MAX_UNSEEN_PER_ENDPOINT)
+        times.append(self.clock())
 
     def saturation(self) -> float:
         """The detector's rating of the pool, counting dispatches its metrics do not show yet."""
         endpoints = [ep for ep in self.pool.snapshot() if ep.healthy]
         if not endpoints:
             return self.detector.saturation(endpoints)
-        now = self.clock()
-        extra = [self.ledger.load(ep, now).unseen_requests for ep in endpoints]
+        extra: list[int] = []
+        for ep in endpoints:
+            times = self._unseen.get(ep.name)
+            if times:
+                seen_until = ep.metrics.update_time - PLACEMENT_GRACE_S
+                while times and times[0] <= seen_until:
+                    times.popleft()
+            extra.append(len(times) if times else 0)
         if self._unplaced:
             # Not placed yet: assume the scheduler sends each to the least-loaded endpoint.
             order = sorted(range(len(endpoints)), key=lambda i: endpoints[i].metrics.waiting_queue_size + extra[i])
@@ -238,6 +251,8 @@ class FlowController:
                 for ep, add in zip(endpoints, extra, strict=True)]
         return self.detector.saturation(endpoints)
 
-    def on_endpoints_changed(self, added: Sequence[Endpoint], removed: Sequence[Endpoint]) -> None:
-        """The set of endpoints changed: run a cycle (new endpoints mean room)."""
+    def forget_endpoints(self, added: Sequence[Endpoint], removed: Sequence[Endpoint]) -> None:
+        """Drop the dispatch history of removed endpoints and run a cycle (new endpoints mean room)."""
+        for ep in removed:
+            self._unseen.pop(ep.name, None)
         self.wake()

@@ -65,9 +65,9 @@ def flow_controller_of(loaded: LoadedConfig, context: PluginContext) -> FlowCont
 
     assert loaded.flow_control is not None and context.endpoints is not None
     controller = FlowController(loaded.flow_control, loaded.saturation_detector,  # type: ignore[arg-type]
-                                context.endpoints, context.load, FlowControlMetrics(context.metrics_registry))
+                                context.endpoints, FlowControlMetrics(context.metrics_registry))
     context.endpoints.add_metrics_listener(controller.on_metrics_update)
-    context.endpoints.add_listener(controller.on_endpoints_changed)
+    context.endpoints.add_listener(controller.forget_endpoints)
     return controller
 
 

@@ -10,10 +10,9 @@ import pytest
 import yaml
 
 from epp.flowcontrol.config import parse_flow_control
-from epp.flowcontrol.controller import Dispatch, FlowController
+from epp.flowcontrol.controller import FlowController
 from epp.flowcontrol.usage import StaticUsageLimitPolicy
 from epp.framework.errors import InferenceError
-from epp.framework.load import InflightLedger
 from epp.framework.types import ApiKind, Endpoint, EndpointMetrics, InferenceRequest
 from epp.scorers.saturation import UtilizationDetector
 
@@ -37,13 +36,7 @@ class Pool:
 def controller(pool: Pool, section: str = "{}", threshold: float = 1) -> FlowController:
     config = parse_flow_control(yaml.safe_load(section))
     return FlowController(config, UtilizationDetector(queue_depth_threshold=threshold,
-                                                      metrics_staleness_threshold=60), pool, InflightLedger())
-
-
-def place(fc: FlowController, dispatch: Dispatch, endpoint: str) -> None:
-    """What the director does with a request let through: book its pick, then report it placed."""
-    fc.ledger.pick(endpoint)
-    dispatch.placed(endpoint)
+                                                      metrics_staleness_threshold=60), pool)
 
 
 def request(rid: str, priority: int = 0, tenant: str = "default-flow", **headers: str) -> InferenceRequest:
@@ -55,7 +48,7 @@ async def test_room_now_means_no_wait():
     fc = controller(Pool(0, 0))
     dispatch = fc.admit(request("a"), 10)
     granted = await asyncio.wait_for(dispatch, 0.1)
-    place(fc, granted, "10.0.0.1:8000")
+    granted.placed("10.0.0.1:8000")
     assert fc.queued_requests == 0
 
 
@@ -67,8 +60,8 @@ async def test_dispatches_the_metrics_do_not_show_yet_count_as_waiting():
     await asyncio.sleep(0.01)
     done = [t for t in tasks if t.done()]
     assert len(done) == 2 and fc.queued_requests == 2
-    place(fc, done[0].result(), "10.0.0.1:8000")
-    place(fc, done[1].result(), "10.0.0.2:8000")
+    done[0].result().placed("10.0.0.1:8000")
+    done[1].result().placed("10.0.0.2:8000")
     pool.scrape(0, 0)  # the first replica finished its request
     fc.on_metrics_update()
     await asyncio.sleep(0.01)
@@ -88,7 +81,7 @@ async def test_a_saturated_high_band_blocks_lower_bands():
     fc.on_metrics_update()
     await asyncio.sleep(0.01)
     assert high.done() and not low.done()  # one slot: the higher band takes it, the lower one waits
-    place(fc, high.result(), "10.0.0.1:8000")
+    high.result().placed("10.0.0.1:8000")
     low.cancel()
 
 
@@ -101,7 +94,7 @@ async def test_a_failed_placement_frees_its_room_for_the_next_request():
     first.placed(None)  # scheduling failed: nothing reached the replica
     await asyncio.sleep(0.01)
     assert second.done()
-    place(fc, second.result(), "10.0.0.1:8000")
+    second.result().placed("10.0.0.1:8000")
 
 
 async def test_ttl_and_capacity_errors():
