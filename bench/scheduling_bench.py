@@ -1,8 +1,10 @@
 """Scheduling latency of the default pipeline against the number of endpoints and the prompt size.
 
-Times, in process, what the director runs per request: the data producers (approximate prefix
-hashing and matching), the scheduler (queue 2 + kv-cache-utilization 2 + prefix-cache 3,
-max-score picker) and the pre-request hooks (optimistic insert into the prefix index).
+Times, in process, the real `Director.schedule` per request: candidate selection, the data
+producers (approximate prefix hashing and matching), the scheduler (queue 2 +
+kv-cache-utilization 2 + prefix-cache 3, max-score picker), the pre-request hooks (optimistic
+insert into the prefix index) and the in-flight booking. Each request is completed before the
+next (untimed), so bookings do not pile up.
 Prompts come from a fixed number of shared-prefix groups, so the prefix index is warm and
 matches are found, as in a real prefix-heavy workload.
 
@@ -21,8 +23,19 @@ import time
 from collections.abc import Sequence
 from types import MappingProxyType
 
-from epp.config import LoadedConfig, load_default_config
-from epp.framework import ApiKind, CycleState, Endpoint, EndpointMetrics, InferenceRequest
+from epp.config import load_default_config
+from epp.datalayer.registry import EndpointRegistry, EndpointSpec
+from epp.director import Director
+from epp.framework import (
+    ApiKind,
+    CycleState,
+    Endpoint,
+    EndpointMetrics,
+    InferenceRequest,
+    PluginContext,
+    ResponseInfo,
+)
+from epp.metrics import EppMetrics
 from epp.scorers.prefix_hashing import block_hashes, chain_seed
 from epp.scorers.prompt_text import user_input_bytes
 
@@ -56,13 +69,25 @@ def make_request(prompt: str, i: int) -> InferenceRequest:
                             body={"model": "llama", "prompt": prompt, "max_tokens": 16})
 
 
-async def schedule_once(loaded: LoadedConfig, request: InferenceRequest, endpoints: Sequence[Endpoint]) -> None:
+def director_over(endpoints: Sequence[Endpoint]) -> Director:
+    """The director of the default config over a pool of `endpoints`, wired as `epp serve` wires it."""
+    registry = EndpointRegistry()
+    registry.set_endpoints(EndpointSpec(ep.address, ep.port) for ep in endpoints)
+    for ep in endpoints:
+        registry.update(ep.name, metrics=ep.metrics)
+    metrics = EppMetrics()
+    context = PluginContext(metrics_registry=metrics.registry, endpoints=registry)
+    return Director(load_default_config(context=context), registry, metrics, ledger=context.load)
+
+
+async def schedule_once(director: Director, request: InferenceRequest) -> float:
+    """Seconds `director.schedule` took for `request` (then the request is completed, untimed)."""
     state = CycleState()
-    for producer in loaded.data_producers:
-        await producer.prepare(state, request, endpoints)
-    result = loaded.scheduler.schedule(state, request, endpoints)
-    for hook in loaded.pre_request_hooks:
-        hook.pre_request(state, request, result)
+    t0 = time.perf_counter()
+    result = await director.schedule(state, request)
+    elapsed = time.perf_counter() - t0
+    director.response_complete(state, request, ResponseInfo(status="200", end_of_stream=True), result.targets[0])
+    return elapsed
 
 
 def percentile(samples: list[float], q: float) -> float:
@@ -73,20 +98,16 @@ def percentile(samples: list[float], q: float) -> float:
 async def measure(endpoint_count: int, size_kb: int, iterations: int, seed: int) -> tuple[float, float, float]:
     """p50, p99 and mean latency in microseconds for one (endpoints, prompt size) cell."""
     rng = random.Random(seed)
-    loaded = load_default_config()
-    endpoints = make_endpoints(endpoint_count, rng)
+    director = director_over(make_endpoints(endpoint_count, rng))
     warmup = max(PREFIX_GROUPS * 2, 64)
     size = size_kb * 1024
     prefixes = make_prefixes(size, rng)
     for i in range(warmup):
-        await schedule_once(loaded, make_request(make_prompt(prefixes, size, i), i), endpoints)
+        await schedule_once(director, make_request(make_prompt(prefixes, size, i), i))
     samples = []
     gc.collect()
     for i in range(warmup, warmup + iterations):
-        req = make_request(make_prompt(prefixes, size, i), i)
-        t0 = time.perf_counter()
-        await schedule_once(loaded, req, endpoints)
-        samples.append((time.perf_counter() - t0) * 1e6)
+        samples.append(await schedule_once(director, make_request(make_prompt(prefixes, size, i), i)) * 1e6)
     return percentile(samples, 0.50), percentile(samples, 0.99), statistics.fmean(samples)
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
@@ -60,3 +62,19 @@ class EchoBackend:
              "sha256": hashlib.sha256(raw).hexdigest(),
              "usage": {"prompt_tokens": 5, "completion_tokens": 1}},
             headers={"x-backend": self.name})
+
+
+@contextlib.asynccontextmanager
+async def completions_backend(
+        handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> AsyncIterator[str]:
+    """`handler` answering `POST /v1/completions` on a free loopback port; yields its base URL."""
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()

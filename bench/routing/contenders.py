@@ -30,7 +30,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from epp.config import API_VERSION, DEFAULT_CONFIG_YAML, KIND
+from epp.config.compose import DEFAULT_CONFIG_YAML, endpoint_picker_config, plugin
 from epp.engine.sim.fleet import SimFleet
 from epp.envoy import EnvoyProcess, render_config
 from epp.netutil import free_ports
@@ -93,31 +93,22 @@ class RunningRouter:
 
 # ---- EndpointPickerConfigs ----------------------------------------------------------------------
 
-def _config(plugins: list[str], weights: list[tuple[str, float]]) -> str:
-    lines = [f"apiVersion: {API_VERSION}", f"kind: {KIND}", "plugins:"]
-    lines += plugins
-    lines += ["schedulingProfiles:", "- name: default", "  plugins:"]
-    for ref, w in weights:
-        lines.append(f"  - pluginRef: {ref}")
-        if w:
-            lines.append(f"    weight: {w:g}")
-    return "\n".join(lines) + "\n"
+def _3_digits(value: float) -> float:
+    """`value` to three significant digits (the oracle's costs are estimates, not exact)."""
+    return float(f"{value:.3e}")
 
 
-def _precise_producer(t: Tuning) -> str:
-    return ("- type: precise-prefix-cache-producer\n"
-            "  parameters:\n"
-            f"    blockSizeTokens: {t.block_size}\n"
-            "    mode: per-endpoint\n"
-            f"    tokenizers: {{sim-model: {t.tokenizer_dir}}}")
+def _precise_producer(t: Tuning) -> dict[str, Any]:
+    return plugin("precise-prefix-cache-producer", blockSizeTokens=t.block_size, mode="per-endpoint",
+                  tokenizers={"sim-model": t.tokenizer_dir})
 
 
 def sample_config(name: str, t: Tuning) -> str:
     """A sample config of `examples/configs/`, its precise producer pointed at the fleet's tokenizer."""
     doc = yaml.safe_load((SAMPLE_CONFIGS / f"{name}.yaml").read_text())
-    for plugin in doc.get("plugins", []):
-        if plugin.get("type") == "precise-prefix-cache-producer":
-            params = plugin.setdefault("parameters", {})
+    for entry in doc.get("plugins", []):
+        if entry.get("type") == "precise-prefix-cache-producer":
+            params = entry.setdefault("parameters", {})
             params.update({"blockSizeTokens": t.block_size, "mode": "per-endpoint",
                            "tokenizers": {"sim-model": t.tokenizer_dir}})
     return yaml.safe_dump(doc, sort_keys=False)
@@ -126,9 +117,9 @@ def sample_config(name: str, t: Tuning) -> str:
 def _scrape_only(config: str) -> str:
     """`config` with GIE's scrape-only load scorers and GIE's approximate producer (the "before")."""
     doc = yaml.safe_load(config)
-    for plugin in doc.get("plugins", []):
-        if plugin.get("type") in ("queue-scorer", "kv-cache-utilization-scorer", "running-requests-size-scorer"):
-            plugin.setdefault("parameters", {})["useInflight"] = False
+    for entry in doc.get("plugins", []):
+        if entry.get("type") in ("queue-scorer", "kv-cache-utilization-scorer", "running-requests-size-scorer"):
+            entry.setdefault("parameters", {})["useInflight"] = False
     if not any(p.get("type") == "approx-prefix-cache-producer" for p in doc["plugins"]) and any(
             p.get("type") == "prefix-cache-scorer" for p in doc["plugins"]) and not any(
             p.get("type") == "precise-prefix-cache-producer" for p in doc["plugins"]):
@@ -143,41 +134,36 @@ def epp_config(kind: str, t: Tuning) -> str:
     if kind.endswith("+scrape-only"):
         return _scrape_only(epp_config(kind.removesuffix("+scrape-only"), t))
     if kind == "random":
-        return _config(["- type: random-picker"], [("random-picker", 0)])
+        return endpoint_picker_config(["random-picker"], ["random-picker"])
     if kind == "load":
         # llm-d's "load" scheduler: queue depth and KV-cache utilisation, nothing about prefixes.
-        return _config(["- type: queue-scorer", "- type: kv-cache-utilization-scorer"],
-                       [("queue-scorer", 1), ("kv-cache-utilization-scorer", 1)])
+        weights = {"queue-scorer": 1, "kv-cache-utilization-scorer": 1}
+        return endpoint_picker_config(list(weights), weights)
     if kind == "approx":
         return DEFAULT_CONFIG_YAML  # GIE's default: queue 2, kv 2, approximate prefix 3
     if kind == "precise":
         # llm-d's "precise" weights in the 73-capacity report: prefix 3, kv 2, queue 2.
-        return _config([_precise_producer(t), "- type: prefix-cache-scorer", "- type: queue-scorer",
-                        "- type: kv-cache-utilization-scorer"],
-                       [("prefix-cache-scorer", 3), ("queue-scorer", 2), ("kv-cache-utilization-scorer", 2)])
+        weights = {"prefix-cache-scorer": 3, "queue-scorer": 2, "kv-cache-utilization-scorer": 2}
+        return endpoint_picker_config([_precise_producer(t), *weights], weights)
     if kind == "precise-active":
         # As "precise", with the picker's own in-flight count instead of the scraped queue depth.
-        return _config([_precise_producer(t), "- type: prefix-cache-scorer", "- type: active-request-scorer",
-                        "- type: kv-cache-utilization-scorer"],
-                       [("prefix-cache-scorer", 3), ("active-request-scorer", 2), ("kv-cache-utilization-scorer", 2)])
+        weights = {"prefix-cache-scorer": 3, "active-request-scorer": 2, "kv-cache-utilization-scorer": 2}
+        return endpoint_picker_config([_precise_producer(t), *weights], weights)
     if kind == "precise-ttft":
         # The predicted-TTFT scorer learning its costs itself (examples/configs/predicted-ttft.yaml).
         return sample_config("predicted-ttft", t)
     if kind == "precise-ttft-oracle":
         # The predicted-TTFT scorer handed the simulated replica's prefill cost: an oracle.
         queue_s = 0.5 * t.mean_prompt_tokens * t.prefill_s_per_token
-        ttft = ("- type: predicted-ttft-scorer\n"
-                "  parameters:\n"
-                f"    prefillSecondsPerToken: {t.prefill_s_per_token:.3e}\n"
-                f"    queueSecondsPerWaitingRequest: {queue_s:.3e}\n"
-                f"    secondsPerRunningRequest: {queue_s / 20:.3e}\n"
-                f"    baseSeconds: {max(queue_s / 50, 1e-4):.3e}")
+        ttft = plugin("predicted-ttft-scorer", prefillSecondsPerToken=_3_digits(t.prefill_s_per_token),
+                      queueSecondsPerWaitingRequest=_3_digits(queue_s), secondsPerRunningRequest=_3_digits(queue_s / 20),
+                      baseSeconds=_3_digits(max(queue_s / 50, 1e-4)))
         # prefix-cache-scorer breaks predicted-TTFT ties towards the endpoint that already holds
         # the prefix: waiting behind a group's first prefill costs the same TTFT as recomputing
         # elsewhere, but only the first keeps the fleet's caches partitioned.
-        return _config([_precise_producer(t), ttft, "- type: prefix-cache-scorer",
-                        "- type: kv-cache-utilization-scorer"],
-                       [("predicted-ttft-scorer", 3), ("prefix-cache-scorer", 1), ("kv-cache-utilization-scorer", 1)])
+        weights = {"predicted-ttft-scorer": 3, "prefix-cache-scorer": 1, "kv-cache-utilization-scorer": 1}
+        return endpoint_picker_config([_precise_producer(t), ttft, "prefix-cache-scorer", "kv-cache-utilization-scorer"],
+                                      weights)
     raise ValueError(f"unknown epp config {kind!r}")
 
 

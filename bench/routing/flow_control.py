@@ -44,7 +44,7 @@ from bench.routing.contenders import RunningRouter, Unavailable, _spawn, _start_
 from bench.routing.loadgen import RequestRecord, send
 from bench.routing.measure import percentile
 from bench.routing.workloads import BenchRequest, completion_request, text_of_tokens, tokenizer
-from epp.config import API_VERSION, KIND
+from epp.config.compose import endpoint_picker_config, plugin
 from epp.engine.sim.fleet import FleetConfig, SimFleet, default_tokenizer_dir
 from epp.engine.sim.profiles import get_profile
 from epp.envoy import render_config
@@ -82,33 +82,17 @@ class FlowBench:
 
     def epp_config(self, flow_control: bool) -> str:
         """The picker's EndpointPickerConfig; `flow_control` only adds the feature gate."""
-        return f"""apiVersion: {API_VERSION}
-kind: {KIND}
-{"featureGates: [flowControl]" if flow_control else ""}
-objectives:
-- {{name: interactive, priority: 10}}
-- {{name: standard, priority: 0}}
-plugins:
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- type: utilization-detector
-  parameters: {{queueDepthThreshold: 1, kvCacheUtilThreshold: 0.8}}
-- type: static-usage-limit-policy
-  parameters: {{priorityThresholds: {{0: {self.standard_ceiling}}}}}
-schedulingProfiles:
-- name: default
-  plugins:
-  - {{pluginRef: queue-scorer, weight: 1}}
-  - {{pluginRef: kv-cache-utilization-scorer, weight: 1}}
-saturationDetector: {{pluginRef: utilization-detector}}
-flowControl:
-  defaultRequestTTL: {self.ttl}
-  maxRequests: 1000
-  usageLimitPolicyPluginRef: static-usage-limit-policy
-  priorityBands:
-  - {{priority: 10, fairnessPolicyRef: round-robin-fairness-policy}}
-  - {{priority: 0, fairnessPolicyRef: round-robin-fairness-policy}}
-"""
+        bands = [{"priority": p, "fairnessPolicyRef": "round-robin-fairness-policy"} for p in (10, 0)]
+        return endpoint_picker_config(
+            ["queue-scorer", "kv-cache-utilization-scorer",
+             plugin("utilization-detector", queueDepthThreshold=1, kvCacheUtilThreshold=0.8),
+             plugin("static-usage-limit-policy", priorityThresholds={0: self.standard_ceiling})],
+            {"queue-scorer": 1, "kv-cache-utilization-scorer": 1},
+            **({"featureGates": ["flowControl"]} if flow_control else {}),
+            objectives=[{"name": "interactive", "priority": 10}, {"name": "standard", "priority": 0}],
+            saturationDetector={"pluginRef": "utilization-detector"},
+            flowControl={"defaultRequestTTL": self.ttl, "maxRequests": 1000,
+                         "usageLimitPolicyPluginRef": "static-usage-limit-policy", "priorityBands": bands})
 
 
 @dataclass

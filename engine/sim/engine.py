@@ -23,7 +23,7 @@ import collections
 import itertools
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from epp.engine.kv_publisher import KVEventPublisher
 from epp.engine.sim.hashing import NO_CONTEXT, HashContext, block_hashes, none_hash
@@ -48,22 +48,31 @@ class EngineConfig:
     hash_seed: str | None = None
     stream_tick: float = 0.002
 
-    def resolved(self) -> EngineConfig:
-        """A copy with every None filled from the profile."""
+    def limits(self) -> EngineLimits:
+        """The capacity configured, the profile's where the config leaves it None."""
         p = self.profile
-        return EngineConfig(
-            profile=p,
+        return EngineLimits(
             num_gpu_blocks=self.num_gpu_blocks or p.num_gpu_blocks,
             block_size=self.block_size or p.block_size,
             max_num_seqs=self.max_num_seqs or p.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens or p.max_num_batched_tokens,
             max_model_len=self.max_model_len or p.max_model_len,
-            tiers=self.tiers,
-            time_scale=self.time_scale,
-            lag_tolerance=self.lag_tolerance,
-            hash_seed=self.hash_seed,
-            stream_tick=self.stream_tick,
         )
+
+    def resolved(self) -> EngineConfig:
+        """A copy with every None filled from the profile."""
+        return replace(self, **asdict(self.limits()))
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLimits:
+    """The capacity one engine runs with (an `EngineConfig` with its Nones filled)."""
+
+    num_gpu_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
 
 
 @dataclass(slots=True, eq=False)
@@ -134,9 +143,10 @@ class SimEngine:
         c = self.config
         self.profile = c.profile
         self.slowdown = 1.0  # set_speed: the current profile is the configured one this much slower
-        self.block_size: int = c.block_size  # type: ignore[assignment]
+        self.limits = config.limits()
+        self.block_size = self.limits.block_size
         # Like vLLM's BlockPool, one block is the reserved null block: usable = num_gpu_blocks - 1.
-        self.cache = KVCache(c.num_gpu_blocks - 1, self.block_size, c.tiers)  # type: ignore[operator]
+        self.cache = KVCache(self.limits.num_gpu_blocks - 1, self.block_size, c.tiers)
         self.publisher = publisher
         self.metrics = metrics or EngineMetrics()
         self.waiting: collections.deque[SimRequest] = collections.deque()
@@ -194,7 +204,7 @@ class SimEngine:
     ) -> SimRequest:
         """Validate and build a request (raises EngineError like vLLM's 400s)."""
         n = len(prompt_ids)
-        max_len: int = self.config.max_model_len  # type: ignore[assignment]
+        max_len = self.limits.max_model_len
         if n == 0:
             raise EngineError("The prompt cannot be empty.")
         if n >= max_len:
@@ -319,7 +329,7 @@ class SimEngine:
                 continue
             prefill: list[tuple[SimRequest, int]] = []
             decoding: list[SimRequest] = []
-            budget: int = self.config.max_num_batched_tokens  # type: ignore[assignment]
+            budget = self.limits.max_num_batched_tokens
             for r in self.running:
                 if r.num_computed >= len(r.prompt_ids):
                     decoding.append(r)
@@ -377,7 +387,7 @@ class SimEngine:
         bs = self.block_size
         p = self.profile
         m = self.metrics
-        max_seqs: int = self.config.max_num_seqs  # type: ignore[assignment]
+        max_seqs = self.limits.max_num_seqs
         while self.waiting and len(self.running) < max_seqs:
             r = self.waiting[0]
             if r.aborted:

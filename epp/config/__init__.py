@@ -1,6 +1,6 @@
 """Loading and checking the GIE `EndpointPickerConfig` into the runtime pipeline the director runs."""
 
-from epp.config.defaults import DEFAULT_CONFIG_YAML
+from epp.config.compose import DEFAULT_CONFIG_YAML
 from epp.config.describe import describe
 from epp.config.loader import load_config, load_config_or_default, load_config_text, load_default_config
 from epp.config.pipeline import DataSourceConfig, LoadedConfig, PluginEntry

@@ -53,4 +53,9 @@ def endpoint_picker_config(plugins: Sequence[PluginDef], profile: ProfileRefs | 
     return yaml.safe_dump(document, sort_keys=False, default_flow_style=False, width=120)
 
 
-__all__ = ["DEFAULT_SCORER_WEIGHTS", "endpoint_picker_config", "plugin"]
+# GIE's built-in default (`loadDefaultConfig`): used when no config is given.
+DEFAULT_CONFIG_YAML = endpoint_picker_config(
+    [*DEFAULT_SCORER_WEIGHTS, "metrics-data-source", "core-metrics-extractor"], DEFAULT_SCORER_WEIGHTS,
+    dataLayer={"sources": [{"pluginRef": "metrics-data-source", "extractors": [{"pluginRef": "core-metrics-extractor"}]}]})
+
+__all__ = ["DEFAULT_CONFIG_YAML", "DEFAULT_SCORER_WEIGHTS", "endpoint_picker_config", "plugin"]

@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from epp.config.defaults import DEFAULT_CONFIG_YAML, DEFAULT_SATURATION_DETECTOR_TYPE
+from epp.config.compose import DEFAULT_CONFIG_YAML
+from epp.config.defaults import DEFAULT_SATURATION_DETECTOR_TYPE
 from epp.config.pipeline import LoadedConfig
 from epp.config.plugins import PluginSet
 from epp.config.producers import ProducerWiring

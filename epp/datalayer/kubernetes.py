@@ -22,7 +22,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -31,6 +31,7 @@ from epp.datalayer.discovery import Discovery
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 POOL_GROUP = "inference.networking.k8s.io"
 POOL_GROUP_ALPHA = "inference.networking.x-k8s.io"
@@ -218,7 +219,14 @@ class ObjectivePriorities(Mapping[str, int]):
     def live(self) -> Mapping[str, int]:
         return self._live
 
-    def get(self, name: str, default: int | None = None) -> int | None:  # type: ignore[override]
+    @overload
+    def get(self, name: str, /) -> int | None: ...
+
+    @overload
+    def get(self, name: str, /, default: int | T) -> int | T: ...
+
+    def get(self, name: str, /, default: object = None) -> object:
+        """The priority of objective `name`, or `default` (a dict lookup: no KeyError on a miss)."""
         return self._merged.get(name, default)
 
     def __getitem__(self, name: str) -> int:

@@ -7,6 +7,7 @@ import logging
 
 import aiohttp
 
+from epp.datalayer.registry import EndpointRegistry
 from epp.framework.types import Endpoint
 
 log = logging.getLogger(__name__)
@@ -24,8 +25,8 @@ class ReplicaControl:
     scrape interval.
     """
 
-    def __init__(self, registry: object, *, timeout: float = 30.0) -> None:
-        self.registry = registry  # epp.datalayer.EndpointRegistry
+    def __init__(self, registry: EndpointRegistry, *, timeout: float = 30.0) -> None:
+        self.registry = registry
         self.timeout = timeout
         self._session: aiohttp.ClientSession | None = None
 
@@ -84,5 +85,5 @@ class ReplicaControl:
 
     def _mark(self, endpoint: Endpoint, *, sleeping: bool) -> None:
         # Held until a scrape shows it: a page fetched before the call must not undo it.
-        self.registry.expect_sleeping(endpoint.name, sleeping, self.timeout)  # type: ignore[attr-defined]
+        self.registry.expect_sleeping(endpoint.name, sleeping, self.timeout)
         log.info("%s is %s", endpoint.name, "asleep" if sleeping else "awake")

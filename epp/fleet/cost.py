@@ -77,10 +77,11 @@ def _model_prices(raw: Any, where: str, fallback: ModelPrices | None) -> ModelPr
     for key in ("input", "cached", "output"):
         if key not in raw and fallback is None:
             raise PriceError(f"{where}.{key}: required")
-    input_price = _price(raw["input"], f"{where}.input") if "input" in raw else fallback.input  # type: ignore[union-attr]
-    output = _price(raw["output"], f"{where}.output") if "output" in raw else fallback.output  # type: ignore[union-attr]
-    if "cached" not in raw:
-        cached = dict(fallback.cached)  # type: ignore[union-attr]
+    # A field left out takes the fallback's price (without a fallback it was required above).
+    input_price = _price(raw["input"], f"{where}.input") if "input" in raw or fallback is None else fallback.input
+    output = _price(raw["output"], f"{where}.output") if "output" in raw or fallback is None else fallback.output
+    if "cached" not in raw and fallback is not None:
+        cached = dict(fallback.cached)
     elif isinstance(raw["cached"], Mapping):
         bad = set(raw["cached"]) - set(TIERS)
         if bad:

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from epp.datalayer.registry import EndpointRegistry
 from epp.framework.types import Endpoint
 
 _BUCKET_S = 5.0
@@ -54,9 +55,9 @@ class RateWindow:
 class PoolGauges(Collector):
     """The pool's per-model scaling gauges, read from the endpoint registry at collection time."""
 
-    def __init__(self, endpoints: object, *, model_label: str = "model",
+    def __init__(self, endpoints: EndpointRegistry, *, model_label: str = "model",
                  prefill_capacity_tokens_per_s: float = 0.0, window: float = 60.0, max_models: int = 100) -> None:
-        self.endpoints = endpoints  # epp.datalayer.EndpointRegistry
+        self.endpoints = endpoints
         self.model_label = model_label
         self.capacity_per_replica = prefill_capacity_tokens_per_s
         self.window = window
@@ -99,7 +100,7 @@ class PoolGauges(Collector):
         ratio = _model_gauge("epp_pool_prefill_demand_ratio", "Prefill demand / prefill capacity (above 1: more "
                              "replicas needed).")
         by_model: dict[str, list[Endpoint]] = {}
-        for ep in self.endpoints.snapshot():  # type: ignore[attr-defined]
+        for ep in self.endpoints.snapshot():
             by_model.setdefault(self.model_of(ep), []).append(ep)
         now = time.monotonic()
         for model in sorted(set(by_model) | set(self._demand)):

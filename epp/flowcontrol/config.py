@@ -155,9 +155,11 @@ class _Parser:
                                       f"types: {', '.join(catalogue)}")
             return configured
         if raw in catalogue:
-            if raw not in self.builtins:
-                self.builtins[raw] = catalogue[raw]()
-            return self.builtins[raw]  # type: ignore[return-value]
+            builtin = self.builtins.get(raw)
+            if builtin is None:
+                builtin = self.builtins[raw] = catalogue[raw]()
+            if isinstance(builtin, kind):  # a type name stands for one kind of policy only
+                return builtin
         raise self.fail(path, f"unknown {what} {raw!r}; allowed: a plugin of type {', '.join(catalogue)}, "
                               "or one of those type names")
 
@@ -165,9 +167,10 @@ class _Parser:
         item = self.mapping(raw, path, fields)
         priority = 0
         if "priority" in fields:
-            priority = item.get("priority")
-            if not isinstance(priority, int) or isinstance(priority, bool):
-                raise self.fail(f"{path}.priority", f"is required and must be an integer, got {priority!r}")
+            raw_priority = item.get("priority")
+            if not isinstance(raw_priority, int) or isinstance(raw_priority, bool):
+                raise self.fail(f"{path}.priority", f"is required and must be an integer, got {raw_priority!r}")
+            priority = raw_priority
         fairness = (self.policy(item["fairnessPolicyRef"], f"{path}.fairnessPolicyRef", FairnessPolicy,
                                 FAIRNESS_POLICIES, "fairness policy")
                     if item.get("fairnessPolicyRef") is not None

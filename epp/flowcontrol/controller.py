@@ -88,7 +88,13 @@ class FlowController:
         self.queued_requests = 0
         self.queued_bytes = 0
         self._unplaced = 0  # let through, not yet placed by the scheduler
-        self._unseen: dict[str, deque[float]] = {}  # endpoint -> dispatch times its metrics may not show
+        # endpoint -> dispatch times its metrics may not show. Not the in-flight ledger's
+        # `unseen_requests`: the ledger forgets a request once the picker sees it end, and when
+        # Envoy does not send responses to the picker that is the end of the request phase, so
+        # it would count nothing (tried: in the flow-control bench, which sends no responses to
+        # the picker, the replicas' queues filled and interactive requests timed out in the
+        # picker's). A dispatch counts here until a scrape shows it, finished or not.
+        self._unseen: dict[str, deque[float]] = {}
         self._sequence = itertools.count()
         self._wake_scheduled = False
         self._in_cycle = False

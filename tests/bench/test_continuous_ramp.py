@@ -9,6 +9,7 @@ from aiohttp import web
 
 from bench.routing.loadgen import Stage, drain_inflight, run_stage
 from bench.routing.workloads import NoSharing
+from tests.backends import completions_backend
 
 
 async def test_stages_do_not_wait_for_in_flight_requests_and_the_end_drains_them():
@@ -19,29 +20,19 @@ async def test_stages_do_not_wait_for_in_flight_requests_and_the_end_drains_them
         await resp.write(b'data: {"choices":[{"index":0,"text":"a"}]}\n\ndata: [DONE]\n\n')
         return resp
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", slow)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
     inflight: set[asyncio.Task] = set()
     reqs = NoSharing(prompt_tokens=8).requests()
-    try:
-        async with aiohttp.ClientSession() as session:
-            first = await run_stage(session, base, reqs, Stage(0.3, 10.0, "constant"), 0, progress=False,
-                                    inflight=inflight)
-            # The stage returned at its end, with its requests still running.
-            assert first.finished - first.started < 0.45
-            assert inflight and all(r.e2e is None for r in first.records)
-            second = await run_stage(session, base, reqs, Stage(0.3, 10.0, "constant"), 1, progress=False,
-                                     inflight=inflight)
-            assert second.started < min(r.sent for r in first.records) + 0.6  # began before any finished
-            records = first.records + second.records
-            await drain_inflight(inflight, records, drain=5.0)
-    finally:
-        await runner.cleanup()
+    async with completions_backend(slow) as base, aiohttp.ClientSession() as session:
+        first = await run_stage(session, base, reqs, Stage(0.3, 10.0, "constant"), 0, progress=False,
+                                inflight=inflight)
+        # The stage returned at its end, with its requests still running.
+        assert first.finished - first.started < 0.45
+        assert inflight and all(r.e2e is None for r in first.records)
+        second = await run_stage(session, base, reqs, Stage(0.3, 10.0, "constant"), 1, progress=False,
+                                 inflight=inflight)
+        assert second.started < min(r.sent for r in first.records) + 0.6  # began before any finished
+        records = first.records + second.records
+        await drain_inflight(inflight, records, drain=5.0)
     assert len(records) >= 4 and all(r.ok for r in records), [r.error for r in records]
     # Drained stages would have serialised: here the second stage's requests overlap the first's.
     assert max(r.sent for r in second.records) < max(r.sent + r.e2e for r in first.records)

@@ -12,6 +12,7 @@ from bench.routing.loadgen import Stage, ramp, run_stage
 from bench.routing.measure import counter_sum, percentile
 from bench.routing.oracle import belady_hits, oracle_hits, prompt_token_ids
 from bench.routing.workloads import Agentic, MultiTurn, NoSharing, SharedPrefix
+from tests.backends import completions_backend
 
 
 def test_workloads_are_reproducible_from_their_seed():
@@ -98,20 +99,9 @@ async def test_open_loop_stage_streams_measures_ttft_and_is_bounded_in_time():
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
-        reqs = NoSharing(prompt_tokens=16).requests()
-        async with aiohttp.ClientSession() as session:
-            res = await run_stage(session, f"http://127.0.0.1:{port}", reqs, Stage(1.0, 20.0, "constant"), 0,
-                                  drain=5.0, progress=False)
-    finally:
-        await runner.cleanup()
+    async with completions_backend(handler) as url, aiohttp.ClientSession() as session:
+        res = await run_stage(session, url, NoSharing(prompt_tokens=16).requests(), Stage(1.0, 20.0, "constant"), 0,
+                              drain=5.0, progress=False)
     assert 18 <= len(res.records) <= 20
     assert res.issued_until - res.started < 1.5
     for rec in res.records:

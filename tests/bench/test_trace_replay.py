@@ -21,6 +21,7 @@ from bench.routing.oracle import prompt_token_ids
 from bench.routing.runner import run_scenario
 from bench.routing.scenarios import get_scenario
 from bench.routing.traces import TraceFormatError, TraceReplay, conversations, load_trace
+from tests.backends import completions_backend
 
 
 def write_trace(path: Path, rows: list[dict]) -> str:
@@ -121,22 +122,12 @@ async def test_trace_arrivals_send_each_request_at_its_own_offset(tmp_path):
         await resp.write(b'data: {"choices":[{"index":0,"text":"a"}]}\n\ndata: [DONE]\n\n')
         return resp
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
     rows = [{"timestamp": ms, "input_length": 100, "output_length": 5, "hash_ids": [i]}
             for i, ms in enumerate((0, 0, 300, 900))]
     replay = TraceReplay(write_trace(tmp_path / "t.jsonl", rows), block_tokens=16, speedup=1.5)
-    try:
-        async with aiohttp.ClientSession() as session:
-            res = await run_stage(session, f"http://127.0.0.1:{port}", replay.requests(),
-                                  Stage(replay.duration_s() + 1e-3, 4 / 0.6, "trace"), 0, drain=5.0, progress=False)
-    finally:
-        await runner.cleanup()
+    async with completions_backend(handler) as url, aiohttp.ClientSession() as session:
+        res = await run_stage(session, url, replay.requests(), Stage(replay.duration_s() + 1e-3, 4 / 0.6, "trace"), 0,
+                              drain=5.0, progress=False)
     assert [r.ok for r in res.records] == [True] * 4
     offsets = [r.sent - res.started for r in res.records]
     for got, want in zip(offsets, (0.0, 0.0, 0.2, 0.6)):

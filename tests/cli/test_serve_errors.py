@@ -11,6 +11,7 @@ import pytest
 
 from epp.cli import main
 from epp.netutil import free_ports
+from tests.configs import endpoint_picker_config
 
 EPP = [sys.executable, "-m", "epp.cli"]
 
@@ -31,8 +32,7 @@ def test_a_missing_config_file_is_one_line_naming_it(capsys, tmp_path):
 
 def test_a_bad_config_file_names_the_file_and_the_field(capsys, tmp_path):
     path = tmp_path / "picker.yaml"
-    path.write_text("apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
-                    "plugins:\n- type: queue-scorr\n")
+    path.write_text(endpoint_picker_config(["queue-scorr"]))
     code, err = serve(capsys, "--endpoints", "127.0.0.1:8000", "--config-file", str(path))
     assert code == 2
     assert err.startswith(f"epp serve: invalid configuration: {path}: plugins[0].type: unknown plugin type "
@@ -91,8 +91,7 @@ def test_a_port_in_use_is_one_line_and_everything_started_is_stopped(flag):
 
 def test_serve_says_on_one_line_where_it_listens_what_it_routes_to_and_which_config(tmp_path):
     config = tmp_path / "picker.yaml"
-    config.write_text("apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
-                      "plugins:\n- type: random-picker\n")
+    config.write_text(endpoint_picker_config(["random-picker"]))
     grpc_port, health_port, metrics_port = free_ports(3)
     proc = subprocess.Popen(
         [*EPP, "serve", "--bind-address", "127.0.0.1", "--grpc-port", str(grpc_port), "--grpc-health-port",

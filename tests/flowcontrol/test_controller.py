@@ -70,6 +70,28 @@ async def test_dispatches_the_metrics_do_not_show_yet_count_as_waiting():
         t.cancel()
 
 
+async def test_a_dispatch_counts_until_a_scrape_shows_it_even_when_it_already_finished():
+    # Envoy may not send responses to the picker: "finished" is then only the end of the request
+    # phase, and the replica still works on it. Two idle endpoints, threshold 1: two fit.
+    pool = Pool(0, 0)
+    fc = controller(pool)
+    tasks = [asyncio.ensure_future(fc.admit(request(f"r{i}"), 1)) for i in range(3)]
+    await asyncio.sleep(0.01)
+    done = [t for t in tasks if t.done()]
+    assert len(done) == 2
+    done[0].result().placed("10.0.0.1:8000")
+    done[1].result().placed("10.0.0.2:8000")
+    fc.on_request_complete()
+    fc.on_request_complete()
+    await asyncio.sleep(0.01)
+    assert sum(t.done() for t in tasks) == 2  # no scrape since: both replicas still count as busy
+    pool.scrape(1, 0)
+    fc.on_metrics_update()
+    await asyncio.sleep(0.01)
+    assert all(t.done() for t in tasks)
+    tasks[2].result().placed("10.0.0.2:8000")
+
+
 async def test_a_saturated_high_band_blocks_lower_bands():
     pool = Pool(1)
     fc = controller(pool)

@@ -17,11 +17,13 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from epp.config.compose import DEFAULT_SCORER_WEIGHTS
 from epp.datalayer.registry import parse_endpoint_list
 from epp.engine.sim import FleetConfig, SimFleet
 from epp.engine.sim.fleet import default_tokenizer_dir
 from epp.envoy import EnvoyProcess, render_config
 from tests.blackbox.pods import start_picker, wait_until
+from tests.configs import endpoint_picker_config, plugin
 from tests.conftest import free_port
 from tests.precise.support import prompt_of
 
@@ -30,24 +32,14 @@ pytestmark = [pytest.mark.envoy, pytest.mark.timeout(90)]
 MODEL = "sim-model"
 BURST = 8
 
-CONFIG = """
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: queue-scorer
-  parameters: {useInflight: %(inflight)s}
-- type: kv-cache-utilization-scorer
-  parameters: {useInflight: %(inflight)s}
-- type: prefix-cache-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - {pluginRef: queue-scorer, weight: 2}
-  - {pluginRef: kv-cache-utilization-scorer, weight: 2}
-  - {pluginRef: prefix-cache-scorer, weight: 3}
-  - {pluginRef: max-score-picker}
-"""
+
+def picker_config(use_inflight: bool) -> str:
+    """GIE's default weights (queue 2, kv 2, prefix 3) with the load scorers reading the ledger or not."""
+    load = {"useInflight": use_inflight}
+    return endpoint_picker_config(
+        [plugin("queue-scorer", **load), plugin("kv-cache-utilization-scorer", **load), "prefix-cache-scorer",
+         "max-score-picker"],
+        {**DEFAULT_SCORER_WEIGHTS, "max-score-picker": None})
 
 
 async def served_requests(http: aiohttp.ClientSession, endpoint: str) -> float:
@@ -79,7 +71,7 @@ async def burst_spread(use_inflight: bool, seed: int) -> list[int]:
                 body = {"model": MODEL, "prompt": prompt_of(tokenizer_dir, seed=900 + i, tokens=7000),
                         "max_tokens": 900}
                 background.append(asyncio.create_task(http.post(f"http://{endpoint}/v1/completions", json=body)))
-            epp = await start_picker(CONFIG % {"inflight": str(use_inflight).lower()},
+            epp = await start_picker(picker_config(use_inflight),
                                      parse_endpoint_list(",".join(fleet.endpoints)))
             await wait_until(lambda: all(ep.metrics.kv_cache_usage > 0.3 for ep in epp.endpoints.snapshot()
                                          if ep.name in busy), "the busy replicas' KV use to be scraped", 20)

@@ -3,6 +3,12 @@
 The structs are those `epp.engine.kv_publisher` publishes with (declared as vLLM declares them):
 map form (vLLM >= #42892, 0.33.0), events are maps tagged by "type" in an array batch.
 `legacy(...)` gives the older tagged-array form of an event.
+
+No second copy of the structs here: the publisher's encoding is checked against oracles that do
+not share its types, so a bug in it cannot hide behind these builders: literal msgpack maps read
+by a plain SUB (tests/sim/test_kv_events.py) and the frames a real vLLM sent
+(tests/fixtures/vllm_capture, compared in tests/sim/test_vllm_fidelity.py and decoded in
+tests/kvevents/test_decoding.py).
 """
 
 from __future__ import annotations

@@ -16,8 +16,9 @@ from epp.datalayer.registry import EndpointSpec
 from epp.framework.types import ApiKind, InferenceRequest
 from epp.kvevents.decoding import Tier
 from epp.kvevents.producer import PrecisePrefixCacheProducer
-from epp.server.runner import EppServer, ServeOptions
+from epp.server.runner import EppServer
 from tests.blackbox.calls import route
+from tests.blackbox.pods import start_picker
 from tests.extproc_support import ExtProcClient
 
 VOCABULARY = ("the a of to and in is it you that was for on are with as they be at one have this from or had by "
@@ -43,16 +44,6 @@ def prompt_of(tokenizer_dir: str | Path, seed: int, tokens: int) -> str:
 def completion_body(model: str, prompt: str, max_tokens: int = 1) -> bytes:
     """A `/v1/completions` JSON body."""
     return json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
-
-
-async def start_picker(config_text: str, endpoints: Sequence[EndpointSpec]) -> EppServer:
-    """The real picker: config loader, `/metrics` scraper (every 50 ms), ext_proc gRPC on a free port."""
-    server = EppServer(ServeOptions(
-        grpc_port=0, grpc_health_port=0, metrics_port=0, bind_address="127.0.0.1",
-        config_text=config_text, endpoints=list(endpoints), scrape_metrics=True,
-        refresh_metrics_interval_s=0.05, grace_period_s=1))
-    await server.start()
-    return server
 
 
 class Picker:

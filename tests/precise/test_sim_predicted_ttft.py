@@ -20,6 +20,7 @@ from epp.engine.sim import FleetConfig, SimFleet
 from epp.engine.sim.fleet import default_tokenizer_dir
 from epp.framework.types import ApiKind, InferenceRequest
 from epp.kvevents.decoding import Tier
+from tests.configs import endpoint_picker_config, plugin
 from tests.precise.support import (
     Picker,
     fleet_specs,
@@ -36,27 +37,15 @@ QUESTION = " Now answer the question about that document in one word."
 BASE_S, QUEUE_S, RUNNING_S = 0.01, 0.1, 0.005
 CHEAP_PREFILL_S, EXPENSIVE_PREFILL_S = 2e-4, 1e-2
 
-CONFIG = f"""
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: precise-prefix-cache-producer
-  parameters:
-    blockSizeTokens: {BLOCK}
-    tokenizers: {{{MODEL}: "%(tokenizer_dir)s"}}
-- type: predicted-ttft-scorer
-  parameters:
-    prefillSecondsPerToken: %(prefill)s
-    queueSecondsPerWaitingRequest: {QUEUE_S}
-    secondsPerRunningRequest: {RUNNING_S}
-    baseSeconds: {BASE_S}
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: predicted-ttft-scorer
-  - pluginRef: max-score-picker
-"""
+
+def picker_config(tokenizer_dir: str, prefill_s: float) -> str:
+    """Precise producer and the predicted-TTFT scorer alone (these costs, `prefill_s` a token), max-score picker."""
+    return endpoint_picker_config(
+        [plugin("precise-prefix-cache-producer", blockSizeTokens=BLOCK, tokenizers={MODEL: tokenizer_dir}),
+         plugin("predicted-ttft-scorer", prefillSecondsPerToken=prefill_s, queueSecondsPerWaitingRequest=QUEUE_S,
+                secondsPerRunningRequest=RUNNING_S, baseSeconds=BASE_S),
+         "max-score-picker"],
+        ["predicted-ttft-scorer", "max-score-picker"])
 
 
 async def predicted_ttft(picker: Picker, prefill_s: float, request: str, endpoints: list[str]) -> dict[str, float]:
@@ -85,7 +74,7 @@ async def test_lowest_predicted_ttft_wins_queue_against_recompute():
     async with SimFleet(config) as fleet, aiohttp.ClientSession() as http:
         x, y = fleet.endpoints
         await post_completion(http, x, MODEL, prefix)
-        pickers = {prefill: await Picker.start(CONFIG % {"tokenizer_dir": tokenizer_dir, "prefill": prefill},
+        pickers = {prefill: await Picker.start(picker_config(str(tokenizer_dir), prefill),
                                                fleet_specs(fleet.info))
                    for prefill in (CHEAP_PREFILL_S, EXPENSIVE_PREFILL_S)}
         try:

@@ -19,7 +19,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from epp.config import API_VERSION, KIND
 from epp.datalayer.registry import parse_endpoint_list
 from epp.engine.kv_publisher import KVEventPublisher
 from epp.engine.sim import FleetConfig, SimFleet
@@ -27,6 +26,7 @@ from epp.engine.sim.fleet import default_tokenizer_dir
 from epp.envoy import EnvoyProcess, render_config
 from epp.netutil import free_ports
 from epp.server.runner import EppServer, ServeOptions
+from tests.configs import endpoint_picker_config, plugin
 from tests.precise.support import fleet_specs
 from tests.reliability.test_faults import Backend, eventually_zero_running
 
@@ -297,16 +297,18 @@ async def test_envoy_restarted_under_load_fails_its_in_flight_requests_and_the_p
 
 # ---- the tokenizer files are missing ---------------------------------------------------------------------
 
+def precise_config(model: str, tokenizer_dir: Path | str) -> str:
+    """Precise prefix (16-token blocks, `model`'s tokenizer in `tokenizer_dir`) at weight 3, queue at 1."""
+    producer = plugin("precise-prefix-cache-producer", blockSizeTokens=16, tokenizers={model: str(tokenizer_dir)})
+    return endpoint_picker_config([producer, "prefix-cache-scorer", "queue-scorer"],
+                                  {"prefix-cache-scorer": 3, "queue-scorer": None})
+
+
 async def test_missing_tokenizer_files_route_on_without_prefix_scores_and_recover_when_they_appear(
         backends, tmp_path, caplog):
     tokenizer_dir = tmp_path / "tokenizer"  # configured, but the files are not there (yet)
     tokenizer_dir.mkdir()
-    config = (f"apiVersion: {API_VERSION}\nkind: {KIND}\nplugins:\n"
-              "- type: precise-prefix-cache-producer\n  parameters:\n    blockSizeTokens: 16\n"
-              f"    tokenizers: {{m: {tokenizer_dir}}}\n"
-              "- type: prefix-cache-scorer\n- type: queue-scorer\nschedulingProfiles:\n- name: default\n"
-              "  plugins:\n  - pluginRef: prefix-cache-scorer\n    weight: 3\n  - pluginRef: queue-scorer\n")
-    epp = EppServer(picker_options(backends, config_text=config))
+    epp = EppServer(picker_options(backends, config_text=precise_config("m", tokenizer_dir)))
     await epp.start()  # before the fix: the preload raised and the picker did not start
     try:
         [producer] = [e.plugin for e in epp.director.pipeline.plugins if getattr(e.plugin, "tokenizers", None) is not None]
@@ -333,13 +335,6 @@ async def test_missing_tokenizer_files_route_on_without_prefix_scores_and_recove
 
 
 # ---- a replica's KV-event publisher restarts, or loses messages ----------------------------------------------
-
-PRECISE = (f"apiVersion: {API_VERSION}\nkind: {KIND}\nplugins:\n"
-           "- type: precise-prefix-cache-producer\n  parameters:\n    blockSizeTokens: 16\n"
-           "    tokenizers: {sim-model: %s}\n"
-           "- type: prefix-cache-scorer\n- type: queue-scorer\nschedulingProfiles:\n- name: default\n"
-           "  plugins:\n  - pluginRef: prefix-cache-scorer\n    weight: 3\n  - pluginRef: queue-scorer\n")
-
 
 async def _sim_load(url: str, stop: asyncio.Event, rate: float = 20.0) -> list[bool]:
     """Open-loop streamed completions to simulated replicas; True per request that completed."""
@@ -380,7 +375,7 @@ async def test_kv_event_publisher_restart_or_gap_fails_no_request_and_the_index_
     config = FleetConfig(replicas=2, tokenizer_dir=tokenizer_dir, block_size=16, num_gpu_blocks=256)
     async with SimFleet(config) as fleet:
         epp = EppServer(ServeOptions(grpc_port=0, grpc_health_port=0, metrics_port=0, bind_address="127.0.0.1",
-                                     config_text=PRECISE % tokenizer_dir, endpoints=fleet_specs(fleet.info),
+                                     config_text=precise_config("sim-model", tokenizer_dir), endpoints=fleet_specs(fleet.info),
                                      scrape_metrics=True, refresh_metrics_interval_s=0.05, grace_period_s=1))
         await epp.start()
         registry = epp.metrics.registry

@@ -1,4 +1,4 @@
-"""Builders for scheduling tests: endpoints with given metrics, requests, plugins, and one full cycle."""
+"""Builders for scheduling tests: endpoints with given metrics, requests, plugins, and the real director."""
 
 from __future__ import annotations
 
@@ -6,7 +6,11 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from epp.config import LoadedConfig
+from prometheus_client import CollectorRegistry
+
+from epp.config import LoadedConfig, load_config_text, load_default_config
+from epp.datalayer.registry import EndpointRegistry, EndpointSpec
+from epp.director import Director
 from epp.framework import (
     ApiKind,
     CycleState,
@@ -15,9 +19,11 @@ from epp.framework import (
     InferenceRequest,
     PluginContext,
     PluginRegistry,
+    ResponseInfo,
     SchedulingResult,
 )
-from epp.scorers import register_builtin_plugins
+from epp.framework.registry import default_registry
+from epp.metrics import EppMetrics
 
 
 def endpoint(idx: int, queue: int = 0, kv: float = 0.0, active: Sequence[str] = (), waiting: Sequence[str] = (),
@@ -44,9 +50,8 @@ def request(prompt: Any = "hello", *, model: str = "my-model", target: str | Non
 
 
 def builtin_registry() -> PluginRegistry:
-    registry = PluginRegistry()
-    register_builtin_plugins(registry)
-    return registry
+    """Every plugin this package installs (its `epp.plugins` entry points), as `epp serve` sees them."""
+    return default_registry()
 
 
 def make_plugin(type_name: str, parameters: Mapping[str, Any] | None = None, *, name: str | None = None,
@@ -55,15 +60,49 @@ def make_plugin(type_name: str, parameters: Mapping[str, Any] | None = None, *, 
     return builtin_registry().build(type_name, name or type_name, parameters, context or PluginContext())
 
 
-async def run_cycle(loaded: LoadedConfig, req: InferenceRequest,
-                    endpoints: Sequence[Endpoint]) -> tuple[SchedulingResult, CycleState]:
-    """Producers, scheduler and pre-request hooks, as the director runs them for one request."""
-    state = CycleState()
-    for producer in loaded.data_producers:
-        await producer.prepare(state, req, endpoints)
-    for admitter in loaded.admitters:
-        admitter.admit(state, req, endpoints)
-    result = loaded.scheduler.schedule(state, req, endpoints)
-    for hook in loaded.pre_request_hooks:
-        hook.pre_request(state, req, result)
-    return result, state
+class DirectorHarness:
+    """The real `Director` over a config loaded here, driven without gRPC.
+
+    Wired as `epp serve` wires its request path (the loaded config is the pipeline). Its plugins
+    get this harness's context: its endpoint registry (the pool each request sees) and the
+    in-flight ledger the director books picks in.
+    """
+
+    def __init__(self, config_text: str | None = None, *, plugins: PluginRegistry | None = None,
+                 metrics_registry: CollectorRegistry | None = None, source: str = "test.yaml") -> None:
+        self.endpoints = EndpointRegistry()
+        self.metrics = EppMetrics(metrics_registry)
+        self.context = PluginContext(metrics_registry=self.metrics.registry, endpoints=self.endpoints)
+        plugins = plugins or builtin_registry()
+        self.loaded: LoadedConfig = (
+            load_default_config(registry=plugins, context=self.context) if config_text is None else
+            load_config_text(config_text, source=source, registry=plugins, context=self.context))
+        self.director = Director(self.loaded, self.endpoints, self.metrics, ledger=self.context.load)
+
+    def set_pool(self, endpoints: Sequence[Endpoint]) -> None:
+        """Make `endpoints` (with their metrics and health) the whole pool, in this order."""
+        self.endpoints.set_endpoints(EndpointSpec(ep.address, ep.port, ep.labels, ep.metrics_port) for ep in endpoints)
+        for ep in endpoints:
+            self.endpoints.update(ep.name, metrics=ep.metrics, healthy=ep.healthy)
+
+    async def pick(self, req: InferenceRequest,
+                   endpoints: Sequence[Endpoint] | None = None) -> tuple[SchedulingResult, CycleState]:
+        """Schedule `req` over `endpoints` (default: the pool as it is); its booking stays in flight."""
+        if endpoints is not None:
+            self.set_pool(endpoints)
+        state = CycleState()
+        return await self.director.schedule(state, req), state
+
+    def answer(self, state: CycleState, req: InferenceRequest, result: SchedulingResult) -> None:
+        """The picked endpoint's whole response came back: the director's completion path."""
+        target = result.targets[0]
+        self.director.response_complete(
+            state, req, ResponseInfo(status="200", served_endpoint=target.hostport, end_of_stream=True), target)
+
+    async def cycle(self, req: InferenceRequest,
+                    endpoints: Sequence[Endpoint] | None = None) -> tuple[SchedulingResult, CycleState]:
+        """One whole request: picked, then answered before it returns, as for a client that sends
+        one request at a time (no booking of an earlier request weighs on the next pick)."""
+        result, state = await self.pick(req, endpoints)
+        self.answer(state, req, result)
+        return result, state

@@ -6,9 +6,10 @@ import math
 
 import pytest
 
+from epp.config.compose import endpoint_picker_config
 from epp.framework import CycleState, EndpointMetrics, InflightLedger, PluginContext
 from epp.framework.load import estimate_prompt_tokens
-from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
+from tests.scheduling.sched_fixtures import DirectorHarness, endpoint, make_plugin, request
 
 SCRAPED_AT = 1.0  # sched_fixtures' endpoints were scraped at t = 1.0
 
@@ -127,35 +128,14 @@ def test_timeouts_and_capacity_drop_lost_bookings():
     ],
 )
 async def test_a_burst_within_one_scrape_interval_spreads(burst, max_per_endpoint):
-    from epp.config import load_config_text
-    from epp.director import BOOKING_STATE_KEY
-
-    config = """
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - {pluginRef: queue-scorer, weight: 2}
-  - {pluginRef: kv-cache-utilization-scorer, weight: 2}
-  - {pluginRef: max-score-picker}
-"""
-    context = PluginContext()
-    loaded = load_config_text(config, context=context)
-    endpoints = [endpoint(i, block_size=16, num_blocks=1000) for i in range(4)]
+    picker = DirectorHarness(endpoint_picker_config(
+        ["queue-scorer", "kv-cache-utilization-scorer", "max-score-picker"],
+        {"queue-scorer": 2, "kv-cache-utilization-scorer": 2, "max-score-picker": None}))
+    picker.set_pool([endpoint(i, block_size=16, num_blocks=1000) for i in range(4)])
     picks: dict[str, int] = {}
-    for i in range(burst):
-        req = request("x" * 8000, request_id=f"r{i}")
-        state = CycleState()
-        result = loaded.scheduler.schedule(state, req, endpoints)
-        target = result.targets[0].name
-        picks[target] = picks.get(target, 0) + 1
-        # What the director does after the pick (prompt ~2,000 tokens, nothing cached).
-        state.put(BOOKING_STATE_KEY, context.load.pick(target, prompt_tokens=estimate_prompt_tokens(req)))
+    for i in range(burst):  # ~2,000-token prompts, nothing cached, none answered yet
+        result, _ = await picker.pick(request("x" * 8000, request_id=f"r{i}"))
+        picks[result.targets[0].name] = picks.get(result.targets[0].name, 0) + 1
     assert max(picks.values()) == max_per_endpoint and len(picks) == min(burst, 4)
 
 

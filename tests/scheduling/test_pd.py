@@ -17,16 +17,15 @@ from epp.framework import (
 from epp.framework.datakeys import PREFIX_MATCH_INFO, PREFIX_TIER_MATCH, PrefixMatchInfo, TierMatch
 from epp.scorers.pd import uncached_prompt_tokens
 from tests.configs import as_yaml, pd_config, sample_config
-from tests.scheduling.sched_fixtures import builtin_registry, endpoint, make_plugin, request, run_cycle
+from tests.scheduling.sched_fixtures import DirectorHarness, builtin_registry, endpoint, make_plugin, request
 
 ROLE = "llm-d.ai/role"
 PREFILL = [endpoint(0, labels={ROLE: "prefill"}), endpoint(1, labels={ROLE: "prefill"})]
 DECODE = [endpoint(2, labels={ROLE: "decode"}), endpoint(3, labels={ROLE: "decode"})]
 
 
-def load(threshold: int, registry: CollectorRegistry | None = None):
-    return load_config_text(pd_config(threshold), source="pd.yaml", registry=builtin_registry(),
-                            context=PluginContext(metrics_registry=registry))
+def load(threshold: int, registry: CollectorRegistry | None = None) -> DirectorHarness:
+    return DirectorHarness(pd_config(threshold), source="pd.yaml", metrics_registry=registry)
 
 
 def prompt(tokens: int, seed: str = "a") -> str:
@@ -47,8 +46,8 @@ def picked(result, profile):
     ("threshold 0 always disaggregates", 3, 0, True),
 ])
 async def test_decision_by_uncached_prompt_length(case, tokens, threshold, remote):
-    loaded = load(threshold)
-    result, state = await run_cycle(loaded, request(prompt(tokens)), PREFILL + DECODE)
+    picker = load(threshold)
+    result, state = await picker.cycle(request(prompt(tokens)), PREFILL + DECODE)
     assert result.primary_profile == "decode", case
     assert result.targets[0].labels[ROLE] == "decode", case  # the decode endpoint is the destination
     prefill = picked(result, "prefill")
@@ -61,27 +60,27 @@ async def test_decision_by_uncached_prompt_length(case, tokens, threshold, remot
 
 
 async def test_a_prefix_cached_on_the_decode_replica_makes_the_remote_prefill_unnecessary():
-    loaded = load(512)
+    picker = load(512)
     shared = prompt(1500, "s")
-    first, _ = await run_cycle(loaded, request(shared), PREFILL + DECODE)
+    first, _ = await picker.cycle(request(shared), PREFILL + DECODE)
     assert picked(first, "prefill") is not None
     # The same long prompt again plus a short question: the decode pick already holds the prefix
     # (approximate index), so only ~100 tokens are uncached there.
-    second, state = await run_cycle(loaded, request(shared + prompt(100, "q")), PREFILL + DECODE)
+    second, state = await picker.cycle(request(shared + prompt(100, "q")), PREFILL + DECODE)
     assert picked(second, "decode") == picked(first, "decode")
     assert picked(second, "prefill") is None
     decision = state.get("pd-profile-handler")
     assert decision.source == "approximate" and not decision.disaggregate
     assert decision.uncached_tokens < 512
     # A different long prompt is uncached everywhere: disaggregated again.
-    third, _ = await run_cycle(loaded, request(prompt(1500, "t")), PREFILL + DECODE)
+    third, _ = await picker.cycle(request(prompt(1500, "t")), PREFILL + DECODE)
     assert picked(third, "prefill") is not None
 
 
 async def test_no_prefill_endpoint_leaves_the_request_aggregated():
     registry = CollectorRegistry()
-    loaded = load(0, registry)
-    result, state = await run_cycle(loaded, request(prompt(2000)), DECODE)
+    picker = load(0, registry)
+    result, state = await picker.cycle(request(prompt(2000)), DECODE)
     assert picked(result, "decode") in {ep.name for ep in DECODE}
     assert "prefill" not in result.profile_results
     assert PREFILLER_HOST_PORT_HEADER not in state.request_headers()
@@ -90,24 +89,24 @@ async def test_no_prefill_endpoint_leaves_the_request_aggregated():
 
 async def test_decisions_are_counted():
     registry = CollectorRegistry()
-    loaded = load(512, registry)
-    await run_cycle(loaded, request(prompt(2000)), PREFILL + DECODE)
-    await run_cycle(loaded, request(prompt(10, "z")), PREFILL + DECODE)
-    await run_cycle(loaded, request(prompt(3000, "y")), PREFILL + DECODE)
+    picker = load(512, registry)
+    await picker.cycle(request(prompt(2000)), PREFILL + DECODE)
+    await picker.cycle(request(prompt(10, "z")), PREFILL + DECODE)
+    await picker.cycle(request(prompt(3000, "y")), PREFILL + DECODE)
     assert registry.get_sample_value("epp_pd_decisions_total", {"decision": "prefill-decode"}) == 2
     assert registry.get_sample_value("epp_pd_decisions_total", {"decision": "decode-only"}) == 1
 
 
 async def test_unlabelled_and_both_replicas_decode_but_never_prefill():
     pool = [endpoint(0), endpoint(1, labels={ROLE: "both"})]
-    result, state = await run_cycle(load(0), request(prompt(2000)), pool)
+    result, state = await load(0).cycle(request(prompt(2000)), pool)
     assert picked(result, "decode") in {ep.name for ep in pool}
     assert picked(result, "prefill") is None and not state.request_headers()
 
 
 async def test_only_prefill_replicas_is_unschedulable():
     with pytest.raises(InferenceError) as info:
-        await run_cycle(load(0), request(prompt(2000)), PREFILL)
+        await load(0).cycle(request(prompt(2000)), PREFILL)
     assert info.value.code is ErrorCode.RESOURCE_EXHAUSTED
 
 
@@ -115,7 +114,7 @@ async def test_each_profile_runs_its_own_scorers():
     # Queue depth: prefill 0 is busy, prefill 1 idle; decode 2 busy, decode 3 idle.
     pool = [endpoint(0, queue=9, labels={ROLE: "prefill"}), endpoint(1, labels={ROLE: "prefill"}),
             endpoint(2, queue=9, labels={ROLE: "decode"}), endpoint(3, labels={ROLE: "decode"})]
-    result, state = await run_cycle(load(0), request(prompt(2000)), pool)
+    result, state = await load(0).cycle(request(prompt(2000)), pool)
     assert picked(result, "prefill") == pool[1].name
     assert picked(result, "decode") == pool[3].name
     assert state.request_headers()[PREFILLER_HOST_PORT_HEADER] == pool[1].hostport

@@ -4,18 +4,11 @@ from collections import Counter
 
 import pytest
 
-from epp.config import load_config_text, load_default_config
 from epp.framework import ErrorCode, InferenceError
-from tests.configs import gie_test_config
-from tests.scheduling.sched_fixtures import builtin_registry, endpoint, request, run_cycle
-
-HEADER = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
+from tests.configs import endpoint_picker_config, gie_test_config, plugin
+from tests.scheduling.sched_fixtures import DirectorHarness, builtin_registry, endpoint, request
 
 GIE_TEST_CONFIG = gie_test_config()
-
-
-def load(text):
-    return load_config_text(text, source="test.yaml", registry=builtin_registry())
 
 
 @pytest.mark.parametrize("case, pods, model, target, expected", [
@@ -32,87 +25,72 @@ def load(text):
      "192.168.1.1:8000"),
 ])
 async def test_gie_reference_vectors(case, pods, model, target, expected):
-    loaded = load(GIE_TEST_CONFIG)
-    eps = [endpoint(i, queue=q, kv=kv, active=active) for i, (q, kv, active) in enumerate(pods)]
+    picker = DirectorHarness(GIE_TEST_CONFIG)
+    picker.set_pool([endpoint(i, queue=q, kv=kv, active=active) for i, (q, kv, active) in enumerate(pods)])
     for _ in range(20):  # no ties here: the same endpoint every time
-        result, _ = await run_cycle(loaded, request("hello world", model=model, target=target), eps)
+        result, _ = await picker.cycle(request("hello world", model=model, target=target))
         assert [ep.name for ep in result.targets] == [expected], case
 
 
 async def test_weights_decide_between_scorers():
     # Endpoint 0 has the shorter queue, endpoint 1 the freer KV cache.
     eps = [endpoint(0, queue=0, kv=0.9), endpoint(1, queue=10, kv=0.0)]
-    template = HEADER + """
-plugins: [{type: queue-scorer}, {type: kv-cache-utilization-scorer}]
-schedulingProfiles:
-- name: default
-  plugins: [{pluginRef: queue-scorer, weight: %s}, {pluginRef: kv-cache-utilization-scorer, weight: %s}]
-"""
-    result, _ = await run_cycle(load(template % (2, 1)), request(), eps)
+
+    def weighted(queue: float, kv: float) -> DirectorHarness:
+        weights = {"queue-scorer": queue, "kv-cache-utilization-scorer": kv}
+        return DirectorHarness(endpoint_picker_config(list(weights), weights))
+
+    result, _ = await weighted(2, 1).cycle(request(), eps)
     assert result.targets[0].name == "192.168.1.1:8000"   # 2*1 + 0.1 vs 0 + 1
-    result, _ = await run_cycle(load(template % (1, 2)), request(), eps)
+    result, _ = await weighted(1, 2).cycle(request(), eps)
     assert result.targets[0].name == "192.168.1.2:8000"   # 1 + 0.2 vs 0 + 2
-    result, _ = await run_cycle(load(template % (0, 0.5)), request(), eps)
+    result, _ = await weighted(0, 0.5).cycle(request(), eps)
     assert result.targets[0].name == "192.168.1.2:8000"   # weight 0 turns the queue off
 
 
 async def test_filter_leaving_nothing_fails_the_profile_with_429():
-    loaded = load(HEADER + """
-plugins:
-- type: by-label
-  parameters: {label: pool, validValues: [blue]}
-- type: queue-scorer
-schedulingProfiles:
-- name: default
-  plugins: [{pluginRef: by-label}, {pluginRef: queue-scorer}]
-""")
+    picker = DirectorHarness(endpoint_picker_config(
+        [plugin("by-label", label="pool", validValues=["blue"]), "queue-scorer"], ["by-label", "queue-scorer"]))
     with pytest.raises(InferenceError) as err:
-        await run_cycle(loaded, request(), [endpoint(0, labels={"pool": "green"}), endpoint(1)])
+        await picker.cycle(request(), [endpoint(0, labels={"pool": "green"}), endpoint(1)])
     assert err.value.code is ErrorCode.RESOURCE_EXHAUSTED and err.value.code.http_status == 429
-    result, _ = await run_cycle(loaded, request(), [endpoint(0, labels={"pool": "blue"}), endpoint(1)])
+    result, _ = await picker.cycle(request(), [endpoint(0, labels={"pool": "blue"}), endpoint(1)])
     assert result.targets[0].name == "192.168.1.1:8000"
 
 
 async def test_no_candidates_is_503():
     with pytest.raises(InferenceError) as err:
-        await run_cycle(load_default_config(registry=builtin_registry()), request(), [])
+        await DirectorHarness().cycle(request(), [])
     assert err.value.code.http_status == 503
 
 
 async def test_fallbacks_come_in_score_order():
-    loaded = load(HEADER + """
-plugins:
-- type: queue-scorer
-- type: max-score-picker
-  parameters: {maxNumOfEndpoints: 3}
-schedulingProfiles:
-- name: default
-  plugins: [{pluginRef: queue-scorer}, {pluginRef: max-score-picker}]
-""")
+    picker = DirectorHarness(endpoint_picker_config(
+        ["queue-scorer", plugin("max-score-picker", maxNumOfEndpoints=3)], ["queue-scorer", "max-score-picker"]))
     eps = [endpoint(0, queue=8), endpoint(1, queue=0), endpoint(2, queue=4), endpoint(3, queue=10)]
-    result, _ = await run_cycle(loaded, request(), eps)
+    result, _ = await picker.cycle(request(), eps)
     assert [ep.name for ep in result.targets] == ["192.168.1.2:8000", "192.168.1.3:8000", "192.168.1.1:8000"]
 
 
 async def test_equal_totals_are_picked_at_random():
-    loaded = load(GIE_TEST_CONFIG)
-    eps = [endpoint(i, queue=1, kv=0.5) for i in range(4)]
+    picker = DirectorHarness(GIE_TEST_CONFIG)
+    picker.set_pool([endpoint(i, queue=1, kv=0.5) for i in range(4)])
     counts = Counter()
     for i in range(400):
         # A distinct short prompt per request: below one block, so no prefix affinity builds up.
-        result, _ = await run_cycle(loaded, request(f"{i}"), eps)
+        result, _ = await picker.cycle(request(f"{i}"))
         counts[result.targets[0].name] += 1
     assert len(counts) == 4 and min(counts.values()) > 50
 
 
 async def test_default_pipeline_sticks_to_the_prefix_holder_and_spreads_new_prefixes():
-    loaded = load_default_config(registry=builtin_registry())
-    eps = [endpoint(i) for i in range(4)]
+    picker = DirectorHarness()
+    picker.set_pool([endpoint(i) for i in range(4)])
     first = {}
     for group in range(8):
         prompt = f"group {group} " + "shared system prompt " * 40
         for turn in range(3):
-            result, _ = await run_cycle(loaded, request(prompt + f"question {turn}"), eps)
+            result, _ = await picker.cycle(request(prompt + f"question {turn}"))
             first.setdefault(group, result.targets[0].name)
             assert result.targets[0].name == first[group]
     assert len(set(first.values())) > 1  # new prefixes tie at 0 and land at random
@@ -134,16 +112,13 @@ async def test_scores_are_clamped_into_0_1_before_weighting():
 
     reg = builtin_registry()
     reg.register_class(Wild)
-    loaded = load_config_text(HEADER + """
-plugins: [{type: wild-scorer}, {type: max-score-picker, parameters: {maxNumOfEndpoints: 5}}]
-schedulingProfiles:
-- name: default
-  plugins: [{pluginRef: wild-scorer, weight: 2}, {pluginRef: max-score-picker}]
-""", source="t.yaml", registry=reg)
-    eps = [endpoint(i) for i in range(5)]  # the fifth gets no score at all: 0
+    picker = DirectorHarness(endpoint_picker_config(
+        ["wild-scorer", plugin("max-score-picker", maxNumOfEndpoints=5)], {"wild-scorer": 2, "max-score-picker": None}),
+        plugins=reg)
+    picker.set_pool([endpoint(i) for i in range(5)])  # the fifth gets no score at all: 0
     seen = Counter()
     for _ in range(60):
-        result, _ = await run_cycle(loaded, request(), eps)
+        result, _ = await picker.cycle(request())
         names = [ep.name for ep in result.targets]
         assert names[:2] == ["192.168.1.1:8000", "192.168.1.4:8000"]   # 2 x 1.0, then 2 x 0.25
         seen[tuple(names[2:])] += 1
