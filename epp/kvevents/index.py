@@ -40,7 +40,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import islice, repeat
 from typing import Any
 
 import xxhash
@@ -388,37 +388,39 @@ class KVBlockIndex:
 
     def _stored_aligned(self, endpoint: str, engine: dict[int, EngineEntry], hashes: Sequence[int],
                         keys: list[int]) -> None:
-        """The common event, applied in one loop: engine blocks the size of index blocks, on GPU, each
-        the next key of a chain with no partial tail, so each engine block is its request key."""
+        """The common event: engine blocks the size of index blocks, on GPU, each the next key of a
+        chain with no partial tail, so each engine block is its request key. New blocks and new keys
+        (the usual case) go in with one C-level update each; the rest in one loop."""
         ep_id = self._ep_ids.get(endpoint)
         if ep_id is None:
             ep_id = self._id_of(endpoint)
-        field_gpu = ep_id << 3 | 1
+        if not any(map(engine.__contains__, hashes)):
+            engine.update(zip(hashes, keys))
+            fresh = keys
+        else:
+            fresh = []
+            for h, key in zip(hashes, keys):
+                old = engine.pop(h, None)  # re-inserted: newest last for the FIFO bound
+                if old is None or old == key:
+                    engine[h] = key
+                    fresh.append(key)
+                    continue
+                # Re-announced with other keys, or more than GPU: keep what it had.
+                eb = _EngineBlock.of_key(h, old) if isinstance(old, int) else old
+                eb.keys = _with_key(eb.keys, key)
+                eb.chain_key, eb.tail, eb.tail_hashes = key, (), ()
+                engine[h] = eb
+                self._add_tier(endpoint, ep_id, eb, _GPU, force_bits=True)
         all_keys = self._keys
         n_keys = len(all_keys)
-        add_key = all_keys.setdefault
-        add_block = engine.setdefault
-        spec_all = self._spec
-        added = 0
-        for h, key in zip(hashes, keys):
-            old = add_block(h, key)
-            if old is not key:  # known hash: re-insert (newest last for the FIFO bound)
-                del engine[h]
-                if old == key:
-                    engine[h] = key
-                else:  # re-announced with other keys, or more than GPU: keep what it had
-                    eb = _EngineBlock.of_key(h, old) if old.__class__ is int else old
-                    eb.keys = _with_key(eb.keys, key)  # type: ignore[union-attr]
-                    eb.chain_key, eb.tail, eb.tail_hashes = key, (), ()  # type: ignore[union-attr]
-                    engine[h] = eb
-                    self._add_tier(endpoint, ep_id, eb, _GPU, force_bits=True)  # type: ignore[arg-type]
-                    n_keys = len(all_keys)
-                    continue
-            holders = add_key(key, field_gpu)
-            if len(all_keys) != n_keys:  # a new key
-                n_keys += 1
-            else:  # a known key: re-insert (most recently used) with this holder
-                del all_keys[key]
+        field_gpu = ep_id << 3 | 1
+        if not any(map(all_keys.__contains__, fresh)):
+            all_keys.update(zip(fresh, repeat(field_gpu)))
+            added = len(all_keys) - n_keys
+        else:
+            added = 0
+            for key in fresh:
+                holders = all_keys.pop(key, 0)  # re-inserted: most recently used
                 rest, shift = holders, 0
                 while rest:  # find this endpoint's field; `shift` ends past the last one if it has none
                     if (rest & _FIELD_MASK) >> 3 == ep_id:
@@ -427,18 +429,20 @@ class KVBlockIndex:
                     shift += _FIELD
                 if rest:  # held already (a speculative claim never coexists with a confirmed one)
                     all_keys[key] = holders | 1 << shift
-                    continue
-                all_keys[key] = holders | field_gpu << shift
-            added += 1
-            if spec_all:
-                spec = spec_all.get(key)
-                if spec is not None and endpoint in spec:
-                    del spec[endpoint]
-                    if not spec:
-                        del spec_all[key]
+                else:
+                    all_keys[key] = holders | field_gpu << shift
+                    added += 1
         if added:
             self._entries += added
             self._pool_entries[self._pools.get(endpoint, DEFAULT_POOL)] += added
+            spec_all = self._spec
+            if spec_all:
+                for key in fresh:
+                    spec = spec_all.get(key)
+                    if spec is not None and endpoint in spec:
+                        del spec[endpoint]
+                        if not spec:
+                            del spec_all[key]
 
     def _stored_general(self, endpoint: str, engine: dict[int, EngineEntry], ev: BlockStored,
                         parent: EngineEntry | None, chain: int, extras_by_block: dict[int, int] | None) -> None:
