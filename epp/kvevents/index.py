@@ -117,10 +117,6 @@ def _holder_fields(holders: int) -> list[int]:
     return fields
 
 
-def _holder_count(holders: int) -> int:
-    return (holders.bit_length() + _FIELD - 1) // _FIELD
-
-
 # An engine block's per-tier counts packed in one int (21 bits a tier).
 _COUNT_SHIFT = (0, 21, 42)
 _COUNT_MASK = (1 << 21) - 1
@@ -421,6 +417,10 @@ class KVBlockIndex:
             added = 0
             for key in fresh:
                 holders = all_keys.pop(key, 0)  # re-inserted: most recently used
+                if holders <= _FIELD_MASK and holders >> 3 != ep_id:  # none or one other holder
+                    all_keys[key] = holders | field_gpu << _FIELD if holders else field_gpu
+                    added += 1
+                    continue
                 rest, shift = holders, 0
                 while rest:  # find this endpoint's field; `shift` ends past the last one if it has none
                     if (rest & _FIELD_MASK) >> 3 == ep_id:
@@ -654,7 +654,7 @@ class KVBlockIndex:
         for key, holders in keys.items():
             victims.append(key)
             if one_pool:
-                evicted += 1 if holders <= _FIELD_MASK else _holder_count(holders)
+                evicted += (holders.bit_length() + _FIELD - 1) // _FIELD  # its holders
             else:
                 for ep_id in _holder_ids(holders):
                     self._pool_entries[self._pools.get(self._name(ep_id), DEFAULT_POOL)] -= 1
