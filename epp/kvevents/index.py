@@ -26,7 +26,7 @@ Policies (documented because they are choices):
   the confirmed event for the same key and endpoint.
 - Memory (bytes per entry measured by bench/kv_index_bench.py --compare-with): a key's holders
   are one int of 16-bit fields `endpoint id << 3 | tier mask` (ids of removed endpoints are
-  reused, at most 8191 endpoints at once); an engine block that maps to one request key, on GPU
+  reused, at most 8192 endpoints at once); an engine block that maps to one request key, on GPU
   only, with no partial tail is the request key itself in its endpoint's map (no object); other
   engine blocks (tails, several keys, CPU/disk counts, offload chunks) are an `_EngineBlock`.
 - Pools: each endpoint belongs to one pool (its P/D role: `prefill`, `decode`, or `both` for an
