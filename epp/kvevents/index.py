@@ -172,7 +172,7 @@ class _EngineBlock:
 
 
 # An engine map's value: the request key itself (one key, GPU only, no tail) or an _EngineBlock.
-EngineEntry = int | _EngineBlock
+_EngineEntry = int | _EngineBlock
 
 
 @dataclass
@@ -219,7 +219,7 @@ class KVBlockIndex:
         self._ep_names: list[str | None] = []
         self._free_ids: list[int] = []
         self._entries = 0
-        self._engine: dict[str, dict[int, EngineEntry]] = {}
+        self._engine: dict[str, dict[int, _EngineEntry]] = {}
         self._spec: dict[int, dict[str, float]] = {}
         self._spec_queue: deque[tuple[float, int, str]] = deque()
         self._pools: dict[str, str] = {}
@@ -365,7 +365,7 @@ class KVBlockIndex:
         salt, extras_by_block = _split_extra_keys(ev.extra_keys, ev.lora_name) if ev.extra_keys else (None, None)
         parent_hash = ev.parent_block_hash
         if parent_hash is None:
-            parent: EngineEntry | None = None
+            parent: _EngineEntry | None = None
             chain = self.keyer.root(ev.lora_name or model, salt)
         else:
             parent = engine.get(parent_hash)
@@ -382,7 +382,7 @@ class KVBlockIndex:
         if len(engine) > self.engine_capacity:
             self._trim_engine(endpoint, engine)
 
-    def _stored_aligned(self, endpoint: str, engine: dict[int, EngineEntry], hashes: Sequence[int],
+    def _stored_aligned(self, endpoint: str, engine: dict[int, _EngineEntry], hashes: Sequence[int],
                         keys: list[int]) -> None:
         """The common event: engine blocks the size of index blocks, on GPU, each the next key of a
         chain with no partial tail, so each engine block is its request key. New blocks and new keys
@@ -444,8 +444,8 @@ class KVBlockIndex:
                         if not spec:
                             del spec_all[key]
 
-    def _stored_general(self, endpoint: str, engine: dict[int, EngineEntry], ev: BlockStored,
-                        parent: EngineEntry | None, chain: int, extras_by_block: dict[int, int] | None) -> None:
+    def _stored_general(self, endpoint: str, engine: dict[int, _EngineEntry], ev: BlockStored,
+                        parent: _EngineEntry | None, chain: int, extras_by_block: dict[int, int] | None) -> None:
         """Any other event: engine and index block sizes differ (tails), extra keys, CPU/disk tiers."""
         if parent is None or parent.__class__ is int:
             tail: tuple[int, ...] = ()
@@ -510,7 +510,7 @@ class KVBlockIndex:
             self._add_tier(endpoint, ep_id, eb, tier, force_bits=True)
             self._settle(engine, eb)
 
-    def _block(self, engine: dict[int, EngineEntry], h: int) -> _EngineBlock | None:
+    def _block(self, engine: dict[int, _EngineEntry], h: int) -> _EngineBlock | None:
         """Engine block `h` as an object (a compact one is expanded in place), or None."""
         entry = engine.get(h)
         if entry is None or entry.__class__ is _EngineBlock:
@@ -518,7 +518,7 @@ class KVBlockIndex:
         eb = engine[h] = _EngineBlock.of_key(h, entry)  # type: ignore[arg-type]
         return eb
 
-    def _settle(self, engine: dict[int, EngineEntry], eb: _EngineBlock) -> None:
+    def _settle(self, engine: dict[int, _EngineEntry], eb: _EngineBlock) -> None:
         """Forget `eb` when no tier holds it; store it compact when it is just a request key on GPU."""
         if engine.get(eb.hash) is not eb:
             return
@@ -576,7 +576,7 @@ class KVBlockIndex:
                 self._settle(engine, eb)
         stats.applied += 1
 
-    def _offload_chunk(self, engine: dict[int, EngineEntry], h: int, tier: Tier) -> list[_EngineBlock]:
+    def _offload_chunk(self, engine: dict[int, _EngineEntry], h: int, tier: Tier) -> list[_EngineBlock]:
         """The engine blocks an offload event for hash `h` stands for: vLLM announces a chunk of
         `offload_chunk_blocks` GPU blocks by the hash of its last block, so walk back the chain."""
         eb = self._block(engine, h)
@@ -591,7 +591,7 @@ class KVBlockIndex:
                 chunk.append(eb)
         return chunk
 
-    def _trim_engine(self, endpoint: str, engine: dict[int, EngineEntry]) -> None:
+    def _trim_engine(self, endpoint: str, engine: dict[int, _EngineEntry]) -> None:
         # Trim a little below the bound at once: finding the oldest hashes scans the dict's front.
         cap = self.engine_capacity
         target = cap - (cap >> _SLACK_SHIFT)
