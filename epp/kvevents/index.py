@@ -18,12 +18,17 @@ Policies (documented because they are choices):
 - Only KV-cache group 0 of kind full attention is indexed (hybrid models' sliding-window or
   mamba groups are evicted on their own schedule and would break prefixes); others are counted.
 - Capacity: entries are (request key, endpoint) pairs; whole keys are evicted least recently
-  used (stored or matched) first. Each endpoint's engine-hash map is bounded too (FIFO).
+  used (stored or matched) first. The dict's insertion order is the recency order (a touch
+  re-inserts the key); when over capacity the index evicts down to 1/256 below it at once, so
+  the scan for the oldest keys is paid once per batch of evictions. Each endpoint's
+  engine-hash map is bounded too (FIFO, trimmed the same way).
 - Speculative entries (after a pick) count as GPU, expire after their TTL and are replaced by
   the confirmed event for the same key and endpoint.
-- Memory: a key's holders are one small int (`endpoint id << 3 | tier mask`) or a tuple of them,
-  an engine block's tier counts one packed int and its single request key the int itself
-  (measured in bench/kv_index_bench.py --compare-with: about half the bytes per entry).
+- Memory (bytes per entry measured by bench/kv_index_bench.py --compare-with): a key's holders
+  are one int of 16-bit fields `endpoint id << 3 | tier mask` (ids of removed endpoints are
+  reused, at most 8192 endpoints at once); an engine block that maps to one request key, on GPU
+  only, with no partial tail is the request key itself in its endpoint's map (no object); other
+  engine blocks (tails, several keys, CPU/disk counts, offload chunks) are an `_EngineBlock`.
 - Pools: each endpoint belongs to one pool (its P/D role: `prefill`, `decode`, or `both` for an
   aggregated replica, the default), so a lookup can be limited to a pool and the entries of each
   pool are counted (`epp_kv_index_pool_entries{pool}`).
@@ -32,9 +37,10 @@ Policies (documented because they are choices):
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import islice, repeat
 from typing import Any
 
 import xxhash
@@ -53,10 +59,65 @@ _BIT = (1, 2, 4)  # Tier -> bit in an entry's tier mask
 DEFAULT_POOL = "both"  # an endpoint with no P/D role prefills and decodes: the aggregated pool
 # Best (fastest) tier of a non-zero tier mask.
 _BEST_TIER = (Tier.GPU, Tier.GPU, Tier.CPU, Tier.GPU, Tier.DISK, Tier.GPU, Tier.CPU, Tier.GPU)
+_GPU = Tier.GPU
+
+# A key's holders: one int of 16-bit fields, each `endpoint id << 3 | tier mask` (mask > 0). Up to
+# three holders fit in a 32-byte int (a tuple of two small ints cost 64 bytes, a dict ~230).
+_FIELD = 16
+_FIELD_MASK = (1 << _FIELD) - 1
+MAX_ENDPOINTS = 1 << (_FIELD - 3)  # endpoint ids that fit in a field (ids of removed endpoints are reused)
+# Over capacity, evict (or trim an engine map) down to capacity - capacity >> _SLACK_SHIFT at once.
+_SLACK_SHIFT = 8
 
 
-# An engine block's per-tier counts packed in one int (21 bits a tier): a GPU-only block's counts
-# are the cached small int 1, where a list of three cost 80 bytes per block.
+def _mask_of(holders: int, ep_id: int) -> int:
+    """`ep_id`'s tier mask in a key's holders (0: not a holder)."""
+    while holders:
+        f = holders & _FIELD_MASK
+        if f >> 3 == ep_id:
+            return f & 7
+        holders >>= _FIELD
+    return 0
+
+
+def _with_mask(holders: int, ep_id: int, mask: int) -> int:
+    """`holders` with `ep_id`'s tier mask set to `mask` (0 removes `ep_id`; 0 is no holder left)."""
+    out = shift = 0
+    found = False
+    while holders:
+        f = holders & _FIELD_MASK
+        holders >>= _FIELD
+        if f >> 3 == ep_id:
+            found = True
+            if not mask:
+                continue
+            f = ep_id << 3 | mask
+        out |= f << shift
+        shift += _FIELD
+    if not found and mask:
+        out |= (ep_id << 3 | mask) << shift
+    return out
+
+
+def _holder_ids(holders: int) -> list[int]:
+    """The endpoint ids holding a key, in holder order."""
+    ids = []
+    while holders:
+        ids.append((holders & _FIELD_MASK) >> 3)
+        holders >>= _FIELD
+    return ids
+
+
+def _holder_fields(holders: int) -> list[int]:
+    """A key's holder fields (`endpoint id << 3 | tier mask`)."""
+    fields = []
+    while holders:
+        fields.append(holders & _FIELD_MASK)
+        holders >>= _FIELD
+    return fields
+
+
+# An engine block's per-tier counts packed in one int (21 bits a tier).
 _COUNT_SHIFT = (0, 21, 42)
 _COUNT_MASK = (1 << 21) - 1
 
@@ -71,8 +132,7 @@ def _set_count(eb: _EngineBlock, tier: int, value: int) -> None:
 
 
 def _keys_of(keys: int | list[int]) -> Sequence[int]:
-    """An engine block's request keys: one key is held as the int itself (the common case, engine and
-    index blocks of one size: no list of 64 bytes per block), several as a list."""
+    """An engine block's request keys: one key is held as the int itself, several as a list."""
     return (keys,) if keys.__class__ is int else keys  # type: ignore[return-value]
 
 
@@ -81,56 +141,15 @@ def _with_key(keys: int | list[int] | None, key: int) -> int | list[int]:
     if keys is None:
         return key
     if keys.__class__ is int:
-        return keys if keys == key else [keys, key]  # type: ignore[list-item]
+        return keys if keys == key else [keys, key]
     if key not in keys:  # type: ignore[operator]
         keys.append(key)  # type: ignore[union-attr]
     return keys
 
 
-# A request key's holders: one holder is one small int `endpoint id << 3 | tier mask`; several are
-# a tuple of them (a dict of endpoint name -> mask cost ~230 bytes per key, a tuple of two 56).
-Holders = int | tuple[int, ...]
-
-
-def _holder_mask(holders: Holders, ep_id: int) -> int:
-    if holders.__class__ is int:
-        return holders & 7 if holders >> 3 == ep_id else 0  # type: ignore[operator]
-    for h in holders:  # type: ignore[union-attr]
-        if h >> 3 == ep_id:
-            return h & 7
-    return 0
-
-
-def _holder_count(holders: Holders) -> int:
-    return 1 if holders.__class__ is int else len(holders)  # type: ignore[arg-type]
-
-
-def _holder_items(holders: Holders) -> tuple[int, ...]:
-    return (holders,) if holders.__class__ is int else holders  # type: ignore[return-value]
-
-
-def _with_holder(holders: Holders, ep_id: int, mask: int) -> Holders:
-    """`holders` with `ep_id`'s mask set to `mask` (> 0)."""
-    packed = ep_id << 3 | mask
-    items = _holder_items(holders)
-    for i, h in enumerate(items):
-        if h >> 3 == ep_id:
-            if len(items) == 1:
-                return packed
-            return items[:i] + (packed,) + items[i + 1:]
-    return items + (packed,)
-
-
-def _without_holder(holders: Holders, ep_id: int) -> Holders | None:
-    """`holders` without `ep_id` (None when no holder is left)."""
-    rest = tuple(h for h in _holder_items(holders) if h >> 3 != ep_id)
-    if not rest:
-        return None
-    return rest[0] if len(rest) == 1 else rest
-
-
 class _EngineBlock:
-    """What an endpoint's engine block maps to: request keys, the chain to continue, tier counts."""
+    """What an endpoint's engine block maps to when it is more than one request key on GPU: request
+    keys, the chain to continue, the partial tail, tier counts. (The common block is the key itself.)"""
 
     __slots__ = ("chain_key", "counts", "hash", "keys", "parent", "tail", "tail_hashes")
 
@@ -142,6 +161,18 @@ class _EngineBlock:
         self.tail: tuple[int, ...] = ()
         self.tail_hashes: tuple[int, ...] = ()
         self.counts = 0  # packed per tier, see _count
+
+    @classmethod
+    def of_key(cls, block_hash: int, key: int) -> _EngineBlock:
+        """The object form of a compact engine block (the request key itself: on GPU, no tail)."""
+        eb = cls(block_hash)
+        eb.keys = eb.chain_key = key
+        eb.counts = 1
+        return eb
+
+
+# An engine map's value: the request key itself (one key, GPU only, no tail) or an _EngineBlock.
+_EngineEntry = int | _EngineBlock
 
 
 @dataclass
@@ -181,16 +212,20 @@ class KVBlockIndex:
         self.speculative_capacity = speculative_capacity
         self.metrics = metrics or KVIndexMetrics(None)
         self._clock = clock
-        self._keys: OrderedDict[int, Holders] = OrderedDict()
-        # Endpoint names as small ids in the holders (never reused: a removed endpoint leaves its name here).
+        # Request key -> holders; insertion order is recency (oldest first).
+        self._keys: dict[int, int] = {}
+        # Endpoint names as small ids in the holders; a removed endpoint's id is reused.
         self._ep_ids: dict[str, int] = {}
-        self._ep_names: list[str] = []
+        self._ep_names: list[str | None] = []
+        self._free_ids: list[int] = []
         self._entries = 0
-        self._engine: dict[str, dict[int, _EngineBlock]] = {}
+        self._engine: dict[str, dict[int, _EngineEntry]] = {}
         self._spec: dict[int, dict[str, float]] = {}
         self._spec_queue: deque[tuple[float, int, str]] = deque()
         self._pools: dict[str, str] = {}
         self._pool_entries: dict[str, int] = {}
+        # Compact engine blocks need no parent link: only offload chunks of several blocks walk it.
+        self._compact = self.offload_chunk_blocks == 1
         self.metrics.bind_size(lambda: self._entries, lambda: len(self._keys))
         self._bind_pool(DEFAULT_POOL)
 
@@ -225,7 +260,7 @@ class KVBlockIndex:
         if old != pool:
             # Rare (a pod relabelled), so a scan of the keys is fine here.
             ep_id = self._ep_ids.get(endpoint)
-            held = 0 if ep_id is None else sum(1 for h in self._keys.values() if _holder_mask(h, ep_id))
+            held = 0 if ep_id is None else sum(1 for h in self._keys.values() if _mask_of(h, ep_id))
             self._pool_entries[old] -= held
             self._pool_entries[pool] += held
 
@@ -240,30 +275,39 @@ class KVBlockIndex:
     def pools_holding(self, key: int) -> dict[str, list[str]]:
         """For one request key: the pools whose endpoints hold it, with those endpoints."""
         found: dict[str, list[str]] = {}
-        holders = self._keys.get(key)
-        for h in _holder_items(holders) if holders is not None else ():
-            ep = self._ep_names[h >> 3]
+        for ep_id in _holder_ids(self._keys.get(key, 0)):
+            ep = self._name(ep_id)
             found.setdefault(self.pool_of(ep), []).append(ep)
         return found
 
     def tiers_of(self, key: int, endpoint: str) -> set[Tier]:
         """The confirmed tiers holding `key` on `endpoint` (for tests and debugging)."""
-        holders = self._keys.get(key)
         ep_id = self._ep_ids.get(endpoint)
-        mask = _holder_mask(holders, ep_id) if holders is not None and ep_id is not None else 0
+        mask = 0 if ep_id is None else _mask_of(self._keys.get(key, 0), ep_id)
         return {t for t in Tier if mask & _BIT[t]}
 
     def contents(self) -> dict[int, dict[str, frozenset[Tier]]]:
         """Every confirmed request key with its endpoints and their tiers (tests and debugging: O(entries))."""
-        names = self._ep_names
-        return {key: {names[h >> 3]: frozenset(t for t in Tier if h & _BIT[t]) for h in _holder_items(holders)}
+        return {key: {self._name(f >> 3): frozenset(t for t in Tier if f & _BIT[t]) for f in _holder_fields(holders)}
                 for key, holders in self._keys.items()}
+
+    def _name(self, ep_id: int) -> str:
+        name = self._ep_names[ep_id]
+        assert name is not None, "a key held by a released endpoint id"
+        return name
 
     def _id_of(self, endpoint: str) -> int:
         ep_id = self._ep_ids.get(endpoint)
         if ep_id is None:
-            ep_id = self._ep_ids[endpoint] = len(self._ep_names)
-            self._ep_names.append(endpoint)
+            if self._free_ids:
+                ep_id = self._free_ids.pop()
+                self._ep_names[ep_id] = endpoint
+            elif len(self._ep_names) < MAX_ENDPOINTS:
+                ep_id = len(self._ep_names)
+                self._ep_names.append(endpoint)
+            else:
+                raise ValueError(f"the KV index holds at most {MAX_ENDPOINTS} endpoints at once")
+            self._ep_ids[endpoint] = ep_id
         return ep_id
 
     # ---- events ------------------------------------------------------------------------------
@@ -271,62 +315,152 @@ class KVBlockIndex:
         """Apply one decoded batch from `endpoint`'s publisher; `model` is the topic's model."""
         stats = ApplyStats()
         for event in batch.events:
-            if isinstance(event, BlockStored):
-                self._stored(endpoint, event, model, stats)
-            elif isinstance(event, BlockRemoved):
-                self._removed(endpoint, event, stats)
-            elif isinstance(event, AllBlocksCleared):
+            cls = event.__class__
+            if cls is BlockStored:
+                self._stored(endpoint, event, model, stats)  # type: ignore[arg-type]
+            elif cls is BlockRemoved:
+                self._removed(endpoint, event, stats)  # type: ignore[arg-type]
+            elif cls is AllBlocksCleared:
                 self.clear_endpoint(endpoint)
                 stats.applied += 1
         if batch.unknown_events:
             stats.drop("unknown_type", batch.unknown_events)
         if batch.malformed_events:
             stats.drop("malformed", batch.malformed_events)
-        self._evict_over_capacity()
+        if self._entries > self.capacity:
+            self._evict_over_capacity()
         self.metrics.record_apply(stats.applied, stats.dropped, batch.unknown_fields)
         return stats
 
     def _stored(self, endpoint: str, ev: BlockStored, model: str | None, stats: ApplyStats) -> None:
-        if (ev.group_idx or 0) != 0 or ev.kv_cache_spec_kind not in (None, "full_attention"):
+        if ev.group_idx or ev.kv_cache_spec_kind not in (None, "full_attention"):
             stats.drop("other_kv_group")
             return
-        engine = self._engine.setdefault(endpoint, {})
+        engine = self._engine.get(endpoint)
+        if engine is None:
+            engine = self._engine[endpoint] = {}
         tier = ev.tier
-        if not ev.token_ids:
+        tokens = ev.token_ids
+        if not tokens:
             # Offload placeholder: same engine hashes as the GPU blocks, no tokens.
+            ep_id = self._id_of(endpoint)
             for h in ev.block_hashes:
                 chunk = self._offload_chunk(engine, h, tier)
                 if not chunk:
                     stats.drop("unknown_engine_key")
                     continue
                 for eb in chunk:
-                    self._add_tier(endpoint, eb, tier)
+                    self._add_tier(endpoint, ep_id, eb, tier)
             stats.applied += 1
             return
-        n_blocks = len(ev.block_hashes)
+        hashes = ev.block_hashes
+        n_blocks = len(hashes)
         if n_blocks == 0:
             stats.drop("malformed")
             return
-        esize = ev.block_size or len(ev.token_ids) // n_blocks
-        if esize <= 0 or esize * n_blocks != len(ev.token_ids):
+        esize = ev.block_size or len(tokens) // n_blocks
+        if esize <= 0 or esize * n_blocks != len(tokens):
             stats.drop("malformed")
             return
-        effective_model = ev.lora_name or model
-        salt, extras_by_block = _split_extra_keys(ev.extra_keys, ev.lora_name)
-        if ev.parent_block_hash is None:
-            chain = self.keyer.root(effective_model, salt)
-            tail: tuple[int, ...] = ()
-            tail_hashes: tuple[int, ...] = ()
+        salt, extras_by_block = _split_extra_keys(ev.extra_keys, ev.lora_name) if ev.extra_keys else (None, None)
+        parent_hash = ev.parent_block_hash
+        if parent_hash is None:
+            parent: _EngineEntry | None = None
+            chain = self.keyer.root(ev.lora_name or model, salt)
         else:
-            parent = engine.get(ev.parent_block_hash)
+            parent = engine.get(parent_hash)
             if parent is None:
                 stats.drop("unknown_parent")
                 return
-            chain, tail, tail_hashes = parent.chain_key, parent.tail, parent.tail_hashes
+            chain = parent if isinstance(parent, int) else parent.chain_key
+        stats.applied += 1
+        if (esize != self.block_size or tier is not _GPU or extras_by_block or not self._compact
+                or (parent is not None and parent.__class__ is not int and parent.tail)):  # type: ignore[union-attr]
+            self._stored_general(endpoint, engine, ev, parent, chain, extras_by_block)
+        else:
+            self._stored_aligned(endpoint, engine, hashes, self.keyer.chain(chain, tokens))
+        if len(engine) > self.engine_capacity:
+            self._trim_engine(endpoint, engine)
+
+    def _stored_aligned(self, endpoint: str, engine: dict[int, _EngineEntry], hashes: Sequence[int],
+                        keys: list[int]) -> None:
+        """The common event: engine blocks the size of index blocks, on GPU, each the next key of a
+        chain with no partial tail, so each engine block is its request key. New blocks and new keys
+        (the usual case) go in with one C-level update each; the rest in one loop."""
+        ep_id = self._ep_ids.get(endpoint)
+        if ep_id is None:
+            ep_id = self._id_of(endpoint)
+        if not any(map(engine.__contains__, hashes)):
+            engine.update(zip(hashes, keys))
+            fresh = keys
+        else:
+            fresh = []
+            for h, key in zip(hashes, keys):
+                old = engine.pop(h, None)  # re-inserted: newest last for the FIFO bound
+                if old is None or old == key:
+                    engine[h] = key
+                    fresh.append(key)
+                    continue
+                # Re-announced with other keys, or more than GPU: keep what it had.
+                eb = _EngineBlock.of_key(h, old) if isinstance(old, int) else old
+                eb.keys = _with_key(eb.keys, key)
+                eb.chain_key, eb.tail, eb.tail_hashes = key, (), ()
+                engine[h] = eb
+                self._add_tier(endpoint, ep_id, eb, _GPU, force_bits=True)
+        all_keys = self._keys
+        n_keys = len(all_keys)
+        field_gpu = ep_id << 3 | 1
+        if not any(map(all_keys.__contains__, fresh)):
+            all_keys.update(zip(fresh, repeat(field_gpu)))
+            added = len(all_keys) - n_keys
+        else:
+            added = 0
+            for key in fresh:
+                holders = all_keys.pop(key, 0)  # re-inserted: most recently used
+                if holders <= _FIELD_MASK and holders >> 3 != ep_id:  # none or one other holder
+                    all_keys[key] = holders | field_gpu << _FIELD if holders else field_gpu
+                    added += 1
+                    continue
+                rest, shift = holders, 0
+                while rest:  # find this endpoint's field; `shift` ends past the last one if it has none
+                    if (rest & _FIELD_MASK) >> 3 == ep_id:
+                        break
+                    rest >>= _FIELD
+                    shift += _FIELD
+                if rest:  # held already (a speculative claim never coexists with a confirmed one)
+                    all_keys[key] = holders | 1 << shift
+                else:
+                    all_keys[key] = holders | field_gpu << shift
+                    added += 1
+        if added:
+            self._entries += added
+            self._pool_entries[self._pools.get(endpoint, DEFAULT_POOL)] += added
+            spec_all = self._spec
+            if spec_all:
+                for key in fresh:
+                    spec = spec_all.get(key)
+                    if spec is not None and endpoint in spec:
+                        del spec[endpoint]
+                        if not spec:
+                            del spec_all[key]
+
+    def _stored_general(self, endpoint: str, engine: dict[int, _EngineEntry], ev: BlockStored,
+                        parent: _EngineEntry | None, chain: int, extras_by_block: dict[int, int] | None) -> None:
+        """Any other event: engine and index block sizes differ (tails), extra keys, CPU/disk tiers."""
+        if parent is None or parent.__class__ is int:
+            tail: tuple[int, ...] = ()
+            tail_hashes: tuple[int, ...] = ()
+        else:
+            tail, tail_hashes = parent.tail, parent.tail_hashes  # type: ignore[union-attr]
+        ep_id = self._id_of(endpoint)
+        tier = ev.tier
+        hashes = ev.block_hashes
+        n_blocks = len(hashes)
+        esize = ev.block_size or len(ev.token_ids) // n_blocks
         bsize = self.block_size
         offset = len(tail)
         combined = tail + ev.token_ids if tail else ev.token_ids
-        extras = None
+        extras: dict[int, int] | None = None
         if extras_by_block:
             # Salt every index block that overlaps an engine block with unreproducible extras.
             extras = {}
@@ -343,48 +477,64 @@ class KVBlockIndex:
             if start < offset:
                 first_j = 0
                 for th in tail_hashes:  # earlier engine blocks that hold the start of this key
-                    teb = engine.get(th)
+                    teb = self._block(engine, th)
                     if teb is not None:
                         teb.keys = _with_key(teb.keys, key)
             else:
                 first_j = (start - offset) // esize
             for j in range(first_j, last_j + 1):
                 keys_by_block[j].append(key)
-        for j, h in enumerate(ev.block_hashes):
+        for j, h in enumerate(hashes):
             block_end = offset + (j + 1) * esize
             done = block_end // bsize  # index blocks complete at the end of engine block j
-            eb = engine.pop(h, None)
+            old = engine.pop(h, None)
             block_keys = keys_by_block[j]
-            if eb is None:
+            if old is None:
                 eb = _EngineBlock(h)
                 eb.keys = block_keys[0] if len(block_keys) == 1 else block_keys
             else:  # re-announced: keep keys that children's events added to it
+                eb = _EngineBlock.of_key(h, old) if old.__class__ is int else old  # type: ignore[assignment]
                 for k in block_keys:
                     eb.keys = _with_key(eb.keys, k)
             engine[h] = eb  # re-insert: newest last for the FIFO bound
-            eb.parent = ev.parent_block_hash if j == 0 else ev.block_hashes[j - 1]
+            eb.parent = ev.parent_block_hash if j == 0 else hashes[j - 1]
             eb.chain_key = keys[done - 1] if done > 0 else chain
             tail_start = done * bsize
             eb.tail = combined[tail_start:block_end]
             if eb.tail:
                 first_tail_j = (tail_start - offset) // esize if tail_start >= offset else 0
                 eb.tail_hashes = ((tail_hashes if tail_start < offset else ())
-                                  + tuple(ev.block_hashes[first_tail_j:j + 1]))
+                                  + tuple(hashes[first_tail_j:j + 1]))
             else:
                 eb.tail_hashes = ()
-            self._add_tier(endpoint, eb, tier, force_bits=True)
-        stats.applied += 1
-        if len(engine) > self.engine_capacity:
-            self._trim_engine(endpoint, engine)
+            self._add_tier(endpoint, ep_id, eb, tier, force_bits=True)
+            self._settle(engine, eb)
 
-    def _add_tier(self, endpoint: str, eb: _EngineBlock, tier: Tier, force_bits: bool = False) -> None:
+    def _block(self, engine: dict[int, _EngineEntry], h: int) -> _EngineBlock | None:
+        """Engine block `h` as an object (a compact one is expanded in place), or None."""
+        entry = engine.get(h)
+        if entry is None or entry.__class__ is _EngineBlock:
+            return entry
+        eb = engine[h] = _EngineBlock.of_key(h, entry)  # type: ignore[arg-type]
+        return eb
+
+    def _settle(self, engine: dict[int, _EngineEntry], eb: _EngineBlock) -> None:
+        """Forget `eb` when no tier holds it; store it compact when it is just a request key on GPU."""
+        if engine.get(eb.hash) is not eb:
+            return
+        if not eb.counts:
+            del engine[eb.hash]
+        elif (eb.counts == 1 and eb.keys.__class__ is int and eb.chain_key == eb.keys and not eb.tail
+              and self._compact):
+            engine[eb.hash] = eb.keys
+
+    def _add_tier(self, endpoint: str, ep_id: int, eb: _EngineBlock, tier: Tier, force_bits: bool = False) -> None:
         if tier is Tier.GPU:
             eb.counts |= 1
         else:
             _set_count(eb, tier, _count(eb, tier) + 1)
-        bit = _BIT[tier]
         if force_bits or _count(eb, tier) == 1:
-            ep_id = self._id_of(endpoint)
+            bit = _BIT[tier]
             for key in _keys_of(eb.keys):
                 self._set_bit(key, endpoint, ep_id, bit)
 
@@ -393,12 +543,26 @@ class KVBlockIndex:
             stats.drop("other_kv_group")
             return
         engine = self._engine.get(endpoint)
+        ep_id = self._ep_ids.get(endpoint)
         tier = ev.tier
+        if not engine or ep_id is None:
+            stats.drop("unknown_engine_key", len(ev.block_hashes))
+            stats.applied += 1
+            return
         for h in ev.block_hashes:
-            chunk = self._offload_chunk(engine, h, tier) if engine else []
+            entry = engine.get(h)
+            if entry.__class__ is int:  # the common block: one key on GPU
+                if tier is _GPU:
+                    del engine[h]
+                    self._clear_bit(entry, endpoint, ep_id, 1)
+                else:
+                    stats.drop("unknown_engine_key")
+                continue
+            chunk = self._offload_chunk(engine, h, tier)
             if not chunk or _count(chunk[0], tier) == 0:
                 stats.drop("unknown_engine_key")
                 continue
+            bit = _BIT[tier]
             for eb in chunk:
                 count = _count(eb, tier)
                 if count == 0:
@@ -406,64 +570,51 @@ class KVBlockIndex:
                 count = 0 if tier is Tier.GPU else count - 1
                 _set_count(eb, tier, count)
                 if count == 0:
-                    bit = _BIT[tier]
                     for key in _keys_of(eb.keys):
-                        self._clear_bit(key, endpoint, bit)
+                        self._clear_bit(key, endpoint, ep_id, bit)
             for eb in chunk:
-                if not eb.counts and engine.get(eb.hash) is eb:
-                    del engine[eb.hash]
+                self._settle(engine, eb)
         stats.applied += 1
 
-    def _offload_chunk(self, engine: dict[int, _EngineBlock], h: int, tier: Tier) -> list[_EngineBlock]:
+    def _offload_chunk(self, engine: dict[int, _EngineEntry], h: int, tier: Tier) -> list[_EngineBlock]:
         """The engine blocks an offload event for hash `h` stands for: vLLM announces a chunk of
         `offload_chunk_blocks` GPU blocks by the hash of its last block, so walk back the chain."""
-        eb = engine.get(h)
+        eb = self._block(engine, h)
         if eb is None:
             return []
         chunk = [eb]
         if tier is not Tier.GPU:
             while len(chunk) < self.offload_chunk_blocks and eb.parent is not None:
-                eb = engine.get(eb.parent)
+                eb = self._block(engine, eb.parent)
                 if eb is None:
                     break
                 chunk.append(eb)
         return chunk
 
-
-    def _trim_engine(self, endpoint: str, engine: dict[int, _EngineBlock]) -> None:
-        evicted = 0
-        while len(engine) > self.engine_capacity:
-            h = next(iter(engine))
-            eb = engine.pop(h)
+    def _trim_engine(self, endpoint: str, engine: dict[int, _EngineEntry]) -> None:
+        # Trim a little below the bound at once: finding the oldest hashes scans the dict's front.
+        cap = self.engine_capacity
+        target = cap - (cap >> _SLACK_SHIFT)
+        ep_id = self._ep_ids[endpoint]
+        victims = list(islice(engine, len(engine) - target))
+        for h in victims:
+            entry = engine.pop(h)
             # We can no longer see this block's removal, so stop claiming it.
+            if entry.__class__ is int:
+                self._clear_bit(entry, endpoint, ep_id, 1)
+                continue
             for tier in Tier:
-                if _count(eb, tier):
-                    for key in _keys_of(eb.keys):
-                        self._clear_bit(key, endpoint, _BIT[tier])
-            evicted += 1
-        self.metrics.engine_evictions.inc(evicted)
+                if _count(entry, tier):  # type: ignore[arg-type]
+                    for key in _keys_of(entry.keys):  # type: ignore[union-attr]
+                        self._clear_bit(key, endpoint, ep_id, _BIT[tier])
+        self.metrics.engine_evictions.inc(len(victims))
 
     # ---- entries -----------------------------------------------------------------------------
     def _set_bit(self, key: int, endpoint: str, ep_id: int, bit: int) -> None:
         keys = self._keys
-        holders = keys.get(key)
-        if holders is None:
-            keys[key] = ep_id << 3 | bit
-            old = 0
-        else:
-            keys.move_to_end(key)
-            if holders.__class__ is int:  # one holder (inlined: this runs for every block stored)
-                if holders >> 3 == ep_id:  # type: ignore[operator]
-                    old = holders & 7  # type: ignore[operator]
-                    if not old & bit:
-                        keys[key] = holders | bit  # type: ignore[operator]
-                else:
-                    old = 0
-                    keys[key] = (holders, ep_id << 3 | bit)  # type: ignore[assignment]
-            else:
-                old = _holder_mask(holders, ep_id)
-                if old | bit != old:
-                    keys[key] = _with_holder(holders, ep_id, old | bit)
+        holders = keys.pop(key, 0)  # re-inserted: most recently used
+        old = _mask_of(holders, ep_id)
+        keys[key] = _with_mask(holders, ep_id, old | bit) if old | bit != old else holders
         if not old:
             self._entries += 1
             self._pool_entries[self._pools.get(endpoint, DEFAULT_POOL)] += 1
@@ -473,39 +624,50 @@ class KVBlockIndex:
             if not spec:
                 del self._spec[key]
 
-    def _clear_bit(self, key: int, endpoint: str, bit: int) -> None:
+    def _clear_bit(self, key: int, endpoint: str, ep_id: int, bit: int) -> None:
         holders = self._keys.get(key)
-        ep_id = self._ep_ids.get(endpoint)
-        if holders is None or ep_id is None:
+        if holders is None:
             return
-        old = _holder_mask(holders, ep_id)
-        if not old:
+        old = _mask_of(holders, ep_id)
+        if not old & bit:
             return
         new = old & ~bit
         if new:
-            if new != old:
-                self._keys[key] = _with_holder(holders, ep_id, new)
+            self._keys[key] = _with_mask(holders, ep_id, new)
             return
         self._entries -= 1
         self._pool_entries[self._pools.get(endpoint, DEFAULT_POOL)] -= 1
-        rest = _without_holder(holders, ep_id)
-        if rest is None:
-            del self._keys[key]
-        else:
+        rest = _with_mask(holders, ep_id, 0)
+        if rest:
             self._keys[key] = rest
+        else:
+            del self._keys[key]
 
     def _evict_over_capacity(self) -> None:
+        # Evict a little below capacity at once: finding the oldest keys scans the dict's front.
+        target = self.capacity - (self.capacity >> _SLACK_SHIFT)
+        need = self._entries - target
+        keys = self._keys
+        victims: list[int] = []
         evicted = 0
-        pools, counts, names = self._pools, self._pool_entries, self._ep_names
-        while self._entries > self.capacity:
-            _, holders = self._keys.popitem(last=False)
-            items = _holder_items(holders)
-            self._entries -= len(items)
-            evicted += len(items)
-            for h in items:
-                counts[pools.get(names[h >> 3], DEFAULT_POOL)] -= 1
-        if evicted:
-            self.metrics.evictions.inc(evicted)
+        one_pool = len(self._pool_entries) == 1
+        for key, holders in keys.items():
+            victims.append(key)
+            if one_pool:
+                evicted += (holders.bit_length() + _FIELD - 1) // _FIELD  # its holders
+            else:
+                for ep_id in _holder_ids(holders):
+                    self._pool_entries[self._pools.get(self._name(ep_id), DEFAULT_POOL)] -= 1
+                    evicted += 1
+            if evicted >= need:
+                break
+        for key in victims:
+            del keys[key]
+        if one_pool:
+            for pool in self._pool_entries:
+                self._pool_entries[pool] -= evicted
+        self._entries -= evicted
+        self.metrics.evictions.inc(evicted)
 
     def clear_endpoint(self, endpoint: str) -> int:
         """Forget everything `endpoint` holds (AllBlocksCleared, publisher restart, lost events)."""
@@ -514,19 +676,18 @@ class KVBlockIndex:
         ep_id = self._ep_ids.get(endpoint)
         if engine and ep_id is not None:
             keys = self._keys
-            pool = self.pool_of(endpoint)
-            for eb in engine.values():
-                for key in _keys_of(eb.keys):
+            for entry in engine.values():
+                for key in (entry,) if entry.__class__ is int else _keys_of(entry.keys):  # type: ignore[union-attr]
                     holders = keys.get(key)
-                    if holders is not None and _holder_mask(holders, ep_id):
-                        self._entries -= 1
-                        self._pool_entries[pool] -= 1
+                    if holders is not None and _mask_of(holders, ep_id):
                         removed += 1
-                        rest = _without_holder(holders, ep_id)
-                        if rest is None:
-                            del keys[key]
-                        else:
+                        rest = _with_mask(holders, ep_id, 0)
+                        if rest:
                             keys[key] = rest
+                        else:
+                            del keys[key]
+            self._entries -= removed
+            self._pool_entries[self.pool_of(endpoint)] -= removed
         for key in [k for k, spec in self._spec.items() if endpoint in spec]:
             spec = self._spec[key]
             del spec[endpoint]
@@ -535,9 +696,13 @@ class KVBlockIndex:
         return removed
 
     def remove_endpoint(self, endpoint: str) -> int:
-        """The endpoint left the pool: drop its entries and its engine-hash map."""
+        """The endpoint left the pool: drop its entries and its engine-hash map (its id is reused)."""
         removed = self.clear_endpoint(endpoint)
         self._pools.pop(endpoint, None)
+        ep_id = self._ep_ids.pop(endpoint, None)
+        if ep_id is not None:  # no key holds it any more: every holder field is backed by an engine block
+            self._ep_names[ep_id] = None
+            self._free_ids.append(ep_id)
         return removed
 
     # ---- speculative entries -----------------------------------------------------------------
@@ -548,12 +713,13 @@ class KVBlockIndex:
             return 0
         now = self._clock()
         self._purge_speculative(now)
-        ep_id = self._ep_ids.get(endpoint)
+        ep_id = self._id_of(endpoint)  # lookups follow speculative holders by id
         expiry = now + ttl
         added = 0
+        get_holders = self._keys.get
         for key in keys:
-            holders = self._keys.get(key)
-            if holders is not None and ep_id is not None and _holder_mask(holders, ep_id):
+            holders = get_holders(key)
+            if holders is not None and _mask_of(holders, ep_id):
                 continue
             self._spec.setdefault(key, {})[endpoint] = expiry
             self._spec_queue.append((expiry, key, endpoint))
@@ -583,67 +749,91 @@ class KVBlockIndex:
     def lookup(self, keys: Sequence[int], endpoints: Iterable[str] | None = None,
                pool: str | None = None) -> dict[str, list[Tier]]:
         """Per endpoint, the best tier of each block in its longest run of consecutive keys from
-        the start; endpoints with no first block are left out. O(blocks × endpoints still in run).
+        the start; endpoints with no first block are left out. O(blocks × holders of a block).
         With `pool`, only endpoints of that pool are considered."""
         result: dict[str, list[Tier]] = {}
         if not keys:
             return result
-        now = self._clock()
         if self._spec_queue:
-            self._purge_speculative(now)
+            self._purge_speculative(self._clock())
         spec_all = self._spec
         all_keys = self._keys
-        if endpoints is None:
-            first = all_keys.get(keys[0])
-            names: Iterable[str] = {self._ep_names[h >> 3] for h in _holder_items(first)} if first is not None \
-                else set()
-            names = set(names) | set(spec_all.get(keys[0]) or ())
-        else:
-            names = endpoints
-        if pool is not None:
-            pools = self._pools
-            names = [name for name in names if pools.get(name, DEFAULT_POOL) == pool]
-        # Endpoints still in the run, by id: each key's few holders are looked up here, rather than
-        # every endpoint in each key's holders.
-        ids = self._ep_ids
-        alive: dict[int, str] = {}
-        for name in names:
-            ep_id = ids.get(name)
-            alive[self._id_of(name) if ep_id is None else ep_id] = name
+        get_holders = all_keys.get
+        # Endpoints in the run so far, by id, with their result lists: those holding the first key.
+        run: dict[int, list[Tier]] = {}
+        first = get_holders(keys[0], 0)
+        spec = spec_all.get(keys[0]) if spec_all else None
+        if first or spec:
+            ids = _holder_ids(first)
+            if spec:
+                ids += [ep_id for ep_id in map(self._ep_ids.get, spec) if ep_id is not None and ep_id not in ids]
+            if endpoints is not None and not isinstance(endpoints, (set, frozenset, dict)):
+                endpoints = set(endpoints)
+            for ep_id in ids:
+                name = self._name(ep_id)
+                if endpoints is not None and name not in endpoints:
+                    continue
+                if pool is not None and self._pools.get(name, DEFAULT_POOL) != pool:
+                    continue
+                run[ep_id] = result[name] = []
         matched = 0
-        touched = all_keys.move_to_end
-        best = _BEST_TIER
-        for key in keys:
-            holders = all_keys.get(key)
-            spec = spec_all.get(key)
-            if holders is None and spec is None:
-                break
-            hits = 0
-            items = () if holders is None else (holders,) if holders.__class__ is int else holders
-            for h in items:  # type: ignore[union-attr]
-                name = alive.get(h >> 3)
-                if name is not None:
-                    hits += 1
-                    tiers = result.get(name)
-                    if tiers is None:
-                        tiers = result[name] = []
-                    tiers.append(best[h & 7])
-            if hits < len(alive):  # the run ends here for some: keep the others
-                still = {h >> 3: alive[h >> 3] for h in items if h >> 3 in alive}  # type: ignore[union-attr]
-                if spec is not None:
-                    for ep_id, name in alive.items():
-                        if ep_id not in still and name in spec:
-                            still[ep_id] = name
-                            tiers = result.get(name)
-                            if tiers is None:
-                                tiers = result[name] = []
-                            tiers.append(Tier.GPU)
-                if not still:
-                    break
-                alive = still
-            if holders is not None:
-                touched(key)
-            matched += 1
+        if run:
+            names = self._ep_names
+            best = _BEST_TIER
+            prev = -1  # the previous key's holders, when they alone decided its step (no speculation)
+            prev_step: list[tuple[list[Tier], Tier]] = []
+            repeats = 0  # keys after `prev` with the very same holders, appended in one go
+            held_all = True  # every matched key is held (not only speculatively)
+            for key in keys:
+                holders = get_holders(key)
+                if holders == prev and (not spec_all or key not in spec_all):
+                    repeats += 1
+                    continue
+                if repeats:
+                    for tiers, tier in prev_step:
+                        tiers += [tier] * repeats
+                    matched += repeats
+                    repeats = 0
+                spec = spec_all.get(key) if spec_all else None
+                if holders is None:
+                    if spec is None:
+                        break
+                    held_all = False
+                step = []
+                rest = holders or 0
+                while rest:
+                    tiers = run.get((rest & _FIELD_MASK) >> 3)  # type: ignore[assignment]
+                    if tiers is not None:
+                        step.append((tiers, best[rest & 7]))
+                    rest >>= _FIELD
+                if len(step) < len(run):  # the run ends here for some: keep the others
+                    kept = {ep_id: run[ep_id] for ep_id in _holder_ids(holders or 0) if ep_id in run}
+                    if spec is not None:
+                        for ep_id, tiers in run.items():
+                            if ep_id not in kept and names[ep_id] in spec:
+                                kept[ep_id] = tiers
+                                step.append((tiers, _GPU))
+                    if not kept:
+                        break
+                    run = kept
+                for tiers, tier in step:
+                    tiers.append(tier)
+                prev = holders if spec is None else -1  # type: ignore[assignment]
+                prev_step = step
+                matched += 1
+            if repeats:
+                for tiers, tier in prev_step:
+                    tiers += [tier] * repeats
+                matched += repeats
+            if matched:  # touch: the matched keys become the most recently used
+                touched = keys[:matched]
+                if held_all:
+                    all_keys.update(zip(touched, map(all_keys.pop, touched)))
+                else:
+                    for key in touched:
+                        holders = all_keys.pop(key, None)
+                        if holders is not None:
+                            all_keys[key] = holders
         self.metrics.record_lookup(matched, len(keys) - matched)
         return result
 

@@ -40,19 +40,20 @@ class BlockKeyer:
         n = len(tokens) // bs
         if n == 0:
             return []
-        view = memoryview(array("I", tokens[: n * bs]).tobytes())
-        step = bs * 4
+        # One conversion to uint32s, then each block's slice of the array is hashed (buffer protocol).
+        words = array("I", tokens if len(tokens) == n * bs else tokens[: n * bs])
         keys = [0] * n
         key = parent
+        xxh64 = _xxh64
         if extras:
             for i in range(n):
                 extra = extras.get(i)
-                seed = key if extra is None else _xxh64(extra.to_bytes(8, "little"), seed=key)
-                key = _xxh64(view[i * step:(i + 1) * step], seed=seed)
+                seed = key if extra is None else xxh64(extra.to_bytes(8, "little"), key)
+                key = xxh64(words[i * bs:(i + 1) * bs], seed)
                 keys[i] = key
         else:
             for i in range(n):
-                key = _xxh64(view[i * step:(i + 1) * step], seed=key)
+                key = xxh64(words[i * bs:(i + 1) * bs], key)
                 keys[i] = key
         return keys
 
