@@ -30,6 +30,7 @@ from epp.framework.scheduler import Scheduler
 from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 from epp.logutil import log_failure
 from epp.metrics import EppMetrics
+from epp.request_lifecycle import RequestAccounting, RequestLifecycle
 
 if TYPE_CHECKING:
     from epp.flowcontrol.controller import Dispatch, FlowController
@@ -96,6 +97,11 @@ class Director:
         self.use_subset_hint = use_subset_hint
         # With scraping on: endpoints without fresh metrics are left out while others have them.
         self.metrics_freshness_s = metrics_freshness_s
+        self.request_accounting = RequestAccounting(metrics)
+
+    def open_request(self) -> RequestLifecycle:
+        """A new request's lifecycle: scheduling, response hooks and the request's accounting."""
+        return RequestLifecycle(self, self.request_accounting)
 
     def candidates(self, request: InferenceRequest) -> list[Endpoint]:
         """Healthy, awake pool endpoints, narrowed by the request's subset hint, known load preferred.
