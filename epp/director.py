@@ -223,7 +223,9 @@ class Director:
                 return
             t0 = time.perf_counter()
             try:
-                await asyncio.wait_for(producer.prepare(state, request, candidates), remaining)
+                # A timeout scope, not wait_for: no task per producer (most finish without suspending).
+                async with asyncio.timeout(remaining):
+                    await producer.prepare(state, request, candidates)
             except Exception as exc:  # producers are best effort: scoring goes on without their data
                 # Never the message at this level: a UnicodeEncodeError's message quotes the prompt.
                 log_failure(log, logging.WARNING, "data producer %s failed", exc, producer.name)
