@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
+import epp.director as director_module
 from epp.datalayer.registry import EndpointRegistry, parse_endpoint_list
 from epp.director import Director
 from epp.framework.errors import ErrorCode, InferenceError
+from epp.framework.plugin import DataProducer
 from epp.framework.types import ApiKind, InferenceRequest
 from epp.metrics import EppMetrics
 from tests.extproc_support import simple_pipeline
@@ -92,3 +97,39 @@ def test_a_request_failed_before_parsing_is_counted_without_model_labels():
     life.failed(ErrorCode.BAD_REQUEST)
     assert _value(director, "inference_objective_request_error_total", model_name="", target_model_name="",
                   error_code=ErrorCode.BAD_REQUEST.label) == 1
+
+
+class _Producer(DataProducer):
+    """Writes its name into the cycle after `delay_s` (0: without ever suspending)."""
+
+    type_name = "test-producer"
+
+    def __init__(self, name: str, delay_s: float) -> None:
+        super().__init__(name)
+        self.delay_s = delay_s
+        self.cancelled = False
+
+    async def prepare(self, state, request, endpoints) -> None:
+        if self.delay_s:
+            try:
+                await asyncio.sleep(self.delay_s)
+            except asyncio.CancelledError:
+                self.cancelled = True
+                raise
+        state.put(self.name, True)
+
+
+async def test_a_producer_past_the_deadline_is_cut_off_and_the_request_still_scheduled(monkeypatch):
+    monkeypatch.setattr(director_module, "PREPARE_DATA_TIMEOUT_S", 0.2)
+    fast, slow, late = _Producer("fast", 0), _Producer("slow", 30), _Producer("late", 0)
+    pipeline = simple_pipeline()
+    pipeline.producers = [fast, slow, late]
+    registry = EndpointRegistry()
+    registry.set_endpoints(parse_endpoint_list("10.0.0.1:8000"))
+    life = Director(pipeline, registry, EppMetrics()).open_request()
+    started = time.monotonic()
+    result = await life.schedule(_request(), size_bytes=10)
+    assert time.monotonic() - started < 5  # cut off at the deadline, not after the producer's 30 s
+    assert result.targets[0].hostport == "10.0.0.1:8000"
+    assert slow.cancelled and life.state.get("fast") and not life.state.get("slow")
+    assert not life.state.get("late")  # no time left after the slow one: skipped
