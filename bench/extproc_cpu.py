@@ -7,8 +7,13 @@ not depend on what else runs on the machine. Three servers in the same run:
   floor        a grpc.aio servicer that answers each phase with an empty message (on uvloop)
   epp full     `epp serve` (default config: queue + kv-cache + approximate prefix), all phases
   epp request  the same picker with Envoy's request-only mode (no response phases)
+Optional rows: `--sync-floor` adds the same empty servicer on grpc's sync server (thread pool),
+`--before DIR` adds `epp serve` run from another checkout (e.g. `git worktree add DIR <commit>`).
+With `--repeat N` every row is measured N times, rows taking turns, and the minimum is shown
+(other tenants of a shared machine only ever add CPU time).
 
     python bench/extproc_cpu.py --requests 3000
+    python bench/extproc_cpu.py --requests 2000 --repeat 3 --sync-floor --before /tmp/epp-before
 """
 
 from __future__ import annotations
@@ -49,6 +54,27 @@ async def main():
     server = grpc.aio.server(); pb_grpc.add_ExternalProcessorServicer_to_server(Floor(), server)
     server.add_insecure_port("127.0.0.1:" + sys.argv[1]); await server.start(); await server.wait_for_termination()
 uvloop.run(main())
+"""
+
+# The same empty servicer on grpc's sync server: a thread pool instead of the asyncio loop.
+SYNC_FLOOR_SERVER = """
+import grpc, sys
+from concurrent import futures
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb, external_processor_pb2_grpc as pb_grpc
+class Floor(pb_grpc.ExternalProcessorServicer):
+    def Process(self, it, ctx):
+        for req in it:
+            kind = req.WhichOneof("request")
+            if kind == "request_body":
+                yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+                yield pb.ProcessingResponse(request_body=pb.BodyResponse())
+            elif kind == "response_headers":
+                yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+            elif kind == "response_body":
+                yield pb.ProcessingResponse(response_body=pb.BodyResponse())
+server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
+pb_grpc.add_ExternalProcessorServicer_to_server(Floor(), server)
+server.add_insecure_port("127.0.0.1:" + sys.argv[1]); server.start(); server.wait_for_termination()
 """
 
 
@@ -106,8 +132,8 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _measure(argv: list[str], port: int, n: int, concurrency: int, full: bool) -> dict:
-    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def _measure(argv: list[str], port: int, n: int, concurrency: int, full: bool, cwd: Path = REPO) -> dict:
+    proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -131,6 +157,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--repeat", type=int, default=1, help="measure every row this many times; show the minimum")
+    parser.add_argument("--sync-floor", action="store_true", help="also measure the floor on grpc's sync server")
+    parser.add_argument("--before", type=Path, help="also measure `epp serve` run from this checkout")
     args = parser.parse_args()
     port, health, metrics = free_ports(3)
     epp = [sys.executable, "-m", "epp.cli", "serve", "--grpc-port", str(port), "--grpc-health-port", str(health),
@@ -138,21 +167,31 @@ def main() -> None:
            "--endpoints", ",".join(f"127.0.0.1:{8000 + i}" for i in range(16)),
            # No model servers listen here; scraping them would only add failed connects.
            "--refresh-metrics-interval", "3600"]
-    rows = [
-        ("floor: empty grpc.aio servicer, all phases", [sys.executable, "-c", FLOOR_SERVER, str(port)], True),
-        ("epp serve, all phases", epp, True),
-        ("floor: empty grpc.aio servicer, request phases", [sys.executable, "-c", FLOOR_SERVER, str(port)], False),
-        ("epp serve, request-only Envoy mode", epp, False),
-    ]
-    results = []
-    for label, argv, full in rows:
-        print(f"measuring {label} ...", file=sys.stderr, flush=True)
-        results.append((label, _measure(argv, port, args.requests, args.concurrency, full)))
-    print(f"\n{args.requests} requests at concurrency {args.concurrency}, 16 endpoints, 4 KB prompts\n")
-    print("| server | CPU µs / request | routed requests per CPU-second |")
-    print("|---|---|---|")
-    for label, r in results:
-        print(f"| {label} | {r['cpu_us_per_request']:.0f} | {r['requests_per_cpu_second']:.0f} |")
+    floor = [sys.executable, "-c", FLOOR_SERVER, str(port)]
+    sync_floor = [sys.executable, "-c", SYNC_FLOOR_SERVER, str(port)]
+    rows: list[tuple[str, list[str], bool, Path]] = []
+    for full, phases, mode in ((True, "all phases", "all phases"), (False, "request phases", "request-only Envoy mode")):
+        rows.append((f"floor: empty grpc.aio servicer, {phases}", floor, full, REPO))
+        if args.sync_floor:
+            rows.append((f"floor on grpc's sync server (thread pool), {phases}", sync_floor, full, REPO))
+        if args.before is not None:
+            rows.append((f"epp serve from {args.before}, {mode}", epp, full, args.before.resolve()))
+        rows.append((f"epp serve, {mode}", epp, full, REPO))
+    cpu: dict[str, list[float]] = {label: [] for label, *_ in rows}
+    for round_ in range(args.repeat):
+        for label, argv, full, cwd in rows:
+            print(f"measuring {label} ({round_ + 1}/{args.repeat}) ...", file=sys.stderr, flush=True)
+            cpu[label].append(_measure(argv, port, args.requests, args.concurrency, full, cwd)["cpu_us_per_request"])
+    print(f"\n{args.requests} requests at concurrency {args.concurrency}, 16 endpoints, 4 KB prompts"
+          f"{f', minimum of {args.repeat} runs' if args.repeat > 1 else ''}\n")
+    print("| server | CPU µs / request | routed requests per CPU-second | × the floor of its mode |")
+    print("|---|---|---|---|")
+    floor_us = 0.0
+    for label, argv, _full, _cwd in rows:
+        us = min(cpu[label])
+        if argv is floor:
+            floor_us = us
+        print(f"| {label} | {us:.0f} | {1e6 / us:.0f} | {us / floor_us:.2f} |")
 
 
 if __name__ == "__main__":

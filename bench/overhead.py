@@ -1,9 +1,14 @@
 """Overhead of the picker: Envoy → EPP → backend against Envoy → backend round-robin, in one run.
 
 Starts N tiny HTTP backends (one process), the picker (`epp serve`, its own process, default
-config: queue + kv-cache + prefix scorers, metrics scraped every 50 ms), two Envoys (through the
-picker, and plain round-robin) and drives both with the same client: latency at concurrency 1
-(p50/p99, added = picker minus direct) and throughput at concurrency C.
+config: queue + kv-cache + prefix scorers, metrics scraped every 50 ms), the minimal picker
+(`bench/minimal_picker.py`: a bare grpc.aio servicer routing at random, its own process), three
+Envoys (through the picker, through the minimal picker, and plain round-robin) and drives all
+with the same client: latency at concurrency 1 (p50/p99, added = through a picker minus
+direct; the three paths take turns in rounds so a busy moment of the machine hits all alike)
+and throughput at concurrency C. Each picker's CPU time (/proc, all threads) is read around its
+own latency turns: CPU per request through real Envoy, which a busy machine disturbs far less
+than latency (the picker's background work, such as scraping, counts in it).
 
     python bench/overhead.py --endpoints 16 --prompt-bytes 4096
 """
@@ -106,14 +111,25 @@ async def _throughput(url: str, body: bytes, concurrency: int, seconds: float) -
     return done / (time.monotonic() - t0), errors
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+PATHS = (("direct", "Envoy → backend (round-robin)"), ("minimal", "Envoy → minimal picker → backend"),
+         ("epp", "Envoy → EPP → backend"))
+
+
 async def run(args: argparse.Namespace) -> dict:
-    ports = free_ports(args.endpoints + 7)
-    backend_ports, (grpc, health, metrics, l_epp, a_epp, l_rr, a_rr) = ports[:args.endpoints], ports[args.endpoints:]
+    ports = free_ports(args.endpoints + 10)
+    backend_ports, (grpc, health, metrics, minimal, l_epp, a_epp, l_min, a_min, l_rr, a_rr) = \
+        ports[:args.endpoints], ports[args.endpoints:]
     endpoints = [f"127.0.0.1:{p}" for p in backend_ports]
     backends = multiprocessing.get_context("spawn").Process(target=_backends_main, args=(backend_ports,), daemon=True)
     backends.start()
@@ -122,30 +138,53 @@ async def run(args: argparse.Namespace) -> dict:
          "--metrics-port", str(metrics), "--bind-address", "127.0.0.1", "--endpoints", ",".join(endpoints),
          *args.epp_arg],
         start_new_session=True)
-    via_epp = EnvoyProcess(render_config(listen_port=l_epp, admin_port=a_epp, epp_port=grpc,
-                                         response_processing=not args.request_only), a_epp)
-    direct = EnvoyProcess(render_config(listen_port=l_rr, admin_port=a_rr, round_robin_backends=endpoints), a_rr)
+    picker = subprocess.Popen([sys.executable, str(Path(__file__).with_name("minimal_picker.py")), str(minimal),
+                               ",".join(endpoints)], start_new_session=True)
+    envoys = {
+        "epp": EnvoyProcess(render_config(listen_port=l_epp, admin_port=a_epp, epp_port=grpc,
+                                          response_processing=not args.request_only), a_epp),
+        "minimal": EnvoyProcess(render_config(listen_port=l_min, admin_port=a_min, epp_port=minimal,
+                                              response_processing=not args.request_only), a_min),
+        "direct": EnvoyProcess(render_config(listen_port=l_rr, admin_port=a_rr, round_robin_backends=endpoints), a_rr),
+    }
+    listen = {"epp": l_epp, "minimal": l_min, "direct": l_rr}
     try:
         await _wait_http(f"http://127.0.0.1:{backend_ports[0]}/metrics")
         await _wait_http(f"http://127.0.0.1:{metrics}/metrics")
-        await via_epp.start()
-        await direct.start()
+        for envoy in envoys.values():
+            await envoy.start()
         prompt = ("The quick brown fox jumps over the lazy dog. " * (args.prompt_bytes // 45 + 1))[:args.prompt_bytes]
         body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 1}).encode()
+        urls = {label: f"http://127.0.0.1:{listen[label]}/v1/completions" for label, _ in PATHS}
+        latencies: dict[str, list[float]] = {label: [] for label, _ in PATHS}
+        pickers = {"epp": epp.pid, "minimal": picker.pid}
+        cpu = dict.fromkeys(pickers, 0.0)
+        for label, _ in PATHS:
+            await _latency(urls[label], body, 50, label + " warm-up")
+        rounds = max(1, min(args.rounds, args.requests))
+        for r in range(rounds):
+            for label, _ in PATHS:
+                # The picker's CPU (all threads) while its own path is driven: robust to a busy machine.
+                pid = pickers.get(label)
+                before = _cpu_seconds(pid) if pid else 0.0
+                latencies[label] += await _latency(urls[label], body, args.requests // rounds, f"{label} {r + 1}/{rounds}")
+                if pid:
+                    cpu[label] += _cpu_seconds(pid) - before
         results = {}
-        for label, port in (("direct", l_rr), ("epp", l_epp)):
-            url = f"http://127.0.0.1:{port}/v1/completions"
-            await _latency(url, body, 50, label + " warm-up")
-            lat = await _latency(url, body, args.requests, label)
-            rps, errors = await _throughput(url, body, args.concurrency, args.seconds)
-            results[label] = {"p50_ms": _pct(lat, 0.5) * 1e3, "p99_ms": _pct(lat, 0.99) * 1e3,
+        for label, _ in PATHS:
+            lat = latencies[label]
+            rps, errors = await _throughput(urls[label], body, args.concurrency, args.seconds) \
+                if args.seconds > 0 else (0.0, 0)
+            results[label] = {"picker_cpu_us": cpu[label] / len(lat) * 1e6 if label in cpu else 0.0,
+                              "p50_ms": _pct(lat, 0.5) * 1e3, "p99_ms": _pct(lat, 0.99) * 1e3,
                               "mean_ms": statistics.fmean(lat) * 1e3, "rps": rps, "errors": errors}
         return results
     finally:
-        await via_epp.stop()
-        await direct.stop()
-        os.killpg(epp.pid, signal.SIGTERM)
-        epp.wait(15)
+        for envoy in envoys.values():
+            await envoy.stop()
+        for proc in (epp, picker):
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(15)
         backends.terminate()
         backends.join(5)
 
@@ -159,20 +198,31 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="duration of the throughput run")
     parser.add_argument("--request-only", action="store_true",
                         help="Envoy sends only the request phases to the picker (no response processing)")
+    parser.add_argument("--rounds", type=int, default=10,
+                        help="latency is measured in this many turns of the three paths")
     parser.add_argument("--epp-arg", action="append", default=[], help="extra argument for `epp serve`")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     res = asyncio.run(run(args))
-    d, e = res["direct"], res["epp"]
-    print(f"\n{args.endpoints} endpoints, {args.prompt_bytes}-byte prompts, "
-          f"{args.requests} sequential requests, concurrency {args.concurrency} for {args.seconds:.0f}s\n")
-    print(f"| path | p50 ms | p99 ms | req/s (c={args.concurrency}) | errors |")
-    print("|---|---|---|---|---|")
-    for label, r in (("Envoy → backend (round-robin)", d), ("Envoy → EPP → backend", e)):
-        print(f"| {label} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['rps']:.0f} | {r['errors']} |")
-    print(f"| **added by the EPP** | **{e['p50_ms'] - d['p50_ms']:.2f}** | **{e['p99_ms'] - d['p99_ms']:.2f}** | "
-          f"{e['rps'] / d['rps']:.2f}× of direct | |")
+    d = res["direct"]
+    mode = "request phases only" if args.request_only else "all phases"
+    print(f"\n{args.endpoints} endpoints, {args.prompt_bytes}-byte prompts, {mode}, {args.requests} sequential "
+          f"requests per path in {args.rounds} rounds, concurrency {args.concurrency} for {args.seconds:.0f}s\n")
+    print(f"| path | p50 ms | p99 ms | added p50 ms | added p99 ms | picker CPU µs / request | "
+          f"req/s (c={args.concurrency}) | errors |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, title in PATHS:
+        r = res[label]
+        added = "" if label == "direct" else f"{r['p50_ms'] - d['p50_ms']:.2f} | {r['p99_ms'] - d['p99_ms']:.2f}"
+        picker_cpu = f"{r['picker_cpu_us']:.0f}" if label != "direct" else ""
+        print(f"| {title} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {added or ' | '} | {picker_cpu} | {r['rps']:.0f} | "
+              f"{r['errors']} |")
+    m, e = res["minimal"], res["epp"]
+    ratios = [(e[k] - d[k]) / (m[k] - d[k]) if m[k] > d[k] else float("nan") for k in ("p50_ms", "p99_ms")]
+    print(f"\n**added by the EPP / added by the minimal picker: p50 {ratios[0]:.2f}×, p99 {ratios[1]:.2f}×** "
+          f"(target ≤ 1.1×); picker CPU per request {e['picker_cpu_us'] / m['picker_cpu_us']:.2f}× the minimal one's")
     if args.json:
+        res["ratio_p50"], res["ratio_p99"] = ratios
         args.json.write_text(json.dumps(res, indent=1))
 
 

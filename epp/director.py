@@ -18,6 +18,7 @@ from epp.framework.plugin import Admitter, CycleState, ResponseCompleteHook, Sch
 from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 from epp.logutil import log_failure
 from epp.metrics import EppMetrics
+from epp.request_lifecycle import RequestAccounting, RequestLifecycle
 
 if TYPE_CHECKING:
     from epp.config import LoadedConfig
@@ -67,6 +68,11 @@ class Director:
         self.use_subset_hint = use_subset_hint
         # With scraping on: endpoints without fresh metrics are left out while others have them.
         self.metrics_freshness_s = metrics_freshness_s
+        self.request_accounting = RequestAccounting(metrics)
+
+    def open_request(self) -> RequestLifecycle:
+        """A new request's lifecycle: scheduling, response hooks and the request's accounting."""
+        return RequestLifecycle(self, self.request_accounting)
 
     def candidates(self, request: InferenceRequest) -> list[Endpoint]:
         """Healthy, awake pool endpoints, narrowed by the request's subset hint, known load preferred.
@@ -191,7 +197,9 @@ class Director:
                 return
             t0 = time.perf_counter()
             try:
-                await asyncio.wait_for(producer.prepare(state, request, candidates), remaining)
+                # A timeout scope, not wait_for: no task per producer (most finish without suspending).
+                async with asyncio.timeout(remaining):
+                    await producer.prepare(state, request, candidates)
             except Exception as exc:  # producers are best effort: scoring goes on without their data
                 # Never the message at this level: a UnicodeEncodeError's message quotes the prompt.
                 log_failure(log, logging.WARNING, "data producer %s failed", exc, producer.name)

@@ -8,6 +8,7 @@ idle. `useInflight: false` gives GIE's scrape-only behaviour.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 from epp.framework import (
@@ -22,6 +23,9 @@ from epp.framework import (
 )
 from epp.framework.datakeys import INFLIGHT_LOAD, InflightLoad
 from epp.framework.load import NO_LOAD
+
+# Where one cycle's endpoint loads are kept in its CycleState (per ledger), shared by the load scorers.
+_LOADS_STATE_KEY = "scorers.load/endpoint-loads"
 
 
 def min_max_inverted(values: Sequence[float]) -> list[float]:
@@ -41,8 +45,24 @@ class _LoadReader:
     def __init__(self, params: PluginParams, context: PluginContext) -> None:
         self.ledger: InflightLedger | None = context.load if params.bool("useInflight", True) else None
 
-    def load_of(self, endpoint: Endpoint, now: float | None = None) -> EndpointLoad:
-        return self.ledger.load(endpoint, now) if self.ledger is not None else NO_LOAD
+    def loads(self, state: CycleState, endpoints: Sequence[Endpoint]) -> list[EndpointLoad]:
+        """The endpoints' loads, read once per scheduling cycle: the load scorers of one cycle share them."""
+        ledger = self.ledger
+        if ledger is None:
+            return [NO_LOAD] * len(endpoints)
+        key = f"{_LOADS_STATE_KEY}/{id(ledger)}"
+        cached: dict[str, EndpointLoad] | None = state.get(key)
+        if cached is None:
+            cached = {}
+            state.put(key, cached)
+        out = []
+        now = time.monotonic()
+        for ep in endpoints:
+            load = cached.get(ep.name)
+            if load is None:
+                load = cached[ep.name] = ledger.load(ep, now)
+            out.append(load)
+        return out
 
     def describe(self) -> str:
         return f"useInflight={str(self.ledger is not None).lower()}"
@@ -60,8 +80,8 @@ class _MinMaxScorer(Scorer):
 
     def score(self, state: CycleState, request: InferenceRequest,
               endpoints: Sequence[Endpoint]) -> Mapping[str, float]:
-        metric, load_of = type(self)._metric, self.loads.load_of
-        scores = min_max_inverted([metric(ep, load_of(ep)) for ep in endpoints])
+        metric = type(self)._metric
+        scores = min_max_inverted([metric(ep, load) for ep, load in zip(endpoints, self.loads.loads(state, endpoints))])
         return {ep.name: s for ep, s in zip(endpoints, scores)}
 
 
@@ -99,8 +119,8 @@ class KVCacheUtilizationScorer(Scorer):
 
     def score(self, state: CycleState, request: InferenceRequest,
               endpoints: Sequence[Endpoint]) -> Mapping[str, float]:
-        load_of = self.loads.load_of
-        return {ep.name: 1.0 - load_of(ep).kv_usage_estimate(ep.metrics) for ep in endpoints}
+        return {ep.name: 1.0 - load.kv_usage_estimate(ep.metrics)
+                for ep, load in zip(endpoints, self.loads.loads(state, endpoints))}
 
 
 class LoadAwareScorer(Scorer):
@@ -119,9 +139,8 @@ class LoadAwareScorer(Scorer):
     def score(self, state: CycleState, request: InferenceRequest,
               endpoints: Sequence[Endpoint]) -> Mapping[str, float]:
         out: dict[str, float] = {}
-        load_of = self.loads.load_of
-        for ep in endpoints:
-            q = load_of(ep).waiting_estimate(ep.metrics)
+        for ep, load in zip(endpoints, self.loads.loads(state, endpoints)):
+            q = load.waiting_estimate(ep.metrics)
             out[ep.name] = 0.5 if q <= 0 else 0.5 * (1.0 - min(q, self.threshold) / self.threshold)
         return out
 

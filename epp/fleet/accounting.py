@@ -17,6 +17,7 @@ picker's view of the caches is. Labels are bounded: at most `max_models` model n
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -82,6 +83,15 @@ class TokenAccounting(ResponseCompleteHook):
         self.requests = Counter(
             "epp_accounted_requests", "Finished requests by what their usage reported: details, no_details, "
             "none.", ["model", "tenant", "usage"], registry=registry)
+        # Label children looked up once: this hook runs per request. Bounded by the label caps above.
+        self._children: dict[tuple[int, str, str, str], Any] = {}
+
+    def _child(self, metric: Counter, model: str, tenant: str, kind: str = "") -> Any:
+        key = (id(metric), model, tenant, kind)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(model, tenant, kind) if kind else metric.labels(model, tenant)
+        return child
 
     def tenant_of(self, request: InferenceRequest) -> str:
         """The request's tenant under the configured source ("" when none)."""
@@ -100,33 +110,33 @@ class TokenAccounting(ResponseCompleteHook):
         usage = response.usage
         prompt = usage.get("prompt_tokens", usage.get("input_tokens")) if usage else None
         if not isinstance(prompt, int) or isinstance(prompt, bool) or prompt < 0:
-            self.requests.labels(model, tenant, "none").inc()
+            self._child(self.requests, model, tenant, "none").inc()
             return
         assert usage is not None
         output = usage.get("completion_tokens", usage.get("output_tokens"))
         if isinstance(output, int) and not isinstance(output, bool) and output > 0:
-            self.output.labels(model, tenant).inc(output)
+            self._child(self.output, model, tenant).inc(output)
         details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         reported_cached: int | None = None
         if isinstance(cached, int) and not isinstance(cached, bool) and 0 <= cached <= prompt:
             reported_cached = cached
-            self.requests.labels(model, tenant, "details").inc()
-            self.reported.labels(model, tenant, "cached").inc(cached)
-            self.reported.labels(model, tenant, "computed").inc(prompt - cached)
+            self._child(self.requests, model, tenant, "details").inc()
+            self._child(self.reported, model, tenant, "cached").inc(cached)
+            self._child(self.reported, model, tenant, "computed").inc(prompt - cached)
         else:
-            self.requests.labels(model, tenant, "no_details").inc()
-            self.reported.labels(model, tenant, "unknown").inc(prompt)
+            self._child(self.requests, model, tenant, "no_details").inc()
+            self._child(self.reported, model, tenant, "unknown").inc(prompt)
         gpu, cpu, disk = predicted_tiers(state, target.name, prompt) if target is not None else (0, 0, 0)
         predicted_cached = gpu + cpu + disk
         for tier, tokens in zip(TIERS, (gpu, cpu, disk)):
             if tokens:
-                self.predicted.labels(model, tenant, tier).inc(tokens)
-        self.predicted.labels(model, tenant, "computed").inc(prompt - predicted_cached)
+                self._child(self.predicted, model, tenant, tier).inc(tokens)
+        self._child(self.predicted, model, tenant, "computed").inc(prompt - predicted_cached)
         if reported_cached is not None:
             gap = predicted_cached - reported_cached
             if gap:
-                self.prediction_error.labels(model, tenant, "over" if gap > 0 else "under").inc(abs(gap))
+                self._child(self.prediction_error, model, tenant, "over" if gap > 0 else "under").inc(abs(gap))
         if self.on_prefill is not None and target is not None:
             computed = prompt - (reported_cached if reported_cached is not None else predicted_cached)
             self.on_prefill(target, computed)

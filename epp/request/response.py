@@ -62,7 +62,8 @@ class ResponseRewriter:
     def __init__(self, incoming: str, target: str) -> None:
         enc = lambda s: json.dumps(s, ensure_ascii=False).encode()  # noqa: E731
         self.active = incoming != target
-        self._pairs = [
+        # Built once per request on the hot path: nothing to encode when the model is not rewritten.
+        self._pairs = [] if not self.active else [
             (b'"model":' + enc(target), b'"model":' + enc(incoming)),
             (b'"model": ' + enc(target), b'"model": ' + enc(incoming)),
         ]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from typing import Any
 
@@ -21,8 +20,6 @@ from google.protobuf.message import DecodeError
 
 from epp.director import Director
 from epp.framework.errors import ErrorCode, InferenceError
-from epp.framework.plugin import CycleState
-from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 from epp.limits import Limits
 from epp.logutil import Throttled, log_failure
 from epp.metrics import EppMetrics
@@ -38,16 +35,6 @@ SUBSET_HINT_KEY = "x-gateway-destination-endpoint-subset"
 SERVED_ENDPOINT_KEY = "x-gateway-destination-endpoint-served"
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 RESPONSE_PHASES = frozenset({"response_headers", "response_body", "response_trailers"})
-# Token counts beyond this are not counts (and would overflow a float): they are not observed.
-_MAX_TOKEN_COUNT = 2**53
-
-
-def _token_count(value: Any) -> int | None:
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_TOKEN_COUNT:
-        return value
-    return None
-
-
 def _header_map(header_map: Any) -> dict[str, str]:
     """Envoy headers as a dict of lower-case names; Envoy sends values in `raw_value`."""
     out: dict[str, str] = {}
@@ -89,34 +76,32 @@ def carries_token(chunk: bytes) -> bool:
 
 
 class _Stream:
-    """State of one ext_proc stream (one HTTP request and its response)."""
+    """Transport state of one ext_proc stream (one HTTP request and its response).
 
-    __slots__ = ("service", "headers", "body_parts", "body_size", "subset_hint", "request_id",
-                 "request", "target", "state", "response", "rewriter", "response_parts",
-                 "response_size", "passthrough", "finished", "rejected", "started", "scheduled",
-                 "model_labels", "first_token_seen")
+    What the director needs to know goes to the request's `RequestLifecycle`, which also does
+    the request's accounting; this class only buffers bodies and builds the replies.
+    """
+
+    __slots__ = ("service", "life", "headers", "body_parts", "body_size", "subset_hint", "request_id",
+                 "rewriter", "response_parts", "response_size", "passthrough", "rejected")
 
     def __init__(self, service: ExtProcService) -> None:
         self.service = service
+        self.life = service.director.open_request()
         self.headers: dict[str, str] = {}
         self.body_parts: list[bytes] = []
         self.body_size = 0
         self.subset_hint: tuple[str, ...] | None = None
         self.request_id = ""
-        self.request: InferenceRequest | None = None
-        self.target: Endpoint | None = None
-        self.state = CycleState()
-        self.response = ResponseInfo()
         self.rewriter: ResponseRewriter | None = None
         self.response_parts: list[bytes] = []
         self.response_size = 0
         self.passthrough = False
-        self.finished = False
         self.rejected = False
-        self.scheduled = False
-        self.started = time.monotonic()
-        self.model_labels: tuple[str, str] = ("", "")
-        self.first_token_seen = False
+
+    @property
+    def scheduled(self) -> bool:
+        return self.life.scheduled
 
     # -- request path -------------------------------------------------------------------------
 
@@ -126,15 +111,13 @@ class _Stream:
         self.request_id = self.headers.get(REQUEST_ID_HEADER) or str(uuid.uuid4())
         if not msg.end_of_stream:
             return []  # held until the body has been scheduled
-        target = self.service.director.random_endpoint(self.subset_hint)
-        self.target = target
-        self.scheduled = True
+        target = self.life.route_without_body(self.subset_hint)
         return [messages.request_headers_response(
             [(messages.DESTINATION_ENDPOINT_HEADER, target.hostport), (REQUEST_ID_HEADER, self.request_id)],
             destination=target.hostport)]
 
     async def on_request_body(self, msg: pb.HttpBody) -> list[pb.ProcessingResponse]:
-        if self.scheduled:
+        if self.life.scheduled:
             return []  # a body after a header-only reply cannot happen; ignore defensively
         if msg.body:
             self.body_size += len(msg.body)
@@ -150,31 +133,23 @@ class _Stream:
 
     async def on_request_trailers(self) -> list[pb.ProcessingResponse]:
         # Trailers end a request whose last body message did not carry end_of_stream.
-        replies = [] if self.scheduled else await self._schedule(end_of_stream=False)
+        replies = [] if self.life.scheduled else await self._schedule(end_of_stream=False)
         replies.append(messages.request_trailers_response())
         return replies
 
     async def _schedule(self, *, end_of_stream: bool) -> list[pb.ProcessingResponse]:
         body = b"".join(self.body_parts)
         self.body_parts = []
-        service = self.service
-        request, forwarded = service.parser.parse(
+        request, forwarded = self.service.parser.parse(
             request_id=self.request_id, headers=self.headers, body=body, subset_hint=self.subset_hint)
-        self.request = request
-        self.model_labels = service.metrics.model_labels(request.model, request.target_model)
-        service.metrics.requests.labels(*self.model_labels, str(request.priority)).inc()
-        service.metrics.request_sizes.labels(*self.model_labels).observe(len(body))
-        result = await service.director.schedule(self.state, request, len(body))
-        targets = result.targets
-        self.target = targets[0]
-        self.scheduled = True
-        service.metrics.running_requests.labels(self.model_labels[0]).inc()
+        life = self.life
+        targets = (await life.schedule(request, len(body))).targets
         destination = ",".join(ep.hostport for ep in targets)
         set_headers = [(messages.DESTINATION_ENDPOINT_HEADER, destination), (REQUEST_ID_HEADER, self.request_id)]
         if forwarded:
             set_headers.append(("Content-Length", str(len(forwarded))))
         # Headers the pre-request hooks set (the prefiller's ip:port, say); routing headers stay ours.
-        set_headers.extend((k, v) for k, v in self.state.request_headers().items()
+        set_headers.extend((k, v) for k, v in life.state.request_headers().items()
                            if k not in (messages.DESTINATION_ENDPOINT_HEADER, REQUEST_ID_HEADER))
         replies = [messages.request_headers_response(set_headers, destination=destination)]
         replies.extend(messages.request_body_response(piece, eos)
@@ -187,31 +162,27 @@ class _Stream:
     def on_response_headers(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         msg = req.response_headers
         headers = _header_map(msg.headers)
-        response = self.response
+        life = self.life
+        response = life.response
         response.headers = headers
         response.status = headers.get(":status", "")
         response.served_endpoint = served_endpoint_of(req)
         response.streaming = "text/event-stream" in headers.get("content-type", "") or bool(
-            self.request and self.request.stream)
-        if self.request is not None:
-            self.service.director.response_headers(self.state, self.request, response, self.target)
-            if not response.streaming or response.status != "200":
-                # A whole (or failed) response: its prefill is over, but no first token was timed.
-                self.first_token_seen = True
-                self.service.director.first_token(self.state, observed=False)
+            life.request and life.request.stream)
+        life.response_headers()
         remove = ["content-length"] if self.rewriter is not None and self.rewriter.active else []
         replies = [messages.response_headers_response(response.set_headers.items(), remove)]
         if msg.end_of_stream:
-            self.complete()
+            life.complete()
         return replies
 
     def on_response_body(self, msg: pb.HttpBody) -> list[pb.ProcessingResponse]:
         chunk = msg.body
-        response = self.response
+        life = self.life
+        response = life.response
         if response.streaming or self.passthrough:
-            if not self.first_token_seen and self.scheduled and carries_token(chunk):
-                self.first_token_seen = True
-                self.service.director.first_token(self.state)
+            if life.awaiting_first_token and carries_token(chunk):
+                life.first_token()
             if self.rewriter is not None:
                 chunk = self.rewriter.rewrite(chunk)
             if response.streaming and response.usage is None and b"usage" in chunk:
@@ -238,11 +209,11 @@ class _Stream:
                        for piece, eos in messages.streamed_body_chunks(body)]
             self.response_parts = []
         if msg.end_of_stream:
-            self.complete()
+            life.complete()
         return replies
 
     def on_response_trailers(self) -> list[pb.ProcessingResponse]:
-        self.complete()
+        self.life.complete()
         return [messages.response_trailers_response()]
 
     def _usage_of(self, body: bytes, *, sse: bool) -> dict[str, Any] | None:
@@ -265,42 +236,6 @@ class _Stream:
         self.passthrough = True
         return [messages.response_body_response(piece, eos)
                 for piece, eos in messages.streamed_body_chunks(held, end_of_stream=msg.end_of_stream)]
-
-    def complete(self, *, aborted: bool = False) -> None:
-        """Finish the request once: metrics and completion hooks (also when the stream died)."""
-        if self.finished or not self.scheduled:
-            return
-        self.finished = True
-        self.response.end_of_stream = True
-        request = self.request
-        if request is None:
-            return
-        metrics = self.service.metrics
-        labels = self.model_labels
-        metrics.running_requests.labels(labels[0]).dec()
-        if not aborted:
-            metrics.request_duration.labels(*labels).observe(
-                time.monotonic() - self.started)
-        try:
-            self._observe_usage(labels)
-        except Exception as exc:  # metrics of a finished request never fail the response
-            log_failure(log, logging.ERROR, "token usage of request %s not recorded", exc, self.request_id)
-        self.service.director.response_complete(self.state, request, self.response, self.target)
-
-    def _observe_usage(self, labels: tuple[str, str]) -> None:
-        metrics = self.service.metrics
-        usage = self.response.usage
-        if usage:
-            prompt = _token_count(usage.get("prompt_tokens", usage.get("input_tokens")))
-            completion = _token_count(usage.get("completion_tokens", usage.get("output_tokens")))
-            if prompt is not None:
-                metrics.input_tokens.labels(*labels).observe(prompt)
-            if completion is not None:
-                metrics.output_tokens.labels(*labels).observe(completion)
-            details = usage.get("prompt_tokens_details") or usage.get("prompt_token_details") or {}
-            cached = _token_count(details.get("cached_tokens")) if isinstance(details, dict) else None
-            if cached is not None:
-                metrics.cached_tokens.labels(*labels).observe(cached)
 
 
 class ExtProcService(pb_grpc.ExternalProcessorServicer):
@@ -364,7 +299,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                     replies = await self._dispatch(stream, req)
                 except InferenceError as err:
                     stream.rejected = True
-                    metrics.request_errors.labels(*stream.model_labels, err.code.label).inc()
+                    stream.life.failed(err.code)
                     replies = [messages.immediate_response(err.code.http_status, err.body)]
                 except Exception as exc:
                     replies = self._on_failure(stream, req, exc)
@@ -388,7 +323,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
         finally:
             self.active_streams -= 1
             metrics.streams_active.dec()
-            stream.complete(aborted=True)
+            stream.life.complete(aborted=True)
 
     async def _refuse(self, context: grpc.aio.ServicerContext, stream: _Stream) -> None:
         """Answer a stream over the concurrency limit with 429 once its first message arrives."""
