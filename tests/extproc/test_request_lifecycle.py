@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -122,8 +123,7 @@ class _Producer(DataProducer):
 async def test_a_producer_past_the_deadline_is_cut_off_and_the_request_still_scheduled(monkeypatch):
     monkeypatch.setattr(director_module, "PREPARE_DATA_TIMEOUT_S", 0.2)
     fast, slow, late = _Producer("fast", 0), _Producer("slow", 30), _Producer("late", 0)
-    pipeline = simple_pipeline()
-    pipeline.producers = [fast, slow, late]
+    pipeline = dataclasses.replace(simple_pipeline(), data_producers=(fast, slow, late))
     registry = EndpointRegistry()
     registry.set_endpoints(parse_endpoint_list("10.0.0.1:8000"))
     life = Director(pipeline, registry, EppMetrics()).open_request()
