@@ -58,7 +58,8 @@ def flow_controller(plugins: PluginSet, config: FlowControlConfig, detector: Sat
 
     endpoints = plugins.context.endpoints
     assert endpoints is not None  # the caller builds a flow controller only for a pool
-    controller = FlowController(config, detector, endpoints, FlowControlMetrics(plugins.context.metrics_registry))
+    controller = FlowController(config, detector, endpoints, plugins.context.load,
+                                FlowControlMetrics(plugins.context.metrics_registry))
     endpoints.add_metrics_listener(controller.on_metrics_update)
-    endpoints.add_listener(controller.forget_endpoints)
+    endpoints.add_listener(controller.on_endpoints_changed)
     return controller

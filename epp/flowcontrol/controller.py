@@ -21,7 +21,6 @@ import itertools
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -30,6 +29,7 @@ from epp.flowcontrol.metrics import FlowControlMetrics
 from epp.flowcontrol.ordering import QueuedRequest
 from epp.flowcontrol.queues import PriorityBand
 from epp.framework.errors import ErrorCode, InferenceError
+from epp.framework.load import InflightLedger
 from epp.framework.types import Endpoint, InferenceRequest
 
 log = logging.getLogger(__name__)
@@ -38,10 +38,6 @@ CAPACITY_MESSAGE = "request rejected by flow control: queue capacity exceeded"
 TTL_MESSAGE = "request timed out in queue"
 # Envoy's own deadline for the request (set from the route timeout): the EDF ordering uses it.
 ENVOY_TIMEOUT_HEADER = "x-envoy-expected-rq-timeout-ms"
-# A dispatched request reaches its replica a little after the picker answers Envoy: a scrape
-# finished within this window may not count it yet.
-PLACEMENT_GRACE_S = 0.02
-MAX_UNSEEN_PER_ENDPOINT = 10_000
 
 
 class SaturationDetector(Protocol):
@@ -77,10 +73,14 @@ class FlowController:
     """GIE-style flow control in front of the scheduler (one per picker process)."""
 
     def __init__(self, config: FlowControlConfig, detector: SaturationDetector, pool: EndpointPool,
-                 metrics: FlowControlMetrics | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+                 ledger: InflightLedger, metrics: FlowControlMetrics | None = None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.detector = detector
         self.pool = pool
+        # The director books every placed request here; its `unseen_requests` are what the
+        # metrics cannot show yet (also requests whose response the picker never sees).
+        self.ledger = ledger
         self.metrics = metrics or FlowControlMetrics()
         self.clock = clock
         self._bands: dict[int, PriorityBand] = {}
@@ -88,13 +88,6 @@ class FlowController:
         self.queued_requests = 0
         self.queued_bytes = 0
         self._unplaced = 0  # let through, not yet placed by the scheduler
-        # endpoint -> dispatch times its metrics may not show. Not the in-flight ledger's
-        # `unseen_requests`: the ledger forgets a request once the picker sees it end, and when
-        # Envoy does not send responses to the picker that is the end of the request phase, so
-        # it would count nothing (tried: in the flow-control bench, which sends no responses to
-        # the picker, the replicas' queues filled and interactive requests timed out in the
-        # picker's). A dispatch counts here until a scrape shows it, finished or not.
-        self._unseen: dict[str, deque[float]] = {}
         self._sequence = itertools.count()
         self._wake_scheduled = False
         self._in_cycle = False
@@ -227,25 +220,13 @@ class FlowController:
         self._unplaced -= 1
         if endpoint is None:
             self.wake()
-            return
-        times = self._unseen.get(endpoint)
-        if times is None:
-            times = self._unseen[endpoint] = deque(maxlen=MAX_UNSEEN_PER_ENDPOINT)
-        times.append(self.clock())
 
     def saturation(self) -> float:
         """The detector's rating of the pool, counting dispatches its metrics do not show yet."""
         endpoints = [ep for ep in self.pool.snapshot() if ep.healthy]
         if not endpoints:
             return self.detector.saturation(endpoints)
-        extra: list[int] = []
-        for ep in endpoints:
-            times = self._unseen.get(ep.name)
-            if times:
-                seen_until = ep.metrics.update_time - PLACEMENT_GRACE_S
-                while times and times[0] <= seen_until:
-                    times.popleft()
-            extra.append(len(times) if times else 0)
+        extra = [self.ledger.load(ep).unseen_requests for ep in endpoints]
         if self._unplaced:
             # Not placed yet: assume the scheduler sends each to the least-loaded endpoint.
             order = sorted(range(len(endpoints)), key=lambda i: endpoints[i].metrics.waiting_queue_size + extra[i])
@@ -257,8 +238,6 @@ class FlowController:
                 for ep, add in zip(endpoints, extra, strict=True)]
         return self.detector.saturation(endpoints)
 
-    def forget_endpoints(self, added: Sequence[Endpoint], removed: Sequence[Endpoint]) -> None:
-        """Drop the dispatch history of removed endpoints and run a cycle (new endpoints mean room)."""
-        for ep in removed:
-            self._unseen.pop(ep.name, None)
+    def on_endpoints_changed(self, added: Sequence[Endpoint], removed: Sequence[Endpoint]) -> None:
+        """The set of endpoints changed: run a cycle (new endpoints mean room)."""
         self.wake()

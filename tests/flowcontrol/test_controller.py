@@ -10,9 +10,10 @@ import pytest
 import yaml
 
 from epp.flowcontrol.config import parse_flow_control
-from epp.flowcontrol.controller import FlowController
+from epp.flowcontrol.controller import Dispatch, FlowController
 from epp.flowcontrol.usage import StaticUsageLimitPolicy
 from epp.framework.errors import InferenceError
+from epp.framework.load import Booking, InflightLedger
 from epp.framework.types import ApiKind, Endpoint, EndpointMetrics, InferenceRequest
 from epp.scorers.saturation import UtilizationDetector
 
@@ -36,7 +37,14 @@ class Pool:
 def controller(pool: Pool, section: str = "{}", threshold: float = 1) -> FlowController:
     config = parse_flow_control(yaml.safe_load(section))
     return FlowController(config, UtilizationDetector(queue_depth_threshold=threshold,
-                                                      metrics_staleness_threshold=60), pool)
+                                                      metrics_staleness_threshold=60), pool, InflightLedger())
+
+
+def place(fc: FlowController, dispatch: Dispatch, endpoint: str) -> Booking:
+    """What the director does with a request let through: book the pick, then report it placed."""
+    booking = fc.ledger.pick(endpoint, prompt_tokens=10)
+    dispatch.placed(endpoint)
+    return booking
 
 
 def request(rid: str, priority: int = 0, tenant: str = "default-flow", **headers: str) -> InferenceRequest:
@@ -48,7 +56,7 @@ async def test_room_now_means_no_wait():
     fc = controller(Pool(0, 0))
     dispatch = fc.admit(request("a"), 10)
     granted = await asyncio.wait_for(dispatch, 0.1)
-    granted.placed("10.0.0.1:8000")
+    place(fc, granted, "10.0.0.1:8000")
     assert fc.queued_requests == 0
 
 
@@ -60,8 +68,8 @@ async def test_dispatches_the_metrics_do_not_show_yet_count_as_waiting():
     await asyncio.sleep(0.01)
     done = [t for t in tasks if t.done()]
     assert len(done) == 2 and fc.queued_requests == 2
-    done[0].result().placed("10.0.0.1:8000")
-    done[1].result().placed("10.0.0.2:8000")
+    place(fc, done[0].result(), "10.0.0.1:8000")
+    place(fc, done[1].result(), "10.0.0.2:8000")
     pool.scrape(0, 0)  # the first replica finished its request
     fc.on_metrics_update()
     await asyncio.sleep(0.01)
@@ -70,26 +78,38 @@ async def test_dispatches_the_metrics_do_not_show_yet_count_as_waiting():
         t.cancel()
 
 
-async def test_a_dispatch_counts_until_a_scrape_shows_it_even_when_it_already_finished():
-    # Envoy may not send responses to the picker: "finished" is then only the end of the request
-    # phase, and the replica still works on it. Two idle endpoints, threshold 1: two fit.
+async def test_a_dispatch_whose_response_the_picker_never_sees_counts_until_a_scrape_shows_it():
+    # Envoy may keep responses from the picker: the stream then ends with the request phase while
+    # the replica still works on it. Two idle endpoints, threshold 1: two fit.
     pool = Pool(0, 0)
     fc = controller(pool)
     tasks = [asyncio.ensure_future(fc.admit(request(f"r{i}"), 1)) for i in range(3)]
     await asyncio.sleep(0.01)
     done = [t for t in tasks if t.done()]
     assert len(done) == 2
-    done[0].result().placed("10.0.0.1:8000")
-    done[1].result().placed("10.0.0.2:8000")
-    fc.on_request_complete()
-    fc.on_request_complete()
+    for dispatch, endpoint in zip(done, ("10.0.0.1:8000", "10.0.0.2:8000"), strict=True):
+        fc.ledger.complete(place(fc, dispatch.result(), endpoint), response_seen=False)
+        fc.on_request_complete()
     await asyncio.sleep(0.01)
     assert sum(t.done() for t in tasks) == 2  # no scrape since: both replicas still count as busy
     pool.scrape(1, 0)
     fc.on_metrics_update()
     await asyncio.sleep(0.01)
     assert all(t.done() for t in tasks)
-    tasks[2].result().placed("10.0.0.2:8000")
+    place(fc, tasks[2].result(), "10.0.0.2:8000")
+
+
+async def test_an_answered_request_frees_its_room_before_the_next_scrape():
+    fc = controller(Pool(0))
+    first = place(fc, await fc.admit(request("a"), 1), "10.0.0.1:8000")
+    second = asyncio.ensure_future(fc.admit(request("b"), 1))
+    await asyncio.sleep(0.01)
+    assert not second.done()
+    fc.ledger.complete(first, response_seen=True)
+    fc.on_request_complete()
+    await asyncio.sleep(0.01)
+    assert second.done()
+    place(fc, second.result(), "10.0.0.1:8000")
 
 
 async def test_a_saturated_high_band_blocks_lower_bands():
@@ -103,7 +123,7 @@ async def test_a_saturated_high_band_blocks_lower_bands():
     fc.on_metrics_update()
     await asyncio.sleep(0.01)
     assert high.done() and not low.done()  # one slot: the higher band takes it, the lower one waits
-    high.result().placed("10.0.0.1:8000")
+    place(fc, high.result(), "10.0.0.1:8000")
     low.cancel()
 
 
@@ -116,7 +136,7 @@ async def test_a_failed_placement_frees_its_room_for_the_next_request():
     first.placed(None)  # scheduling failed: nothing reached the replica
     await asyncio.sleep(0.01)
     assert second.done()
-    second.result().placed("10.0.0.1:8000")
+    place(fc, second.result(), "10.0.0.1:8000")
 
 
 async def test_ttl_and_capacity_errors():
