@@ -15,6 +15,9 @@ Topics: vLLM publishes on topic `""` unless `--kv-events-config` sets one. `mode
 `defaultModel`, or the one model of `tokenizers` when there is exactly one. `mode: centralized`
 binds one socket for all replicas and needs the topic `kv@<ip:port>@<model>` to tell them
 apart; messages on any other topic are dropped, counted and explained in a warning.
+Index backend: `indexBackend: memory` (default, this process) or `redis` (entries in the Redis
+at `redisUrl`, shared by every picker of the pool; see epp.kvevents.redis_index: capacity is
+Redis's maxmemory, and a Redis that is down or slower than `redisTimeout` means no prefix scores).
 """
 
 from __future__ import annotations
@@ -42,8 +45,8 @@ from epp.framework.plugin import (
 )
 from epp.framework.registry import PluginParams, PluginRegistry
 from epp.framework.types import Endpoint, InferenceRequest
+from epp.kvevents.backend import BACKENDS, InMemoryKVIndex, KVIndexBackend
 from epp.kvevents.decoding import Tier
-from epp.kvevents.index import KVBlockIndex
 from epp.kvevents.metrics import KVIndexMetrics, KVSubscriberMetrics
 from epp.kvevents.subscriber import MODES, KVEventSubscriber, SubscriberConfig
 from epp.scorers.durations import parse_duration
@@ -118,12 +121,26 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
         cache_tokens = params.int("tokenizationCacheTokens", 4_000_000, minimum=0)
         offload_chars = params.int("offloadTokenizationChars", 4096, minimum=0)
 
+        backend = params.str("indexBackend", "memory", choices=BACKENDS)
+        redis_url = params.str("redisUrl", None)
+        redis_prefix = params.str("redisKeyPrefix", "epp:kv:")
+        redis_timeout = _seconds(params, "redisTimeout", 0.05)
+        if backend == "redis" and not redis_url:
+            raise ConfigError(f"plugin {name!r}: indexBackend redis needs redisUrl (redis://host:port/db)")
+        if backend != "redis" and redis_url:
+            raise ConfigError(f"plugin {name!r}: redisUrl is set but indexBackend is {backend!r} (set it to redis)")
+
         registry = context.metrics_registry
-        self.index = KVBlockIndex(
-            self.block_size, capacity, engine_capacity_per_endpoint=engine_capacity,
-            offload_chunk_blocks=offload_chunk,
-            speculative_ttl_s=speculative_ttl,
-            metrics=_exported(KVIndexMetrics, registry))
+        self.index: KVIndexBackend
+        if backend == "redis":
+            self.index = _redis_index(name, redis_url or "", self.block_size, redis_prefix, redis_timeout,
+                                      engine_capacity, offload_chunk, speculative_ttl, registry)
+        else:
+            self.index = InMemoryKVIndex(
+                self.block_size, capacity, engine_capacity_per_endpoint=engine_capacity,
+                offload_chunk_blocks=offload_chunk,
+                speculative_ttl_s=speculative_ttl,
+                metrics=_exported(KVIndexMetrics, registry))
         self.subscriber = KVEventSubscriber(
             self.index, config, context.endpoints,
             _exported(KVSubscriberMetrics, registry))
@@ -135,12 +152,14 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
     async def start(self) -> None:
         if self.tokenizers is not None:
             await self.tokenizers.preload()
+        await self.index.start()
         if self.subscribe:
             await self.subscriber.start()
 
     async def stop(self) -> None:
         if self.subscribe:
             await self.subscriber.stop()
+        await self.index.stop()
         if self.tokenizers is not None:
             self.tokenizers.close()
 
@@ -167,7 +186,7 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
         else:
             keys = self.index.keyer.request_keys(tokens, request.target_model, request.cache_salt)
         state.put(self.name, keys)
-        matches = self.index.lookup(keys, [ep.name for ep in endpoints]) if keys else {}
+        matches = await self.index.lookup_async(keys, [ep.name for ep in endpoints]) if keys else {}
         weights = self.tier_weights
         total_blocks = len(keys)
         for ep in endpoints:
@@ -188,6 +207,19 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
         for profile in result.profile_results.values():
             if profile is not None and profile.targets:
                 self.index.add_speculative(profile.targets[0].name, keys)
+
+
+def _redis_index(name: str, url: str, block_size: int, prefix: str, timeout_s: float, engine_capacity: int,
+                 offload_chunk: int, speculative_ttl: float, registry: CollectorRegistry | None) -> KVIndexBackend:
+    """The Redis backend (optional dependency), with a config error when it cannot be built."""
+    try:
+        from epp.kvevents.redis_index import RedisIndexMetrics, RedisKVIndex
+        return RedisKVIndex(
+            url, block_size, key_prefix=prefix, timeout_s=timeout_s, engine_capacity_per_endpoint=engine_capacity,
+            offload_chunk_blocks=offload_chunk, speculative_ttl_s=speculative_ttl,
+            metrics=_exported(KVIndexMetrics, registry), redis_metrics=_exported(RedisIndexMetrics, registry))
+    except (RuntimeError, ValueError) as exc:  # no redis package, or a URL it cannot parse
+        raise ConfigError(f"plugin {name!r}: indexBackend redis: {exc}") from exc
 
 
 def register(registry: PluginRegistry) -> None:

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 import zmq
 import zmq.asyncio
 
+from epp.kvevents.backend import KVIndexBackend
 from epp.kvevents.decoding import (
     KVEventDecodeError,
     Topic,
@@ -51,7 +52,7 @@ from epp.kvevents.decoding import (
     pod_endpoint_name,
     pod_host,
 )
-from epp.kvevents.index import DEFAULT_POOL, KVBlockIndex
+from epp.kvevents.index import DEFAULT_POOL
 from epp.kvevents.metrics import KVSubscriberMetrics
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -127,9 +128,9 @@ class _Stream:
 
 
 class KVEventSubscriber:
-    """Receives KV-event batches over ZMQ and applies them, in order, to a `KVBlockIndex`."""
+    """Receives KV-event batches over ZMQ and applies them, in order, to a KV index backend."""
 
-    def __init__(self, index: KVBlockIndex, config: SubscriberConfig,
+    def __init__(self, index: KVIndexBackend, config: SubscriberConfig,
                  endpoints: EndpointRegistry | None = None,
                  metrics: KVSubscriberMetrics | None = None) -> None:
         self.index = index
