@@ -43,10 +43,11 @@ removals lost in an outage leave stale entries until the block is announced agai
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -68,14 +69,19 @@ log = logging.getLogger(__name__)
 _BIT = (1, 2, 4)  # Tier -> bit of the stored mask
 _ALL = 7
 _BEST_TIER = (Tier.GPU, Tier.GPU, Tier.CPU, Tier.GPU, Tier.DISK, Tier.GPU, Tier.CPU, Tier.GPU)
+# A lookup run's characters (byte values) → tier: '1'..'7' a stored mask's best tier, 'g' a claim (GPU).
+_RUN_TIER: list[Tier | None] = [None] * 256
+for _mask in range(1, 8):
+    _RUN_TIER[ord(str(_mask))] = _BEST_TIER[_mask]
+_RUN_TIER[ord("g")] = Tier.GPU
 
-# KEYS: entry keys; ARGV: per key (endpoint, bits to set, bits to clear). Idempotent per key.
+# KEYS: entry keys; ARGV: per key (endpoint, op), op = bits to set + 8 x bits to clear. Idempotent.
 _WRITE_LUA = """
 for i, k in ipairs(KEYS) do
-  local j = 3 * (i - 1)
-  local ep = ARGV[j + 1]
+  local ep = ARGV[2 * i - 1]
+  local op = tonumber(ARGV[2 * i])
   local old = tonumber(redis.call('HGET', k, ep) or '0')
-  local new = bit.bor(bit.band(old, bit.bnot(tonumber(ARGV[j + 3]))), tonumber(ARGV[j + 2]))
+  local new = bit.bor(bit.band(old, bit.bnot(bit.rshift(op, 3))), bit.band(op, 7))
   if new ~= old then
     if new == 0 then redis.call('HDEL', k, ep) else redis.call('HSET', k, ep, new) end
   end
@@ -83,28 +89,52 @@ end
 return #KEYS
 """
 
-# KEYS: the prompt's entry keys in order; ARGV[1]: keys to walk whatever they hold (speculative
-# claims cover them); ARGV[2..]: candidate endpoints (none: all). Returns, per key walked, the
-# candidates' [endpoint, mask, ...], up to the first key no candidate holds.
+# The in-memory index's run rule, run where the entries are (one round trip, only the runs return).
+# KEYS: the prompt's entry keys in order. ARGV[1]: n candidate endpoints (0: every holder of the
+# first key and every endpoint claimed for it), ARGV[2]: s keys claimed by the caller, ARGV[3..2+n]:
+# the candidates, ARGV[3+n..2+n+s]: per key from the first, the endpoints claimed for it, '\n'-joined.
+# Returns {keys matched, endpoint, run, endpoint, run, ...}: a run has one character per block,
+# the stored mask ('1'..'7') or 'g' for a claim Redis does not confirm.
 _LOOKUP_LUA = """
-local min_walk = tonumber(ARGV[1])
-local cand = nil
-if #ARGV > 1 then
-  cand = {}
-  for i = 2, #ARGV do cand[ARGV[i]] = true end
-end
-local out = {}
+local n = tonumber(ARGV[1])
+local s = tonumber(ARGV[2])
+local alive = {}
+for i = 1, n do alive[i] = ARGV[2 + i] end
+local runs = {}
+local matched = 0
 for i, k in ipairs(KEYS) do
   local h = redis.call('HGETALL', k)
-  local row = h
-  if cand then
-    row = {}
-    for j = 1, #h, 2 do
-      if cand[h[j]] then row[#row + 1] = h[j]; row[#row + 1] = h[j + 1] end
+  local held = {}
+  for j = 1, #h, 2 do held[h[j]] = h[j + 1] end
+  local claimed = {}
+  local any_claim = false
+  if i <= s then
+    for name in string.gmatch(ARGV[2 + n + i], '[^\\n]+') do claimed[name] = true; any_claim = true end
+  end
+  if i == 1 and n == 0 then
+    for j = 1, #h, 2 do alive[#alive + 1] = h[j] end
+    for name in pairs(claimed) do if not held[name] then alive[#alive + 1] = name end end
+  end
+  if #h == 0 and not any_claim then break end
+  local still = {}
+  for _, name in ipairs(alive) do
+    local mark = held[name]
+    if not mark and claimed[name] then mark = 'g' end
+    if mark then
+      local run = runs[name]
+      if not run then run = {}; runs[name] = run end
+      run[#run + 1] = mark
+      still[#still + 1] = name
     end
   end
-  if #row == 0 and i > min_walk then break end
-  out[i] = row
+  if #still == 0 then break end
+  alive = still
+  matched = i
+end
+local out = {matched}
+for name, run in pairs(runs) do
+  out[#out + 1] = name
+  out[#out + 1] = table.concat(run)
 end
 return out
 """
@@ -137,29 +167,81 @@ class RedisIndexMetrics:
                                **kw)
 
 
+# An engine block's per-tier counts packed in one int (21 bits a tier; GPU is a flag): a GPU-only
+# block's counts are the cached small int 1, where a list of three costs 80 bytes.
+_SHIFT = (0, 21, 42)
+_FIELD = (1 << 21) - 1
+
+
 class _Block:
     """What an endpoint's engine block maps to: request keys, the chain to continue, tier counts."""
 
-    __slots__ = ("chain_key", "counts", "hash", "keys", "parent", "tail", "tail_hashes")
+    __slots__ = ("_keys", "chain_key", "counts", "hash", "parent", "tail", "tail_hashes")
 
     def __init__(self, block_hash: int) -> None:
         self.hash = block_hash
-        self.keys: tuple[int, ...] = ()
+        self._keys: int | tuple[int, ...] = ()  # one key unboxed (the common case), else a tuple
         self.parent: int | None = None
         self.chain_key = 0
         self.tail: tuple[int, ...] = ()
         self.tail_hashes: tuple[int, ...] = ()
-        self.counts = [0, 0, 0]  # per tier; GPU is a flag
+        self.counts = 0
+
+    @property
+    def keys(self) -> tuple[int, ...]:
+        """The request keys this engine block's tokens fall in."""
+        keys = self._keys
+        return (keys,) if keys.__class__ is int else keys  # type: ignore[return-value]
+
+    def add_keys(self, keys: Sequence[int]) -> None:
+        """Add `keys` (each kept once)."""
+        held = self.keys
+        new = held + tuple(k for k in keys if k not in held)
+        self._keys = new[0] if len(new) == 1 else new
+
+    def count(self, tier: Tier) -> int:
+        return (self.counts >> _SHIFT[tier]) & _FIELD
+
+    def set_count(self, tier: Tier, value: int) -> None:
+        shift = _SHIFT[tier]
+        self.counts = (self.counts & ~(_FIELD << shift)) | (min(value, _FIELD) << shift)
+
+    def mask(self) -> int:
+        """The tiers holding this block, as entry bits."""
+        return sum(_BIT[t] for t in Tier if self.count(t))
 
 
-def _compose(ops: dict[tuple[int, str], list[int]], key: int, endpoint: str, set_bits: int, clear_bits: int) -> None:
-    """Queue `(mask & ~clear_bits) | set_bits` for (key, endpoint) after what is queued already."""
-    op = ops.get((key, endpoint))
-    if op is None:
-        ops[(key, endpoint)] = [set_bits, clear_bits]
-    else:
-        op[0] = (op[0] & ~clear_bits) | set_bits
-        op[1] = (op[1] & ~set_bits) | clear_bits
+class _PendingWrites:
+    """Bit operations queued for Redis, one per (endpoint, key), composed in order: an op is
+    `set | clear << 3` and applies as `(mask & ~clear) | set` (set then clear = clear)."""
+
+    __slots__ = ("by_endpoint", "size")
+
+    def __init__(self) -> None:
+        self.by_endpoint: dict[str, dict[int, int]] = {}
+        self.size = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def add(self, endpoint: str, key: int, set_bits: int, clear_bits: int) -> None:
+        """Queue `(mask & ~clear_bits) | set_bits` after what is queued for (endpoint, key)."""
+        ops = self.by_endpoint.get(endpoint)
+        if ops is None:
+            ops = self.by_endpoint[endpoint] = {}
+        op = ops.get(key)
+        if op is None:
+            self.size += 1
+        else:
+            set_bits |= op & 7 & ~clear_bits
+            clear_bits |= (op >> 3) & ~set_bits
+        ops[key] = set_bits | clear_bits << 3
+
+    def items(self) -> Iterator[tuple[str, int, int]]:
+        """(endpoint, key, op) in queue order per endpoint."""
+        for endpoint, ops in self.by_endpoint.items():
+            for key, op in ops.items():
+                yield endpoint, key, op
 
 
 class RedisKVIndex:
@@ -214,8 +296,9 @@ class RedisKVIndex:
         self._pools: dict[str, str] = {}
         self._spec: dict[int, dict[str, float]] = {}
         self._spec_queue: deque[tuple[float, int, str]] = deque()
-        self._ops: dict[tuple[int, str], list[int]] = {}
+        self._ops = _PendingWrites()
         self._ops_ready = asyncio.Event()
+        self._writing = asyncio.Lock()  # one flush at a time: a later batch never lands before an earlier one
         self._healthy = False
         self._run_id: str | None = None
         self._needs_resync = False
@@ -301,19 +384,19 @@ class RedisKVIndex:
     def _queued(self) -> None:
         if len(self._ops) > self.max_pending_writes:
             self.redis_metrics.dropped_writes.inc(len(self._ops))
-            self._ops.clear()
+            self._ops = _PendingWrites()
             self._needs_resync = True
         if self._ops:
             self._ops_ready.set()
 
     def _set(self, key: int, endpoint: str, bit: int) -> None:
-        _compose(self._ops, key, endpoint, bit, 0)
+        self._ops.add(endpoint, key, bit, 0)
         spec = self._spec.get(key)
         if spec is not None and spec.pop(endpoint, None) is not None and not spec:
             del self._spec[key]
 
     def _clear(self, key: int, endpoint: str, bits: int) -> None:
-        _compose(self._ops, key, endpoint, 0, bits)
+        self._ops.add(endpoint, key, 0, bits)
 
     def _stored(self, endpoint: str, ev: BlockStored, model: str | None, stats: ApplyStats) -> None:
         if (ev.group_idx or 0) != 0 or ev.kv_cache_spec_kind not in (None, "full_attention"):
@@ -368,8 +451,8 @@ class RedisKVIndex:
                 first_j = 0
                 for th in tail_hashes:
                     teb = engine.get(th)
-                    if teb is not None and key not in teb.keys:
-                        teb.keys += (key,)  # so its removal clears the key (set below by this block)
+                    if teb is not None:
+                        teb.add_keys((key,))  # so its removal clears the key (set below by this block)
             else:
                 first_j = (start - offset) // esize
             for j in range(first_j, last_j + 1):
@@ -380,9 +463,9 @@ class RedisKVIndex:
             eb: _Block | None = engine.pop(h, None)
             if eb is None:
                 eb = _Block(h)
-                eb.keys = tuple(keys_by_block[j])
+                eb.add_keys(keys_by_block[j])
             else:  # re-announced: keep keys that children's events added to it
-                eb.keys += tuple(k for k in keys_by_block[j] if k not in eb.keys)
+                eb.add_keys(keys_by_block[j])
             engine[h] = eb  # newest last, for the FIFO bound
             eb.parent = ev.parent_block_hash if j == 0 else ev.block_hashes[j - 1]
             eb.chain_key = keys[done - 1] if done > 0 else chain
@@ -400,9 +483,9 @@ class RedisKVIndex:
             self._trim_engine(endpoint, engine)
 
     def _add_tier(self, endpoint: str, eb: _Block, tier: Tier, force_bits: bool = False) -> None:
-        counts = eb.counts
-        counts[tier] = 1 if tier is Tier.GPU else counts[tier] + 1
-        if force_bits or counts[tier] == 1:
+        count = 1 if tier is Tier.GPU else eb.count(tier) + 1
+        eb.set_count(tier, count)
+        if force_bits or count == 1:
             for key in eb.keys:
                 self._set(key, endpoint, _BIT[tier])
 
@@ -414,20 +497,21 @@ class RedisKVIndex:
         tier = ev.tier
         for h in ev.block_hashes:
             chunk = self._offload_chunk(engine, h, tier) if engine else []
-            if not chunk or chunk[0].counts[tier] == 0:
+            if not chunk or chunk[0].count(tier) == 0:
                 stats.drop("unknown_engine_key")
                 continue
             for eb in chunk:
-                count = eb.counts[tier]
+                count = eb.count(tier)
                 if count == 0:
                     continue
-                count = eb.counts[tier] = 0 if tier is Tier.GPU else count - 1
+                count = 0 if tier is Tier.GPU else count - 1
+                eb.set_count(tier, count)
                 if count == 0:
                     for key in eb.keys:
                         self._clear(key, endpoint, _BIT[tier])
             assert engine is not None
             for eb in chunk:
-                if not any(eb.counts) and engine.get(eb.hash) is eb:
+                if not eb.counts and engine.get(eb.hash) is eb:
                     del engine[eb.hash]
         stats.applied += 1
 
@@ -451,7 +535,7 @@ class RedisKVIndex:
         evicted = 0
         while len(engine) > self.engine_capacity:
             eb = engine.pop(next(iter(engine)))
-            mask = sum(_BIT[t] for t in Tier if eb.counts[t])
+            mask = eb.mask()
             if mask:  # its removal can no longer be seen: stop claiming it
                 for key in eb.keys:
                     self._clear(key, endpoint, mask)
@@ -485,9 +569,9 @@ class RedisKVIndex:
         self.redis_metrics.resyncs.inc()
         for endpoint, engine in self._engine.items():
             for eb in engine.values():
-                mask = sum(_BIT[t] for t in Tier if eb.counts[t])
+                mask = eb.mask()
                 for key in eb.keys:
-                    _compose(self._ops, key, endpoint, mask, 0)
+                    self._ops.add(endpoint, key, mask, 0)
         self._needs_resync = False
         if self._ops:
             self._ops_ready.set()
@@ -509,23 +593,28 @@ class RedisKVIndex:
     async def _flush_once(self) -> None:
         """Write the queued operations, one script call per `write_chunk` of them; on failure the
         unwritten ones go back under what was queued since (writes are idempotent)."""
-        ops, self._ops = self._ops, {}
-        items = list(ops.items())
-        done = 0
+        async with self._writing:
+            await self._write_queued()
+
+    async def _write_queued(self) -> None:
+        taken, self._ops = self._ops, _PendingWrites()
+        pending = taken.items()
+        chunk: list[tuple[str, int, int]] = []
         try:
-            for i in range(0, len(items), self.write_chunk):
-                chunk = items[i:i + self.write_chunk]
-                keys = [self._redis_key(key) for (key, _), _ in chunk]
+            while True:
+                chunk = list(itertools.islice(pending, self.write_chunk))
+                if not chunk:
+                    return
+                keys = [self.prefix + key.to_bytes(8, "big") for _, key, _ in chunk]
                 args: list[Any] = []
-                for (_, endpoint), (set_bits, clear_bits) in chunk:
-                    args += (endpoint, set_bits, clear_bits)
+                for endpoint, _, op in chunk:
+                    args += (endpoint, op)
                 await asyncio.wait_for(self._write_script(keys=keys, args=args), max(self.timeout_s, 1.0) * 10)
-                done = i + len(chunk)
                 self.redis_metrics.written.inc(len(chunk))
         except BaseException:
-            newer, self._ops = self._ops, dict(items[done:])
-            for (key, endpoint), (set_bits, clear_bits) in newer.items():
-                _compose(self._ops, key, endpoint, set_bits, clear_bits)
+            newer, self._ops = self._ops, _PendingWrites()
+            for endpoint, key, op in itertools.chain(chunk, pending, newer.items()):
+                self._ops.add(endpoint, key, op & 7, op >> 3)
             raise
 
     # ---- health ----------------------------------------------------------------------------------
@@ -644,52 +733,31 @@ class RedisKVIndex:
         if self._spec_queue:
             self._purge_speculative(self._clock())
         spec_all = self._spec
-        spec_walk = 0  # keys from the start that this picker claimed: walk them whatever Redis holds
-        while spec_walk < len(keys) and keys[spec_walk] in spec_all:
-            spec_walk += 1
+        claims: list[str] = []  # per key from the first, the endpoints this picker claimed for it
+        if spec_all:
+            claims = ["\n".join(spec_all.get(key, ())) for key in keys]
+            while claims and not claims[-1]:
+                claims.pop()
         names = None if endpoints is None else list(endpoints)
         if names is not None and pool is not None:
             names = [n for n in names if self._pools.get(n, DEFAULT_POOL) == pool]
+        if names is not None and not names:
+            return {}
         try:
-            rows = await asyncio.wait_for(
-                self._lookup_script(keys=[self._redis_key(k) for k in keys], args=[spec_walk, *(names or ())]),
+            reply = await asyncio.wait_for(
+                self._lookup_script(keys=[self._redis_key(k) for k in keys],
+                                    args=[len(names or ()), len(claims), *(names or ()), *claims]),
                 self.timeout_s)
         except (RedisError, OSError, TimeoutError) as exc:
             self._mark_down("lookup", exc)
             self.redis_metrics.degraded_lookups.inc()
             return {}
-        if names is None:  # every endpoint holding (or claimed for) the first block
-            first = rows[0] if rows else []
-            names = list(dict.fromkeys([n.decode() for n in first[::2]] + list(spec_all.get(keys[0], ()))))
-            if pool is not None:
-                names = [n for n in names if self._pools.get(n, DEFAULT_POOL) == pool]
-        return self._walk(keys, rows, names)
-
-    def _walk(self, keys: Sequence[int], rows: list[list[bytes]], names: list[str]) -> dict[str, list[Tier]]:
-        """The in-memory index's run rule over the rows Redis returned plus this picker's claims."""
-        result: dict[str, list[Tier]] = {}
-        alive = list(dict.fromkeys(names))
-        matched = 0
-        best = _BEST_TIER
-        for i, key in enumerate(keys):
-            row = rows[i] if i < len(rows) else ()
-            held = {row[j].decode(): int(row[j + 1]) for j in range(0, len(row), 2)} if row else {}
-            spec = self._spec.get(key)
-            if not held and not spec:
-                break
-            still = []
-            for name in alive:
-                mask = held.get(name, 0)
-                if mask:
-                    result.setdefault(name, []).append(best[mask & _ALL])
-                elif spec is not None and name in spec:
-                    result.setdefault(name, []).append(Tier.GPU)
-                else:
-                    continue
-                still.append(name)
-            if not still:
-                break
-            alive = still
-            matched += 1
+        matched = int(reply[0])
         self.metrics.record_lookup(matched, len(keys) - matched)
+        tier_of = _RUN_TIER
+        result: dict[str, list[Tier]] = {}
+        for i in range(1, len(reply), 2):
+            name = reply[i].decode()
+            if pool is None or self._pools.get(name, DEFAULT_POOL) == pool:
+                result[name] = [tier_of[c] for c in reply[i + 1]]  # type: ignore[misc]
         return result
