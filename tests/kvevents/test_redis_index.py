@@ -269,3 +269,58 @@ async def test_a_lookup_slower_than_the_timeout_degrades():
         await index.stop()
         await blocker.stop()
         server.stop()
+
+
+async def test_pickers_subscribed_to_the_same_replicas_keep_one_shared_index_through_a_restart(redis_server):
+    """Real ZMQ publishers and subscribers: two writing pickers apply every replica's events into one
+    Redis, a third picker only reads; a replica restart clears its entries for every picker."""
+    from epp.datalayer.registry import EndpointRegistry, EndpointSpec
+    from epp.kvevents.metrics import KVSubscriberMetrics
+    from epp.kvevents.subscriber import KVEventSubscriber, SubscriberConfig
+    from tests.kvevents.publisher import FakePublisher
+
+    prefix = fresh_prefix()
+    pubs = [FakePublisher(f"kv@127.0.0.1:{9000 + i}@{MODEL}") for i in range(2)]
+    names = [f"127.0.0.1:{9000 + i}" for i in range(2)]
+    endpoints = EndpointRegistry()
+    endpoints.set_endpoints([EndpointSpec("127.0.0.1", 9000 + i, {"kv-events-port": str(pub.port),
+                                                                  "kv-replay-port": str(pub.replay_port)})
+                             for i, pub in enumerate(pubs)])
+    writers = [redis_index(redis_server, prefix=prefix) for _ in range(2)]
+    reader = redis_index(redis_server, prefix=prefix)
+    subscribers = [KVEventSubscriber(w, SubscriberConfig(mode="per-endpoint", replay_timeout_s=2.0), endpoints,
+                                     KVSubscriberMetrics(None)) for w in writers]
+    for index in (*writers, reader):
+        await index.start()
+    for sub in subscribers:
+        await sub.start()
+
+    async def reader_sees(expected: dict[str, list[Tier]]) -> None:
+        for _ in range(200):
+            if await reader.lookup_async(reader.keyer.request_keys(T, MODEL), names) == expected:
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"reader never saw {expected}: {await reader.lookup_async(reader.keyer.request_keys(T, MODEL), names)}")
+
+    try:
+        def live(sub: KVEventSubscriber, name: str) -> bool:
+            stream = sub._streams.get(name)
+            return stream is not None and not stream.repairing and stream.last_seq is not None
+
+        for pub, name in zip(pubs, names, strict=True):
+            await pub.heartbeat_until(lambda name=name: all(live(sub, name) for sub in subscribers))
+        await pubs[0].publish([wire.stored([1, 2, 3], T[:12])])
+        await pubs[1].publish([wire.stored([5, 6], T[:8]), wire.placeholder([6], "CPU")])
+        await reader_sees({names[0]: [G, G, G], names[1]: [G, G]})
+        await pubs[1].publish([wire.removed([6])])
+        await reader_sees({names[0]: [G, G, G], names[1]: [G, C]})
+        pubs[0].restart()  # sequence back to 0: an engine that restarted holds nothing
+        await pubs[0].publish([wire.stored([7], T[:4])])
+        await reader_sees({names[0]: [G], names[1]: [G, C]})
+    finally:
+        for sub in subscribers:
+            await sub.stop()
+        for index in (*writers, reader):
+            await index.stop()
+        for pub in pubs:
+            await pub.close()
