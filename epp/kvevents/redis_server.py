@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -16,6 +18,15 @@ def redis_server_binary() -> str | None:
     """The `redis-server` executable on PATH (Debian package `redis-server`), or None."""
     return shutil.which("redis-server") or (
         "/usr/bin/redis-server" if Path("/usr/bin/redis-server").exists() else None)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when the process that started it dies (Linux), so a
+    test or benchmark killed midway leaves no server behind."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 class RedisServer:
@@ -43,7 +54,7 @@ class RedisServer:
              "--save", "", "--appendonly", "no", "--maxmemory", self.maxmemory,
              "--maxmemory-policy", self.policy, "--protected-mode", "yes", "--daemonize", "no",
              "--logfile", str(Path(self._dir.name) / "redis.log"), *self.extra_args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:

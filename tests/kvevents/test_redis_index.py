@@ -217,8 +217,8 @@ async def test_redis_killed_mid_run_degrades_to_no_match_then_recovers(caplog):
     registry = CollectorRegistry()
     server = RedisServer().start()
     index = redis_index(server, registry, timeout_s=0.2)
-    await index.start()
     try:
+        await index.start()
         apply(index, A, wire.stored([1, 2], T[:8]))
         assert await matched(index, T, [A]) == {A: [G, G]}
         server.stop()  # SIGKILL: connections reset, the data is gone
@@ -249,14 +249,14 @@ async def test_a_lookup_slower_than_the_timeout_degrades():
     registry = CollectorRegistry()
     server = RedisServer(extra_args=("--enable-debug-command", "local")).start()
     index = redis_index(server, registry, timeout_s=0.05)
-    await index.start()
-    blocker = redis_index(server)
+    blocker = redis_index(server, timeout_s=5.0)
     try:
+        await index.start()
         apply(index, A, wire.stored([1], T[:4]))
         await index.flush()
         # DEBUG SLEEP holds the single-threaded server, as a stalled Redis would
-        slow = asyncio.ensure_future(blocker._redis.execute_command("DEBUG", "SLEEP", "0.3"))
-        await asyncio.sleep(0.02)
+        slow = asyncio.ensure_future(blocker._redis.execute_command("DEBUG", "SLEEP", "0.8"))
+        await asyncio.sleep(0.3)  # the server is asleep by now (a loaded machine included)
         assert await index.lookup_async(index.keyer.request_keys(T, MODEL), [A]) == {}
         assert registry.get_sample_value("epp_kv_redis_errors_total", {"op": "lookup"}) == 1
         await slow
