@@ -304,7 +304,8 @@ class RedisKVIndex:
         self._needs_resync = False
         self._evicted_seen: int | None = None
         self._keys_count = 0
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._running = False
         self.metrics.bind_size(lambda: float("nan"), lambda: self._keys_count)
         self.redis_metrics.pending_writes.set_function(lambda: len(self._ops))
         self.redis_metrics.up.set(0)
@@ -316,6 +317,7 @@ class RedisKVIndex:
         await self._check_health()
         if self._healthy:
             await self._check_policy()
+        self._running = True
         self._tasks = [asyncio.ensure_future(self._flush_loop()), asyncio.ensure_future(self._poll_loop())]
 
     async def stop(self) -> None:
@@ -325,11 +327,20 @@ class RedisKVIndex:
                 await asyncio.wait_for(self._flush_once(), 2.0)
             except (RedisError, OSError, TimeoutError):
                 pass
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._running = False
+        self._ops_ready.set()  # wake the writer so it sees it must end
+        pending = set(self._tasks)
+        for _ in range(3):  # asyncio.wait_for may swallow a cancellation (Python < 3.12): ask again
+            if not pending:
+                break
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=1.0)
         self._tasks = []
-        await self._redis.aclose()
+        try:
+            await asyncio.wait_for(self._redis.aclose(), 2.0)
+        except (RedisError, OSError, TimeoutError):
+            pass  # a connection that does not close cleanly is dropped with the client
 
     async def flush(self) -> None:
         """Write every queued operation now (tests and benchmarks; the writer task does it on its own)."""
@@ -578,8 +589,10 @@ class RedisKVIndex:
 
     # ---- writing -------------------------------------------------------------------------------
     async def _flush_loop(self) -> None:
-        while True:
+        while self._running:
             await self._ops_ready.wait()
+            if not self._running:
+                return
             if not self._healthy:
                 await asyncio.sleep(self.health_interval_s)
                 continue
@@ -629,6 +642,10 @@ class RedisKVIndex:
     async def _check_health(self) -> None:
         """Ping Redis; on the first answer after an outage close the circuit (and resync if needed)."""
         try:
+            if not self._healthy:
+                # Pooled connections opened before the outage may be dead (a restarted server):
+                # start over, so the first lookups after recovery do not trip on them.
+                await asyncio.wait_for(self._redis.connection_pool.disconnect(), max(self.timeout_s, 1.0))
             info = await asyncio.wait_for(self._redis.info("server"), max(self.timeout_s, 1.0))
         except (RedisError, OSError, TimeoutError) as exc:
             self._mark_down("health", exc)
@@ -661,7 +678,7 @@ class RedisKVIndex:
 
     async def _poll_loop(self) -> None:
         last_poll = float("-inf")
-        while True:
+        while self._running:
             await asyncio.sleep(self.health_interval_s)
             if not self._healthy:
                 await self._check_health()

@@ -99,11 +99,12 @@ async def test_a_reading_picker_routes_on_blocks_another_picker_wrote_and_surviv
         server.start()
         writer_index.apply_batch(B.name, decode_batch(wire.encode_batch(
             [wire.stored([4], TOKENS[12:16], parent=3)])), "m")
-        for _ in range(200):
-            if reader_index.healthy and writer_index.healthy and not writer_index._ops:
+        expected = (B.name, {A.name: 0.0, B.name: 4.0})  # the writer refilled the empty Redis
+        for _ in range(200):  # the writer notices the restart at its next write or poll
+            if await route(reader) == expected:
                 break
             await asyncio.sleep(0.05)
-        assert await route(reader) == (B.name, {A.name: 0.0, B.name: 4.0})  # the writer refilled Redis
+        assert await route(reader) == expected
     finally:
         for loaded in (writer, reader):
             await loaded.plugin("precise-prefix-cache-producer").stop()
