@@ -18,6 +18,9 @@ apart; messages on any other topic are dropped, counted and explained in a warni
 Index backend: `indexBackend: memory` (default, this process) or `redis` (entries in the Redis
 at `redisUrl`, shared by every picker of the pool; see epp.kvevents.redis_index: capacity is
 Redis's maxmemory, and a Redis that is down or slower than `redisTimeout` means no prefix scores).
+With Redis, `eventShard: "i/n"` makes this picker apply the events of shard i of n of the
+replicas only (by a hash of the endpoint name), so n groups of writers split the pool's events
+and engine-hash maps; every picker still reads every replica's entries.
 """
 
 from __future__ import annotations
@@ -99,6 +102,7 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
         self.tier_weights = (weights["gpu"], weights["cpu"], weights["disk"])  # indexed by Tier
         speculative_ttl = _seconds(params, "speculativeTTL", 2.0)
         mode = params.str("mode", "per-endpoint", choices=MODES)
+        shard, shards = _event_shard(name, params.str("eventShard", None))
         config = SubscriberConfig(
             mode=mode,
             bind_endpoint=params.str("zmqEndpoint", "tcp://*:5557"),
@@ -108,6 +112,7 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
             default_model=params.str("defaultModel", None),
             replay_timeout_s=_seconds(params, "replayTimeout", 10.0),
             replay_cooldown_s=_seconds(params, "replayCooldown", 30.0),
+            shard=shard, shards=shards,
         )
         self.subscribe = params.bool("subscribe", True)
         tokenizer_dirs = params.mapping("tokenizers", None) or {}
@@ -127,6 +132,9 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
         redis_timeout = _seconds(params, "redisTimeout", 0.05)
         if backend == "redis" and not redis_url:
             raise ConfigError(f"plugin {name!r}: indexBackend redis needs redisUrl (redis://host:port/db)")
+        if backend != "redis" and shards > 1:
+            raise ConfigError(f"plugin {name!r}: eventShard needs indexBackend redis (a shard's events alone "
+                              "make an incomplete local index)")
         if backend != "redis" and redis_url:
             raise ConfigError(f"plugin {name!r}: redisUrl is set but indexBackend is {backend!r} (set it to redis)")
 
@@ -207,6 +215,16 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
         for profile in result.profile_results.values():
             if profile is not None and profile.targets:
                 self.index.add_speculative(profile.targets[0].name, keys)
+
+
+def _event_shard(name: str, text: str | None) -> tuple[int, int]:
+    """`eventShard: "i/n"`: this picker applies the KV events of shard i of n of the pool."""
+    if text is None:
+        return 0, 1
+    shard, _, shards = text.partition("/")
+    if not (shard.isdigit() and shards.isdigit() and int(shard) < int(shards)):
+        raise ConfigError(f"plugin {name!r}: eventShard must be \"i/n\" with 0 <= i < n, got {text!r}")
+    return int(shard), int(shards)
 
 
 def _redis_index(name: str, url: str, block_size: int, prefix: str, timeout_s: float, engine_capacity: int,

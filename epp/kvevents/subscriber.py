@@ -40,6 +40,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import xxhash
 import zmq
 import zmq.asyncio
 
@@ -87,9 +88,18 @@ class SubscriberConfig:
     max_replay_messages: int = 20_000
     apply_budget_s: float = 0.005  # yield the event loop after this much work
 
+    shard: int = 0  # with a shared (Redis) index: apply only the endpoints of this shard...
+    shards: int = 1  # ...of this many (by a hash of the endpoint name); 1: every endpoint
+
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not 0 <= self.shard < self.shards:
+            raise ValueError(f"shard must be in [0, {self.shards}), got {self.shard}")
+
+    def owns(self, endpoint: str) -> bool:
+        """Whether this subscriber applies `endpoint`'s events (its shard of the pool)."""
+        return self.shards == 1 or xxhash.xxh64_intdigest(endpoint.encode()) % self.shards == self.shard
 
 
 def _endpoint_of(stream_key: str) -> str:
@@ -208,6 +218,7 @@ class KVEventSubscriber:
             self.index.remove_endpoint(name)
         for name, ep in current.items():
             self.index.set_pool(name, ep.labels.get(LABEL_ROLE, DEFAULT_POOL))
+        current = {name: ep for name, ep in current.items() if self.config.owns(name)}
         if self.config.mode == "per-endpoint":
             for key in [k for k in self._sockets if _endpoint_of(k) not in current]:
                 self._forget(_endpoint_of(key))
@@ -313,6 +324,8 @@ class KVEventSubscriber:
                 self.metrics.unresolved.inc()
                 self._warn_unresolved(topic, pod)
                 return
+            if not self.config.owns(endpoint):
+                return  # another shard's subscriber applies it
         else:
             pod = None
         stream = self._streams.get(endpoint)

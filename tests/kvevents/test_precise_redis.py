@@ -63,6 +63,8 @@ def load(params: str):
     ("      redisUrl: redis://127.0.0.1:6379/0", "indexBackend is 'memory'"),
     ("      indexBackend: redis\n      redisUrl: http://127.0.0.1:6379", "indexBackend redis"),
     ("      indexBackend: etcd", "indexBackend"),
+    ("      eventShard: 0/2", "eventShard needs indexBackend redis"),
+    ("      indexBackend: redis\n      redisUrl: redis://127.0.0.1:6379/0\n      eventShard: 2/2", "eventShard"),
 ])
 def test_bad_backend_settings_are_config_errors(params, message):
     with pytest.raises(ConfigError, match=message):

@@ -273,25 +273,34 @@ async def test_a_lookup_slower_than_the_timeout_degrades():
         server.stop()
 
 
-async def test_pickers_subscribed_to_the_same_replicas_keep_one_shared_index_through_a_restart(redis_server):
-    """Real ZMQ publishers and subscribers: two writing pickers apply every replica's events into one
-    Redis, a third picker only reads; a replica restart clears its entries for every picker."""
+@pytest.mark.parametrize("sharded", [False, True], ids=["every-writer-every-replica", "one-shard-each"])
+async def test_pickers_subscribed_to_the_same_replicas_keep_one_shared_index_through_a_restart(redis_server, sharded):
+    """Real ZMQ publishers and subscribers: two writing pickers apply the replicas' events into one
+    Redis (each every replica, or each its shard of them), a third picker only reads; a replica
+    restart clears its entries for every picker."""
     from epp.datalayer.registry import EndpointRegistry, EndpointSpec
     from epp.kvevents.metrics import KVSubscriberMetrics
     from epp.kvevents.subscriber import KVEventSubscriber, SubscriberConfig
     from tests.kvevents.publisher import FakePublisher
 
     prefix = fresh_prefix()
-    pubs = [FakePublisher(f"kv@127.0.0.1:{9000 + i}@{MODEL}") for i in range(2)]
-    names = [f"127.0.0.1:{9000 + i}" for i in range(2)]
+    configs = [SubscriberConfig(mode="per-endpoint", replay_timeout_s=2.0, shard=i if sharded else 0,
+                                shards=2 if sharded else 1)
+               for i in range(2)]
+    # two replicas, one in each shard
+    ports = [next(p for p in range(9000, 9100) if configs[0].owns(f"127.0.0.1:{p}")),
+             next(p for p in range(9000, 9100) if configs[1].owns(f"127.0.0.1:{p}") and not configs[0].owns(
+                 f"127.0.0.1:{p}"))] if sharded else [9000, 9001]
+    pubs = [FakePublisher(f"kv@127.0.0.1:{port}@{MODEL}") for port in ports]
+    names = [f"127.0.0.1:{port}" for port in ports]
     endpoints = EndpointRegistry()
-    endpoints.set_endpoints([EndpointSpec("127.0.0.1", 9000 + i, {"kv-events-port": str(pub.port),
-                                                                  "kv-replay-port": str(pub.replay_port)})
-                             for i, pub in enumerate(pubs)])
+    endpoints.set_endpoints([EndpointSpec("127.0.0.1", port, {"kv-events-port": str(pub.port),
+                                                              "kv-replay-port": str(pub.replay_port)})
+                             for port, pub in zip(ports, pubs, strict=True)])
     writers = [redis_index(redis_server, prefix=prefix) for _ in range(2)]
     reader = redis_index(redis_server, prefix=prefix)
-    subscribers = [KVEventSubscriber(w, SubscriberConfig(mode="per-endpoint", replay_timeout_s=2.0), endpoints,
-                                     KVSubscriberMetrics(None)) for w in writers]
+    subscribers = [KVEventSubscriber(w, config, endpoints, KVSubscriberMetrics(None))
+                   for w, config in zip(writers, configs, strict=True)]
     for index in (*writers, reader):
         await index.start()
     for sub in subscribers:
@@ -309,11 +318,14 @@ async def test_pickers_subscribed_to_the_same_replicas_keep_one_shared_index_thr
             stream = sub._streams.get(name)
             return stream is not None and not stream.repairing and stream.last_seq is not None
 
-        for pub, name in zip(pubs, names, strict=True):
-            await pub.heartbeat_until(lambda name=name: all(live(sub, name) for sub in subscribers))
+        for i, (pub, name) in enumerate(zip(pubs, names, strict=True)):
+            appliers = [subscribers[i]] if sharded else subscribers
+            await pub.heartbeat_until(lambda name=name, appliers=appliers: all(live(sub, name) for sub in appliers))
         await pubs[0].publish([wire.stored([1, 2, 3], T[:12])])
         await pubs[1].publish([wire.stored([5, 6], T[:8]), wire.placeholder([6], "CPU")])
         await reader_sees({names[0]: [G, G, G], names[1]: [G, G]})
+        assert [sorted(w.endpoints()) for w in writers] == ([[names[0]], [names[1]]] if sharded
+                                                            else [sorted(names)] * 2)
         await pubs[1].publish([wire.removed([6])])
         await reader_sees({names[0]: [G, G, G], names[1]: [G, C]})
         pubs[0].restart()  # sequence back to 0: an engine that restarted holds nothing
