@@ -18,10 +18,14 @@ Who holds what:
 Writes: event application runs the local engine-map rules synchronously and queues bit
 operations per (key, endpoint), composed (set then clear = clear); one task flushes them as one
 Lua script call per chunk of `write_chunk` keys (500: Redis runs a script alone, so a chunk
-delays concurrent lookups by its run time, ~1.3 ms measured; one round trip a chunk).
-Lookups: one Lua script call (one round trip) walks the prompt's keys in order and stops at the
-first key that none of the candidate endpoints holds (beyond the keys this picker claimed
-speculatively), returning only the candidates' fields.
+delays concurrent lookups by its run time, ~1.3 ms at the ~2.5 µs a block measured in
+bench/kv_index_redis.py). With `eventShard` (the subscriber's shard of the replicas) several
+groups of writers split a large pool's events and engine maps.
+Lookups: one Lua script call (one round trip) runs the in-memory index's run rule where the
+entries are (this picker's speculative claims passed along) and returns only each candidate's
+run, one character a block. Keys travel packed (8 bytes each) in one argument and the scripts
+name the Redis keys themselves: one Redis primary (replicas or Sentinel for failover), not Redis
+Cluster, whose scripts must declare keys of one hash slot.
 
 Capacity and eviction: Redis's `maxmemory` with `maxmemory-policy allkeys-lru` (approximated
 LRU over keys; a lookup touches every key it reads, so entries are evicted least recently stored
