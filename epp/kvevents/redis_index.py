@@ -75,6 +75,7 @@ log = logging.getLogger(__name__)
 _BIT = (1, 2, 4)  # Tier -> bit of the stored mask
 # A write call's deadline: a batch of writes on a busy Redis may take long without Redis being down.
 _WRITE_TIMEOUT_S = 10.0
+_RESYNC_SLICE = 2_000  # engine blocks queued again between yields of the loop
 _ALL = 7
 _BEST_TIER = (Tier.GPU, Tier.GPU, Tier.CPU, Tier.GPU, Tier.DISK, Tier.GPU, Tier.CPU, Tier.GPU)
 # A lookup run's characters (byte values) → tier: '1'..'7' a stored mask's best tier, 'g' a claim (GPU).
@@ -571,6 +572,7 @@ class RedisKVIndex:
             if mask:  # its removal can no longer be seen: stop claiming it
                 for key in eb.keys:
                     self._clear(key, endpoint, mask)
+            eb.counts = 0  # a resync under way holding it writes nothing for it
             evicted += 1
         self.metrics.engine_evictions.inc(evicted)
 
@@ -596,15 +598,30 @@ class RedisKVIndex:
         self._pools.pop(endpoint, None)
         return removed
 
-    def _resync_ops(self) -> None:
-        """Queue this picker's whole view again (after lost writes or a Redis that restarted empty)."""
-        self.redis_metrics.resyncs.inc()
-        for endpoint, engine in self._engine.items():
-            for eb in engine.values():
-                mask = eb.mask()
-                for key in eb.keys:
-                    self._ops.add(endpoint, key, mask, 0)
+    async def _resync(self) -> None:
+        """Write this picker's whole view again (after lost writes or a Redis that restarted empty),
+        in slices that yield the loop and flush as they go (an engine map may hold millions of blocks)."""
         self._needs_resync = False
+        self.redis_metrics.resyncs.inc()
+        try:
+            for endpoint, engine in list(self._engine.items()):
+                blocks = list(engine.values())
+                for i in range(0, len(blocks), _RESYNC_SLICE):
+                    if self._engine.get(endpoint) is not engine:
+                        break  # cleared or removed meanwhile
+                    for eb in blocks[i:i + _RESYNC_SLICE]:
+                        mask = eb.mask()
+                        if mask:
+                            for key in eb.keys:
+                                self._ops.add(endpoint, key, mask, 0)
+                    if len(self._ops) >= 4 * self.write_chunk:
+                        await self._flush_once()
+                    else:
+                        await asyncio.sleep(0)
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._needs_resync = True
+            self._mark_down("write", exc)
+            return
         if self._ops:
             self._ops_ready.set()
 
@@ -677,12 +694,12 @@ class RedisKVIndex:
             log.warning("Redis KV index at %s restarted: writing this picker's engine maps again", self.url)
             self._needs_resync = True
         self._run_id = run_id
-        if self._needs_resync:
-            self._resync_ops()
         if not self._healthy:
             self._healthy = True
             self.redis_metrics.up.set(1)
             log.info("Redis KV index at %s answers: precise prefix scores are on", self.url)
+        if self._needs_resync:
+            await self._resync()
 
     async def _check_policy(self) -> None:
         """Warn when Redis would grow without bound or refuse writes when full."""
@@ -708,6 +725,8 @@ class RedisKVIndex:
             if time.monotonic() - last_poll >= self.poll_interval_s:
                 last_poll = time.monotonic()
                 await self._poll_memory()
+            if self._healthy and self._needs_resync:  # writes dropped while Redis answered too slowly
+                await self._resync()
 
     async def _poll_memory(self) -> None:
         """Memory, evictions and key count for the metrics; a run-id change means Redis restarted."""

@@ -204,9 +204,10 @@ async def test_redis_evicts_least_recently_used_keys_under_maxmemory_and_the_met
                 keys = index.keyer.request_keys([p * 1000 + i for i in range(4 * 200)], MODEL)
                 return await index._redis.exists(*[index._redis_key(k) for k in keys])
 
-            # Redis's LRU is approximate (sampled): most of the newest, little of the oldest
+            # Redis's LRU is approximate (sampled): most of the newest, far less of the oldest (uniform
+            # eviction would keep the same share of both, under half: fewer than half the keys remain)
             assert await kept(299) >= 150 and await kept(298) >= 150
-            assert await kept(0) <= 40 and await kept(1) <= 40
+            assert await kept(0) <= 70 and await kept(1) <= 70
             assert await index._redis.dbsize() < 300 * 200 / 2
             await asyncio.sleep(0.3)  # the poller reads INFO
             assert registry.get_sample_value("epp_kv_index_evictions_total") > 0
@@ -339,3 +340,19 @@ async def test_pickers_subscribed_to_the_same_replicas_keep_one_shared_index_thr
             await index.stop()
         for pub in pubs:
             await pub.close()
+
+
+async def test_writes_dropped_beyond_the_queue_bound_are_counted_and_the_engine_map_written_again(redis_server):
+    registry = CollectorRegistry()
+    index = redis_index(redis_server, registry, max_pending_writes=2)
+    await index.start()
+    try:
+        apply(index, A, wire.stored([1, 2, 3, 4], T[:16]))  # 4 queued operations > 2: dropped
+        assert registry.get_sample_value("epp_kv_redis_dropped_writes_total") == 4
+        for _ in range(100):  # the poller sees the flag and writes the engine map again
+            if registry.get_sample_value("epp_kv_redis_resyncs_total") == 1 and not index._ops:
+                break
+            await asyncio.sleep(0.05)
+        assert await matched(index, T, [A]) == {A: [G] * 4}
+    finally:
+        await index.stop()
