@@ -19,6 +19,12 @@ Topics: vLLM publishes on topic `""` unless `--kv-events-config` sets one. `mode
 `defaultModel`, or the one model of `tokenizers` when there is exactly one. `mode: centralized`
 binds one socket for all replicas and needs the topic `kv@<ip:port>@<model>` to tell them
 apart; messages on any other topic are dropped, counted and explained in a warning.
+Index backend: `indexBackend: memory` (default, this process) or `redis` (entries in the Redis
+at `redisUrl`, shared by every picker of the pool; see epp.kvevents.redis_index: capacity is
+Redis's maxmemory, and a Redis that is down or slower than `redisTimeout` means no prefix scores).
+With Redis, `eventShard: "i/n"` makes this picker apply the events of shard i of n of the
+replicas only (by a hash of the endpoint name), so n groups of writers split the pool's events
+and engine-hash maps; every picker still reads every replica's entries.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from epp.framework import (
     ConfigError,
@@ -47,11 +53,14 @@ from epp.framework.datakeys import (
     PrefixMatchInfo,
     TierMatch,
 )
+from epp.kvevents.backend import BACKENDS, InMemoryKVIndex, KVIndexBackend
 from epp.kvevents.decoding import Tier
-from epp.kvevents.index import KVBlockIndex
 from epp.kvevents.metrics import KVIndexMetrics, KVSubscriberMetrics
 from epp.kvevents.subscriber import MODES, KVEventSubscriber, SubscriberConfig
 from epp.tokenization.pool import TokenizerPool, token_ids_of
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +90,7 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
         self.tier_weights = (weights["gpu"], weights["cpu"], weights["disk"])  # indexed by Tier
         speculative_ttl = params.duration("speculativeTTL", 2.0)
         mode = params.str("mode", "per-endpoint", choices=MODES)
+        shard, shards = _event_shard(name, params.str("eventShard", None))
         config = SubscriberConfig(
             mode=mode,
             bind_endpoint=params.str("zmqEndpoint", "tcp://*:5557"),
@@ -90,6 +100,7 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
             default_model=params.str("defaultModel", None),
             replay_timeout_s=params.duration("replayTimeout", 10.0),
             replay_cooldown_s=params.duration("replayCooldown", 30.0),
+            shard=shard, shards=shards,
         )
         self.subscribe = params.bool("subscribe", True)
         tokenizer_dirs = params.mapping("tokenizers", None) or {}
@@ -103,12 +114,29 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
         cache_tokens = params.int("tokenizationCacheTokens", 4_000_000, minimum=0)
         offload_chars = params.int("offloadTokenizationChars", 4096, minimum=0)
 
+        backend = params.str("indexBackend", "memory", choices=BACKENDS)
+        redis_url = params.str("redisUrl", None)
+        redis_prefix = params.str("redisKeyPrefix", "epp:kv:")
+        redis_timeout = params.duration("redisTimeout", 0.05)
+        if backend == "redis" and not redis_url:
+            raise ConfigError(f"plugin {name!r}: indexBackend redis needs redisUrl (redis://host:port/db)")
+        if backend != "redis" and shards > 1:
+            raise ConfigError(f"plugin {name!r}: eventShard needs indexBackend redis (a shard's events alone "
+                              "make an incomplete local index)")
+        if backend != "redis" and redis_url:
+            raise ConfigError(f"plugin {name!r}: redisUrl is set but indexBackend is {backend!r} (set it to redis)")
+
         registry = context.metrics_registry
-        self.index = KVBlockIndex(
-            self.block_size, capacity, engine_capacity_per_endpoint=engine_capacity,
-            offload_chunk_blocks=offload_chunk,
-            speculative_ttl_s=speculative_ttl,
-            metrics=once_per_registry(registry, "epp_kv_index", KVIndexMetrics, shared=False))
+        self.index: KVIndexBackend
+        if backend == "redis":
+            self.index = _redis_index(name, redis_url or "", self.block_size, redis_prefix, redis_timeout,
+                                      engine_capacity, offload_chunk, speculative_ttl, registry)
+        else:
+            self.index = InMemoryKVIndex(
+                self.block_size, capacity, engine_capacity_per_endpoint=engine_capacity,
+                offload_chunk_blocks=offload_chunk,
+                speculative_ttl_s=speculative_ttl,
+                metrics=once_per_registry(registry, "epp_kv_index", KVIndexMetrics, shared=False))
         self.subscriber = KVEventSubscriber(
             self.index, config, context.endpoints,
             once_per_registry(registry, "epp_kv_events", KVSubscriberMetrics, shared=False))
@@ -120,12 +148,14 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
     async def start(self) -> None:
         if self.tokenizers is not None:
             await self.tokenizers.preload()
+        await self.index.start()
         if self.subscribe:
             await self.subscriber.start()
 
     async def stop(self) -> None:
         if self.subscribe:
             await self.subscriber.stop()
+        await self.index.stop()
         if self.tokenizers is not None:
             self.tokenizers.close()
 
@@ -152,7 +182,7 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
         else:
             keys = self.index.keyer.request_keys(tokens, request.target_model, request.cache_salt)
         state.put(self.name, keys)
-        matches = self.index.lookup(keys, [ep.name for ep in endpoints]) if keys else {}
+        matches = await self.index.lookup_async(keys, [ep.name for ep in endpoints]) if keys else {}
         weights = self.tier_weights
         total_blocks = len(keys)
         for ep in endpoints:
@@ -173,6 +203,30 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
         for profile in result.profile_results.values():
             if profile is not None and profile.targets:
                 self.index.add_speculative(profile.targets[0].name, keys)
+
+
+def _event_shard(name: str, text: str | None) -> tuple[int, int]:
+    """`eventShard: "i/n"`: this picker applies the KV events of shard i of n of the pool."""
+    if text is None:
+        return 0, 1
+    shard, _, shards = text.partition("/")
+    if not (shard.isdigit() and shards.isdigit() and int(shard) < int(shards)):
+        raise ConfigError(f"plugin {name!r}: eventShard must be \"i/n\" with 0 <= i < n, got {text!r}")
+    return int(shard), int(shards)
+
+
+def _redis_index(name: str, url: str, block_size: int, prefix: str, timeout_s: float, engine_capacity: int,
+                 offload_chunk: int, speculative_ttl: float, registry: CollectorRegistry | None) -> KVIndexBackend:
+    """The Redis backend (optional dependency), with a config error when it cannot be built."""
+    try:
+        from epp.kvevents.redis_index import RedisIndexMetrics, RedisKVIndex
+        return RedisKVIndex(
+            url, block_size, key_prefix=prefix, timeout_s=timeout_s, engine_capacity_per_endpoint=engine_capacity,
+            offload_chunk_blocks=offload_chunk, speculative_ttl_s=speculative_ttl,
+            metrics=once_per_registry(registry, "epp_kv_index", KVIndexMetrics, shared=False),
+            redis_metrics=once_per_registry(registry, "epp_kv_redis", RedisIndexMetrics, shared=False))
+    except (RuntimeError, ValueError) as exc:  # no redis package, or a URL it cannot parse
+        raise ConfigError(f"plugin {name!r}: indexBackend redis: {exc}") from exc
 
 
 def register(registry: PluginRegistry) -> None:

@@ -40,9 +40,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import xxhash
 import zmq
 import zmq.asyncio
 
+from epp.kvevents.backend import KVIndexBackend
 from epp.kvevents.decoding import (
     KVEventDecodeError,
     Topic,
@@ -51,7 +53,7 @@ from epp.kvevents.decoding import (
     pod_endpoint_name,
     pod_host,
 )
-from epp.kvevents.index import DEFAULT_POOL, KVBlockIndex
+from epp.kvevents.index import DEFAULT_POOL
 from epp.kvevents.metrics import KVSubscriberMetrics
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -86,9 +88,18 @@ class SubscriberConfig:
     max_replay_messages: int = 20_000
     apply_budget_s: float = 0.005  # yield the event loop after this much work
 
+    shard: int = 0  # with a shared (Redis) index: apply only the endpoints of this shard...
+    shards: int = 1  # ...of this many (by a hash of the endpoint name); 1: every endpoint
+
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not 0 <= self.shard < self.shards:
+            raise ValueError(f"shard must be in [0, {self.shards}), got {self.shard}")
+
+    def owns(self, endpoint: str) -> bool:
+        """Whether this subscriber applies `endpoint`'s events (its shard of the pool)."""
+        return self.shards == 1 or xxhash.xxh64_intdigest(endpoint.encode()) % self.shards == self.shard
 
 
 def _endpoint_of(stream_key: str) -> str:
@@ -127,9 +138,9 @@ class _Stream:
 
 
 class KVEventSubscriber:
-    """Receives KV-event batches over ZMQ and applies them, in order, to a `KVBlockIndex`."""
+    """Receives KV-event batches over ZMQ and applies them, in order, to a KV index backend."""
 
-    def __init__(self, index: KVBlockIndex, config: SubscriberConfig,
+    def __init__(self, index: KVIndexBackend, config: SubscriberConfig,
                  endpoints: EndpointRegistry | None = None,
                  metrics: KVSubscriberMetrics | None = None) -> None:
         self.index = index
@@ -207,6 +218,7 @@ class KVEventSubscriber:
             self.index.remove_endpoint(name)
         for name, ep in current.items():
             self.index.set_pool(name, ep.labels.get(LABEL_ROLE, DEFAULT_POOL))
+        current = {name: ep for name, ep in current.items() if self.config.owns(name)}
         if self.config.mode == "per-endpoint":
             for key in [k for k in self._sockets if _endpoint_of(k) not in current]:
                 self._forget(_endpoint_of(key))
@@ -312,6 +324,8 @@ class KVEventSubscriber:
                 self.metrics.unresolved.inc()
                 self._warn_unresolved(topic, pod)
                 return
+            if not self.config.owns(endpoint):
+                return  # another shard's subscriber applies it
         else:
             pod = None
         stream = self._streams.get(endpoint)
