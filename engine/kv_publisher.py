@@ -16,6 +16,7 @@ pipe, so ``publish`` never blocks the caller's event loop and may be called from
 from __future__ import annotations
 
 import collections
+import errno
 import itertools
 import logging
 import os
@@ -117,6 +118,23 @@ def is_bind_endpoint(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+def _bind(sock: zmq.Socket, endpoint: str, wait_s: float = 2.0) -> None:
+    """Bind, waiting out a socket on the same address that is still closing (a restarted publisher).
+
+    ZMQ closes sockets on its I/O thread after `close()` returns, so a publisher that replaces
+    one on the same port can find the port still taken for a few milliseconds.
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.02)
+
+
 class KVEventPublisher:
     """Publishes KV-event batches on ZMQ PUB (+ optional ROUTER replay), from a worker thread.
 
@@ -154,7 +172,7 @@ class KVEventPublisher:
         self._pub.set_hwm(hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
         if is_bind_endpoint(endpoint) if bind is None else bind:
-            self._pub.bind(endpoint)
+            _bind(self._pub, endpoint)
             self.bound_endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         else:
             self._pub.connect(endpoint)
@@ -165,7 +183,7 @@ class KVEventPublisher:
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
-            self._router.bind(replay_endpoint)
+            _bind(self._router, replay_endpoint)
             self.replay_bound_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
