@@ -211,12 +211,15 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
     Contender("epp-precise-w2", "epp", "precise", "epp-precise with --workers 2 (two pickers sharing decisions)",
               default=False, workers=2),
     Contender("vllm-router-rr", "vllm-router", "round_robin", "vllm-router --policy round_robin"),
-    Contender("vllm-router-cache-aware", "vllm-router", "cache_aware", "vllm-router --policy cache_aware"),
+    # vllm-router 0.1.17's cache_aware and kv_aware tokenize through the replicas' /v1/completions/render,
+    # which vLLM serves only with --enable-scale-out (403 otherwise, and the router then routes blind).
+    Contender("vllm-router-cache-aware", "vllm-router", "cache_aware", "vllm-router --policy cache_aware",
+              fleet_options={"enable_scale_out": True}),
     # vllm-router 0.1.17 subscribes to topic "" only (vLLM's default) and drops every other frame:
     # this contender's replicas publish on "" as a default vLLM would.
     Contender("vllm-router-kv-aware", "vllm-router", "kv_aware",
               "vllm-router --policy kv_aware, fed the replicas' KV events (topic \"\")",
-              fleet_options={"kv_topic": ""}),
+              fleet_options={"kv_topic": "", "enable_scale_out": True}),
     Contender("sglang-router-cache-aware", "sglang-router", "cache_aware", "sglang-router launch --policy cache_aware"),
 )}
 

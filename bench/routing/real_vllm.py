@@ -57,6 +57,9 @@ class VllmFleet:
         self.procs: list[VllmProcess] = []
         self.info: list[dict[str, Any]] = []
         self.argv: list[str] = []
+        # The FleetConfig options these replicas match (contenders that need others are unavailable):
+        # --enable-scale-out serves /v1/completions/render, which vllm-router's cache_aware tokenizes through.
+        self.options: dict[str, Any] = {"enable_scale_out": True}
 
     @property
     def endpoints(self) -> list[str]:
@@ -80,7 +83,7 @@ class VllmFleet:
                 model=str(self.model_dir), served_model_name=MODEL, python=python, host="127.0.0.1", port=http,
                 block_size=BLOCK, max_model_len=self.max_model_len, dtype="bfloat16", enforce_eager=True,
                 num_gpu_blocks_override=self.blocks, kv_cache_bytes=1 << 30, kv_events_port=events,
-                kv_replay_port=replay, cpu_threads_bind=bind, extra_args=("--seed", "0"))
+                kv_replay_port=replay, cpu_threads_bind=bind, extra_args=("--seed", "0", "--enable-scale-out"))
             plan = build_plan(opts, HostResources(host.mem_available_bytes, host.disk_free_bytes, "cpu"))
             env = {**plan.env, "VLLM_SERVER_DEV_MODE": "1"}  # registers /reset_prefix_cache
             self.argv = plan.argv
@@ -203,7 +206,7 @@ async def run(args: argparse.Namespace) -> Path:
     profile = measured_profile(prefill_s, step_s, args.blocks, args.max_model_len)
     sim_config = FleetConfig(replicas=args.replicas, num_gpu_blocks=args.blocks, block_size=BLOCK,
                              tokenizer_dir=str(model_dir), max_model_len=args.max_model_len, profile=profile,
-                             processes=0)
+                             processes=0, enable_scale_out=fleet.options["enable_scale_out"])
     sim = _scenario(sim_config, workload, args.rate, args.seconds)
     sim_results = []
     for name in names:

@@ -67,6 +67,9 @@ def stage_table(results: list[ContenderResult]) -> list[str]:
 
 
 _MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">", "h", "p")
+# matplotlib's 10-colour cycle and two more: the 11th and 12th contender get a colour of their own too.
+_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray",
+           "tab:olive", "tab:cyan", "black", "gold")
 
 
 def _axis_note(scenario: Scenario) -> str:
@@ -120,7 +123,7 @@ def plot(results: list[ContenderResult], out_dir: Path, scenario: Scenario) -> l
                 shift = (i - (n - 1) / 2) * 0.03 * gap  # a few % of the rate step, so equal points stay apart
                 style = "-" if r.name.startswith(("epp-", "round-robin")) else "--"
                 ax.plot([p[0] + shift for p in pts], [p[1] for p in pts], style, marker=_MARKERS[i % len(_MARKERS)],
-                        markersize=6, alpha=0.85, label=r.name)
+                        color=_COLORS[i % len(_COLORS)], markersize=6, alpha=0.85, label=r.name)
             ax.set_xlabel("offered load (requests/s; each contender's points shifted slightly so none hides "
                           f"another)\n{_axis_note(scenario)}", fontsize=8)
             ax.set_ylabel(f"{ylabel} (wall clock)")

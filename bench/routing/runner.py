@@ -164,7 +164,7 @@ async def run_contender_on(scenario: Scenario, contender: Contender, fleet: Any,
         fleet = SimFleet(scenario.fleet, tokenizer_dir=tuning.tokenizer_dir, **contender.fleet_options)
         with _stderr_to(workdir / f"{contender.name}-fleet.log"):
             await fleet.start()
-    elif contender.fleet_options:
+    elif any(getattr(fleet, "options", {}).get(k, object()) != v for k, v in contender.fleet_options.items()):
         result.status = f"unavailable: needs fleet options {contender.fleet_options} a running fleet cannot take"
         return result
     router: RunningRouter | None = None

@@ -10,7 +10,10 @@ compared: the report lists it apart) or `unverified` (no counters to read).
   `vllm_router_prefix_routing_decisions_total{policy=P}` must cover the requests (the policy
   ran); kv_aware needs `vllm_router_kv_placement_lookups_total{result="hit"}` > 0 and
   cache_aware `prefix_routing_decisions_total{outcome="prefix_hit"}` > 0 whenever the oracle
-  says there was something to reuse.
+  says there was something to reuse. Both tokenize through the replicas' `/v1/completions/render`
+  (vLLM serves it only with `--enable-scale-out`, 403 otherwise): more than 10 % of
+  `vllm_router_kv_routing_inputs_total{result="preparation_rejected"}` makes the row invalid
+  (the router routed without tokens).
 - sglang-router: `smg_worker_selection_total{policy=P}` must cover the requests.
 - our precise contenders: `epp_kv_index_events_applied_total` > 0, and lookup hit blocks > 0
   when there was something to reuse (the same standard as kv_aware).
@@ -73,6 +76,11 @@ def check(contender: Contender, result: ContenderResult) -> Validity:
             return Validity("unverified", "no router counters could be read")
         if decided < COVERAGE * o.requests:
             return Validity("invalid", f"policy {policy} decided {decided:g} of {o.requests} requests")
+        inputs = metric_sum(m, "vllm_router_kv_routing_inputs_total") or 0.0
+        rejected = metric_sum(m, "vllm_router_kv_routing_inputs_total", result="preparation_rejected") or 0.0
+        if inputs and rejected > (1 - COVERAGE) * inputs:
+            return Validity("invalid", f"the replicas rejected {rejected:g} of its {inputs:g} tokenization requests "
+                                       "(vLLM answers /v1/completions/render 403 without --enable-scale-out)")
         if policy == "kv_aware":
             hits = metric_sum(m, "vllm_router_kv_placement_lookups_total", result="hit") or 0.0
             misses = metric_sum(m, "vllm_router_kv_placement_lookups_total", result="miss") or 0.0

@@ -62,6 +62,8 @@ def _fleet_parser(sub: argparse._SubParsersAction) -> None:
                    help='KV-event topic (default kv@<ip:port>@<model>; "" is what vLLM publishes on by default)')
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens (vLLM's flag of the same name; off: null)")
+    p.add_argument("--enable-scale-out", action="store_true",
+                   help="serve /v1/completions/render and /v1/chat/completions/render (vLLM's flag; off: 403)")
     p.add_argument("--legacy-array-events", action="store_true")
     p.add_argument("--processes", type=int, default=0,
                    help="worker processes hosting the replicas (0: all in this process)")
@@ -87,7 +89,8 @@ def _config(args: argparse.Namespace) -> FleetConfig:
         self_describing_tier_events=not args.placeholder_tier_events, kv_events=not args.no_kv_events,
         kv_events_base_port=args.kv_events_base_port, kv_events_connect=args.kv_events_connect,
         kv_topic=args.kv_topic,
-        enable_prompt_tokens_details=args.enable_prompt_tokens_details, legacy_array_events=args.legacy_array_events,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details, enable_scale_out=args.enable_scale_out,
+        legacy_array_events=args.legacy_array_events,
         processes=args.processes, name_prefix=args.name_prefix, lora_modules=_pairs(args.lora, "lora"),
         labels=_pairs(args.label, "label"),
         roles=_roles(args.roles), kv_transfer_window=args.kv_transfer_window,

@@ -4,8 +4,13 @@ Each step is one forward pass: running requests that finished prefill decode one
 (one token of the step's token budget each), then prefill chunks of running and newly admitted
 requests fill the rest of ``max_num_batched_tokens``. Waiting requests are admitted FCFS while
 fewer than ``max_num_seqs`` run and their KV blocks fit (the head of the queue blocks the rest,
-like vLLM). A request reserves the blocks for its prompt and its whole output at admission, so
-it is never preempted (a simplification of vLLM's incremental allocation with preemption).
+like vLLM). Blocks are allocated as vLLM's ``allocate_slots`` does: a prefill chunk's blocks in
+the step that schedules it (evicting cached blocks then, and caching the blocks it fills at once,
+BlockStored after that chunk's BlockRemoved), a decode block in the step whose token needs it.
+Admission sets the rest of the request (later chunks and the whole output) aside, so those
+allocations never fail and a request is never preempted: vLLM checks the same fit at admission
+for the prompt only and preempts the newest running request when a later allocation finds no
+room (a simplification kept here).
 
 Time: simulated seconds advance by the profile's step time; wall time is simulated time times
 ``time_scale`` (> 1 slows everything uniformly). When requests are only decoding, the engine
@@ -90,7 +95,7 @@ class SimRequest:
     held: list[BlockInfo] = field(default_factory=list)
     private: int = 0
     total_blocks: int = 0
-    promised: int = 0  # decode blocks admission set aside but not allocated yet (vLLM allocates per step)
+    promised: int = 0  # blocks admission set aside (later prompt chunks, decode) not allocated yet
     allocated: int = 0  # blocks this request holds or has allocated (cached hits included)
     num_computed: int = 0
     num_cached_tokens: int = 0
@@ -339,6 +344,10 @@ class SimEngine:
                     chunk = min(len(r.prompt_ids) - r.num_computed, budget)
                     prefill.append((r, chunk))
                     budget -= chunk
+                    # vLLM's allocate_slots when it schedules the chunk: its blocks now, and the
+                    # blocks it fills are cached (BlockStored) before the forward pass runs.
+                    self._allocate(r, r.num_computed + chunk)
+                    self._cache_full_blocks(r, r.num_computed + chunk)
             prefill_tokens = sum(c for _, c in prefill)
             step = max(self.profile.step_time(prefill_tokens, len(decoding), load_time), 1e-9)
             start = self._clock
@@ -399,18 +408,19 @@ class SimEngine:
             if not self.cache.can_admit(hit, r.total_blocks):
                 break
             self.waiting.popleft()
-            # Blocks for the prompt now; the decode blocks are set aside and allocated (evicting
-            # if need be) in the step whose token first needs them, as vLLM's scheduler does.
-            prompt_blocks = -(-n // bs)
-            r.held = self.cache.admit(hit, prompt_blocks, promise=r.total_blocks - prompt_blocks)
-            r.private = prompt_blocks - len(r.held)
-            r.promised = r.total_blocks - prompt_blocks
-            r.allocated = prompt_blocks
+            # Only the hits are held now; every other block is set aside and allocated (evicting
+            # if need be) in the step that first needs it: a chunk's when it is scheduled, a
+            # decode token's when it is fed back.
+            r.held = self.cache.admit(hit, hit.num_blocks, promise=r.total_blocks - hit.num_blocks)
+            r.private = hit.num_blocks - len(r.held)
+            r.promised = r.total_blocks - hit.num_blocks
+            r.allocated = hit.num_blocks
             r.num_cached_tokens = hit.num_blocks * bs
             r.num_computed = r.num_cached_tokens
             if r.remote_tokens > r.num_computed:
                 # KV received from the prefiller: committed (BlockStored) like computed blocks.
                 r.num_computed = r.remote_tokens
+                self._allocate(r, r.remote_tokens)
                 self._cache_full_blocks(r, r.remote_tokens)
             r.scheduled = self._clock
             gpu_hit = len(hit.gpu) * bs
@@ -437,7 +447,6 @@ class SimEngine:
                 continue
             r.num_computed += chunk
             if r.num_computed >= len(r.prompt_ids):
-                self._cache_full_blocks(r, len(r.prompt_ids))
                 r.output.append(self._token(r, 0))
                 r.first_token = self._clock
                 self.metrics.ttft.observe(max(0.0, self._clock - r.arrival))
@@ -464,7 +473,8 @@ class SimEngine:
             r.notify()
 
     def _allocate(self, r: SimRequest, kv_tokens: int) -> None:
-        """Allocate the promised blocks that `kv_tokens` tokens of KV now need.
+        """Allocate the promised blocks that `kv_tokens` tokens of KV now need (a scheduled
+        prefill chunk's, or a decode token's).
 
         A prompt that fills its last block exactly gets the first decode token's block here, in
         the first decode step: its eviction is published one step after the prefill's events,

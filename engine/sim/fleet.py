@@ -67,6 +67,7 @@ class FleetConfig:
     labels: dict[str, str] = field(default_factory=dict)
     # On, as `epp engine serve` starts vLLM (vLLM's own default, and a lone replica's, is off).
     enable_prompt_tokens_details: bool = True
+    enable_scale_out: bool = False  # vLLM's --enable-scale-out (the /render routes; off: they answer 403)
     # P/D: role of replica i (label llm-d.ai/role: prefill, decode or both), cycling; None: no label.
     roles: list[str] | None = None
     kv_transfer_window: float = 30.0
@@ -101,6 +102,7 @@ class FleetConfig:
             kv_events_endpoint=kv_pub, kv_replay_endpoint=kv_replay, kv_replay=self.kv_replay, kv_topic=self.kv_topic,
             legacy_array_events=self.legacy_array_events, lora_modules=dict(self.lora_modules), labels=labels,
             enable_prompt_tokens_details=self.enable_prompt_tokens_details,
+            enable_scale_out=self.enable_scale_out,
             kv_events_bind=None if self.kv_events_connect else True,
             kv_transfer_window=self.kv_transfer_window,
         )

@@ -222,7 +222,7 @@ class KVCache:
         self.cached: dict[bytes, BlockInfo] = {}
         self.free_lru: OrderedDict[bytes, None] = OrderedDict()
         self.private = 0
-        self.promised = 0  # blocks set aside for running requests' future decode tokens
+        self.promised = 0  # blocks set aside for running requests' later prefill chunks and decode tokens
         self.events: list[KVEvent] = []
         self.gpu_evicted = 0
         self.tiers = tiers

