@@ -14,7 +14,7 @@ prompt character and converts hash blocks to tokens with both.
 Its index models the cache as vLLM keeps it (`PrefixIndex(chain_aware=True)`): a request's
 blocks are touched tail first, so under pressure a chain loses its tail and keeps its head (vLLM
 frees a finished request's blocks in reverse order), and an endpoint matches only the blocks it
-holds contiguously from the start. GIE's index instead evicts a chain's head first, after which
+holds contiguously from the start (`chainAware: false` turns this off). GIE's index instead evicts a chain's head first, after which
 the endpoint's whole match is gone while the replica still holds most of the prefix: on a
 multi-turn chat that sends a session's next turn elsewhere, a cold prefill of its history.
 `publishTierMatch: true` also publishes `PREFIX_TIER_MATCH` (matched and
@@ -120,7 +120,8 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
         self.chars_per_token = fixed_cpt or float(AVERAGE_CHARACTERS_PER_TOKEN)
         #: Hashed input bytes per prompt character (learned; GIE's algorithm takes them as equal).
         self.bytes_per_character = 1.0
-        self.index = PrefixIndex(chain_aware=not self.gie_compatible)
+        chain_aware = False if self.gie_compatible else params.bool("chainAware", True)
+        self.index = PrefixIndex(chain_aware=chain_aware)
         if self.learn_chars_per_token:
             context.load.add_observer(self._learn_chars_per_token)
         self.metrics = prefix_index_metrics(context.metrics_registry or CollectorRegistry())
@@ -136,6 +137,7 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
         return (f"autoTune={str(self.auto_tune).lower()} blockSizeTokens={self.block_size_tokens} "
                 f"maxPrefixBlocksToMatch={self.max_prefix_blocks} maxPrefixTokensToMatch={self.max_prefix_tokens} "
                 f"lruCapacityPerServer={self.lru_capacity_per_server} charsPerToken={cpt} "
+                f"chainAware={str(self.index.chain_aware).lower()} "
                 f"publishTierMatch={str(self.publish_tier_match).lower()}")
 
     def produces(self) -> frozenset[str]:

@@ -102,3 +102,13 @@ async def test_gie_algorithm_learns_no_bytes_per_character():
     gie = make_plugin("gie-approx-prefix-cache-producer", context=PluginContext())
     await gie.prepare(CycleState(), chat(["w" * 60] * 10), [endpoint(0, block_size=16, num_blocks=1000)])
     assert gie.bytes_per_character == 1.0 and not gie.index.chain_aware
+
+
+async def test_chain_aware_false_keeps_gies_index_with_the_learned_ratios():
+    ep = endpoint(0, block_size=16, num_blocks=30)
+    head_first = make_plugin("approx-prefix-cache-producer", {"charsPerToken": 4.0, "chainAware": False})
+    assert not head_first.index.chain_aware and "chainAware=false" in head_first.describe()
+    history = "s" * 64 * 20
+    await pick(head_first, history, ep)
+    await pick(head_first, "o" * 64 * 15, ep)
+    assert await pick(head_first, history + "u" * 64 * 2, ep) == (0, 22)
