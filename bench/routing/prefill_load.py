@@ -10,7 +10,8 @@ prefixes), and the prefill cost per token that the self-calibrating `predicted-t
     share = prompt tokens x (1 - oracle hit rate) / seconds the load was offered in
             x learned prefill seconds per token / replicas
 
-A share of 1 means the replicas would spend all their time prefilling even with perfect reuse.
+The busiest 10 s of sends are shown too (at the run's oracle hit rate): a trace's load is not
+steady. A share of 1 means the replicas would spend all their time prefilling even with perfect reuse.
 """
 
 from __future__ import annotations
@@ -32,10 +33,15 @@ class PrefillLoad:
     label: str
     uncached_tokens_per_s: float
     fleet_tokens_per_s: float
+    peak_uncached_tokens_per_s: float = 0.0  # in the busiest 10 s of sends
 
     @property
     def share(self) -> float:
         return self.uncached_tokens_per_s / self.fleet_tokens_per_s
+
+    @property
+    def peak_share(self) -> float:
+        return self.peak_uncached_tokens_per_s / self.fleet_tokens_per_s
 
 
 def learned_prefill_s_per_token(results: Sequence[ContenderResult]) -> tuple[str, float] | None:
@@ -51,8 +57,10 @@ def prefill_load(summary: StageSummary, replicas: int, s_per_token: float) -> Pr
     """The stage's offered uncached prefill against `replicas` replicas of `1 / s_per_token` tokens/s each."""
     if summary.sent_span_s <= 0 or not summary.prompt_tokens or s_per_token <= 0 or replicas < 1:
         return None
-    uncached = summary.prompt_tokens * (1.0 - (summary.oracle_hit_rate or 0.0))
-    return PrefillLoad(summary.label, uncached / summary.sent_span_s, replicas / s_per_token)
+    reusable = summary.oracle_hit_rate or 0.0
+    uncached = summary.prompt_tokens * (1.0 - reusable)
+    return PrefillLoad(summary.label, uncached / summary.sent_span_s, replicas / s_per_token,
+                       summary.peak_prompt_tokens_per_s * (1.0 - reusable))
 
 
 def prefill_load_lines(results: Sequence[ContenderResult], replicas: int) -> list[str]:
@@ -65,12 +73,12 @@ def prefill_load_lines(results: Sequence[ContenderResult], replicas: int) -> lis
     lines = [(f"Prefill load (offered uncached prompt tokens/s, i.e. prompt tokens x (1 - oracle hit rate), over "
               f"the fleet's prefill throughput, {replicas} replicas x 1 / {s_per_token * 1e6:.1f} µs per token as "
               f"`{source}` learned it; requests as `{measured.name}` sent them):"), "",
-             "| stage | uncached prompt tokens/s | fleet prefill tokens/s | share of prefill capacity |",
-             "|---|---|---|---|"]
+             "| stage | uncached prompt tokens/s | fleet prefill tokens/s | share of prefill capacity "
+             "| share in the busiest 10 s |", "|---|---|---|---|---|"]
     rows = measured.stages + ([measured.overall] if len(measured.stages) > 1 else [])
     for summary in rows:
         load = prefill_load(summary, replicas, s_per_token)
         if load is not None:
             lines.append(f"| {load.label} | {load.uncached_tokens_per_s:,.0f} | {load.fleet_tokens_per_s:,.0f} "
-                         f"| {load.share:.0%} |")
+                         f"| {load.share:.0%} | {load.peak_share:.0%} |")
     return [*lines, ""]

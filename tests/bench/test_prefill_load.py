@@ -36,7 +36,18 @@ def test_share_is_uncached_tokens_per_second_over_the_learned_throughput():
     assert load.fleet_tokens_per_s == pytest.approx(10_000)
     assert load.share == pytest.approx(0.165)
     lines = prefill_load_lines([peer, ours], replicas=2)
-    assert "| trace | 1,650 | 10,000 | 16% |" in lines
+    # All 11 sends fall within 10 s: the busiest 10 s carry 11,000 tokens, a quarter reusable.
+    assert load.peak_uncached_tokens_per_s == pytest.approx(825)
+    assert "| trace | 1,650 | 10,000 | 16% | 8% |" in lines
+
+
+def test_a_burst_shows_in_the_busiest_window_not_in_the_mean():
+    sends = [0.0, 1.0, 2.0, 3.0, 60.0]  # four requests in the first seconds, one a minute later
+    records = [RequestRecord(0, "g", sent=t, ttft=0.1, e2e=0.2, prompt_tokens=2000) for t in sends]
+    summary = summarize("trace", None, records, 60.0, None, 0.0)
+    load = prefill_load(summary, replicas=1, s_per_token=1e-3)  # 1,000 tokens/s
+    assert load.share == pytest.approx(10_000 / 60 / 1000)
+    assert load.peak_share == pytest.approx(8_000 / 10 / 1000)
 
 
 def test_without_a_calibrating_contender_the_load_is_not_measured():
