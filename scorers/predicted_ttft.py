@@ -35,12 +35,6 @@ override learning: when any is given, `calibrate` defaults to false and the fixe
 (the max, not the sum, because once scraped the same work shows in both; `trackPendingPrefill:
 false` drops the in-flight term). With `calibrate: true` the given constants are the prior.
 
-**Recompute charge** (`recomputeCharge`, default 0): T(e) + charge x prefill(e) x (uncached(e) -
-the fewest uncached tokens of any endpoint). Sending a request away from the endpoint that holds
-its prefix adds that prefill to the fleet's work, which every later request waits behind; the
-greedy T(e) ignores it, so under overload it spreads conversations away from their caches and
-the extra work deepens the overload. With a charge of 1 a move must save twice the prefill it adds.
-
 The ratio keeps a 5 % slower endpoint at 0.95 instead of stretching small differences to 0..1
 as min-max would; `base` (> 0) keeps it finite. Without tier data for a request (no producer,
 or an untokenizable prompt) every endpoint is charged the whole prompt as uncached.
@@ -93,7 +87,6 @@ class PredictedTTFTScorer(Scorer):
         self.disk_load_s_per_token = values["diskLoadSecondsPerToken"]
         self.queue_s_per_waiting = values["queueSecondsPerWaitingRequest"]
         self.track_pending = params.bool("trackPendingPrefill", True)
-        self.recompute_charge = params.float("recomputeCharge", 0.0, minimum=0.0, maximum=100.0)
         self.calibrate = params.bool("calibrate", not given)
         self.ledger: InflightLedger = context.load
         self.calibrator = TTFTCalibrator(tuple(values[k] for k in TERM_PARAMS),
@@ -103,8 +96,7 @@ class PredictedTTFTScorer(Scorer):
             _collector(context.metrics_registry).scorers.add(self)
 
     def describe(self) -> str:
-        return (f"calibrate={str(self.calibrate).lower()} trackPendingPrefill={str(self.track_pending).lower()} "
-                f"recomputeCharge={self.recompute_charge:g}")
+        return f"calibrate={str(self.calibrate).lower()} trackPendingPrefill={str(self.track_pending).lower()}"
 
     def consumes(self) -> frozenset[str]:
         return frozenset({PREFIX_TIER_MATCH})
@@ -143,22 +135,8 @@ class PredictedTTFTScorer(Scorer):
         predicted = {ep.name: self.predict(ep, data.get(ep.name), total, model, now) for ep in endpoints}
         if not predicted:
             return {}
-        if self.recompute_charge > 0 and data:
-            self._charge_recompute(predicted, endpoints, data, total, model, now)
         best = min(predicted.values())
         return {name: best / t for name, t in predicted.items()}
-
-    def _charge_recompute(self, predicted: dict[str, float], endpoints: Sequence[Endpoint],
-                          data: Mapping[str, TierMatch], total: int, model: str, now: float) -> None:
-        """Add the prefill each endpoint would add to the fleet beyond the best-cached one's (see module doc)."""
-        uncached = {ep.name: total - (data[ep.name].cached_tokens if ep.name in data else 0) for ep in endpoints}
-        fewest = min(uncached.values())
-        for ep in endpoints:
-            extra = uncached[ep.name] - fewest
-            if extra > 0:
-                prefill = self.calibrator.coefficients(ep.name, model, now)[1] if self.calibrate \
-                    else self.prefill_s_per_token
-                predicted[ep.name] += self.recompute_charge * prefill * extra
 
     # -- learning -----------------------------------------------------------------------------
 

@@ -145,19 +145,8 @@ def _head_first_index(config: str) -> str:
     return yaml.safe_dump(doc, sort_keys=False)
 
 
-def _recompute_charge(config: str) -> str:
-    """`config` with predicted-ttft-scorer charging a move the prefill it adds to the fleet (recomputeCharge 1)."""
-    doc = yaml.safe_load(config)
-    for plugin in doc.get("plugins", []):
-        if plugin.get("type") == "predicted-ttft-scorer":
-            plugin.setdefault("parameters", {})["recomputeCharge"] = 1
-    return yaml.safe_dump(doc, sort_keys=False)
-
-
 def epp_config(kind: str, t: Tuning) -> str:
     """The EndpointPickerConfig of one `epp-*` contender."""
-    if kind.endswith("+recompute-charge"):
-        return _recompute_charge(epp_config(kind.removesuffix("+recompute-charge"), t))
     if kind.endswith("+head-first-index"):
         return _head_first_index(epp_config(kind.removesuffix("+head-first-index"), t))
     if kind.startswith("sample:"):
@@ -237,12 +226,6 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
     Contender("epp-approx-ttft-head-first", "epp", "sample:approximate+head-first-index",
               "epp-approx-ttft with the approximate index as GIE keeps it (chainAware: false; a chain's head "
               "evicted first)", default=False),
-    Contender("epp-approx-ttft-recompute", "epp", "sample:approximate+recompute-charge",
-              "epp-approx-ttft with predicted-ttft recomputeCharge 1 (a move pays the prefill it adds)",
-              default=False),
-    Contender("epp-precise-ttft-recompute", "epp", "precise-ttft+recompute-charge",
-              "epp-precise-ttft with predicted-ttft recomputeCharge 1 (a move pays the prefill it adds)",
-              default=False),
     Contender("epp-approx-scrape-only", "epp", "approx+scrape-only",
               "before: GIE default with GIE's approximate producer and scrape-only load scorers", default=False),
     Contender("epp-precise-scrape-only", "epp", "precise+scrape-only",
