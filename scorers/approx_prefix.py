@@ -7,7 +7,17 @@ code and CJK text differ more), and then the index believes an endpoint holds pr
 evicted long ago, or forgets ones it still holds. `approx-prefix-cache-producer` learns the
 characters per token from the responses it sees (`usage.prompt_tokens` against the prompt's
 characters) and sizes each endpoint's LRU to what its cache really holds; `charsPerToken` fixes
-the ratio instead. `publishTierMatch: true` also publishes `PREFIX_TIER_MATCH` (matched and
+the ratio instead. What it hashes is the request's input as bytes (a chat's messages as JSON: a
+few percent more bytes than the text has characters), so it also learns the hashed bytes per
+prompt character and converts hash blocks to tokens with both.
+
+Its index models the cache as vLLM keeps it (`PrefixIndex(chain_aware=True)`): a request's
+blocks are touched tail first, so under pressure a chain loses its tail and keeps its head (vLLM
+frees a finished request's blocks in reverse order), and an endpoint matches only the blocks it
+holds contiguously from the start (`chainAware: false` turns this off). GIE's index instead evicts a chain's head first, after which
+the endpoint's whole match is gone while the replica still holds most of the prefix: on a
+multi-turn chat that sends a session's next turn elsewhere, a cold prefill of its history.
+`publishTierMatch: true` also publishes `PREFIX_TIER_MATCH` (matched and
 total prompt tokens, all as GPU hits), so `predicted-ttft-scorer` can run on approximate
 matching. GIE's algorithm, unchanged, is `gie-approx-prefix-cache-producer`.
 """
@@ -98,7 +108,10 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
         #: Characters per token: fixed when configured (or GIE), else learned from responses.
         self.learn_chars_per_token = fixed_cpt == 0.0
         self.chars_per_token = fixed_cpt or float(AVERAGE_CHARACTERS_PER_TOKEN)
-        self.index = PrefixIndex()
+        #: Hashed input bytes per prompt character (learned; GIE's algorithm takes them as equal).
+        self.bytes_per_character = 1.0
+        chain_aware = False if self.gie_compatible else params.bool("chainAware", True)
+        self.index = PrefixIndex(chain_aware=chain_aware)
         if self.learn_chars_per_token:
             context.load.add_observer(self._learn_chars_per_token)
         self.metrics = prefix_index_metrics(context.metrics_registry or CollectorRegistry())
@@ -114,6 +127,7 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
         return (f"autoTune={str(self.auto_tune).lower()} blockSizeTokens={self.block_size_tokens} "
                 f"maxPrefixBlocksToMatch={self.max_prefix_blocks} maxPrefixTokensToMatch={self.max_prefix_tokens} "
                 f"lruCapacityPerServer={self.lru_capacity_per_server} charsPerToken={cpt} "
+                f"chainAware={str(self.index.chain_aware).lower()} "
                 f"publishTierMatch={str(self.publish_tier_match).lower()}")
 
     def produces(self) -> frozenset[str]:
@@ -130,14 +144,30 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
             return endpoints[0].metrics.cache_block_size
         return self.block_size_tokens
 
+    @property
+    def bytes_per_token(self) -> float:
+        """Hashed input bytes per prompt token: what converts hash blocks into tokens."""
+        return self.chars_per_token * self.bytes_per_character
+
     def hash_request(self, request: InferenceRequest, block_size_tokens: int) -> list[int]:
         """The request's block-hash chain (empty when the prompt is shorter than one block)."""
         max_blocks = self.max_prefix_blocks
         if self.max_prefix_tokens > 0:
             max_blocks = max(1, self.max_prefix_tokens // block_size_tokens)
         block_chars = block_size_tokens * AVERAGE_CHARACTERS_PER_TOKEN
-        data = user_input_bytes(request, limit=block_chars * max_blocks)
+        limit = block_chars * max_blocks
+        data = user_input_bytes(request, limit=limit)
+        if not self.gie_compatible and len(data) < limit:
+            self._learn_bytes_per_character(request, len(data))
         return block_hashes(data, block_chars, max_blocks, chain_seed(request.target_model, request.cache_salt))
+
+    def _learn_bytes_per_character(self, request: InferenceRequest, input_bytes: int) -> None:
+        """Learn the hashed bytes per prompt character from a prompt hashed whole (so the cost stays bounded)."""
+        characters = prompt_characters(request, limit=input_bytes)
+        if characters >= 64:  # short prompts are mostly JSON syntax
+            ratio = input_bytes / characters
+            if 1.0 <= ratio <= 8.0:
+                self.bytes_per_character += 0.05 * (ratio - self.bytes_per_character)
 
     async def prepare(self, state: CycleState, request: InferenceRequest,
                       endpoints: Sequence[Endpoint]) -> None:
@@ -156,15 +186,14 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
 
     def _publish_tier_match(self, state: CycleState, request: InferenceRequest, endpoints: Sequence[Endpoint],
                             matched: dict[str, int], block_tokens: int) -> None:
-        """Matched and total prompt tokens per endpoint, converted with the characters per token."""
-        cpt = self.chars_per_token
-        total = int(prompt_characters(request) / cpt)
-        block_chars = block_tokens * AVERAGE_CHARACTERS_PER_TOKEN
+        """Matched and total prompt tokens per endpoint, converted with the characters (bytes) per token."""
+        total = int(prompt_characters(request) / self.chars_per_token)
+        block_tokens_estimate = block_tokens * AVERAGE_CHARACTERS_PER_TOKEN / self.bytes_per_token
         no_match = TierMatch(0, 0, 0, total)
         for ep in endpoints:
             hit = matched.get(ep.name)
             state.put_endpoint_data(PREFIX_TIER_MATCH, ep.name, no_match if not hit else
-                                    TierMatch(min(total, int(hit * block_chars / cpt)), 0, 0, total))
+                                    TierMatch(min(total, int(hit * block_tokens_estimate)), 0, 0, total))
 
     def _learn_chars_per_token(self, booking: Booking, response: object) -> None:
         """Learn the characters per token from a completed response's prompt token count."""
@@ -181,7 +210,7 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
     def _capacity_for(self, ep: Endpoint) -> int:
         """Hash blocks the endpoint's cache holds: its blocks, scaled by how many tokens a hash block covers."""
         if self.auto_tune and ep.metrics.cache_num_blocks > 0:
-            return max(1, int(ep.metrics.cache_num_blocks * self.chars_per_token / AVERAGE_CHARACTERS_PER_TOKEN))
+            return max(1, int(ep.metrics.cache_num_blocks * self.bytes_per_token / AVERAGE_CHARACTERS_PER_TOKEN))
         return self.lru_capacity_per_server
 
     def pre_request(self, state: CycleState, request: InferenceRequest, result: SchedulingResult) -> None:

@@ -7,9 +7,18 @@ from collections.abc import Iterable, Sequence
 
 
 class PrefixIndex:
-    """`hash → endpoints` plus one LRU of hashes per endpoint; LRU eviction drops the endpoint from the hash."""
+    """`hash → endpoints` plus one LRU of hashes per endpoint; LRU eviction drops the endpoint from the hash.
 
-    def __init__(self) -> None:
+    `chain_aware=False` is GIE's index: a request's hashes are added head first (so its head is
+    evicted first) and a match counts every block an endpoint holds until a block nobody holds.
+    `chain_aware=True` models a prefix cache as vLLM keeps it: a finished request frees its blocks
+    tail first, so the head of a chain stays longest (`add` touches the tail first), and an
+    endpoint matches only the blocks it holds contiguously from the start (a prefix cache cannot
+    use block 3 without blocks 1 and 2).
+    """
+
+    def __init__(self, chain_aware: bool = False) -> None:
+        self.chain_aware = chain_aware
         self._hash_to_endpoints: dict[int, set[str]] = {}
         self._lrus: dict[str, OrderedDict[int, None]] = {}
         self._capacity: dict[str, int] = {}
@@ -27,11 +36,18 @@ class PrefixIndex:
         return self._capacity.get(endpoint)
 
     def entries(self) -> list[tuple[str, list[int], int]]:
-        """Per endpoint: its hashes from least to most recently added, and its capacity (a peer's snapshot)."""
-        return [(ep, list(lru), self._capacity.get(ep, len(lru))) for ep, lru in self._lrus.items()]
+        """Per endpoint: its hashes in the order `add` rebuilds its LRU from, and its capacity (a peer's snapshot).
+
+        That is least to most recently used; a chain-aware index lists them the other way round
+        because its `add` touches the last hash first.
+        """
+        return [(ep, list(reversed(lru)) if self.chain_aware else list(lru), self._capacity.get(ep, len(lru)))
+                for ep, lru in self._lrus.items()]
 
     def match_longest_prefix(self, hashes: Sequence[int]) -> dict[str, int]:
         """Blocks matched per endpoint, walking the chain until a hash no endpoint holds."""
+        if self.chain_aware:
+            return self._match_contiguous(hashes)
         matched: dict[str, int] = {}
         lookup = self._hash_to_endpoints
         for h in hashes:
@@ -42,6 +58,28 @@ class PrefixIndex:
                 matched[ep] = matched.get(ep, 0) + 1
         return matched
 
+    def _match_contiguous(self, hashes: Sequence[int]) -> dict[str, int]:
+        """Per endpoint, the length of the run of blocks it holds from the chain's first block."""
+        lookup = self._hash_to_endpoints
+        holders = lookup.get(hashes[0]) if hashes else None
+        if not holders:
+            return {}
+        alive = set(holders)
+        matched: dict[str, int] = {}
+        depth = 1
+        for h in hashes[1:]:
+            holders = lookup.get(h)
+            if holders is None or not alive <= holders:
+                for ep in alive - holders if holders else alive:
+                    matched[ep] = depth
+                alive = alive & holders if holders else set()
+                if not alive:
+                    return matched
+            depth += 1
+        for ep in alive:
+            matched[ep] = depth
+        return matched
+
     def add(self, hashes: Iterable[int], endpoint: str, capacity: int) -> None:
         """Record that `endpoint` now holds these blocks, evicting its least recently used ones."""
         lru = self._lrus.get(endpoint)
@@ -49,7 +87,8 @@ class PrefixIndex:
             lru = self._lrus[endpoint] = OrderedDict()
         self._capacity[endpoint] = capacity
         lookup = self._hash_to_endpoints
-        for h in hashes:
+        # Chain-aware: the tail first, so the head is the most recently used and is evicted last.
+        for h in (reversed(list(hashes)) if self.chain_aware else hashes):
             if h in lru:
                 lru.move_to_end(h)
                 continue

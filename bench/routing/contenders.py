@@ -127,8 +127,19 @@ def _scrape_only(config: str) -> str:
     return yaml.safe_dump(doc, sort_keys=False)
 
 
+def _head_first_index(config: str) -> str:
+    """`config` with the approximate producer's index as GIE keeps it (a chain's head evicted first)."""
+    doc = yaml.safe_load(config)
+    for plugin in doc.get("plugins", []):
+        if plugin.get("type") == "approx-prefix-cache-producer":
+            plugin.setdefault("parameters", {})["chainAware"] = False
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
 def epp_config(kind: str, t: Tuning) -> str:
     """The EndpointPickerConfig of one `epp-*` contender."""
+    if kind.endswith("+head-first-index"):
+        return _head_first_index(epp_config(kind.removesuffix("+head-first-index"), t))
     if kind.startswith("sample:"):
         return sample_config(kind.partition(":")[2], t)
     if kind.endswith("+scrape-only"):
@@ -198,6 +209,9 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
     Contender("epp-precise-ttft", "epp", "precise-ttft",
               "our EPP: examples/configs/predicted-ttft.yaml (precise prefix tiers, self-calibrating "
               "predicted-TTFT 3, prefix 1, kv 1)"),
+    Contender("epp-approx-ttft-head-first", "epp", "sample:approximate+head-first-index",
+              "epp-approx-ttft with the approximate index as GIE keeps it (chainAware: false; a chain's head "
+              "evicted first)", default=False),
     Contender("epp-approx-scrape-only", "epp", "approx+scrape-only",
               "before: GIE default with GIE's approximate producer and scrape-only load scorers", default=False),
     Contender("epp-precise-scrape-only", "epp", "precise+scrape-only",

@@ -9,6 +9,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from bench.routing.prefill_load import prefill_load_lines
 from bench.routing.runner import ContenderResult, StageSummary
 from bench.routing.scenarios import Scenario
 
@@ -175,6 +176,7 @@ def write_report(scenario: Scenario, results: list[ContenderResult], out_dir: Pa
               + (f"; a continuous ramp (no draining between stages), at most {scenario.drain:g}s drain at the end"
                  if scenario.continuous else f"; drain at most {scenario.drain:g}s after each stage")),
              "- Every contender gets a fresh fleet and the same seeded trace and arrival times.", "",
+             *prefill_load_lines(results, f.replicas),
              "## Versions and flags", "", *versions(results), "",
              "## Results (all stages together)", "",
              SUMMARY_HEADER, "|" + "---|" * SUMMARY_COLUMNS]

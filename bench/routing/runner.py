@@ -69,6 +69,9 @@ class StageSummary:
     cpu: dict[str, float] = field(default_factory=dict)
     lag_resyncs: int = 0
     error_kinds: dict[str, int] = field(default_factory=dict)
+    prompt_tokens: int = 0  # usage.prompt_tokens summed over the successful requests
+    sent_span_s: float = 0.0  # first to last request sent (the window the load was offered in)
+    peak_prompt_tokens_per_s: float = 0.0  # prompt tokens sent in the busiest 10-s window, per second
 
     @property
     def spread(self) -> float | None:
@@ -125,7 +128,26 @@ def summarize(label: str, rate: float | None, records: list[RequestRecord], seco
         ttft_p90=percentile(ttft, 90), ttft_p99=percentile(ttft, 99), itl_p50=percentile(itl, 50),
         itl_p99=percentile(itl, 99), e2e_p50=percentile(e2e, 50), hit_rate=hit_rate,
         oracle_hit_rate=oracle_rate, per_replica=per_replica, cpu=cpu or {}, lag_resyncs=lag,
-        error_kinds=dict(Counter(r.error for r in records if r.error)))
+        error_kinds=dict(Counter(r.error for r in records if r.error)),
+        prompt_tokens=sum(r.prompt_tokens or 0 for r in ok),
+        sent_span_s=(max(r.sent for r in records) - min(r.sent for r in records)) if records else 0.0,
+        peak_prompt_tokens_per_s=_busiest_window_tokens(ok, PEAK_WINDOW_S) / PEAK_WINDOW_S)
+
+
+PEAK_WINDOW_S = 10.0
+
+
+def _busiest_window_tokens(records: list[RequestRecord], window_s: float) -> int:
+    """The most prompt tokens sent within any `window_s` seconds (a trace's load is not steady)."""
+    sent = sorted((r.sent, r.prompt_tokens or 0) for r in records)
+    best = total = start = 0
+    for t, tokens in sent:
+        total += tokens
+        while sent[start][0] <= t - window_s:
+            total -= sent[start][1]
+            start += 1
+        best = max(best, total)
+    return best
 
 
 def _busy_span(result: StageResult) -> float:

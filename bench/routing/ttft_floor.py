@@ -1,0 +1,71 @@
+"""A floor under every router's TTFT percentiles on a workload: each request's own unavoidable prefill.
+
+A request can at best find cached the longest prefix it shares with any earlier request (an
+unbounded cache, in the right place, with no queue in front of it); the rest it must prefill.
+At a replica's prefill cost per token and its fixed cost per request (what the self-calibrating
+`predicted-ttft-scorer` learned: `epp calibration`, or `epp_ttft_calibration` in a run's report;
+never the simulator's profile), that gives each request a least TTFT, and their percentiles
+bound what any router can reach on the same requests: a target below the floor cannot be met.
+
+    python -m bench.routing.ttft_floor multi-turn --requests 256 --prefill-s-per-token 1.6e-4 --base-s 0.04
+    python -m bench.routing.ttft_floor trace --trace T.jsonl --trace-window 1800 --trace-fraction 0.1 ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from collections.abc import Iterable
+
+from bench.routing.measure import percentile
+from bench.routing.oracle import block_keys, prompt_token_ids
+from bench.routing.scenarios import get_scenario
+from bench.routing.workloads import BenchRequest
+
+
+def reusable_tokens(requests: Iterable[BenchRequest], block_size: int = 16,
+                    tokenizer_dir: str | None = None) -> list[tuple[int, int]]:
+    """Per request (prompt tokens, most tokens any router could serve it from cache)."""
+    seen: set[int] = set()
+    out = []
+    for req in requests:
+        ids = prompt_token_ids(req, tokenizer_dir)
+        keys = block_keys(ids, block_size)
+        shared = next((i for i, k in enumerate(keys) if k not in seen), len(keys))
+        seen.update(keys)
+        out.append((len(ids), min(shared, (len(ids) - 1) // block_size) * block_size))
+    return out
+
+
+def ttft_floor(requests: Iterable[BenchRequest], prefill_s_per_token: float, base_s: float,
+               block_size: int = 16, tokenizer_dir: str | None = None) -> list[float]:
+    """Each request's least TTFT: base + prefill cost x tokens no earlier request shared."""
+    return [base_s + prefill_s_per_token * (n - hit)
+            for n, hit in reusable_tokens(requests, block_size, tokenizer_dir)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("scenario")
+    p.add_argument("--scale", default="small")
+    p.add_argument("--requests", type=int, help="how many of the workload's requests (default: a trace's all)")
+    p.add_argument("--prefill-s-per-token", type=float, required=True, help="learned prefill cost (wall s/token)")
+    p.add_argument("--base-s", type=float, default=0.0, help="learned fixed cost per request (wall s)")
+    p.add_argument("--trace")
+    p.add_argument("--trace-window", type=float)
+    p.add_argument("--trace-fraction", type=float)
+    args = p.parse_args(argv)
+    scenario = get_scenario(args.scenario, args.scale, args.trace, window_s=args.trace_window,
+                            fraction=args.trace_fraction)
+    requests = scenario.workload.requests()
+    if args.requests:
+        requests = itertools.islice(requests, args.requests)
+    elif scenario.name != "trace":
+        p.error("--requests is needed for a workload that never runs dry")
+    floor = ttft_floor(requests, args.prefill_s_per_token, args.base_s)
+    print(f"{len(floor)} requests: TTFT floor p50 {percentile(floor, 50):.3f} s, p90 {percentile(floor, 90):.3f} s, "
+          f"p99 {percentile(floor, 99):.3f} s")
+
+
+if __name__ == "__main__":
+    main()

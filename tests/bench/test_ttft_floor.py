@@ -1,0 +1,24 @@
+"""The TTFT floor: each request prefills at least what no earlier request shared with it."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.routing.oracle import prompt_token_ids
+from bench.routing.ttft_floor import reusable_tokens, ttft_floor
+from bench.routing.workloads import completion_request
+
+
+def test_only_a_prefix_shared_with_an_earlier_request_can_be_cached():
+    history = " ".join(f"word{i}" for i in range(200))
+    first = completion_request(history, 4, "a")
+    second = completion_request(history + " more words of the next turn", 4, "a")
+    other = completion_request("something else entirely " * 20, 4, "b")
+    (n1, hit1), (n2, hit2), (n3, hit3) = reusable_tokens([first, second, other], block_size=16)
+    assert hit1 == 0 and hit3 == 0  # nothing earlier shares their first block
+    assert n1 == len(prompt_token_ids(first))
+    assert 0 < n1 - hit2 < 16 + 1  # the whole history but its partial last block
+    assert hit2 % 16 == 0 and hit2 <= n2 - 1
+    floor = ttft_floor([first, second, other], prefill_s_per_token=1e-3, base_s=0.01, block_size=16)
+    assert floor[0] == pytest.approx(0.01 + 1e-3 * n1)
+    assert floor[1] == pytest.approx(0.01 + 1e-3 * (n2 - hit2))
