@@ -130,9 +130,9 @@ def _scrape_only(config: str) -> str:
 def _head_first_index(config: str) -> str:
     """`config` with the approximate producer's index as GIE keeps it (a chain's head evicted first)."""
     doc = yaml.safe_load(config)
-    for plugin in doc.get("plugins", []):
-        if plugin.get("type") == "approx-prefix-cache-producer":
-            plugin.setdefault("parameters", {})["chainAware"] = False
+    for entry in doc.get("plugins", []):
+        if entry.get("type") == "approx-prefix-cache-producer":
+            entry.setdefault("parameters", {})["chainAware"] = False
     return yaml.safe_dump(doc, sort_keys=False)
 
 
