@@ -9,6 +9,7 @@ from epp.framework.datakeys import PREFIX_MATCH_INFO, PrefixMatchInfo
 from epp.framework.plugin import CycleState, PluginContext, Scorer, ScorerCategory
 from epp.framework.registry import PluginParams
 from epp.framework.types import Endpoint, InferenceRequest
+from epp.scorers.rendezvous_home import PREFIX_HOME
 
 # Hashing parameters that GIE v1.x configs put on the scorer; they now belong to the producer.
 LEGACY_PRODUCER_PARAMETERS = ("autoTune", "blockSize", "blockSizeTokens", "hashBlockSize",
@@ -16,7 +17,7 @@ LEGACY_PRODUCER_PARAMETERS = ("autoTune", "blockSize", "blockSizeTokens", "hashB
 
 
 class PrefixCacheScorer(Scorer):
-    """matchedBlocks / totalBlocks from the prefix match info; 0 when unknown."""
+    """matchedBlocks / totalBlocks from the prefix match info; 0 when unknown; 1 on a new prefix's home."""
 
     type_name = "prefix-cache-scorer"
     category = ScorerCategory.AFFINITY
@@ -47,4 +48,10 @@ class PrefixCacheScorer(Scorer):
         for ep in endpoints:
             info: PrefixMatchInfo | None = data.get(ep.name)
             out[ep.name] = info.fraction if info is not None else 0.0
+        if not any(out.values()):
+            # No endpoint holds the prefix: its rendezvous home (if the producer named one) scores as a
+            # full match, so the group's first request goes where its followers will find it.
+            for name, score in state.all_endpoint_data(PREFIX_HOME).items():
+                if name in out:
+                    out[name] = score
         return out

@@ -1,0 +1,79 @@
+"""Rendezvous homes for prompt prefixes that no endpoint holds: pickers agree without talking.
+
+Several pickers of one pool learn each other's prefix routes over the peer link (`epp.peer`), but
+only after a delay: a group's first requests that reach two pickers within it would each be
+placed by load alone, and two load views that differ by one unseen request pick different
+endpoints, so the group's prefix gets computed and cached twice. The home rule removes that race
+by construction: when a prefix producer finds no endpoint holding any block of the request, it
+names a home computed from the prefix alone, the same in every picker:
+
+- rank every candidate by `xxh64(endpoint name, seed = the chain's first block key)`
+  (rendezvous hashing: a prefix's ranking only changes for the endpoints that come or go);
+- the home is the best-ranked candidate whose load is within a bound of the least loaded one
+  (waiting requests at most `WAITING_SLACK` above the fewest, KV-cache use at most `KV_SLACK`
+  above the lowest), so a busy endpoint is passed over and new prefixes fill the idle ones.
+
+Pickers disagree only when their load views put an endpoint on different sides of that bound;
+they share bookings over the peer link, so their views differ by what is still in flight
+between them. `prefix-cache-scorer` scores the home as a full match while no endpoint matches,
+so the first request of a group goes where its followers would, and its followers find it
+there (at this picker at once, at its peers after the peer link's delay, and until then by the
+same rule). The home is published beside the match info (`PREFIX_HOME`), never inside it: the
+match info still says that nothing is cached, for the in-flight bookings and the accounting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import xxhash
+
+from epp.framework.load import EndpointLoad
+from epp.framework.plugin import CycleState
+from epp.framework.types import Endpoint
+
+#: Endpoint data key: 1.0 on the home of a request whose prefix no endpoint holds (absent otherwise).
+PREFIX_HOME = "prefix-home"
+
+# One or two unseen picks are what two pickers' views of an endpoint's queue differ by within
+# the peer link's delay; more than that above the least loaded is real load, worth avoiding.
+WAITING_SLACK = 2.0
+# KV use scraped by both pickers alike; the slack covers the unseen picks' prefill estimate.
+KV_SLACK = 0.2
+
+_U64 = (1 << 64) - 1
+
+
+def rendezvous_rank(anchor: int, endpoint: str) -> int:
+    """The endpoint's rank for a prefix (higher first): xxh64 of its name seeded by the prefix's anchor."""
+    return xxhash.xxh64_intdigest(endpoint.encode(), seed=anchor & _U64)
+
+
+def prefix_home(anchor: int, endpoints: Sequence[Endpoint],
+                load_of: Callable[[Endpoint], EndpointLoad]) -> Endpoint | None:
+    """The best-ranked endpoint for `anchor` among those within the load bound (None if no endpoints)."""
+    if not endpoints:
+        return None
+    loads = [load_of(ep) for ep in endpoints]
+    waiting = [load.waiting_estimate(ep.metrics) for ep, load in zip(endpoints, loads)]
+    kv = [load.kv_usage_estimate(ep.metrics) for ep, load in zip(endpoints, loads)]
+    waiting_bound = min(waiting) + WAITING_SLACK
+    kv_bound = min(kv) + KV_SLACK
+    best: Endpoint | None = None
+    best_rank = -1
+    for ep, w, k in zip(endpoints, waiting, kv):
+        if w <= waiting_bound and k <= kv_bound:
+            rank = rendezvous_rank(anchor, ep.name)
+            if rank > best_rank:
+                best, best_rank = ep, rank
+    return best
+
+
+def publish_home(state: CycleState, anchor: int, endpoints: Sequence[Endpoint],
+                 load_of: Callable[[Endpoint], EndpointLoad]) -> str | None:
+    """Put the home of a prefix that no endpoint holds into `state` (`PREFIX_HOME`); its name."""
+    home = prefix_home(anchor, endpoints, load_of)
+    if home is None:
+        return None
+    state.put_endpoint_data(PREFIX_HOME, home.name, 1.0)
+    return home.name
