@@ -104,6 +104,10 @@ async def test_two_pickers_with_a_peer_link_send_each_group_to_one_home_and_agre
         routed = {"kind": "prefix_routed"}
         assert a.metric("epp_peer_decisions_received_total", routed) == 14
         assert b.metric("epp_peer_decisions_received_total", routed) == 14
+        # Every batch says how old its oldest decision was on arrival (the staleness bound, measured).
+        assert a.metric("epp_peer_decision_staleness_seconds_count") > 0
+        assert a.metric("epp_peer_decision_staleness_seconds_sum") < 5 * a.metric(
+            "epp_peer_decision_staleness_seconds_count")
     finally:
         await a.stop()
         await b.stop()
