@@ -36,7 +36,7 @@ from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 from epp.scorers.prefix_hashing import AVERAGE_CHARACTERS_PER_TOKEN, block_hashes, chain_seed
 from epp.scorers.prefix_index import PrefixIndex
 from epp.scorers.prompt_text import user_input_bytes
-from epp.scorers.rendezvous_home import publish_home
+from epp.scorers.rendezvous_home import home_enabled, publish_home
 
 PREFILL_PROFILE = "prefill"
 
@@ -107,8 +107,10 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
             fixed_cpt = params.float("charsPerToken", 0.0, minimum=0.0, maximum=64.0)
             self.publish_tier_match = params.bool("publishTierMatch", False)
         # A prefix no endpoint holds goes to its rendezvous home (scorers/rendezvous_home.py), so that
-        # every picker of a pool places a group's first requests alike; GIE's algorithm has no home.
-        self.rendezvous_home = not self.gie_compatible and params.bool("rendezvousHome", True)
+        # every picker of a pool places a group's first requests alike (default: when it has peers);
+        # GIE's algorithm has no home.
+        self.rendezvous_home = not self.gie_compatible and home_enabled(params.bool("rendezvousHome", None),
+                                                                        context.services)
         self._ledger = context.load
         #: Characters per token: fixed when configured (or GIE), else learned from responses.
         self.learn_chars_per_token = fixed_cpt == 0.0

@@ -11,7 +11,8 @@ candidate endpoint:
 As a pre-request hook it claims the request's blocks on each profile's chosen endpoint for
 `speculativeTTL`, so a burst of same-prefix requests does not scatter before events arrive.
 When no endpoint holds any block of the prompt, it names the prefix's rendezvous home
-(`rendezvousHome`, default on; `epp.scorers.rendezvous_home`), the same in every picker of a pool.
+(`rendezvousHome`, default on when the picker has peers; `epp.scorers.rendezvous_home`), the same
+in every picker of a pool.
 Topics: vLLM publishes on topic `""` unless `--kv-events-config` sets one. `mode: per-endpoint`
 (the default) accepts it: the socket it dialled names the replica, and the model is
 `defaultModel`, or the one model of `tokenizers` when there is exactly one. `mode: centralized`
@@ -49,7 +50,7 @@ from epp.kvevents.index import KVBlockIndex
 from epp.kvevents.metrics import KVIndexMetrics, KVSubscriberMetrics
 from epp.kvevents.subscriber import MODES, KVEventSubscriber, SubscriberConfig
 from epp.scorers.durations import parse_duration
-from epp.scorers.rendezvous_home import publish_home
+from epp.scorers.rendezvous_home import home_enabled, publish_home
 from epp.tokenization.pool import TokenizerPool, token_ids_of
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
             weights[tier] = float(weight)
         self.tier_weights = (weights["gpu"], weights["cpu"], weights["disk"])  # indexed by Tier
         speculative_ttl = _seconds(params, "speculativeTTL", 2.0)
-        self.rendezvous_home = params.bool("rendezvousHome", True)
+        self.rendezvous_home = home_enabled(params.bool("rendezvousHome", None), context.services)
         self._ledger = context.load
         mode = params.str("mode", "per-endpoint", choices=MODES)
         config = SubscriberConfig(

@@ -20,16 +20,22 @@ so the first request of a group goes where its followers would, and its follower
 there (at this picker at once, at its peers after the peer link's delay, and until then by the
 same rule). The home is published beside the match info (`PREFIX_HOME`), never inside it: the
 match info still says that nothing is cached, for the in-flight bookings and the accounting.
+
+The producers' `rendezvousHome` parameter: `true`, `false`, or unset (auto: on when the picker
+shares decisions with peers, i.e. `--workers N` or `--peers`). A picker alone has no race to
+remove, and keeps placing a new prefix on the least loaded endpoint as it always did.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import xxhash
 
 from epp.framework.load import EndpointLoad
 from epp.framework.plugin import CycleState
+from epp.framework.sharing import decision_sharing
 from epp.framework.types import Endpoint
 
 #: Endpoint data key: 1.0 on the home of a request whose prefix no endpoint holds (absent otherwise).
@@ -42,6 +48,14 @@ WAITING_SLACK = 2.0
 KV_SLACK = 0.2
 
 _U64 = (1 << 64) - 1
+
+
+def home_enabled(setting: bool | None, services: Mapping[str, Any]) -> bool:
+    """`rendezvousHome` as configured, or (None: auto) whether the picker has peers to agree with."""
+    if setting is not None:
+        return setting
+    # A picker without peers gets the sharing service that shares nothing.
+    return decision_sharing(dict(services)) is not decision_sharing({})
 
 
 def rendezvous_rank(anchor: int, endpoint: str) -> int:

@@ -25,6 +25,9 @@ CONFIG = scorer_then_max_score(plugin("approx-prefix-cache-producer", autoTune=F
 # The same without the rendezvous home: a prefix nobody holds is placed by the tie-break alone.
 CONFIG_NO_HOME = scorer_then_max_score(plugin("approx-prefix-cache-producer", autoTune=False, blockSizeTokens=4,
                                              lruCapacityPerServer=5000, charsPerToken=4, rendezvousHome=False))
+# With the home forced on (by default it is on only for a picker with peers).
+CONFIG_HOME = scorer_then_max_score(plugin("approx-prefix-cache-producer", autoTune=False, blockSizeTokens=4,
+                                          lruCapacityPerServer=5000, charsPerToken=4, rendezvousHome=True))
 
 
 class RoutingPicker:
@@ -149,8 +152,8 @@ async def route_first_requests_at_once(pickers: list[RoutingPicker], requests: l
 
 async def test_pickers_with_no_link_at_all_place_each_groups_simultaneous_first_requests_on_one_home():
     # The hardest case for sharing: nothing is shared. The rendezvous home alone makes them agree.
-    a = await RoutingPicker.start()
-    b = await RoutingPicker.start()
+    a = await RoutingPicker.start(config=CONFIG_HOME)
+    b = await RoutingPicker.start(config=CONFIG_HOME)
     try:
         placed = await route_first_requests_at_once([a, b], group_prompts(groups=7, per_group=4))
         assert all(len(homes) == 1 for homes in placed.values()), placed

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from epp.framework.load import InflightLedger
 from epp.framework.plugin import CycleState
 from epp.framework.types import Endpoint, EndpointMetrics
@@ -86,7 +88,7 @@ async def test_the_approximate_producer_names_a_home_only_while_no_endpoint_hold
     from epp.framework.datakeys import PREFIX_MATCH_INFO
     from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
 
-    producer = make_plugin("approx-prefix-cache-producer", {"autoTune": False})
+    producer = make_plugin("approx-prefix-cache-producer", {"autoTune": False, "rendezvousHome": True})
     scorer = make_plugin("prefix-cache-scorer")
     eps = [endpoint(i) for i in range(4)]
     prompt = request("tenant 7 system prompt " * 40)
@@ -98,7 +100,8 @@ async def test_the_approximate_producer_names_a_home_only_while_no_endpoint_hold
     assert scorer.score(state, prompt, eps) == {ep.name: 1.0 if ep.name == home else 0.0 for ep in eps}
     # A second producer (another picker) names the same home.
     other = CycleState()
-    await make_plugin("approx-prefix-cache-producer", {"autoTune": False}).prepare(other, prompt, eps)
+    await make_plugin("approx-prefix-cache-producer", {"autoTune": False, "rendezvousHome": True}).prepare(
+        other, prompt, eps)
     assert dict(other.all_endpoint_data(PREFIX_HOME)) == {home: 1.0}
     # Once routed somewhere (not the home, say), the history decides and no home is named.
     elsewhere = next(ep for ep in eps if ep.name != home)
@@ -109,13 +112,30 @@ async def test_the_approximate_producer_names_a_home_only_while_no_endpoint_hold
     assert scorer.score(after, prompt, eps)[elsewhere.name] == 1.0
 
 
-async def test_rendezvous_home_off_names_no_home():
+@pytest.mark.parametrize("params", [{"rendezvousHome": False}, {}], ids=["off", "auto-without-peers"])
+async def test_rendezvous_home_off_or_alone_names_no_home(params):
+    # A picker alone keeps placing new prefixes by load as before: there is no other picker to agree with.
     from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
 
-    producer = make_plugin("approx-prefix-cache-producer", {"autoTune": False, "rendezvousHome": False})
+    producer = make_plugin("approx-prefix-cache-producer", {"autoTune": False, **params})
     state = CycleState()
     await producer.prepare(state, request("tenant 7 system prompt " * 40), [endpoint(i) for i in range(4)])
     assert not state.all_endpoint_data(PREFIX_HOME)
     gie = make_plugin("gie-approx-prefix-cache-producer", {"autoTune": False})
     await gie.prepare(state, request("tenant 7 system prompt " * 40), [endpoint(i) for i in range(4)])
     assert not state.all_endpoint_data(PREFIX_HOME)  # GIE's algorithm, unchanged
+
+
+async def test_a_picker_with_peers_names_homes_by_default():
+    from epp.framework import PluginContext
+    from epp.framework.sharing import SHARING_SERVICE, DecisionSharing
+    from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
+
+    class Linked(DecisionSharing):
+        """Stands for the peer link (epp.peer.PeerNode): any sharing service that is not the no-op one."""
+
+    context = PluginContext(services={SHARING_SERVICE: Linked()})
+    producer = make_plugin("approx-prefix-cache-producer", {"autoTune": False}, context=context)
+    state = CycleState()
+    await producer.prepare(state, request("tenant 7 system prompt " * 40), [endpoint(i) for i in range(4)])
+    assert len(state.all_endpoint_data(PREFIX_HOME)) == 1
