@@ -248,6 +248,8 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
     Contender("epp-approx-pods4", "epp", "approx", "epp-approx as 4 pods (as -pods2)", default=False, pods=4),
     Contender("epp-precise-pods2", "epp", "precise", "epp-precise as 2 pods (as epp-approx-pods2)",
               default=False, pods=2),
+    Contender("epp-approx-repeat", "epp", "approx",
+              "epp-approx again in the same run: how far two runs of one configuration differ", default=False),
     Contender("epp-approx-no-home", "epp", "approx+no-home",
               "before: epp-approx without the rendezvous home for unseen prefixes", default=False),
     Contender("epp-approx-w2-no-home", "epp", "approx+no-home", "before: epp-approx-w2 without the rendezvous home",
