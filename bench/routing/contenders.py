@@ -254,6 +254,8 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
               "before: epp-approx without the rendezvous home for unseen prefixes", default=False),
     Contender("epp-approx-w2-no-home", "epp", "approx+no-home", "before: epp-approx-w2 without the rendezvous home",
               default=False, workers=2),
+    Contender("epp-precise-w2-no-home", "epp", "precise+no-home", "before: epp-precise-w2 without the rendezvous home",
+              default=False, workers=2),
     Contender("epp-precise-no-home", "epp", "precise+no-home",
               "before: epp-precise without the rendezvous home for unseen prefixes", default=False),
     Contender("vllm-router-rr", "vllm-router", "round_robin", "vllm-router --policy round_robin"),
