@@ -9,13 +9,16 @@ names a home computed from the prefix alone, the same in every picker:
 
 - rank every candidate by `xxh64(endpoint name, seed = the chain's first block key)`
   (rendezvous hashing: a prefix's ranking only changes for the endpoints that come or go);
-- the home is the best-ranked candidate whose load is within a bound of the least loaded one
-  (waiting requests at most `WAITING_SLACK` above the fewest, KV-cache use at most `KV_SLACK`
-  above the lowest), so a busy endpoint is passed over and new prefixes fill the idle ones.
+- the home is the best-ranked candidate among the least loaded ones (the fewest waiting
+  requests, and KV-cache use at most `KV_SLACK` above the lowest), so the rule only chooses
+  among endpoints load balancing rates alike: a request whose prompt is never shared (where
+  every request has a home) is placed as by load alone.
 
-Pickers disagree only when their load views put an endpoint on different sides of that bound;
-they share bookings over the peer link, so their views differ by what is still in flight
-between them. `prefix-cache-scorer` scores the home as a full match while no endpoint matches,
+Pickers disagree only when their load views differ on which endpoints are least loaded. Their
+views agree but for what is in flight between them: both count every pick of the pool (their own
+and, over the peer link, their peers'), each against its own latest scrape (a pick the scrape
+does not show yet counts as unseen, so two scrapes taken at different moments give the same
+estimate). `prefix-cache-scorer` scores the home as a full match while no endpoint matches,
 so the first request of a group goes where its followers would, and its followers find it
 there (at this picker at once, at its peers after the peer link's delay, and until then by the
 same rule). The home is published beside the match info (`PREFIX_HOME`), never inside it: the
@@ -41,11 +44,11 @@ from epp.framework.types import Endpoint
 #: Endpoint data key: 1.0 on the home of a request whose prefix no endpoint holds (absent otherwise).
 PREFIX_HOME = "prefix-home"
 
-# One or two unseen picks are what two pickers' views of an endpoint's queue differ by within
-# the peer link's delay; more than that above the least loaded is real load, worth avoiding.
-WAITING_SLACK = 2.0
-# KV use scraped by both pickers alike; the slack covers the unseen picks' prefill estimate.
-KV_SLACK = 0.2
+# Requests waiting above the fewest that still count as least loaded. Zero: a request queued
+# behind one more prefill waits for it (with unique prompts that doubled TTFT p90 at 2 as slack).
+WAITING_SLACK = 0.0
+# KV use scraped by both pickers at different moments; the slack covers what changed in between.
+KV_SLACK = 0.1
 
 _U64 = (1 << 64) - 1
 
