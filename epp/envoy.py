@@ -136,6 +136,13 @@ _EPP_CLUSTER = """\
               socket_address: {{ address: {epp_host}, port_value: {epp_port} }}
 """
 
+# One more picker in the `epp` cluster's endpoint list (appended after _EPP_CLUSTER's last line).
+_EPP_EXTRA_ENDPOINT = """\
+        - endpoint:
+            address:
+              socket_address: {{ address: {epp_host}, port_value: {epp_port} }}
+"""
+
 _EPP_TLS = """\
     transport_socket:
       name: envoy.transport_sockets.tls
@@ -161,8 +168,11 @@ def render_config(*, listen_port: int = 8081, admin_port: int = 19000, epp_port:
                   epp_host: str = "127.0.0.1", listen_address: str = "127.0.0.1",
                   failure_mode_allow: bool = False, epp_tls: bool = False,
                   message_timeout: str = "1000s", round_robin_backends: Sequence[str] = (),
-                  response_processing: bool = True) -> str:
+                  response_processing: bool = True, extra_epp_ports: Sequence[int] = ()) -> str:
     """Envoy bootstrap YAML: through the picker, or (with `round_robin_backends`) plain round-robin.
+
+    `extra_epp_ports`: more pickers on `epp_host` in the one ext_proc cluster (separate pods of a
+    pool; Envoy spreads the ext_proc streams over them round-robin).
 
     `response_processing=False` keeps responses away from the picker: two round trips fewer per
     request, at the price of token-usage metrics, response hooks and the model-name rewrite back.
@@ -183,6 +193,7 @@ def render_config(*, listen_port: int = 8081, admin_port: int = 19000, epp_port:
             epp_host=epp_host, epp_port=epp_port, tls=_EPP_TLS if epp_tls else "",
             epp_cluster_type="STRICT_DNS" if dns else "STATIC",
             dns="    dns_lookup_family: V4_PREFERRED\n" if dns else "")
+        clusters += "".join(_EPP_EXTRA_ENDPOINT.format(epp_host=epp_host, epp_port=port) for port in extra_epp_ports)
         route = "original_destination_cluster"
     return _TEMPLATE.format(admin_address="127.0.0.1", admin_port=admin_port, listen_address=listen_address,
                             listen_port=listen_port, epp_host=epp_host, epp_port=epp_port,

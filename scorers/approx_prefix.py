@@ -41,6 +41,7 @@ from epp.framework.plugin import (
     SchedulingResult,
 )
 from epp.framework.registry import PluginParams
+from epp.framework.rendezvous import home_enabled, publish_home
 from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 from epp.scorers.prefix_hashing import AVERAGE_CHARACTERS_PER_TOKEN, block_hashes, chain_seed
 from epp.scorers.prefix_index import PrefixIndex
@@ -105,6 +106,12 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
         else:
             fixed_cpt = params.float("charsPerToken", 0.0, minimum=0.0, maximum=64.0)
             self.publish_tier_match = params.bool("publishTierMatch", False)
+        # A prefix no endpoint holds goes to its rendezvous home (epp/framework/rendezvous.py), so that
+        # every picker of a pool places a group's first requests alike (default: when it has peers);
+        # GIE's algorithm has no home.
+        self.rendezvous_home = not self.gie_compatible and home_enabled(params.bool("rendezvousHome", None),
+                                                                        context.sharing)
+        self._ledger = context.load
         #: Characters per token: fixed when configured (or GIE), else learned from responses.
         self.learn_chars_per_token = fixed_cpt == 0.0
         self.chars_per_token = fixed_cpt or float(AVERAGE_CHARACTERS_PER_TOKEN)
@@ -128,7 +135,8 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
                 f"maxPrefixBlocksToMatch={self.max_prefix_blocks} maxPrefixTokensToMatch={self.max_prefix_tokens} "
                 f"lruCapacityPerServer={self.lru_capacity_per_server} charsPerToken={cpt} "
                 f"chainAware={str(self.index.chain_aware).lower()} "
-                f"publishTierMatch={str(self.publish_tier_match).lower()}")
+                f"publishTierMatch={str(self.publish_tier_match).lower()} "
+                f"rendezvousHome={str(self.rendezvous_home).lower()}")
 
     def produces(self) -> frozenset[str]:
         return frozenset({PREFIX_MATCH_INFO, PREFIX_TIER_MATCH} if self.publish_tier_match else {PREFIX_MATCH_INFO})
@@ -182,6 +190,8 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
                                     no_match if hit is None else PrefixMatchInfo(hit, total, block_tokens))
         if self.publish_tier_match:
             self._publish_tier_match(state, request, endpoints, matched, block_tokens)
+        if hashes and not matched and self.rendezvous_home:
+            publish_home(state, hashes[0], endpoints, self._ledger.load)
         state.put(self.name, _RequestPrefix(hashes, matched, block_tokens))
 
     def _publish_tier_match(self, state: CycleState, request: InferenceRequest, endpoints: Sequence[Endpoint],

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from epp.framework import CycleState, Endpoint, InferenceRequest, PluginContext, PluginParams, Scorer
-from epp.framework.datakeys import PREFIX_MATCH_INFO, PrefixMatchInfo
+from epp.framework.datakeys import PREFIX_HOME, PREFIX_MATCH_INFO, PrefixMatchInfo
 
 # Hashing parameters that GIE v1.x configs put on the scorer; they now belong to the producer.
 LEGACY_PRODUCER_PARAMETERS = ("autoTune", "blockSize", "blockSizeTokens", "hashBlockSize",
@@ -14,7 +14,7 @@ LEGACY_PRODUCER_PARAMETERS = ("autoTune", "blockSize", "blockSizeTokens", "hashB
 
 
 class PrefixCacheScorer(Scorer):
-    """matchedBlocks / totalBlocks from the prefix match info; 0 when unknown."""
+    """matchedBlocks / totalBlocks from the prefix match info; 0 when unknown; 1 on a new prefix's home."""
 
     type_name = "prefix-cache-scorer"
 
@@ -47,4 +47,10 @@ class PrefixCacheScorer(Scorer):
         for ep in endpoints:
             info: PrefixMatchInfo | None = data.get(ep.name)
             out[ep.name] = info.fraction if info is not None else 0.0
+        if not any(out.values()):
+            # No endpoint holds the prefix: its rendezvous home (if the producer named one) scores as a
+            # full match, so the group's first request goes where its followers will find it.
+            for name, score in state.all_endpoint_data(PREFIX_HOME).items():
+                if name in out:
+                    out[name] = score
         return out

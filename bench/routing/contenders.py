@@ -136,12 +136,27 @@ def _head_first_index(config: str) -> str:
     return yaml.safe_dump(doc, sort_keys=False)
 
 
+def _without_home(config: str) -> str:
+    """`config` with the prefix producer's rendezvous home off (epp/framework/rendezvous.py: the "before")."""
+    doc = yaml.safe_load(config)
+    producers = [p for p in doc["plugins"]
+                 if p.get("type") in ("approx-prefix-cache-producer", "precise-prefix-cache-producer")]
+    if not producers:  # GIE's default config: its approximate producer is created implicitly
+        producers = [{"type": "approx-prefix-cache-producer"}]
+        doc["plugins"].insert(0, producers[0])
+    for producer in producers:
+        producer.setdefault("parameters", {})["rendezvousHome"] = False
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
 def epp_config(kind: str, t: Tuning) -> str:
     """The EndpointPickerConfig of one `epp-*` contender."""
     if kind.endswith("+head-first-index"):
         return _head_first_index(epp_config(kind.removesuffix("+head-first-index"), t))
     if kind.startswith("sample:"):
         return sample_config(kind.partition(":")[2], t)
+    if kind.endswith("+no-home"):
+        return _without_home(epp_config(kind.removesuffix("+no-home"), t))
     if kind.endswith("+scrape-only"):
         return _scrape_only(epp_config(kind.removesuffix("+scrape-only"), t))
     if kind == "random":
@@ -191,6 +206,7 @@ class Contender:
     default: bool = True  # part of `--contenders all`
     fleet_options: dict[str, Any] = field(default_factory=dict)  # FleetConfig overrides this router needs
     workers: int = 1  # epp: `epp serve --workers N` (N pickers sharing decisions over the peer link)
+    pods: int = 1  # epp: N separate `epp serve` processes (peers of each other) in one Envoy ext_proc cluster
 
     @property
     def is_peer(self) -> bool:
@@ -224,6 +240,24 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
               default=False, workers=2),
     Contender("epp-precise-w2", "epp", "precise", "epp-precise with --workers 2 (two pickers sharing decisions)",
               default=False, workers=2),
+    Contender("epp-approx-w4", "epp", "approx", "epp-approx with --workers 4", default=False, workers=4),
+    Contender("epp-precise-w4", "epp", "precise", "epp-precise with --workers 4", default=False, workers=4),
+    Contender("epp-approx-pods2", "epp", "approx",
+              "epp-approx as 2 pods: separate `epp serve` processes, peers of each other, one Envoy ext_proc cluster",
+              default=False, pods=2),
+    Contender("epp-approx-pods4", "epp", "approx", "epp-approx as 4 pods (as -pods2)", default=False, pods=4),
+    Contender("epp-precise-pods2", "epp", "precise", "epp-precise as 2 pods (as epp-approx-pods2)",
+              default=False, pods=2),
+    Contender("epp-approx-repeat", "epp", "approx",
+              "epp-approx again in the same run: how far two runs of one configuration differ", default=False),
+    Contender("epp-approx-no-home", "epp", "approx+no-home",
+              "before: epp-approx without the rendezvous home for unseen prefixes", default=False),
+    Contender("epp-approx-w2-no-home", "epp", "approx+no-home", "before: epp-approx-w2 without the rendezvous home",
+              default=False, workers=2),
+    Contender("epp-precise-w2-no-home", "epp", "precise+no-home", "before: epp-precise-w2 without the rendezvous home",
+              default=False, workers=2),
+    Contender("epp-precise-no-home", "epp", "precise+no-home",
+              "before: epp-precise without the rendezvous home for unseen prefixes", default=False),
     Contender("vllm-router-rr", "vllm-router", "round_robin", "vllm-router --policy round_robin"),
     # vllm-router 0.1.17's cache_aware and kv_aware tokenize through the replicas' /v1/completions/render,
     # which vLLM serves only with --enable-scale-out (403 otherwise, and the router then routes blind).
@@ -267,6 +301,21 @@ async def _serving_workers(url: str, count: int, timeout: float = 60) -> list[in
                     return pids
             await asyncio.sleep(0.2)
     raise Unavailable(f"epp --workers {count}: workers not serving after {timeout:.0f}s")
+
+
+async def _wait_metric(url: str, name: str, value: float, timeout: float = 30) -> None:
+    """Wait until the unlabelled sample `name` on a metrics page reads `value`."""
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                async with session.get(url) as resp:
+                    page = await resp.text()
+                if any(line.startswith(f"{name} ") and float(line.rsplit(" ", 1)[1]) == value
+                       for line in page.splitlines()):
+                    return
+            await asyncio.sleep(0.2)
+    raise Unavailable(f"{name} did not reach {value} at {url} within {timeout:.0f}s")
 
 
 def _tail(log: Path | None, lines: int = 8) -> str:
@@ -384,23 +433,19 @@ async def _start(c: Contender, fleet: SimFleet, tuning: Tuning, workdir: Path) -
             await router.stop()
             raise
         return router
+    if c.kind == "epp" and c.pods > 1:
+        return await _start_epp_pods(c, fleet, tuning, workdir)
     if c.kind == "epp":
         grpc, health, metrics, listen, admin = free_ports(5)
         router = RunningRouter(f"http://127.0.0.1:{listen}", version="epp (this repo) + envoy")
-        endpoints = []
-        for d in fleet.info:
-            labels = []
-            for label, key in (("kv-events-port", "kv_events_endpoint"), ("kv-replay-port", "kv_replay_endpoint")):
-                if d.get(key):
-                    labels.append(f"{label}={d[key].rpartition(':')[2]}")
-            endpoints.append(d["endpoint"] + ("#" + ";".join(labels) if labels else ""))
+        endpoints = _endpoint_list(fleet)
         config = epp_config(c.variant, tuning)
         (workdir / "epp-config.yaml").write_text(config)
         log = workdir / "epp.log"
         proc = await _spawn([sys.executable, "-m", "epp.cli", "serve", "--grpc-port", str(grpc),
                              "--grpc-health-port", str(health), "--metrics-port", str(metrics),
                              "--bind-address", "127.0.0.1", "--config-text", config,
-                             "--endpoints", ",".join(endpoints), "--workers", str(c.workers)], log)
+                             "--endpoints", endpoints, "--workers", str(c.workers)], log)
         router.pids.append(proc.pid)
         router.stoppers.append(lambda: _terminate(proc))
         router.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
@@ -441,6 +486,54 @@ async def _start(c: Contender, fleet: SimFleet, tuning: Tuning, workdir: Path) -
         return await _start_peer(argv, port, workdir / "sglang-router.log",
                                  f"sglang-router {_pip_version('sglang-router')}", prom)
     raise ValueError(f"unknown contender kind {c.kind!r}")
+
+
+def _endpoint_list(fleet: SimFleet) -> str:
+    """`--endpoints` for the fleet: each replica with its KV-event ports as labels."""
+    endpoints = []
+    for d in fleet.info:
+        labels = []
+        for label, key in (("kv-events-port", "kv_events_endpoint"), ("kv-replay-port", "kv_replay_endpoint")):
+            if d.get(key):
+                labels.append(f"{label}={d[key].rpartition(':')[2]}")
+        endpoints.append(d["endpoint"] + ("#" + ";".join(labels) if labels else ""))
+    return ",".join(endpoints)
+
+
+async def _start_epp_pods(c: Contender, fleet: SimFleet, tuning: Tuning, workdir: Path) -> RunningRouter:
+    """`c.pods` separate `epp serve` processes, each with its own ports and a peer link to all others,
+    behind one Envoy whose ext_proc cluster lists them all (what N pods behind one Service look like)."""
+    listen, admin = free_ports(2)
+    ports = [free_ports(4) for _ in range(c.pods)]  # grpc, health, metrics, peer per pod
+    router = RunningRouter(f"http://127.0.0.1:{listen}", version="epp (this repo) + envoy")
+    config = epp_config(c.variant, tuning)
+    (workdir / "epp-config.yaml").write_text(config)
+    endpoints = _endpoint_list(fleet)
+    procs = []
+    try:
+        for i, (grpc, health, metrics, peer) in enumerate(ports):
+            peers = ",".join(f"127.0.0.1:{p[3]}" for j, p in enumerate(ports) if j != i)
+            log = workdir / f"epp-pod{i}.log"
+            proc = await _spawn([sys.executable, "-m", "epp.cli", "serve", "--grpc-port", str(grpc),
+                                 "--grpc-health-port", str(health), "--metrics-port", str(metrics),
+                                 "--bind-address", "127.0.0.1", "--config-text", config, "--endpoints", endpoints,
+                                 "--peer-port", str(peer), "--peers", peers], log)
+            router.pids.append(proc.pid)
+            router.stoppers.append(lambda proc=proc: _terminate(proc))
+            procs.append((proc, log, metrics))
+        for proc, log, metrics in procs:
+            await _wait_http(f"http://127.0.0.1:{metrics}/metrics", 60, proc, log)
+        for _proc, _log, metrics in procs:  # the full mesh is up before the first request
+            await _wait_metric(f"http://127.0.0.1:{metrics}/metrics", "epp_peer_following", c.pods - 1)
+        router.metrics_url = f"http://127.0.0.1:{ports[0][2]}/metrics"  # pod 0's counters
+        router.flags = (f"{c.pods} x epp serve --config-text <{c.variant} config: {workdir.name}/epp-config.yaml> "
+                        "--peer-port P --peers <the others> + one envoy ext_proc cluster of all (counters: pod 0)")
+        await _start_envoy(router, render_config(listen_port=listen, admin_port=admin, epp_port=ports[0][0],
+                                                 extra_epp_ports=[p[0] for p in ports[1:]]), admin, workdir)
+    except BaseException:
+        await router.stop()
+        raise
+    return router
 
 
 async def _start_peer(argv: list[str], port: int, log: Path, version: str, prom: int) -> RunningRouter:

@@ -10,6 +10,9 @@ PREFIX_MATCH_INFO = "prefix-cache-match-info"
 PREFIX_TIER_MATCH = "prefix-cache-tier-match"
 # Per endpoint: InflightLoad. Written by inflight-load-producer.
 INFLIGHT_LOAD = "inflight-load"
+# Per endpoint: 1.0 on the rendezvous home of a prefix no endpoint holds (see epp.framework.rendezvous).
+# Written by the prefix producers when several pickers route one pool.
+PREFIX_HOME = "prefix-home"
 
 
 @dataclass(frozen=True, slots=True)

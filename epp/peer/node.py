@@ -4,10 +4,13 @@ Full mesh over the protocol in `proto/epp/peer/v1/peer.proto`: every picker serv
 `PickerPeers` and subscribes to each peer it is told of, so no picker is special and any may die.
 Publishing costs the hot path one tuple appended per subscriber; a sender task per subscriber
 batches them into messages. Staleness is bounded by the event loop and the network: decisions are
-sent as soon as the loop runs the sender, and a subscriber that cannot keep up loses the oldest
-(`epp_peer_decisions_dropped_total`; it sees the gap in sequence numbers), never blocking the
-publisher or growing its memory. A picker that starts late subscribes first, then asks one peer
-for a snapshot, applies it, then the decisions that arrived meanwhile.
+sent as soon as the loop runs the sender (after `flush_interval_s`, 1 ms, to batch them), and a
+subscriber that cannot keep up loses the oldest (`epp_peer_decisions_dropped_total`; it sees the
+gap in sequence numbers), never blocking the publisher or growing its memory. Each batch carries
+when its oldest decision was made, and the receiver records how old it was on arrival
+(`epp_peer_decision_staleness_seconds`): the measured bound on how far a peer's view lags. A
+picker that starts late subscribes first, then asks one peer for a snapshot, applies it, then the
+decisions that arrived meanwhile.
 """
 
 from __future__ import annotations
@@ -16,13 +19,14 @@ import asyncio
 import itertools
 import logging
 import os
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from epp.framework.sharing import DecisionSharing, PrefixLearner, PrefixSnapshotter
 from epp.peer.ledger import SharedInflightLedger
@@ -62,7 +66,7 @@ class _Outbox:
     __slots__ = ("items", "wake", "dropped", "subscriber")
 
     def __init__(self, limit: int, subscriber: str) -> None:
-        self.items: deque[tuple[int, _Pending]] = deque(maxlen=limit)
+        self.items: deque[tuple[int, _Pending, int]] = deque(maxlen=limit)  # (sequence, decision, made at ns)
         self.wake = asyncio.Event()
         self.dropped = 0
         self.subscriber = subscriber
@@ -83,6 +87,11 @@ class PeerMetrics:
         self.subscribers = Gauge("epp_peer_subscribers", "Peers subscribed to this picker now.", registry=r)
         self.following = Gauge("epp_peer_following", "Peers this picker receives decisions from now.",
                                registry=r)
+        self.staleness = Histogram(
+            "epp_peer_decision_staleness_seconds",
+            "From a peer's decision to its arrival here, for the oldest decision of each batch (the peer's "
+            "wall clock against this one's: across hosts it includes their clock offset).",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0), registry=r)
         self.snapshot_blocks = Gauge("epp_peer_snapshot_blocks",
                                      "Prefix blocks learned from a peer's snapshot at start.", registry=r)
 
@@ -120,7 +129,8 @@ class PeerNode(DecisionSharing, pb_grpc.PickerPeersServicer):
 
     @property
     def has_peers(self) -> bool:
-        return bool(self._outboxes)
+        # Configured peers count before they subscribe: plugins read this once, at start-up.
+        return bool(self.peers or self._outboxes)
 
     def share_prefixes(self, learner: PrefixLearner, snapshotter: PrefixSnapshotter) -> None:
         self._learner, self._snapshotter = learner, snapshotter
@@ -147,11 +157,12 @@ class PeerNode(DecisionSharing, pb_grpc.PickerPeersServicer):
 
     def _publish(self, decision: _Pending) -> None:
         seq = next(self._sequence)
+        made_at = time.time_ns()
         for box in self._outboxes:
             if len(box.items) == box.items.maxlen:
                 box.dropped += 1
                 self.metrics.dropped.inc()
-            box.items.append((seq, decision))
+            box.items.append((seq, decision, made_at))
             box.wake.set()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -201,11 +212,12 @@ class PeerNode(DecisionSharing, pb_grpc.PickerPeersServicer):
                 box.wake.clear()
                 while box.items:
                     count = min(_BATCH, len(box.items))
-                    first = box.items[0][0]
+                    first, _, oldest = box.items[0]
                     decisions = [_decision(box.items.popleft()[1]) for _ in range(count)]
                     self.metrics.sent.inc(count)
                     yield pb.DecisionBatch(protocol_version=PROTOCOL_VERSION, picker_id=self.picker_id,
-                                           first_sequence=first, decisions=decisions)
+                                           first_sequence=first, decisions=decisions,
+                                           oldest_decision_unix_nanos=oldest)
         finally:
             self._outboxes.remove(box)
             self.metrics.subscribers.set(len(self._outboxes))
@@ -260,6 +272,8 @@ class PeerNode(DecisionSharing, pb_grpc.PickerPeersServicer):
             backoff = min(2.0, backoff * 2)
 
     def _receive(self, batch: pb.DecisionBatch) -> None:
+        if batch.oldest_decision_unix_nanos:
+            self.metrics.staleness.observe(max(0, time.time_ns() - batch.oldest_decision_unix_nanos) / 1e9)
         if batch.first_sequence:
             expected = self._expected.get(batch.picker_id)
             if expected is not None and batch.first_sequence != expected:

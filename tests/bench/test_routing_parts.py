@@ -109,3 +109,18 @@ async def test_open_loop_stage_streams_measures_ttft_and_is_bounded_in_time():
         assert rec.output_tokens == 3 and len(rec.itl) == 2
         assert 0.015 < rec.ttft < rec.e2e
         assert rec.replica == "r0"
+
+
+def test_no_home_contenders_turn_the_rendezvous_home_off_in_the_config_they_run():
+    import yaml
+
+    from bench.routing.contenders import CONTENDERS, Tuning, epp_config
+
+    tuning = Tuning(tokenizer_dir="/tok", block_size=16, prefill_s_per_token=0.0, mean_prompt_tokens=0)
+    for name in ("epp-approx-no-home", "epp-approx-w2-no-home", "epp-precise-w2-no-home"):
+        doc = yaml.safe_load(epp_config(CONTENDERS[name].variant, tuning))
+        producers = [p for p in doc["plugins"] if p["type"].endswith("prefix-cache-producer")]
+        assert producers and all(p["parameters"]["rendezvousHome"] is False for p in producers), name
+    # The pods contenders run the same configuration as their one-picker row, N times.
+    assert CONTENDERS["epp-approx-pods2"].variant == CONTENDERS["epp-approx"].variant
+    assert CONTENDERS["epp-approx-pods4"].pods == 4 and CONTENDERS["epp-approx-w4"].workers == 4

@@ -305,3 +305,22 @@ async def test_real_vllm_events_and_requests_match_end_to_end(tmp_path):
                 len(requests[name]["prompt_token_ids"])
     finally:
         await prod.stop()
+
+
+async def test_a_prompt_no_endpoint_holds_gets_one_rendezvous_home_in_every_picker():
+    from epp.framework.datakeys import PREFIX_HOME
+
+    pickers = [producer(rendezvousHome=True), producer(rendezvousHome=True)]
+    states = [await produce(p) for p in pickers]
+    homes = [dict(s.all_endpoint_data(PREFIX_HOME)) for s in states]
+    assert len(homes[0]) == 1 and homes[0] == homes[1]
+    [home] = homes[0]
+    assert fractions(states[0]) == {A.name: float(home == A.name), B.name: float(home == B.name)}
+    # Held somewhere (here: the other endpoint, from its KV events): the index decides, no home.
+    other = B if home == A.name else A
+    feed(pickers[0], other, wire.stored(list(range(1, 9)), TOKENS))
+    held = await produce(pickers[0])
+    assert not held.all_endpoint_data(PREFIX_HOME)
+    assert fractions(held)[other.name] == 1.0
+    # Alone (no peers) and unset: no home, as before the rule.
+    assert not (await produce(producer())).all_endpoint_data(PREFIX_HOME)

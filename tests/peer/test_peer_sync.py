@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 
@@ -21,6 +22,12 @@ pytestmark = pytest.mark.timeout(120)
 ENDPOINTS = "10.0.0.1:8000,10.0.0.2:8000,10.0.0.3:8000,10.0.0.4:8000"
 CONFIG = scorer_then_max_score(plugin("approx-prefix-cache-producer", autoTune=False, blockSizeTokens=4,
                                      lruCapacityPerServer=5000, charsPerToken=4))
+# The same without the rendezvous home: a prefix nobody holds is placed by the tie-break alone.
+CONFIG_NO_HOME = scorer_then_max_score(plugin("approx-prefix-cache-producer", autoTune=False, blockSizeTokens=4,
+                                             lruCapacityPerServer=5000, charsPerToken=4, rendezvousHome=False))
+# With the home forced on (by default it is on only for a picker with peers).
+CONFIG_HOME = scorer_then_max_score(plugin("approx-prefix-cache-producer", autoTune=False, blockSizeTokens=4,
+                                          lruCapacityPerServer=5000, charsPerToken=4, rendezvousHome=True))
 
 
 class RoutingPicker:
@@ -31,9 +38,10 @@ class RoutingPicker:
         self.client = ExtProcClient(server.grpc_port)
 
     @classmethod
-    async def start(cls, peer_port: int | None = None, peers: tuple[int, ...] = ()) -> RoutingPicker:
+    async def start(cls, peer_port: int | None = None, peers: tuple[int, ...] = (),
+                    config: str = CONFIG) -> RoutingPicker:
         server = EppServer(ServeOptions(
-            grpc_port=0, grpc_health_port=0, metrics_port=0, bind_address="127.0.0.1", config_text=CONFIG,
+            grpc_port=0, grpc_health_port=0, metrics_port=0, bind_address="127.0.0.1", config_text=config,
             endpoints=parse_endpoint_list(ENDPOINTS), scrape_metrics=False, grace_period_s=0,
             peer_port=peer_port, peers=[f"127.0.0.1:{p}" for p in peers]))
         await server.start()
@@ -99,16 +107,20 @@ async def test_two_pickers_with_a_peer_link_send_each_group_to_one_home_and_agre
         routed = {"kind": "prefix_routed"}
         assert a.metric("epp_peer_decisions_received_total", routed) == 14
         assert b.metric("epp_peer_decisions_received_total", routed) == 14
+        # Every batch says how old its oldest decision was on arrival (the staleness bound, measured).
+        assert a.metric("epp_peer_decision_staleness_seconds_count") > 0
+        assert a.metric("epp_peer_decision_staleness_seconds_sum") < 5 * a.metric(
+            "epp_peer_decision_staleness_seconds_count")
     finally:
         await a.stop()
         await b.stop()
 
 
-async def test_without_a_peer_link_the_same_traffic_scatters_groups():
+async def test_without_a_peer_link_or_rendezvous_homes_the_same_traffic_scatters_groups():
     # The control: each picker knows only its own routes, so a group's first request at the
     # second picker lands wherever a tie falls (7 groups all landing alike: chance 4^-7; an odd group count makes every group meet both pickers).
-    a = await RoutingPicker.start()
-    b = await RoutingPicker.start()
+    a = await RoutingPicker.start(config=CONFIG_NO_HOME)
+    b = await RoutingPicker.start(config=CONFIG_NO_HOME)
     try:
         placed = await route_alternately([a, b], group_prompts(groups=7, per_group=4), wait_for_peers=False)
         assert any(len(homes) > 1 for homes in placed.values()), placed
@@ -116,6 +128,57 @@ async def test_without_a_peer_link_the_same_traffic_scatters_groups():
     finally:
         await a.stop()
         await b.stop()
+
+
+async def route_first_requests_at_once(pickers: list[RoutingPicker], requests: list[tuple[int, str]]
+                                       ) -> dict[int, set[str]]:
+    """Each group's first requests reach every picker at the same moment (one each, no picker can know
+    another's pick yet), then the rest alternate without waiting for the peer link."""
+    placed: dict[int, set[str]] = {}
+    firsts: dict[int, list[str]] = {}
+    rest: list[tuple[int, str]] = []
+    for group, prompt in requests:
+        if len(firsts.setdefault(group, [])) < len(pickers):
+            firsts[group].append(prompt)
+        else:
+            rest.append((group, prompt))
+    for group, prompts in firsts.items():
+        destinations = await asyncio.gather(*(p.route(prompt) for p, prompt in zip(pickers, prompts)))
+        placed.setdefault(group, set()).update(destinations)
+    for group, endpoints in (await route_alternately(pickers, rest, wait_for_peers=False)).items():
+        placed[group] |= endpoints
+    return placed
+
+
+async def test_pickers_with_no_link_at_all_place_each_groups_simultaneous_first_requests_on_one_home():
+    # The hardest case for sharing: nothing is shared. The rendezvous home alone makes them agree.
+    a = await RoutingPicker.start(config=CONFIG_HOME)
+    b = await RoutingPicker.start(config=CONFIG_HOME)
+    try:
+        placed = await route_first_requests_at_once([a, b], group_prompts(groups=7, per_group=4))
+        assert all(len(homes) == 1 for homes in placed.values()), placed
+        assert len(set().union(*placed.values())) >= 2, placed  # homes spread: not one endpoint for all
+        assert set(a.homes()) == set(b.homes())
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_four_linked_pickers_fed_each_groups_first_requests_at_once_converge_on_the_same_homes():
+    ports = free_ports(4)
+    pickers = [await RoutingPicker.start(port, tuple(p for p in ports if p != port)) for port in ports]
+    try:
+        await wait_until(lambda: all(p.metric("epp_peer_following") == 3 for p in pickers),
+                         "the pickers to follow each other", 20)
+        placed = await route_first_requests_at_once(pickers, group_prompts(groups=5, per_group=6, seed=11))
+        assert all(len(homes) == 1 for homes in placed.values()), placed
+        # Every route reaches every peer: the four indexes end up alike.
+        await wait_until(lambda: all(p.homes() == pickers[0].homes() for p in pickers),
+                         "the four pickers' indexes to converge", 10)
+        assert {ep for ep, hashes in pickers[0].homes().items() if hashes} == set().union(*placed.values())
+    finally:
+        for picker in pickers:
+            await picker.stop()
 
 
 async def test_a_picker_that_starts_late_catches_up_from_a_peer_snapshot_and_then_live():

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x65pp/peer/v1/peer.proto\x12\x0b\x65pp.peer.v1\"C\n\x10SubscribeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x15\n\rsubscriber_id\x18\x02 \x01(\t\"~\n\rDecisionBatch\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tpicker_id\x18\x02 \x01(\t\x12\x16\n\x0e\x66irst_sequence\x18\x03 \x01(\x04\x12(\n\tdecisions\x18\x04 \x03(\x0b\x32\x15.epp.peer.v1.Decision\"\x98\x01\n\x08\x44\x65\x63ision\x12\x32\n\rprefix_routed\x18\x01 \x01(\x0b\x32\x19.epp.peer.v1.PrefixRoutedH\x00\x12%\n\x06\x62ooked\x18\x02 \x01(\x0b\x32\x13.epp.peer.v1.BookedH\x00\x12)\n\x08released\x18\x03 \x01(\x0b\x32\x15.epp.peer.v1.ReleasedH\x00\x42\x06\n\x04kind\"L\n\x0cPrefixRouted\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x18\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\x42\x02\x10\x01\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\x04\"C\n\x06\x42ooked\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x17\n\x0funcached_tokens\x18\x03 \x01(\x04\"0\n\x08Released\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12\x14\n\x0cprefill_only\x18\x02 \x01(\x08\"+\n\x0fSnapshotRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\">\n\x0ePrefixSnapshot\x12,\n\tendpoints\x18\x01 \x03(\x0b\x32\x19.epp.peer.v1.PrefixRouted2\xa0\x01\n\x0bPickerPeers\x12H\n\tSubscribe\x12\x1d.epp.peer.v1.SubscribeRequest\x1a\x1a.epp.peer.v1.DecisionBatch0\x01\x12G\n\x08Snapshot\x12\x1c.epp.peer.v1.SnapshotRequest\x1a\x1b.epp.peer.v1.PrefixSnapshot0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x65pp/peer/v1/peer.proto\x12\x0b\x65pp.peer.v1\"C\n\x10SubscribeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x15\n\rsubscriber_id\x18\x02 \x01(\t\"\xa2\x01\n\rDecisionBatch\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tpicker_id\x18\x02 \x01(\t\x12\x16\n\x0e\x66irst_sequence\x18\x03 \x01(\x04\x12(\n\tdecisions\x18\x04 \x03(\x0b\x32\x15.epp.peer.v1.Decision\x12\"\n\x1aoldest_decision_unix_nanos\x18\x05 \x01(\x03\"\x98\x01\n\x08\x44\x65\x63ision\x12\x32\n\rprefix_routed\x18\x01 \x01(\x0b\x32\x19.epp.peer.v1.PrefixRoutedH\x00\x12%\n\x06\x62ooked\x18\x02 \x01(\x0b\x32\x13.epp.peer.v1.BookedH\x00\x12)\n\x08released\x18\x03 \x01(\x0b\x32\x15.epp.peer.v1.ReleasedH\x00\x42\x06\n\x04kind\"L\n\x0cPrefixRouted\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x18\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\x42\x02\x10\x01\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\x04\"C\n\x06\x42ooked\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x17\n\x0funcached_tokens\x18\x03 \x01(\x04\"0\n\x08Released\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12\x14\n\x0cprefill_only\x18\x02 \x01(\x08\"+\n\x0fSnapshotRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\">\n\x0ePrefixSnapshot\x12,\n\tendpoints\x18\x01 \x03(\x0b\x32\x19.epp.peer.v1.PrefixRouted2\xa0\x01\n\x0bPickerPeers\x12H\n\tSubscribe\x12\x1d.epp.peer.v1.SubscribeRequest\x1a\x1a.epp.peer.v1.DecisionBatch0\x01\x12G\n\x08Snapshot\x12\x1c.epp.peer.v1.SnapshotRequest\x1a\x1b.epp.peer.v1.PrefixSnapshot0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,20 +35,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFIXROUTED'].fields_by_name['block_hashes']._serialized_options = b'\020\001'
   _globals['_SUBSCRIBEREQUEST']._serialized_start=39
   _globals['_SUBSCRIBEREQUEST']._serialized_end=106
-  _globals['_DECISIONBATCH']._serialized_start=108
-  _globals['_DECISIONBATCH']._serialized_end=234
-  _globals['_DECISION']._serialized_start=237
-  _globals['_DECISION']._serialized_end=389
-  _globals['_PREFIXROUTED']._serialized_start=391
-  _globals['_PREFIXROUTED']._serialized_end=467
-  _globals['_BOOKED']._serialized_start=469
-  _globals['_BOOKED']._serialized_end=536
-  _globals['_RELEASED']._serialized_start=538
-  _globals['_RELEASED']._serialized_end=586
-  _globals['_SNAPSHOTREQUEST']._serialized_start=588
-  _globals['_SNAPSHOTREQUEST']._serialized_end=631
-  _globals['_PREFIXSNAPSHOT']._serialized_start=633
-  _globals['_PREFIXSNAPSHOT']._serialized_end=695
-  _globals['_PICKERPEERS']._serialized_start=698
-  _globals['_PICKERPEERS']._serialized_end=858
+  _globals['_DECISIONBATCH']._serialized_start=109
+  _globals['_DECISIONBATCH']._serialized_end=271
+  _globals['_DECISION']._serialized_start=274
+  _globals['_DECISION']._serialized_end=426
+  _globals['_PREFIXROUTED']._serialized_start=428
+  _globals['_PREFIXROUTED']._serialized_end=504
+  _globals['_BOOKED']._serialized_start=506
+  _globals['_BOOKED']._serialized_end=573
+  _globals['_RELEASED']._serialized_start=575
+  _globals['_RELEASED']._serialized_end=623
+  _globals['_SNAPSHOTREQUEST']._serialized_start=625
+  _globals['_SNAPSHOTREQUEST']._serialized_end=668
+  _globals['_PREFIXSNAPSHOT']._serialized_start=670
+  _globals['_PREFIXSNAPSHOT']._serialized_end=732
+  _globals['_PICKERPEERS']._serialized_start=735
+  _globals['_PICKERPEERS']._serialized_end=895
 # @@protoc_insertion_point(module_scope)

@@ -15,16 +15,18 @@ class SubscribeRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., subscriber_id: _Optional[str] = ...) -> None: ...
 
 class DecisionBatch(_message.Message):
-    __slots__ = ("protocol_version", "picker_id", "first_sequence", "decisions")
+    __slots__ = ("protocol_version", "picker_id", "first_sequence", "decisions", "oldest_decision_unix_nanos")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     PICKER_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_DECISION_UNIX_NANOS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     picker_id: str
     first_sequence: int
     decisions: _containers.RepeatedCompositeFieldContainer[Decision]
-    def __init__(self, protocol_version: _Optional[int] = ..., picker_id: _Optional[str] = ..., first_sequence: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ...) -> None: ...
+    oldest_decision_unix_nanos: int
+    def __init__(self, protocol_version: _Optional[int] = ..., picker_id: _Optional[str] = ..., first_sequence: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., oldest_decision_unix_nanos: _Optional[int] = ...) -> None: ...
 
 class Decision(_message.Message):
     __slots__ = ("prefix_routed", "booked", "released")

@@ -1,0 +1,129 @@
+"""Separate `epp serve` processes as the pods of one pool, behind one real Envoy ext_proc cluster.
+
+Two pickers, each its own process with its own ports, told of each other with `--peer-port` and
+`--peers`, are both members of Envoy's `epp` cluster: Envoy spreads the requests' ext_proc
+streams over them. Simulated vLLM replicas serve. Each group's first requests are sent at once,
+so they reach both pickers before either can have heard of the other's pick; the group must
+still land on one replica (the rendezvous home), and stay there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import urllib.request
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from epp.engine.sim import FleetConfig, SimFleet
+from epp.engine.sim.fleet import default_tokenizer_dir
+from epp.envoy import EnvoyProcess, render_config
+from epp.netutil import free_ports
+from tests.precise.support import prompt_of, wait_until
+
+pytestmark = [pytest.mark.envoy, pytest.mark.timeout(180)]
+
+MODEL = "sim-model"
+GROUPS = 4
+
+
+def pod_samples(metrics_port: int) -> dict[str, float]:
+    """One picker's metrics page as {'name{labels}': value} (empty while it does not answer)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2) as resp:
+            page = resp.read().decode()
+    except OSError:
+        return {}
+    samples = {}
+    for line in page.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            samples[key] = float(value)
+    return samples
+
+
+async def served(http: aiohttp.ClientSession, endpoints: list[str]) -> list[float]:
+    """Requests each replica has finished (its own `vllm:request_success_total`)."""
+    out = []
+    for endpoint in endpoints:
+        async with http.get(f"http://{endpoint}/metrics") as resp:
+            text = await resp.text()
+        out.append(sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                       if s.name == "vllm:request_success_total"))
+    return out
+
+
+async def complete(http: aiohttp.ClientSession, url: str, prompt: str) -> None:
+    async with http.post(url, json={"model": MODEL, "prompt": prompt, "max_tokens": 2}) as resp:
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+
+
+async def test_two_pods_behind_one_envoy_send_each_group_to_one_replica():
+    tokenizer_dir = default_tokenizer_dir()
+    fleet_config = FleetConfig(replicas=3, model=MODEL, tokenizer_dir=tokenizer_dir, profile="fast*100",
+                               num_gpu_blocks=1024, block_size=16, kv_events=False)
+    pods = [free_ports(4) for _ in range(2)]  # grpc, health, metrics, peer
+    procs: list[asyncio.subprocess.Process] = []
+    envoy = None
+    async with SimFleet(fleet_config) as fleet, aiohttp.ClientSession() as http:
+        try:
+            for i, (grpc, health, metrics, peer) in enumerate(pods):
+                other = pods[1 - i][3]
+                procs.append(await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "epp.cli", "serve", "--grpc-port", str(grpc), "--grpc-health-port",
+                    str(health), "--metrics-port", str(metrics), "--bind-address", "127.0.0.1",
+                    "--endpoints", ",".join(fleet.endpoints), "--refresh-metrics-interval", "0.05",
+                    "--grace-period", "1", "--peer-port", str(peer), "--peers", f"127.0.0.1:{other}",
+                    stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL))
+
+            async def linked() -> bool:
+                pages = [await asyncio.to_thread(pod_samples, p[2]) for p in pods]
+                return all(page.get("epp_peer_following") == 1.0 for page in pages)
+
+            for _ in range(600):  # the pods start and follow each other (60 s at most)
+                if await linked():
+                    break
+                assert all(p.returncode is None for p in procs), "a picker exited"
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("the two pickers did not follow each other within 60s")
+            listen, admin = free_ports(2)
+            envoy = EnvoyProcess(render_config(listen_port=listen, admin_port=admin, epp_port=pods[0][0],
+                                               extra_epp_ports=[pods[1][0]]), admin)
+            await envoy.start()
+            url = f"http://127.0.0.1:{listen}/v1/completions"
+            placed: dict[int, list[int]] = {}
+            for group in range(GROUPS):
+                system = prompt_of(tokenizer_dir, seed=300 + group, tokens=600)
+                before = await served(http, fleet.endpoints)
+                for wave in range(2):  # two at once (one to each pod), twice
+                    await asyncio.wait_for(asyncio.gather(*(
+                        complete(http, url, f"{system}\nQuestion {wave}.{k}?") for k in range(2))), 30)
+                after = await served(http, fleet.endpoints)
+                placed[group] = [int(a - b) for a, b in zip(after, before)]
+            # Each group's four requests went to one replica; the groups did not all share one.
+            assert all(sorted(counts) == [0, 0, 4] for counts in placed.values()), placed
+            assert len({counts.index(4) for counts in placed.values()}) >= 2, placed
+            # Both pods routed: Envoy spread the streams, and each learned the other's routes.
+            pages = [await asyncio.to_thread(pod_samples, p[2]) for p in pods]
+            taken = [page.get('epp_extproc_messages_total{phase="request_headers"}', 0) for page in pages]
+            assert sum(taken) == 4 * GROUPS and min(taken) > 0, taken
+            await wait_until(lambda: all(
+                pod_samples(p[2]).get('epp_peer_decisions_received_total{kind="prefix_routed"}') == other
+                for p, other in zip(pods, reversed(taken))), "each pod to learn the other's routes", 10)
+        finally:
+            if envoy is not None:
+                await envoy.stop()
+            for proc in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.terminate()
+            for proc in procs:
+                try:
+                    await asyncio.wait_for(proc.wait(), 20)
+                except TimeoutError:
+                    proc.kill()
+                    await proc.wait()
