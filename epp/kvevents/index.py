@@ -37,7 +37,6 @@ Policies (documented because they are choices):
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice, repeat
@@ -54,6 +53,7 @@ from epp.kvevents.decoding import (
 )
 from epp.kvevents.keys import BlockKeyer
 from epp.kvevents.metrics import KVIndexMetrics
+from epp.kvevents.speculative import SpeculativeClaims
 
 _BIT = (1, 2, 4)  # Tier -> bit in an entry's tier mask
 DEFAULT_POOL = "both"  # an endpoint with no P/D role prefills and decodes: the aggregated pool
@@ -209,7 +209,6 @@ class KVBlockIndex:
         self.engine_capacity = engine_capacity_per_endpoint
         self.offload_chunk_blocks = max(1, offload_chunk_blocks)
         self.speculative_ttl_s = speculative_ttl_s
-        self.speculative_capacity = speculative_capacity
         self.metrics = metrics or KVIndexMetrics(None)
         self._clock = clock
         # Request key -> holders; insertion order is recency (oldest first).
@@ -220,8 +219,8 @@ class KVBlockIndex:
         self._free_ids: list[int] = []
         self._entries = 0
         self._engine: dict[str, dict[int, _EngineEntry]] = {}
-        self._spec: dict[int, dict[str, float]] = {}
-        self._spec_queue: deque[tuple[float, int, str]] = deque()
+        self._claims = SpeculativeClaims(speculative_capacity)
+        self._spec = self._claims.by_key  # read directly by the hot paths
         self._pools: dict[str, str] = {}
         self._pool_entries: dict[str, int] = {}
         # Compact engine blocks need no parent link: only offload chunks of several blocks walk it.
@@ -618,11 +617,7 @@ class KVBlockIndex:
         if not old:
             self._entries += 1
             self._pool_entries[self._pools.get(endpoint, DEFAULT_POOL)] += 1
-        spec = self._spec.get(key)
-        if spec is not None and endpoint in spec:
-            del spec[endpoint]
-            if not spec:
-                del self._spec[key]
+        self._claims.confirm(key, endpoint)
 
     def _clear_bit(self, key: int, endpoint: str, ep_id: int, bit: int) -> None:
         holders = self._keys.get(key)
@@ -688,11 +683,7 @@ class KVBlockIndex:
                             del keys[key]
             self._entries -= removed
             self._pool_entries[self.pool_of(endpoint)] -= removed
-        for key in [k for k, spec in self._spec.items() if endpoint in spec]:
-            spec = self._spec[key]
-            del spec[endpoint]
-            if not spec:
-                del self._spec[key]
+        self._claims.forget_endpoint(endpoint)
         return removed
 
     def remove_endpoint(self, endpoint: str) -> int:
@@ -712,7 +703,7 @@ class KVBlockIndex:
         if ttl <= 0 or not keys:
             return 0
         now = self._clock()
-        self._purge_speculative(now)
+        self._claims.purge(now)
         ep_id = self._id_of(endpoint)  # lookups follow speculative holders by id
         expiry = now + ttl
         added = 0
@@ -721,29 +712,15 @@ class KVBlockIndex:
             holders = get_holders(key)
             if holders is not None and _mask_of(holders, ep_id):
                 continue
-            self._spec.setdefault(key, {})[endpoint] = expiry
-            self._spec_queue.append((expiry, key, endpoint))
+            self._claims.claim(endpoint, key, expiry)
             added += 1
-        while len(self._spec_queue) > self.speculative_capacity:
-            self._drop_spec(*self._spec_queue.popleft())
+        self._claims.trim()
         return added
 
     def speculative_entries(self) -> int:
         """Speculative (key, endpoint) claims not yet expired or confirmed."""
-        self._purge_speculative(self._clock())
-        return sum(len(s) for s in self._spec.values())
-
-    def _drop_spec(self, expiry: float, key: int, endpoint: str) -> None:
-        spec = self._spec.get(key)
-        if spec is not None and spec.get(endpoint) == expiry:
-            del spec[endpoint]
-            if not spec:
-                del self._spec[key]
-
-    def _purge_speculative(self, now: float) -> None:
-        queue = self._spec_queue
-        while queue and queue[0][0] <= now:
-            self._drop_spec(*queue.popleft())
+        self._claims.purge(self._clock())
+        return len(self._claims)
 
     # ---- lookups -----------------------------------------------------------------------------
     def lookup(self, keys: Sequence[int], endpoints: Iterable[str] | None = None,
@@ -754,8 +731,8 @@ class KVBlockIndex:
         result: dict[str, list[Tier]] = {}
         if not keys:
             return result
-        if self._spec_queue:
-            self._purge_speculative(self._clock())
+        if self._claims.expiries:
+            self._claims.purge(self._clock())
         spec_all = self._spec
         all_keys = self._keys
         get_holders = all_keys.get

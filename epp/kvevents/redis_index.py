@@ -52,7 +52,6 @@ import itertools
 import logging
 import struct
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -62,6 +61,7 @@ from epp.kvevents.decoding import AllBlocksCleared, BlockRemoved, BlockStored, D
 from epp.kvevents.index import DEFAULT_POOL, ApplyStats, _split_extra_keys
 from epp.kvevents.keys import BlockKeyer
 from epp.kvevents.metrics import KVIndexMetrics
+from epp.kvevents.speculative import SpeculativeClaims
 
 try:  # optional dependency: `pip install llm-epp[redis]`
     import redis.asyncio as redis_asyncio
@@ -298,7 +298,6 @@ class RedisKVIndex:
         self.engine_capacity = engine_capacity_per_endpoint
         self.offload_chunk_blocks = max(1, offload_chunk_blocks)
         self.speculative_ttl_s = speculative_ttl_s
-        self.speculative_capacity = speculative_capacity
         self.timeout_s = timeout_s
         self.health_interval_s = health_interval_s
         self.poll_interval_s = poll_interval_s
@@ -316,8 +315,8 @@ class RedisKVIndex:
         self._lookup_script = self._redis.register_script(_LOOKUP_LUA)
         self._engine: dict[str, dict[int, _Block]] = {}
         self._pools: dict[str, str] = {}
-        self._spec: dict[int, dict[str, float]] = {}
-        self._spec_queue: deque[tuple[float, int, str]] = deque()
+        self._claims = SpeculativeClaims(speculative_capacity)
+        self._spec = self._claims.by_key  # read directly by the hot paths
         self._ops = _PendingWrites()
         self._ops_ready = asyncio.Event()
         self._writing = asyncio.Lock()  # one flush at a time: a later batch never lands before an earlier one
@@ -424,9 +423,7 @@ class RedisKVIndex:
 
     def _set(self, key: int, endpoint: str, bit: int) -> None:
         self._ops.add(endpoint, key, bit, 0)
-        spec = self._spec.get(key)
-        if spec is not None and spec.pop(endpoint, None) is not None and not spec:
-            del self._spec[key]
+        self._claims.confirm(key, endpoint)
 
     def _clear(self, key: int, endpoint: str, bits: int) -> None:
         self._ops.add(endpoint, key, 0, bits)
@@ -584,11 +581,7 @@ class RedisKVIndex:
             for key in eb.keys:
                 self._clear(key, endpoint, _ALL)
                 cleared += 1
-        for key in [k for k, spec in self._spec.items() if endpoint in spec]:
-            spec = self._spec[key]
-            del spec[endpoint]
-            if not spec:
-                del self._spec[key]
+        self._claims.forget_endpoint(endpoint)
         self._queued()
         return cleared
 
@@ -752,31 +745,17 @@ class RedisKVIndex:
         if ttl <= 0 or not keys:
             return 0
         now = self._clock()
-        self._purge_speculative(now)
+        self._claims.purge(now)
         expiry = now + ttl
         for key in keys:
-            self._spec.setdefault(key, {})[endpoint] = expiry
-            self._spec_queue.append((expiry, key, endpoint))
-        while len(self._spec_queue) > self.speculative_capacity:
-            self._drop_spec(*self._spec_queue.popleft())
+            self._claims.claim(endpoint, key, expiry)
+        self._claims.trim()
         return len(keys)
 
     def speculative_entries(self) -> int:
         """Speculative (key, endpoint) claims not yet expired or confirmed."""
-        self._purge_speculative(self._clock())
-        return sum(len(s) for s in self._spec.values())
-
-    def _drop_spec(self, expiry: float, key: int, endpoint: str) -> None:
-        spec = self._spec.get(key)
-        if spec is not None and spec.get(endpoint) == expiry:
-            del spec[endpoint]
-            if not spec:
-                del self._spec[key]
-
-    def _purge_speculative(self, now: float) -> None:
-        queue = self._spec_queue
-        while queue and queue[0][0] <= now:
-            self._drop_spec(*queue.popleft())
+        self._claims.purge(self._clock())
+        return len(self._claims)
 
     # ---- lookups ---------------------------------------------------------------------------------
     async def lookup_async(self, keys: Sequence[int], endpoints: Iterable[str] | None = None,
@@ -788,8 +767,8 @@ class RedisKVIndex:
         if not self._healthy:
             self.redis_metrics.degraded_lookups.inc()
             return {}
-        if self._spec_queue:
-            self._purge_speculative(self._clock())
+        if self._claims.expiries:
+            self._claims.purge(self._clock())
         spec_all = self._spec
         claims: list[str] = []  # per key from the first, the endpoints this picker claimed for it
         if spec_all:
