@@ -503,8 +503,9 @@ def _endpoint_list(fleet: SimFleet) -> str:
 async def _start_epp_pods(c: Contender, fleet: SimFleet, tuning: Tuning, workdir: Path) -> RunningRouter:
     """`c.pods` separate `epp serve` processes, each with its own ports and a peer link to all others,
     behind one Envoy whose ext_proc cluster lists them all (what N pods behind one Service look like)."""
-    listen, admin = free_ports(2)
-    ports = [free_ports(4) for _ in range(c.pods)]  # grpc, health, metrics, peer per pod
+    # One call: ports from separate calls may repeat (each is closed before the next call binds).
+    listen, admin, *pod_ports = free_ports(2 + 4 * c.pods)
+    ports = [pod_ports[i:i + 4] for i in range(0, len(pod_ports), 4)]  # grpc, health, metrics, peer per pod
     router = RunningRouter(f"http://127.0.0.1:{listen}", version="epp (this repo) + envoy")
     config = epp_config(c.variant, tuning)
     (workdir / "epp-config.yaml").write_text(config)
