@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
-import urllib.request
 
 import aiohttp
 import pytest
@@ -22,6 +21,7 @@ from epp.engine.sim import FleetConfig, SimFleet
 from epp.engine.sim.fleet import default_tokenizer_dir
 from epp.envoy import EnvoyProcess, render_config
 from epp.netutil import free_ports
+from tests.extproc.test_workers import metric_samples
 from tests.precise.support import prompt_of, wait_until
 
 pytestmark = [pytest.mark.envoy, pytest.mark.timeout(180)]
@@ -33,16 +33,9 @@ GROUPS = 4
 def pod_samples(metrics_port: int) -> dict[str, float]:
     """One picker's metrics page as {'name{labels}': value} (empty while it does not answer)."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2) as resp:
-            page = resp.read().decode()
+        return metric_samples(metrics_port)
     except OSError:
         return {}
-    samples = {}
-    for line in page.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            samples[key] = float(value)
-    return samples
 
 
 async def served(http: aiohttp.ClientSession, endpoints: list[str]) -> list[float]:
