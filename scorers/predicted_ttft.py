@@ -11,7 +11,8 @@ first token has not come back) and e's scraped metrics:
          + runningCost(e) * running(e)                  (decoding requests share each step)
          + cpuLoad(e) * cpu(e) + diskLoad(e) * disk(e)  (load offloaded blocks back)
 
-    ahead(e) = own prefill tokens in flight on e (first token not seen yet)
+    ahead(e) = prefill tokens in flight on e (first token not seen yet) still to do now, as the
+               ledger's backlog model estimates it (`epp.framework.load`)
     waiting(e) = e's scraped waiting queue (requests the engine holds back, e.g. for KV space; the
                  picker's own unseen and prefilling requests are already in ahead(e))
 
@@ -29,7 +30,7 @@ as `epp_ttft_calibration{plugin,endpoint,model,term}` and shown by `epp calibrat
 override learning: when any is given, `calibrate` defaults to false and the fixed formula is
 
     T(e) = base + max(waiting * queueSecondsPerWaitingRequest + running * secondsPerRunningRequest,
-                      own prefill tokens in flight * prefillSecondsPerToken)
+                      ahead(e) * prefillSecondsPerToken)
          + uncached * prefillSecondsPerToken + cpu * cpuLoad + disk * diskLoad
 
 (the max, not the sum, because once scraped the same work shows in both; `trackPendingPrefill:
@@ -122,7 +123,7 @@ class PredictedTTFTScorer(Scorer):
             cpu, disk = match.cpu_tokens, match.disk_tokens
         load = self.ledger.load(endpoint, now)
         m = endpoint.metrics
-        own_ahead = load.prefill_tokens if self.track_pending else 0
+        own_ahead = load.prefill_backlog_tokens if self.track_pending else 0.0
         if not self.calibrate:
             scraped = m.waiting_queue_size * self.queue_s_per_waiting + m.running_requests_size * self.s_per_running
             queue = max(scraped, own_ahead * self.prefill_s_per_token)

@@ -7,12 +7,12 @@ Model (seconds, from the picker's dispatch to the first streamed token):
 
 `uncached`: the request's prompt tokens not in the prefix cache (from the response's
 `cached_tokens` when the server reports it, else the picker's own prefix match); `ahead`: prefill
-tokens the picker had in flight on that endpoint when it sent the request (the queue in tokens).
-`ahead` has its own coefficient: a continuous-batching engine starts a request's prefill step
-as soon as it arrives, so a request picked later waits only for the rest of that step (or joins
-the next one), and the in-flight tokens cost it less than its own uncached tokens do (about half,
-on a fleet that is busy part of the time). One coefficient for both (the sum) fitted a blend of
-the two and learned a prefill cost 20-40 % below the true one;
+tokens in flight on that endpoint still to do when the request was sent (the ledger's backlog
+model: in-flight prefills worked through in pick order, so one about to finish counts little).
+`ahead` has its own coefficient: a continuous-batching engine interleaves a new request's prefill
+chunks with those ahead, so the tokens ahead need not cost what its own uncached tokens do. One
+coefficient for both (the sum) fitted a blend of the two and learned a prefill cost 20-40 %
+below the true one;
 `waiting`: the endpoint's scraped waiting queue (a request can wait for KV space, which costs
 time that prefill tokens do not explain);
 `running`: the scraped running requests (they share each step); `cpu`/`disk`: tokens loaded back

@@ -12,10 +12,18 @@ taken after the pick, which shows it. Load-aware scorers read `load(endpoint)`:
 - `unseen_requests`: picks sent after the endpoint's last scrape (the scrape cannot show them);
 - `prefilling_requests` / `prefill_tokens`: picks whose first token has not been seen, and their
   uncached prompt tokens (prompt minus the prefix match the picker predicted);
-- `inflight_requests`: picks not yet complete; `scrape_age_s`: how old the scrape is.
+- `inflight_requests`: picks not yet complete; `scrape_age_s`: how old the scrape is;
+- `prefill_backlog_tokens` / `prefill_backlog_requests`: the part of those prefills still to do
+  now. Two endpoints each with one prefill in flight are not equally busy when one started it a
+  moment ago and the other is about to finish; the ledger models each endpoint as working through
+  its picks' prefills in pick order at a speed it learns from its own uncontended first tokens,
+  and counts each unfinished prefill at least `BACKLOG_FLOOR` of its tokens (the endpoint may be
+  slower than learned). Round-robin gets this right by construction with equal requests (the next
+  endpoint in turn is the one that started its last prefill longest ago); a load-aware picker that
+  counts whole requests ties the two and loses to it.
 
 The `*_estimate` helpers combine them with the scrape so that no signal is stale in the
-picker's favour: `waiting = max(scraped waiting + unseen, own prefilling)` (max, not sum: once
+picker's favour: `waiting = max(scraped waiting + unseen, own prefill backlog)` (max, not sum: once
 scraped, the picker's own requests show in both), likewise for running requests and KV usage.
 
 Several pickers: each one knows its own work exactly and the others' only through the scrape,
@@ -40,6 +48,31 @@ from typing import Any
 from epp.framework.types import Endpoint, EndpointMetrics, InferenceRequest
 
 CHARACTERS_PER_TOKEN = 4
+# An unfinished prefill counts at least this share of its tokens as still to do.
+BACKLOG_FLOOR = 0.1
+# Prefill seconds per token assumed for an endpoint before its first uncontended first token
+# (an 8B model on one GPU does ~5e-5; assuming slower keeps in-flight prefills counted longer).
+PRIOR_PREFILL_S_PER_TOKEN = 2e-4
+# Uncontended first tokens of shorter prefills are mostly fixed latency: they teach no speed.
+MIN_SPEED_SAMPLE_TOKENS = 256
+SPEED_EWMA_WEIGHT = 0.2
+
+
+def prefill_backlog(prefills: Iterable[tuple[float, int]], s_per_token: float, now: float) -> tuple[float, float]:
+    """Tokens and requests (fractional) still to prefill of `(sent_at, uncached tokens)` in send order.
+
+    The endpoint works through them one after the other at `s_per_token`; each unfinished one
+    counts between `BACKLOG_FLOOR` and all of itself.
+    """
+    free_at = -math.inf
+    tokens = requests = 0.0
+    for sent_at, uncached in prefills:
+        duration = uncached * s_per_token
+        free_at = max(free_at, sent_at) + duration
+        left = min(1.0, max(BACKLOG_FLOOR, (free_at - now) / duration)) if duration > 0 else BACKLOG_FLOOR
+        tokens += left * uncached
+        requests += left
+    return tokens, requests
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,10 +85,12 @@ class EndpointLoad:
     prefill_tokens: int = 0
     unseen_prefill_tokens: int = 0
     scrape_age_s: float = math.inf
+    prefill_backlog_tokens: float = 0.0
+    prefill_backlog_requests: float = 0.0
 
     def waiting_estimate(self, metrics: EndpointMetrics) -> float:
-        """Requests ahead of a new one: scraped queue plus unseen picks, at least the own prefills."""
-        return float(max(metrics.waiting_queue_size + self.unseen_requests, self.prefilling_requests))
+        """Requests ahead of a new one: scraped queue plus unseen picks, at least the own prefill backlog."""
+        return max(float(metrics.waiting_queue_size + self.unseen_requests), self.prefill_backlog_requests)
 
     def running_estimate(self, metrics: EndpointMetrics) -> float:
         """Requests on the endpoint: scraped running plus unseen picks, at least the own in-flight."""
@@ -127,6 +162,7 @@ class InflightLedger:
         self._books: dict[str, _EndpointBook] = {}
         self._ids = itertools.count(1)
         self._observers: list[Observer] = []
+        self._s_per_token: dict[str, float] = {}  # learned prefill speed per endpoint
         self.dropped = 0  # bookings dropped at capacity or timeout (their end was never seen)
 
     def __len__(self) -> int:
@@ -153,7 +189,24 @@ class InflightLedger:
             unseen += 1
             if booking.prefilling:
                 unseen_tokens += booking.uncached_tokens
-        return EndpointLoad(len(book.inflight), unseen, book.prefilling, book.prefill_tokens, unseen_tokens, age)
+        backlog_tokens, backlog_requests = self.backlog(endpoint.name, now)
+        return EndpointLoad(len(book.inflight), unseen, book.prefilling, book.prefill_tokens, unseen_tokens, age,
+                            backlog_tokens, backlog_requests)
+
+    def prefill_seconds_per_token(self, endpoint: str) -> float:
+        """The prefill speed the backlog model uses for `endpoint` (learned, or the prior)."""
+        return self._s_per_token.get(endpoint, PRIOR_PREFILL_S_PER_TOKEN)
+
+    def backlog(self, endpoint: str, now: float) -> tuple[float, float]:
+        """Prefill tokens and (fractional) requests on `endpoint` still to do now (see `prefill_backlog`)."""
+        return prefill_backlog(self._prefills(endpoint), self.prefill_seconds_per_token(endpoint), now)
+
+    def _prefills(self, endpoint: str) -> Iterator[tuple[float, int]]:
+        """`(sent_at, uncached tokens)` of the unfinished prefills on `endpoint`, in send order."""
+        book = self._books.get(endpoint)
+        if book is None or not book.prefilling:
+            return iter(())
+        return ((b.picked_at, b.uncached_tokens) for b in book.inflight.values() if b.first_token_at is None)
 
     def bookings(self) -> Iterator[Booking]:
         """Every tracked booking, oldest first."""
@@ -176,11 +229,12 @@ class InflightLedger:
         now = time.monotonic() if now is None else now
         self.expire(now)
         uncached = prompt_tokens if uncached_tokens is None else max(0, min(uncached_tokens, prompt_tokens))
+        ahead_tokens, _ = self.backlog(endpoint, now)
         book = self._books.get(endpoint)
         if book is None:
             book = self._books[endpoint] = _EndpointBook()
         booking = Booking(next(self._ids), endpoint, model, now, prompt_tokens, uncached, cpu_tokens, disk_tokens,
-                          ahead_tokens=book.prefill_tokens, ahead_requests=book.prefilling, running=running,
+                          ahead_tokens=round(ahead_tokens), ahead_requests=book.prefilling, running=running,
                           waiting=waiting, prompt_characters=prompt_characters)
         self._all[booking.ticket] = booking
         self._prefilling[booking.ticket] = booking
@@ -200,6 +254,13 @@ class InflightLedger:
         booking.first_token_at = time.monotonic() if now is None else now
         booking.ttft_observed = observed
         self._end_prefill(booking)
+        if observed and booking.ahead_requests == 0 and booking.uncached_tokens >= MIN_SPEED_SAMPLE_TOKENS:
+            self._learn_speed(booking.endpoint, (booking.first_token_at - booking.picked_at) / booking.uncached_tokens)
+
+    def _learn_speed(self, endpoint: str, s_per_token: float) -> None:
+        """Move the endpoint's prefill speed towards one uncontended request's (a moving average)."""
+        old = self._s_per_token.get(endpoint)
+        self._s_per_token[endpoint] = s_per_token if old is None else old + SPEED_EWMA_WEIGHT * (s_per_token - old)
 
     def complete(self, booking: Booking | None, response: Any = None, *, response_seen: bool = True) -> None:
         """The booking's stream ended: stop counting it (once scraped, if its response was never seen)."""
@@ -248,6 +309,7 @@ class InflightLedger:
 
     def remove_endpoint(self, endpoint: str) -> None:
         """Forget an endpoint that left the pool."""
+        self._s_per_token.pop(endpoint, None)
         book = self._books.pop(endpoint, None)
         if book is None:
             return

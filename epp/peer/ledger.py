@@ -10,9 +10,11 @@ then shows only through the scrape, as without a link).
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 from epp.framework.load import Booking, EndpointLoad, InflightLedger
@@ -151,13 +153,24 @@ class SharedInflightLedger(InflightLedger):
             unseen += 1
             if remote.prefilling:
                 unseen_tokens += remote.uncached
+        now = time.monotonic() if now is None else now
         if own.scrape_age_s == math.inf and scraped_at > 0:  # NO_LOAD carries no age
-            age = (time.monotonic() if now is None else now) - scraped_at
+            age = now - scraped_at
         else:
             age = own.scrape_age_s
+        backlog_tokens, backlog_requests = self.backlog(endpoint.name, now)
         return EndpointLoad(own.inflight_requests + len(book.bookings), own.unseen_requests + unseen,
                             own.prefilling_requests + book.prefilling, own.prefill_tokens + book.prefill_tokens,
-                            own.unseen_prefill_tokens + unseen_tokens, age)
+                            own.unseen_prefill_tokens + unseen_tokens, age, backlog_tokens, backlog_requests)
+
+    def _prefills(self, endpoint: str) -> Iterator[tuple[float, int]]:
+        """Own and peers' unfinished prefills on `endpoint`, in the order they reached this picker."""
+        own = super()._prefills(endpoint)
+        book = self._remote_books.get(endpoint)
+        if book is None or not book.prefilling:
+            return own
+        remote = ((r.received_at, r.uncached) for r in book.bookings.values() if r.prefilling)
+        return heapq.merge(own, remote, key=lambda item: item[0])
 
     def _end_remote_prefill(self, remote: _RemoteBooking) -> None:
         if not remote.prefilling:

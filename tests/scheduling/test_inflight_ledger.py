@@ -7,7 +7,7 @@ import math
 import pytest
 
 from epp.config.compose import endpoint_picker_config
-from epp.framework import CycleState, EndpointMetrics, InflightLedger, PluginContext
+from epp.framework import CycleState, Endpoint, EndpointMetrics, InflightLedger, PluginContext
 from epp.framework.load import estimate_prompt_tokens
 from tests.scheduling.sched_fixtures import DirectorHarness, endpoint, make_plugin, request
 
@@ -75,20 +75,75 @@ def test_a_pick_is_unseen_until_a_scrape_after_it(picked_at, scraped_at, unseen)
 
 
 @pytest.mark.parametrize(
-    ("scraped_waiting", "unseen", "prefilling", "expected"),
+    ("scraped_waiting", "unseen", "backlog", "expected"),
     [
         (0, 0, 0, 0),
-        (0, 2, 2, 2),   # a burst after the scrape
-        (3, 0, 1, 3),   # the scrape shows more than ours: other pickers' work counts
-        (1, 0, 3, 3),   # ours in mid-prefill look "running" to vLLM, not waiting: still ahead of us
-        (2, 1, 1, 3),   # scraped queue plus what it cannot show yet
+        (0, 2, 2, 2),      # a burst after the scrape
+        (3, 0, 1, 3),      # the scrape shows more than ours: other pickers' work counts
+        (1, 0, 3, 3),      # ours in mid-prefill look "running" to vLLM, not waiting: still ahead of us
+        (2, 1, 1, 3),      # scraped queue plus what it cannot show yet
+        (0, 0, 0.25, 0.25),  # one prefill three quarters done
     ],
 )
-def test_waiting_estimate_is_never_below_what_the_picker_knows(scraped_waiting, unseen, prefilling, expected):
+def test_waiting_estimate_is_never_below_what_the_picker_knows(scraped_waiting, unseen, backlog, expected):
     from epp.framework.load import EndpointLoad
 
-    load = EndpointLoad(inflight_requests=prefilling, unseen_requests=unseen, prefilling_requests=prefilling)
+    load = EndpointLoad(unseen_requests=unseen, prefill_backlog_requests=backlog)
     assert load.waiting_estimate(EndpointMetrics(waiting_queue_size=scraped_waiting)) == expected
+
+
+@pytest.mark.parametrize(
+    ("prefills", "now", "tokens", "requests"),
+    [
+        ([], 1.0, 0, 0),
+        ([(1.0, 1000)], 1.0, 1000, 1.0),               # just sent: all of it to do
+        ([(1.0, 1000)], 1.05, 500, 0.5),               # halfway at 1e-4 s a token
+        ([(1.0, 1000)], 1.5, 100, 0.1),                # overdue: the floor, it is not seen done yet
+        ([(1.0, 1000), (1.0, 1000)], 1.05, 1500, 1.5),  # the second waits for the first
+        ([(1.0, 1000), (1.2, 1000)], 1.25, 600, 0.6),   # the first finished at 1.1 (floor), the second half done
+        ([(1.0, 0)], 1.0, 0, 0.1),                     # a whole-prompt cache hit: only the floor
+    ],
+)
+def test_prefill_backlog_works_through_the_prefills_in_pick_order(prefills, now, tokens, requests):
+    from epp.framework.load import prefill_backlog
+
+    got_tokens, got_requests = prefill_backlog(prefills, 1e-4, now)
+    assert (got_tokens, got_requests) == (pytest.approx(tokens), pytest.approx(requests))
+
+
+def test_an_endpoint_about_to_finish_its_prefill_looks_less_busy_than_one_that_just_started():
+    ledger = InflightLedger()
+    scraped = EndpointMetrics(update_time=10.32, running_requests_size=1)  # a scrape that shows both
+    early, late = (Endpoint(f"192.168.1.{i}", 8000, metrics=scraped) for i in (1, 2))
+    ledger.pick(early.name, prompt_tokens=2000, now=10.0)
+    ledger.pick(late.name, prompt_tokens=2000, now=10.3)
+    early_load, late_load = ledger.load(early, 10.35), ledger.load(late, 10.35)
+    assert early_load.prefilling_requests == late_load.prefilling_requests == 1
+    assert early_load.prefill_backlog_tokens < late_load.prefill_backlog_tokens
+    assert early_load.waiting_estimate(early.metrics) < late_load.waiting_estimate(late.metrics)
+
+
+def test_the_ledger_learns_each_endpoints_prefill_speed_from_uncontended_first_tokens():
+    from epp.framework.load import PRIOR_PREFILL_S_PER_TOKEN
+
+    ledger = InflightLedger()
+    ep = endpoint(0)
+    assert ledger.prefill_seconds_per_token(ep.name) == PRIOR_PREFILL_S_PER_TOKEN
+    t = 100.0
+    for _ in range(30):  # 2,000 tokens in 0.1 s: 5e-5 s a token
+        booking = ledger.pick(ep.name, prompt_tokens=2000, now=t)
+        ledger.first_token(booking, now=t + 0.1)
+        ledger.complete(booking)
+        t += 1.0
+    assert ledger.prefill_seconds_per_token(ep.name) == pytest.approx(5e-5)
+    # Behind another prefill the wait says nothing about speed; short prompts neither.
+    ahead = ledger.pick(ep.name, prompt_tokens=2000, now=t)
+    behind = ledger.pick(ep.name, prompt_tokens=2000, now=t)
+    ledger.first_token(ahead, now=t + 0.1)
+    ledger.first_token(behind, now=t + 5.0)
+    short = ledger.pick(ep.name, prompt_tokens=10, now=t + 6)
+    ledger.first_token(short, now=t + 7)
+    assert ledger.prefill_seconds_per_token(ep.name) == pytest.approx(5e-5)
 
 
 def test_kv_usage_estimate_adds_the_blocks_unseen_picks_will_take():
