@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -251,6 +252,21 @@ def test_predicted_ttft_counts_the_pickers_own_prefills_until_the_next_scrape_sh
     untracked = _ttft({"trackPendingPrefill": False, "prefillSecondsPerToken": 1e-3}, context)
     context.load.pick(a.name, prompt_tokens=1000)
     assert untracked.predict(a, TierMatch(0, 0, 0, 0), 0) == pytest.approx(0.01)
+
+
+def test_predicted_ttft_sends_the_next_request_where_the_prefill_ahead_is_nearly_done():
+    """Equal work in flight on both: the endpoint that started its prefill first is free first."""
+    context = PluginContext(metrics_registry=CollectorRegistry())
+    scorer = _ttft({"prefillSecondsPerToken": 2e-4, "baseSeconds": 0.01, "secondsPerRunningRequest": 0.0}, context)
+    early, late = _endpoint("10.0.0.1"), _endpoint("10.0.0.2")
+    state = CycleState()
+    for ep in (early, late):
+        state.put_endpoint_data(PREFIX_TIER_MATCH, ep.name, TierMatch(0, 0, 0, 2000))
+    now = time.monotonic()
+    context.load.pick(early.name, prompt_tokens=2000, now=now - 0.35)  # 0.4 s of prefill at 2e-4
+    context.load.pick(late.name, prompt_tokens=2000, now=now)
+    scores = scorer.score(state, request(), [early, late])
+    assert scores[early.name] == 1.0 and scores[late.name] < 0.75
 
 
 def test_predicted_ttft_calibrates_itself_from_timed_first_tokens():

@@ -75,20 +75,21 @@ def test_a_pick_is_unseen_until_a_scrape_after_it(picked_at, scraped_at, unseen)
 
 
 @pytest.mark.parametrize(
-    ("scraped_waiting", "unseen", "backlog", "expected"),
+    ("scraped_waiting", "unseen", "prefilling", "expected"),
     [
         (0, 0, 0, 0),
-        (0, 2, 2, 2),      # a burst after the scrape
-        (3, 0, 1, 3),      # the scrape shows more than ours: other pickers' work counts
-        (1, 0, 3, 3),      # ours in mid-prefill look "running" to vLLM, not waiting: still ahead of us
-        (2, 1, 1, 3),      # scraped queue plus what it cannot show yet
-        (0, 0, 0.25, 0.25),  # one prefill three quarters done
+        (0, 2, 2, 2),   # a burst after the scrape
+        (3, 0, 1, 3),   # the scrape shows more than ours: other pickers' work counts
+        (1, 0, 3, 3),   # ours in mid-prefill look "running" to vLLM, not waiting: still ahead of us
+        (2, 1, 1, 3),   # scraped queue plus what it cannot show yet
     ],
 )
-def test_waiting_estimate_is_never_below_what_the_picker_knows(scraped_waiting, unseen, backlog, expected):
+def test_waiting_estimate_is_never_below_what_the_picker_knows(scraped_waiting, unseen, prefilling, expected):
     from epp.framework.load import EndpointLoad
 
-    load = EndpointLoad(unseen_requests=unseen, prefill_backlog_requests=backlog)
+    # Whole requests: a prefill three quarters done still counts 1 (fractions outvote prefix matches).
+    load = EndpointLoad(unseen_requests=unseen, prefilling_requests=prefilling,
+                        prefill_backlog_requests=0.25 * prefilling)
     assert load.waiting_estimate(EndpointMetrics(waiting_queue_size=scraped_waiting)) == expected
 
 
@@ -120,7 +121,7 @@ def test_an_endpoint_about_to_finish_its_prefill_looks_less_busy_than_one_that_j
     early_load, late_load = ledger.load(early, 10.35), ledger.load(late, 10.35)
     assert early_load.prefilling_requests == late_load.prefilling_requests == 1
     assert early_load.prefill_backlog_tokens < late_load.prefill_backlog_tokens
-    assert early_load.waiting_estimate(early.metrics) < late_load.waiting_estimate(late.metrics)
+    assert early_load.prefill_backlog_requests < late_load.prefill_backlog_requests
 
 
 def test_the_ledger_learns_each_endpoints_prefill_speed_from_uncontended_first_tokens():
