@@ -30,6 +30,12 @@ class LedgerCollector(Collector):
         unseen = GaugeMetricFamily("epp_inflight_unseen_requests",
                                    "Requests sent after the endpoint's last /metrics scrape.",
                                    labels=["endpoint"])
+        backlog = GaugeMetricFamily("epp_inflight_prefill_backlog_tokens",
+                                    "Of those, the tokens still to prefill now (the ledger's backlog model).",
+                                    labels=["endpoint"])
+        speed = GaugeMetricFamily("epp_prefill_seconds_per_token",
+                                  "Prefill speed the backlog model uses (learned from uncontended first tokens, "
+                                  "else the prior).", labels=["endpoint"])
         age = GaugeMetricFamily("epp_endpoint_scrape_age_seconds",
                                 "Seconds since the endpoint's metrics were scraped (absent if never).",
                                 labels=["endpoint"])
@@ -38,9 +44,11 @@ class LedgerCollector(Collector):
             inflight.add_metric([ep.name], load.inflight_requests)
             prefill.add_metric([ep.name], load.prefill_tokens)
             unseen.add_metric([ep.name], load.unseen_requests)
+            backlog.add_metric([ep.name], load.prefill_backlog_tokens)
+            speed.add_metric([ep.name], self.ledger.prefill_seconds_per_token(ep.name))
             if load.scrape_age_s != float("inf"):
                 age.add_metric([ep.name], load.scrape_age_s)
-        yield from (inflight, prefill, unseen, age)
+        yield from (inflight, prefill, backlog, speed, unseen, age)
         tracked = GaugeMetricFamily("epp_inflight_tracked_requests", "Bookings the in-flight ledger holds.")
         tracked.add_metric([], len(self.ledger))
         yield tracked

@@ -210,3 +210,22 @@ def test_scorers_read_the_ledger_through_the_plugin_context():
     assert scorer.score(CycleState(), request(), [a, b]) == {a.name: 0.0, b.name: 1.0}
     gie = make_plugin("queue-scorer", {"useInflight": False}, context=context)
     assert gie.score(CycleState(), request(), [a, b]) == {a.name: 1.0, b.name: 1.0}
+
+
+def test_the_ledger_exports_each_endpoints_backlog_and_prefill_speed():
+    from prometheus_client import CollectorRegistry
+
+    from epp.datalayer.registry import EndpointRegistry, EndpointSpec
+    from epp.framework.load import PRIOR_PREFILL_S_PER_TOKEN
+    from epp.load_metrics import register_ledger_metrics
+
+    endpoints = EndpointRegistry()
+    endpoints.set_endpoints([EndpointSpec("127.0.0.1", 8000)])
+    name = endpoints.snapshot()[0].name
+    ledger, registry = InflightLedger(), CollectorRegistry()
+    register_ledger_metrics(ledger, endpoints, registry)
+    ledger.pick(name, prompt_tokens=1000)
+    assert 100 <= registry.get_sample_value("epp_inflight_prefill_backlog_tokens", {"endpoint": name}) <= 1000
+    assert registry.get_sample_value("epp_prefill_seconds_per_token", {"endpoint": name}) == PRIOR_PREFILL_S_PER_TOKEN
+    endpoints.set_endpoints([])  # an endpoint that leaves takes its learned speed along
+    assert registry.get_sample_value("epp_prefill_seconds_per_token", {"endpoint": name}) is None
