@@ -158,7 +158,10 @@ class SharedInflightLedger(InflightLedger):
             age = now - scraped_at
         else:
             age = own.scrape_age_s
-        backlog_tokens, backlog_requests = self.backlog(endpoint.name, now)
+        if own.inflight_requests:  # the base load ran the backlog model over own and peers' prefills
+            backlog_tokens, backlog_requests = own.prefill_backlog_tokens, own.prefill_backlog_requests
+        else:
+            backlog_tokens, backlog_requests = self.backlog(endpoint.name, now)
         return EndpointLoad(own.inflight_requests + len(book.bookings), own.unseen_requests + unseen,
                             own.prefilling_requests + book.prefilling, own.prefill_tokens + book.prefill_tokens,
                             own.unseen_prefill_tokens + unseen_tokens, age, backlog_tokens, backlog_requests)
