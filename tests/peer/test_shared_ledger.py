@@ -66,3 +66,19 @@ def test_peer_bookings_are_bounded_by_the_capacity_oldest_first():
     assert loads(ledger, [a], 9.0) == [(3, 3, 3, 30)]
     ledger.remove_endpoint(a.name)
     assert ledger.remote_bookings == 0 and loads(ledger, [a], 9.0) == [(0, 0, 0, 0)]
+
+
+def test_the_prefill_backlog_counts_own_and_peers_prefills_in_the_order_they_arrived():
+    import pytest
+
+    from epp.framework.load import PRIOR_PREFILL_S_PER_TOKEN as S
+
+    ledger = SharedInflightLedger(Recorder())
+    a, b = endpoint(0), endpoint(1)
+    ledger.peer_booked("p1", 1, a.name, 1000, now=10.0)  # a peer's prefill alone: a has no own booking
+    assert ledger.load(a, 10.0 + 500 * S).prefill_backlog_tokens == pytest.approx(500)
+    ledger.pick(a.name, prompt_tokens=1000, now=10.0 + 500 * S)  # own, queued behind the peer's
+    load = ledger.load(a, 10.0 + 500 * S)
+    assert (load.prefill_backlog_tokens, load.prefill_backlog_requests) == (pytest.approx(1500), pytest.approx(1.5))
+    ledger.pick(b.name, prompt_tokens=1000, now=10.0)  # own only
+    assert ledger.load(b, 10.0 + 500 * S).prefill_backlog_tokens == pytest.approx(500)
