@@ -44,6 +44,26 @@ def ttft_floor(requests: Iterable[BenchRequest], prefill_s_per_token: float, bas
             for n, hit in reusable_tokens(requests, block_size, tokenizer_dir)]
 
 
+def queued_ttft_floor(requests: Iterable[BenchRequest], replicas: int, prefill_s_per_token: float, base_s: float,
+                      block_size: int = 16, tokenizer_dir: str | None = None) -> list[float]:
+    """Each request's TTFT when bursts must queue: the floor's prefills on `replicas` one-at-a-time servers.
+
+    Every replica holds every prefix (no request loses reuse to placement), serves prefills
+    first come first served, and each request goes where its prefill finishes first (least work
+    left). Decode steps, chunked-prefill interleaving and cache capacity are ignored, so this is an
+    optimistic estimate of the best a router can do on a bursty trace, not a proof.
+    """
+    reqs = list(requests)
+    free_at = [0.0] * replicas
+    out = []
+    for req, (n, hit) in zip(reqs, reusable_tokens(reqs, block_size, tokenizer_dir)):
+        arrival = req.at or 0.0
+        i = min(range(replicas), key=lambda k: free_at[k])
+        free_at[i] = max(free_at[i], arrival) + prefill_s_per_token * (n - hit)
+        out.append(free_at[i] - arrival + base_s)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("scenario")
@@ -51,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--requests", type=int, help="how many of the workload's requests (default: a trace's all)")
     p.add_argument("--prefill-s-per-token", type=float, required=True, help="learned prefill cost (wall s/token)")
     p.add_argument("--base-s", type=float, default=0.0, help="learned fixed cost per request (wall s)")
+    p.add_argument("--replicas", type=int, help="also the floor with queueing on this many replicas (timed traces)")
     p.add_argument("--trace")
     p.add_argument("--trace-window", type=float)
     p.add_argument("--trace-fraction", type=float)
@@ -62,9 +83,16 @@ def main(argv: list[str] | None = None) -> None:
         requests = itertools.islice(requests, args.requests)
     elif scenario.name != "trace":
         p.error("--requests is needed for a workload that never runs dry")
+    requests = list(requests)
     floor = ttft_floor(requests, args.prefill_s_per_token, args.base_s)
     print(f"{len(floor)} requests: TTFT floor p50 {percentile(floor, 50):.3f} s, p90 {percentile(floor, 90):.3f} s, "
           f"p99 {percentile(floor, 99):.3f} s")
+    if args.replicas:
+        if any(r.at is None for r in requests):
+            p.error("--replicas needs a timed workload (the trace scenario)")
+        queued = queued_ttft_floor(requests, args.replicas, args.prefill_s_per_token, args.base_s)
+        print(f"with queueing on {args.replicas} replicas (least work left, every prefix everywhere): "
+              f"p50 {percentile(queued, 50):.3f} s, p90 {percentile(queued, 90):.3f} s, p99 {percentile(queued, 99):.3f} s")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.routing.oracle import prompt_token_ids
-from bench.routing.ttft_floor import reusable_tokens, ttft_floor
+from bench.routing.ttft_floor import queued_ttft_floor, reusable_tokens, ttft_floor
 from bench.routing.workloads import completion_request
 
 
@@ -22,3 +22,14 @@ def test_only_a_prefix_shared_with_an_earlier_request_can_be_cached():
     floor = ttft_floor([first, second, other], prefill_s_per_token=1e-3, base_s=0.01, block_size=16)
     assert floor[0] == pytest.approx(0.01 + 1e-3 * n1)
     assert floor[1] == pytest.approx(0.01 + 1e-3 * (n2 - hit2))
+
+
+def test_with_queueing_a_burst_waits_for_the_replica_that_frees_first():
+    burst = [completion_request(f"prompt {i} " + "filler " * 100, 4, f"g{i}", at=0.0) for i in range(3)]
+    later = completion_request("a late one " + "filler " * 100, 4, "late", at=100.0)
+    n = [len(prompt_token_ids(r)) for r in burst]
+    queued = queued_ttft_floor([*burst, later], replicas=2, prefill_s_per_token=1e-3, base_s=0.0)
+    assert queued[0] == pytest.approx(1e-3 * n[0]) and queued[1] == pytest.approx(1e-3 * n[1])
+    # the third starts when the first replica frees up: it waits a whole prefill
+    assert queued[2] > 1e-3 * n[0]
+    assert queued[3] < queued[2]  # nothing ahead of a request long after the burst
