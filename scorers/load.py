@@ -26,6 +26,8 @@ from epp.framework.load import NO_LOAD
 
 # Where one cycle's endpoint loads are kept in its CycleState (per ledger), shared by the load scorers.
 _LOADS_STATE_KEY = "scorers.load/endpoint-loads"
+# Share of queue-scorer's score that tells apart endpoints tied on whole requests (see QueueScorer).
+DEFAULT_BACKLOG_TIE_BREAK = 0.3
 
 
 def min_max_inverted(values: Sequence[float]) -> list[float]:
@@ -85,14 +87,59 @@ class _MinMaxScorer(Scorer):
         return {ep.name: s for ep, s in zip(endpoints, scores)}
 
 
+def backlog_tie_break(scores: Sequence[float], waiting: Sequence[float], backlog: Sequence[float],
+                      share: float) -> list[float]:
+    """`scores` with ties on `waiting` broken by `backlog` (less scores higher), never reordering non-ties.
+
+    Among endpoints with the same whole-request count, the one with the least prefill left loses
+    nothing and the one with the most loses `share` (divided by the count's span, so that no
+    endpoint drops below one with a longer queue). Unchanged when no tie differs in backlog.
+    """
+    groups: dict[float, list[int]] = {}
+    for i, w in enumerate(waiting):
+        groups.setdefault(w, []).append(i)
+    span = max(1.0, max(waiting) - min(waiting)) if waiting else 1.0
+    out = list(scores)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        low, high = min(backlog[i] for i in members), max(backlog[i] for i in members)
+        if high <= low:
+            continue
+        for i in members:
+            out[i] = scores[i] * (1.0 - share / span) + share / span * (high - backlog[i]) / (high - low)
+    return out
+
+
 class QueueScorer(_MinMaxScorer):
-    """Shorter waiting queue scores higher: (maxQ - q) / (maxQ - minQ), all 1 when equal."""
+    """Shorter waiting queue scores higher: (maxQ - q) / (maxQ - minQ), all 1 when equal.
+
+    With the ledger, endpoints tied on whole requests are told apart by what is left of their
+    prefills (`backlogTieBreak`, a share of the score; 0 gives GIE's scores exactly).
+    """
 
     type_name = "queue-scorer"
+
+    def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
+        super().__init__(name, params, context)
+        self.tie_break = params.float("backlogTieBreak", DEFAULT_BACKLOG_TIE_BREAK, minimum=0.0, maximum=0.5)
+
+    def describe(self) -> str:
+        return f"{self.loads.describe()} backlogTieBreak={self.tie_break:g}"
 
     @staticmethod
     def _metric(ep: Endpoint, load: EndpointLoad) -> float:
         return load.waiting_estimate(ep.metrics)
+
+    def score(self, state: CycleState, request: InferenceRequest,
+              endpoints: Sequence[Endpoint]) -> Mapping[str, float]:
+        loads = self.loads.loads(state, endpoints)
+        waiting = [load.waiting_estimate(ep.metrics) for ep, load in zip(endpoints, loads)]
+        scores = min_max_inverted(waiting)
+        if self.tie_break > 0.0 and self.loads.ledger is not None:
+            scores = backlog_tie_break(scores, waiting, [load.prefill_backlog_tokens for load in loads],
+                                       self.tie_break)
+        return {ep.name: s for ep, s in zip(endpoints, scores)}
 
 
 class RunningRequestsSizeScorer(_MinMaxScorer):

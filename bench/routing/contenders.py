@@ -149,8 +149,19 @@ def _without_home(config: str) -> str:
     return yaml.safe_dump(doc, sort_keys=False)
 
 
+def _without_tie_break(config: str) -> str:
+    """`config` with queue-scorer counting whole requests only (`backlogTieBreak: 0`, the "before")."""
+    doc = yaml.safe_load(config)
+    for entry in doc.get("plugins", []):
+        if entry.get("type") == "queue-scorer":
+            entry.setdefault("parameters", {})["backlogTieBreak"] = 0
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
 def epp_config(kind: str, t: Tuning) -> str:
     """The EndpointPickerConfig of one `epp-*` contender."""
+    if kind.endswith("+no-tie-break"):
+        return _without_tie_break(epp_config(kind.removesuffix("+no-tie-break"), t))
     if kind.endswith("+head-first-index"):
         return _head_first_index(epp_config(kind.removesuffix("+head-first-index"), t))
     if kind.startswith("sample:"):
@@ -256,6 +267,12 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
               default=False, workers=2),
     Contender("epp-precise-w2-no-home", "epp", "precise+no-home", "before: epp-precise-w2 without the rendezvous home",
               default=False, workers=2),
+    Contender("epp-approx-no-tie-break", "epp", "approx+no-tie-break",
+              "before: epp-approx with queue-scorer on whole requests only (no prefill-backlog tie-break)",
+              default=False),
+    Contender("epp-precise-no-tie-break", "epp", "precise+no-tie-break",
+              "before: epp-precise with queue-scorer on whole requests only (no prefill-backlog tie-break)",
+              default=False),
     Contender("epp-precise-no-home", "epp", "precise+no-home",
               "before: epp-precise without the rendezvous home for unseen prefixes", default=False),
     Contender("vllm-router-rr", "vllm-router", "round_robin", "vllm-router --policy round_robin"),

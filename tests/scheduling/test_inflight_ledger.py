@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -229,3 +230,35 @@ def test_the_ledger_exports_each_endpoints_backlog_and_prefill_speed():
     assert registry.get_sample_value("epp_prefill_seconds_per_token", {"endpoint": name}) == PRIOR_PREFILL_S_PER_TOKEN
     endpoints.set_endpoints([])  # an endpoint that leaves takes its learned speed along
     assert registry.get_sample_value("epp_prefill_seconds_per_token", {"endpoint": name}) is None
+
+
+@pytest.mark.parametrize(
+    ("waiting", "backlog", "expected"),
+    [
+        ([1, 1], [100, 1000], [1.0, 0.9]),             # a tie: the one about to finish wins
+        ([1, 1], [500, 500], [1.0, 1.0]),              # no difference in backlog: GIE's scores
+        ([0, 1, 1], [0, 100, 1000], [1.0, 0.1, 0.0]),  # the tie is ordered, still below the shorter queue
+        ([0, 2, 2], [0, 100, 1000], [1.0, 0.05, 0.0]),  # two requests apart: half the share
+        ([1, 1, 0], [900, 100, 0], [0.0, 0.1, 1.0]),
+        ([0, 0, 3], [50, 950, 10], [1.0, 0.966667, 0.0]),  # a span of 3 requests: a third of the share
+    ],
+)
+def test_queue_scorer_breaks_ties_on_whole_requests_by_prefill_backlog(waiting, backlog, expected):
+    from scorers.load import backlog_tie_break, min_max_inverted
+
+    got = backlog_tie_break(min_max_inverted(waiting), waiting, backlog, 0.1)
+    assert [round(s, 6) for s in got] == expected
+
+
+def test_the_queue_scorer_prefers_the_endpoint_whose_prefill_is_nearly_done():
+    context = PluginContext()
+    near_done, just_started = endpoint(0), endpoint(1)
+    now = time.monotonic()
+    # 2,000 tokens at the prior speed take 0.4 s: one was sent 0.35 s ago, the other just now.
+    context.load.pick(near_done.name, prompt_tokens=2000, now=now - 0.35)
+    context.load.pick(just_started.name, prompt_tokens=2000, now=now)
+    scores = make_plugin("queue-scorer", context=context).score(CycleState(), request(), [near_done, just_started])
+    assert scores[near_done.name] == 1.0 and 0.7 <= scores[just_started.name] < 1.0
+    gie = make_plugin("queue-scorer", {"backlogTieBreak": 0}, context=context)
+    assert gie.score(CycleState(), request(), [near_done, just_started]) == {near_done.name: 1.0,
+                                                                            just_started.name: 1.0}
