@@ -59,20 +59,34 @@ MIN_SPEED_SAMPLE_TOKENS = 256
 SPEED_EWMA_WEIGHT = 0.2
 
 
-def prefill_backlog(prefills: Iterable[tuple[float, int]], s_per_token: float, now: float) -> tuple[float, float]:
+def prefill_backlog(prefills: Iterable[tuple[float, int]], s_per_token: float, now: float,
+                    totals: tuple[int, int] | None = None) -> tuple[float, float]:
     """Tokens and requests (fractional) still to prefill of `(sent_at, uncached tokens)` in send order.
 
     The endpoint works through them one after the other at `s_per_token`; each unfinished one
-    counts between `BACKLOG_FLOOR` and all of itself.
+    counts between `BACKLOG_FLOOR` and all of itself. Everything behind the first prefill not yet
+    done waits in full, so the walk stops there and counts the rest from `totals` (all of the
+    prefills' tokens and their number; summed from `prefills` when not given): on the request
+    path this costs the prefills the model has done but whose first token was not seen yet, plus one.
     """
+    if totals is None:
+        prefills = list(prefills)
+        totals = (sum(uncached for _, uncached in prefills), len(prefills))
     free_at = -math.inf
     tokens = requests = 0.0
+    seen_tokens = seen = 0
     for sent_at, uncached in prefills:
         duration = uncached * s_per_token
         free_at = max(free_at, sent_at) + duration
-        left = min(1.0, max(BACKLOG_FLOOR, (free_at - now) / duration)) if duration > 0 else BACKLOG_FLOOR
-        tokens += left * uncached
-        requests += left
+        seen_tokens += uncached
+        seen += 1
+        if free_at > now and duration > 0:
+            left = min(1.0, (free_at - now) / duration)
+            left = max(BACKLOG_FLOOR, left)
+            return (tokens + left * uncached + (totals[0] - seen_tokens),
+                    requests + left + (totals[1] - seen))
+        tokens += BACKLOG_FLOOR * uncached
+        requests += BACKLOG_FLOOR
     return tokens, requests
 
 
@@ -141,10 +155,12 @@ Observer = Callable[[Booking, Any], None]
 
 
 class _EndpointBook:
-    __slots__ = ("inflight", "prefill_tokens", "prefilling", "unanswered")
+    __slots__ = ("inflight", "prefills", "prefill_tokens", "prefilling", "unanswered")
 
     def __init__(self) -> None:
         self.inflight: OrderedDict[int, Booking] = OrderedDict()  # pick order
+        # The unfinished prefills alone, so that the backlog model never walks decoding requests.
+        self.prefills: OrderedDict[int, Booking] = OrderedDict()  # pick order
         self.prefilling = 0
         self.prefill_tokens = 0
         # Ended without a response the picker saw: counted until a scrape taken after the pick.
@@ -203,14 +219,20 @@ class InflightLedger:
 
     def backlog(self, endpoint: str, now: float) -> tuple[float, float]:
         """Prefill tokens and (fractional) requests on `endpoint` still to do now (see `prefill_backlog`)."""
-        return prefill_backlog(self._prefills(endpoint), self.prefill_seconds_per_token(endpoint), now)
+        return prefill_backlog(self._prefills(endpoint), self.prefill_seconds_per_token(endpoint), now,
+                               self._prefill_totals(endpoint))
 
     def _prefills(self, endpoint: str) -> Iterator[tuple[float, int]]:
         """`(sent_at, uncached tokens)` of the unfinished prefills on `endpoint`, in send order."""
         book = self._books.get(endpoint)
         if book is None or not book.prefilling:
             return iter(())
-        return ((b.picked_at, b.uncached_tokens) for b in book.inflight.values() if b.first_token_at is None)
+        return ((b.picked_at, b.uncached_tokens) for b in book.prefills.values())
+
+    def _prefill_totals(self, endpoint: str) -> tuple[int, int]:
+        """Uncached tokens and number of the unfinished prefills `_prefills` yields."""
+        book = self._books.get(endpoint)
+        return (book.prefill_tokens, book.prefilling) if book is not None else (0, 0)
 
     def bookings(self) -> Iterator[Booking]:
         """Every tracked booking, oldest first."""
@@ -243,6 +265,7 @@ class InflightLedger:
         self._all[booking.ticket] = booking
         self._prefilling[booking.ticket] = booking
         book.inflight[booking.ticket] = booking
+        book.prefills[booking.ticket] = booking
         book.prefilling += 1
         book.prefill_tokens += uncached
         while len(self._all) > self.capacity:
@@ -326,6 +349,7 @@ class InflightLedger:
             return
         book = self._books.get(booking.endpoint)
         if book is not None:
+            del book.prefills[booking.ticket]
             book.prefilling -= 1
             book.prefill_tokens -= booking.uncached_tokens
 

@@ -175,6 +175,11 @@ class SharedInflightLedger(InflightLedger):
         remote = ((r.received_at, r.uncached) for r in book.bookings.values() if r.prefilling)
         return heapq.merge(own, remote, key=lambda item: item[0])
 
+    def _prefill_totals(self, endpoint: str) -> tuple[int, int]:
+        tokens, count = super()._prefill_totals(endpoint)
+        book = self._remote_books.get(endpoint)
+        return (tokens + book.prefill_tokens, count + book.prefilling) if book is not None else (tokens, count)
+
     def _end_remote_prefill(self, remote: _RemoteBooking) -> None:
         if not remote.prefilling:
             return

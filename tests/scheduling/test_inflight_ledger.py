@@ -104,6 +104,7 @@ def test_waiting_estimate_is_never_below_what_the_picker_knows(scraped_waiting, 
         ([(1.0, 1000), (1.0, 1000)], 1.05, 1500, 1.5),  # the second waits for the first
         ([(1.0, 1000), (1.2, 1000)], 1.25, 600, 0.6),   # the first finished at 1.1 (floor), the second half done
         ([(1.0, 0)], 1.0, 0, 0.1),                     # a whole-prompt cache hit: only the floor
+        ([(1.0, 1000), (1.0, 0)], 1.05, 500, 1.5),      # ...but behind a prefill it waits, whole
     ],
 )
 def test_prefill_backlog_works_through_the_prefills_in_pick_order(prefills, now, tokens, requests):
@@ -111,6 +112,37 @@ def test_prefill_backlog_works_through_the_prefills_in_pick_order(prefills, now,
 
     got_tokens, got_requests = prefill_backlog(prefills, 1e-4, now)
     assert (got_tokens, got_requests) == (pytest.approx(tokens), pytest.approx(requests))
+
+
+def _backlog_walking_every_prefill(prefills, s_per_token, now):
+    """The backlog model by its definition: every prefill's share left, one after the other."""
+    free_at, pending_ahead, tokens, requests = -math.inf, False, 0.0, 0.0
+    for sent_at, uncached in prefills:
+        duration = uncached * s_per_token
+        free_at = max(free_at, sent_at) + duration
+        if duration > 0:
+            left = min(1.0, max(0.1, (free_at - now) / duration))
+        else:
+            left = 1.0 if pending_ahead else 0.1  # a cache hit waits only behind unfinished work
+        pending_ahead = pending_ahead or free_at > now
+        tokens += left * uncached
+        requests += left
+    return tokens, requests
+
+
+def test_the_backlog_stops_at_the_first_unfinished_prefill_and_counts_the_rest_whole():
+    import random
+
+    from epp.framework.load import prefill_backlog
+
+    rng = random.Random(7)
+    for _ in range(500):
+        now = rng.uniform(0.0, 3.0)
+        sent = sorted(rng.uniform(0.0, now) for _ in range(rng.randint(1, 30)))  # every prefill sent by now
+        prefills = [(t, rng.choice([0, 16, 500, 3000])) for t in sent]
+        totals = (sum(u for _, u in prefills), len(prefills))
+        expected = _backlog_walking_every_prefill(prefills, 2e-4, now)
+        assert prefill_backlog(iter(prefills), 2e-4, now, totals) == pytest.approx(expected)
 
 
 def test_an_endpoint_about_to_finish_its_prefill_looks_less_busy_than_one_that_just_started():
