@@ -64,14 +64,17 @@ def prefill_backlog(prefills: Iterable[tuple[float, int]], s_per_token: float, n
     """Tokens and requests (fractional) still to prefill of `(sent_at, uncached tokens)` in send order.
 
     The endpoint works through them one after the other at `s_per_token`; each unfinished one
-    counts between `BACKLOG_FLOOR` and all of itself. Everything behind the first prefill not yet
-    done waits in full, so the walk stops there and counts the rest from `totals` (all of the
-    prefills' tokens and their number; summed from `prefills` when not given): on the request
+    counts between `BACKLOG_FLOOR` and all of itself (a whole-prompt cache hit, 0 tokens, only the
+    floor). Everything behind the first prefill not yet done waits in full, so the walk stops there
+    and counts the rest from `totals`: the tokens and number of `prefills`, which then must hold no
+    cache hits (the caller adds their floor, so that they never lengthen the walk). On the request
     path this costs the prefills the model has done but whose first token was not seen yet, plus one.
     """
     if totals is None:
-        prefills = list(prefills)
-        totals = (sum(uncached for _, uncached in prefills), len(prefills))
+        listed = list(prefills)
+        prefills = [p for p in listed if p[1] > 0]
+        tokens, requests = prefill_backlog(prefills, s_per_token, now, (sum(u for _, u in prefills), len(prefills)))
+        return tokens, requests + BACKLOG_FLOOR * (len(listed) - len(prefills))
     free_at = -math.inf
     tokens = requests = 0.0
     seen_tokens = seen = 0
@@ -80,9 +83,8 @@ def prefill_backlog(prefills: Iterable[tuple[float, int]], s_per_token: float, n
         free_at = max(free_at, sent_at) + duration
         seen_tokens += uncached
         seen += 1
-        if free_at > now and duration > 0:
-            left = min(1.0, (free_at - now) / duration)
-            left = max(BACKLOG_FLOOR, left)
+        if free_at > now:
+            left = max(BACKLOG_FLOOR, min(1.0, (free_at - now) / duration))
             return (tokens + left * uncached + (totals[0] - seen_tokens),
                     requests + left + (totals[1] - seen))
         tokens += BACKLOG_FLOOR * uncached
@@ -155,16 +157,34 @@ Observer = Callable[[Booking, Any], None]
 
 
 class _EndpointBook:
-    __slots__ = ("inflight", "prefills", "prefill_tokens", "prefilling", "unanswered")
+    __slots__ = ("inflight", "prefills", "prefill_tokens", "prefilling", "unanswered", "unseen_since",
+                 "unseen", "unseen_tokens")
 
     def __init__(self) -> None:
         self.inflight: OrderedDict[int, Booking] = OrderedDict()  # pick order
-        # The unfinished prefills alone, so that the backlog model never walks decoding requests.
+        # The unfinished prefills with tokens to do, so that the backlog model walks neither
+        # decoding requests nor cache hits.
         self.prefills: OrderedDict[int, Booking] = OrderedDict()  # pick order
         self.prefilling = 0
         self.prefill_tokens = 0
         # Ended without a response the picker saw: counted until a scrape taken after the pick.
         self.unanswered: OrderedDict[int, Booking] = OrderedDict()  # pick order
+        # Picks after the scrape taken at `unseen_since` (and their prefill tokens), kept up to date
+        # by every pick and release, so a read costs a walk only when a new scrape arrived.
+        self.unseen_since = -math.inf
+        self.unseen = 0
+        self.unseen_tokens = 0
+
+    def count_unseen(self, scraped_at: float) -> None:
+        """Recount the picks a scrape taken at `scraped_at` cannot show (newest first, to the first it can)."""
+        unseen = unseen_tokens = 0
+        for booking in reversed(self.inflight.values()):
+            if booking.picked_at <= scraped_at:
+                break
+            unseen += 1
+            if booking.first_token_at is None:
+                unseen_tokens += booking.uncached_tokens
+        self.unseen_since, self.unseen, self.unseen_tokens = scraped_at, unseen, unseen_tokens
 
 
 class InflightLedger:
@@ -201,17 +221,11 @@ class InflightLedger:
             book = self._books.get(endpoint.name)
         if book is None:
             return EndpointLoad(scrape_age_s=age) if age != math.inf else NO_LOAD
-        unseen = unseen_tokens = 0
-        # Newest first: stop at the first pick the scrape could already show.
-        for booking in reversed(book.inflight.values()):
-            if booking.picked_at <= scraped_at:
-                break
-            unseen += 1
-            if booking.prefilling:
-                unseen_tokens += booking.uncached_tokens
+        if book.unseen_since != scraped_at:
+            book.count_unseen(scraped_at)
         backlog_tokens, backlog_requests = self.backlog(endpoint.name, now)
-        return EndpointLoad(len(book.inflight), unseen, book.prefilling, book.prefill_tokens, unseen_tokens, age,
-                            backlog_tokens, backlog_requests)
+        return EndpointLoad(len(book.inflight), book.unseen, book.prefilling, book.prefill_tokens, book.unseen_tokens,
+                            age, backlog_tokens, backlog_requests)
 
     def prefill_seconds_per_token(self, endpoint: str) -> float:
         """The prefill speed the backlog model uses for `endpoint` (learned, or the prior)."""
@@ -219,20 +233,26 @@ class InflightLedger:
 
     def backlog(self, endpoint: str, now: float) -> tuple[float, float]:
         """Prefill tokens and (fractional) requests on `endpoint` still to do now (see `prefill_backlog`)."""
-        return prefill_backlog(self._prefills(endpoint), self.prefill_seconds_per_token(endpoint), now,
-                               self._prefill_totals(endpoint))
+        tokens, with_tokens, cache_hits = self._prefill_totals(endpoint)
+        if not with_tokens and not cache_hits:
+            return 0.0, 0.0
+        backlog_tokens, backlog_requests = prefill_backlog(
+            self._prefills(endpoint), self.prefill_seconds_per_token(endpoint), now, (tokens, with_tokens))
+        return backlog_tokens, backlog_requests + BACKLOG_FLOOR * cache_hits
 
     def _prefills(self, endpoint: str) -> Iterator[tuple[float, int]]:
-        """`(sent_at, uncached tokens)` of the unfinished prefills on `endpoint`, in send order."""
+        """`(sent_at, uncached tokens)` of the unfinished prefills on `endpoint` with tokens to do, in send order."""
         book = self._books.get(endpoint)
-        if book is None or not book.prefilling:
+        if book is None or not book.prefills:
             return iter(())
         return ((b.picked_at, b.uncached_tokens) for b in book.prefills.values())
 
-    def _prefill_totals(self, endpoint: str) -> tuple[int, int]:
-        """Uncached tokens and number of the unfinished prefills `_prefills` yields."""
+    def _prefill_totals(self, endpoint: str) -> tuple[int, int, int]:
+        """Uncached tokens and number of the unfinished prefills `_prefills` yields, and of the cache hits."""
         book = self._books.get(endpoint)
-        return (book.prefill_tokens, book.prefilling) if book is not None else (0, 0)
+        if book is None:
+            return 0, 0, 0
+        return book.prefill_tokens, len(book.prefills), book.prefilling - len(book.prefills)
 
     def bookings(self) -> Iterator[Booking]:
         """Every tracked booking, oldest first."""
@@ -265,7 +285,11 @@ class InflightLedger:
         self._all[booking.ticket] = booking
         self._prefilling[booking.ticket] = booking
         book.inflight[booking.ticket] = booking
-        book.prefills[booking.ticket] = booking
+        if now > book.unseen_since:
+            book.unseen += 1
+            book.unseen_tokens += uncached
+        if uncached > 0:
+            book.prefills[booking.ticket] = booking
         book.prefilling += 1
         book.prefill_tokens += uncached
         while len(self._all) > self.capacity:
@@ -349,16 +373,19 @@ class InflightLedger:
             return
         book = self._books.get(booking.endpoint)
         if book is not None:
-            del book.prefills[booking.ticket]
+            book.prefills.pop(booking.ticket, None)
             book.prefilling -= 1
             book.prefill_tokens -= booking.uncached_tokens
+            if booking.picked_at > book.unseen_since:
+                book.unseen_tokens -= booking.uncached_tokens
 
     def _forget(self, booking: Booking) -> None:
         self._end_prefill(booking)
         book = self._books.get(booking.endpoint)
         if book is None:
             return
-        book.inflight.pop(booking.ticket, None)
+        if book.inflight.pop(booking.ticket, None) is not None and booking.picked_at > book.unseen_since:
+            book.unseen -= 1
         book.unanswered.pop(booking.ticket, None)
         if not book.inflight:
             del self._books[booking.endpoint]

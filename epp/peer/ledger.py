@@ -40,12 +40,13 @@ class _RemoteBooking:
 
 
 class _RemoteBook:
-    __slots__ = ("bookings", "prefilling", "prefill_tokens")
+    __slots__ = ("bookings", "prefilling", "prefill_tokens", "cache_hits")
 
     def __init__(self) -> None:
         self.bookings: OrderedDict[tuple[str, int], _RemoteBooking] = OrderedDict()  # arrival order
         self.prefilling = 0
         self.prefill_tokens = 0
+        self.cache_hits = 0  # prefilling with no token to do
 
 
 class SharedInflightLedger(InflightLedger):
@@ -97,6 +98,7 @@ class SharedInflightLedger(InflightLedger):
         book.bookings[key] = remote
         book.prefilling += 1
         book.prefill_tokens += uncached_tokens
+        book.cache_hits += uncached_tokens <= 0
         while len(self._remote) > self.capacity:
             oldest_key, oldest = self._remote.popitem(last=False)
             self._drop(oldest_key, oldest)
@@ -172,13 +174,16 @@ class SharedInflightLedger(InflightLedger):
         book = self._remote_books.get(endpoint)
         if book is None or not book.prefilling:
             return own
-        remote = ((r.received_at, r.uncached) for r in book.bookings.values() if r.prefilling)
+        remote = ((r.received_at, r.uncached) for r in book.bookings.values() if r.prefilling and r.uncached > 0)
         return heapq.merge(own, remote, key=lambda item: item[0])
 
-    def _prefill_totals(self, endpoint: str) -> tuple[int, int]:
-        tokens, count = super()._prefill_totals(endpoint)
+    def _prefill_totals(self, endpoint: str) -> tuple[int, int, int]:
+        tokens, with_tokens, cache_hits = super()._prefill_totals(endpoint)
         book = self._remote_books.get(endpoint)
-        return (tokens + book.prefill_tokens, count + book.prefilling) if book is not None else (tokens, count)
+        if book is None:
+            return tokens, with_tokens, cache_hits
+        return (tokens + book.prefill_tokens, with_tokens + book.prefilling - book.cache_hits,
+                cache_hits + book.cache_hits)
 
     def _end_remote_prefill(self, remote: _RemoteBooking) -> None:
         if not remote.prefilling:
@@ -188,6 +193,7 @@ class SharedInflightLedger(InflightLedger):
         if book is not None:
             book.prefilling -= 1
             book.prefill_tokens -= remote.uncached
+            book.cache_hits -= remote.uncached <= 0
 
     def _drop(self, key: tuple[str, int], remote: _RemoteBooking) -> None:
         """Remove a booking (already out of `_remote`) from its endpoint's book."""

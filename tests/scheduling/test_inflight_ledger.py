@@ -104,7 +104,7 @@ def test_waiting_estimate_is_never_below_what_the_picker_knows(scraped_waiting, 
         ([(1.0, 1000), (1.0, 1000)], 1.05, 1500, 1.5),  # the second waits for the first
         ([(1.0, 1000), (1.2, 1000)], 1.25, 600, 0.6),   # the first finished at 1.1 (floor), the second half done
         ([(1.0, 0)], 1.0, 0, 0.1),                     # a whole-prompt cache hit: only the floor
-        ([(1.0, 1000), (1.0, 0)], 1.05, 500, 1.5),      # ...but behind a prefill it waits, whole
+        ([(1.0, 1000), (1.0, 0)], 1.05, 500, 0.6),      # ...also behind a prefill
     ],
 )
 def test_prefill_backlog_works_through_the_prefills_in_pick_order(prefills, now, tokens, requests):
@@ -116,15 +116,11 @@ def test_prefill_backlog_works_through_the_prefills_in_pick_order(prefills, now,
 
 def _backlog_walking_every_prefill(prefills, s_per_token, now):
     """The backlog model by its definition: every prefill's share left, one after the other."""
-    free_at, pending_ahead, tokens, requests = -math.inf, False, 0.0, 0.0
+    free_at, tokens, requests = -math.inf, 0.0, 0.0
     for sent_at, uncached in prefills:
         duration = uncached * s_per_token
         free_at = max(free_at, sent_at) + duration
-        if duration > 0:
-            left = min(1.0, max(0.1, (free_at - now) / duration))
-        else:
-            left = 1.0 if pending_ahead else 0.1  # a cache hit waits only behind unfinished work
-        pending_ahead = pending_ahead or free_at > now
+        left = min(1.0, max(0.1, (free_at - now) / duration)) if duration > 0 else 0.1
         tokens += left * uncached
         requests += left
     return tokens, requests
@@ -140,9 +136,13 @@ def test_the_backlog_stops_at_the_first_unfinished_prefill_and_counts_the_rest_w
         now = rng.uniform(0.0, 3.0)
         sent = sorted(rng.uniform(0.0, now) for _ in range(rng.randint(1, 30)))  # every prefill sent by now
         prefills = [(t, rng.choice([0, 16, 500, 3000])) for t in sent]
-        totals = (sum(u for _, u in prefills), len(prefills))
+        with_tokens = [p for p in prefills if p[1] > 0]  # as the ledger passes them: cache hits apart
+        cache_hits = len(prefills) - len(with_tokens)
+        tokens, requests = prefill_backlog(iter(with_tokens), 2e-4, now,
+                                           (sum(u for _, u in with_tokens), len(with_tokens)))
         expected = _backlog_walking_every_prefill(prefills, 2e-4, now)
-        assert prefill_backlog(iter(prefills), 2e-4, now, totals) == pytest.approx(expected)
+        assert (tokens, requests + 0.1 * cache_hits) == pytest.approx(expected)
+        assert prefill_backlog(prefills, 2e-4, now) == pytest.approx(expected)  # totals summed from a list
 
 
 def test_an_endpoint_about_to_finish_its_prefill_looks_less_busy_than_one_that_just_started():
@@ -294,3 +294,32 @@ def test_the_queue_scorer_prefers_the_endpoint_whose_prefill_is_nearly_done():
     gie = make_plugin("queue-scorer", {"backlogTieBreak": 0}, context=context)
     assert gie.score(CycleState(), request(), [near_done, just_started]) == {near_done.name: 1.0,
                                                                             just_started.name: 1.0}
+
+
+def test_unseen_picks_kept_up_to_date_match_a_recount_after_any_sequence_of_events():
+    import random
+
+    rng = random.Random(11)
+    ledger = InflightLedger(prefill_timeout_s=5.0, request_timeout_s=20.0)
+    names = [endpoint(i).name for i in range(3)]
+    open_bookings, now, scraped_at = [], 0.0, {n: 0.0 for n in names}
+    for _ in range(3000):
+        now += rng.uniform(0.0, 0.05)
+        event = rng.random()
+        if event < 0.4:
+            name = rng.choice(names)
+            open_bookings.append(ledger.pick(name, prompt_tokens=rng.choice([0, 100, 2000]), now=now))
+        elif event < 0.55 and open_bookings:
+            ledger.first_token(rng.choice(open_bookings), now=now)
+        elif event < 0.75 and open_bookings:
+            booking = open_bookings.pop(rng.randrange(len(open_bookings)))
+            ledger.complete(booking, response_seen=rng.random() < 0.7)
+        elif event < 0.85:
+            scraped_at[rng.choice(names)] = now
+        else:
+            name = rng.choice(names)
+            ep = Endpoint(name.split(":")[0], int(name.split(":")[1]), metrics=EndpointMetrics(update_time=scraped_at[name]))
+            load = ledger.load(ep, now)
+            mine = [b for b in ledger.bookings() if b.endpoint == name and b.picked_at > scraped_at[name]]
+            assert load.unseen_requests == len(mine)
+            assert load.unseen_prefill_tokens == sum(b.uncached_tokens for b in mine if b.prefilling)
