@@ -5,6 +5,8 @@ headers + a 4 KB JSON body, and (full mode) response headers + body. The server'
 (/proc/<pid>/stat, all threads) is read around N requests at concurrency C, so the number does
 not depend on what else runs on the machine. Three servers in the same run:
   floor        a grpc.aio servicer that answers each phase with an empty message (on uvloop)
+  minimal      `bench/minimal_picker.py`: routes at random and re-emits the bodies, the least a
+               working picker sends in GIE's full-duplex body mode (the empty floor drops the body)
   epp full     `epp serve` (default config: queue + kv-cache + approximate prefix), all phases
   epp request  the same picker with Envoy's request-only mode (no response phases)
 Optional rows: `--sync-floor` adds the same empty servicer on grpc's sync server (thread pool),
@@ -162,18 +164,21 @@ def main() -> None:
     parser.add_argument("--before", type=Path, help="also measure `epp serve` run from this checkout")
     args = parser.parse_args()
     port, health, metrics = free_ports(3)
+    endpoints = ",".join(f"127.0.0.1:{8000 + i}" for i in range(16))
     epp = [sys.executable, "-m", "epp.cli", "serve", "--grpc-port", str(port), "--grpc-health-port", str(health),
            "--metrics-port", str(metrics), "--bind-address", "127.0.0.1",
-           "--endpoints", ",".join(f"127.0.0.1:{8000 + i}" for i in range(16)),
+           "--endpoints", endpoints,
            # No model servers listen here; scraping them would only add failed connects.
            "--refresh-metrics-interval", "3600"]
     floor = [sys.executable, "-c", FLOOR_SERVER, str(port)]
+    minimal = [sys.executable, str(REPO / "bench" / "minimal_picker.py"), str(port), endpoints]
     sync_floor = [sys.executable, "-c", SYNC_FLOOR_SERVER, str(port)]
     rows: list[tuple[str, list[str], bool, Path]] = []
     for full, phases, mode in ((True, "all phases", "all phases"), (False, "request phases", "request-only Envoy mode")):
         rows.append((f"floor: empty grpc.aio servicer, {phases}", floor, full, REPO))
         if args.sync_floor:
             rows.append((f"floor on grpc's sync server (thread pool), {phases}", sync_floor, full, REPO))
+        rows.append((f"minimal picker (routes at random, re-emits bodies), {phases}", minimal, full, REPO))
         if args.before is not None:
             rows.append((f"epp serve from {args.before}, {mode}", epp, full, args.before.resolve()))
         rows.append((f"epp serve, {mode}", epp, full, REPO))
@@ -184,14 +189,18 @@ def main() -> None:
             cpu[label].append(_measure(argv, port, args.requests, args.concurrency, full, cwd)["cpu_us_per_request"])
     print(f"\n{args.requests} requests at concurrency {args.concurrency}, 16 endpoints, 4 KB prompts"
           f"{f', minimum of {args.repeat} runs' if args.repeat > 1 else ''}\n")
-    print("| server | CPU µs / request | routed requests per CPU-second | × the floor of its mode |")
-    print("|---|---|---|---|")
-    floor_us = 0.0
+    print("| server | CPU µs / request | routed requests per CPU-second | × the floor of its mode "
+          "| × the minimal picker |")
+    print("|---|---|---|---|---|")
+    floor_us = minimal_us = 0.0
     for label, argv, _full, _cwd in rows:
         us = min(cpu[label])
-        if argv is floor:
-            floor_us = us
-        print(f"| {label} | {us:.0f} | {1e6 / us:.0f} | {us / floor_us:.2f} |")
+        if argv is floor:  # each mode's rows start with its floor
+            floor_us, minimal_us = us, 0.0
+        if argv is minimal:
+            minimal_us = us
+        versus_minimal = f"{us / minimal_us:.2f}" if minimal_us else "–"
+        print(f"| {label} | {us:.0f} | {1e6 / us:.0f} | {us / floor_us:.2f} | {versus_minimal} |")
 
 
 if __name__ == "__main__":
