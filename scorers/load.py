@@ -91,9 +91,11 @@ def backlog_tie_break(scores: Sequence[float], waiting: Sequence[float], backlog
                       share: float) -> list[float]:
     """`scores` with ties on `waiting` broken by `backlog` (less scores higher), never reordering non-ties.
 
-    Among endpoints with the same whole-request count, the one with the least prefill left loses
-    nothing and the one with the most loses `share` (divided by the count's span, so that no
-    endpoint drops below one with a longer queue). Unchanged when no tie differs in backlog.
+    Each endpoint of a tie that differs in backlog has its score mixed with its backlog rank (1 for
+    the least prefill left, 0 for the most) at weight `share` divided by the span of the counts,
+    so that it stays between the scores of the neighbouring counts: of endpoints tied at the
+    shortest queue, the one with the least prefill left keeps 1 and the one with the most drops
+    to 1 - `share`. Unchanged when no tie differs in backlog.
     """
     groups: dict[float, list[int]] = {}
     for i, w in enumerate(waiting):
@@ -111,7 +113,7 @@ def backlog_tie_break(scores: Sequence[float], waiting: Sequence[float], backlog
     return out
 
 
-class QueueScorer(_MinMaxScorer):
+class QueueScorer(Scorer):
     """Shorter waiting queue scores higher: (maxQ - q) / (maxQ - minQ), all 1 when equal.
 
     With the ledger, endpoints tied on whole requests are told apart by what is left of their
@@ -121,15 +123,12 @@ class QueueScorer(_MinMaxScorer):
     type_name = "queue-scorer"
 
     def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
-        super().__init__(name, params, context)
+        super().__init__(name)
+        self.loads = _LoadReader(params, context)
         self.tie_break = params.float("backlogTieBreak", DEFAULT_BACKLOG_TIE_BREAK, minimum=0.0, maximum=0.5)
 
     def describe(self) -> str:
         return f"{self.loads.describe()} backlogTieBreak={self.tie_break:g}"
-
-    @staticmethod
-    def _metric(ep: Endpoint, load: EndpointLoad) -> float:
-        return load.waiting_estimate(ep.metrics)
 
     def score(self, state: CycleState, request: InferenceRequest,
               endpoints: Sequence[Endpoint]) -> Mapping[str, float]:
