@@ -156,9 +156,49 @@ class Booking:
 Observer = Callable[[Booking, Any], None]
 
 
+class UnseenPicks:
+    """Picks an endpoint's latest scrape cannot show yet (sent after it), and their prefill tokens.
+
+    Kept up to date as picks arrive, end their prefill and leave, so that a read walks the picks
+    only when a new scrape arrived since the last read (newest first, to the first one it shows):
+    without scrapes a read costs nothing however many picks are held.
+    """
+
+    __slots__ = ("since", "count", "tokens")
+
+    def __init__(self) -> None:
+        self.since = -math.inf  # the scrape time `count` and `tokens` refer to
+        self.count = 0
+        self.tokens = 0
+
+    def added(self, at: float, tokens: int) -> None:
+        if at > self.since:
+            self.count += 1
+            self.tokens += tokens
+
+    def prefill_ended(self, at: float, tokens: int) -> None:
+        if at > self.since:
+            self.tokens -= tokens
+
+    def removed(self, at: float) -> None:
+        if at > self.since:
+            self.count -= 1
+
+    def read(self, scraped_at: float, newest_first: Callable[[], Iterable[tuple[float, int]]]) -> tuple[int, int]:
+        """(picks, prefill tokens) after `scraped_at`; `newest_first` yields (sent at, tokens still to prefill)."""
+        if scraped_at != self.since:
+            count = tokens = 0
+            for at, prefill_tokens in newest_first():
+                if at <= scraped_at:
+                    break
+                count += 1
+                tokens += prefill_tokens
+            self.since, self.count, self.tokens = scraped_at, count, tokens
+        return self.count, self.tokens
+
+
 class _EndpointBook:
-    __slots__ = ("inflight", "prefills", "prefill_tokens", "prefilling", "unanswered", "unseen_since",
-                 "unseen", "unseen_tokens")
+    __slots__ = ("inflight", "prefills", "prefill_tokens", "prefilling", "unanswered", "unseen")
 
     def __init__(self) -> None:
         self.inflight: OrderedDict[int, Booking] = OrderedDict()  # pick order
@@ -169,22 +209,11 @@ class _EndpointBook:
         self.prefill_tokens = 0
         # Ended without a response the picker saw: counted until a scrape taken after the pick.
         self.unanswered: OrderedDict[int, Booking] = OrderedDict()  # pick order
-        # Picks after the scrape taken at `unseen_since` (and their prefill tokens), kept up to date
-        # by every pick and release, so a read costs a walk only when a new scrape arrived.
-        self.unseen_since = -math.inf
-        self.unseen = 0
-        self.unseen_tokens = 0
+        self.unseen = UnseenPicks()
 
-    def count_unseen(self, scraped_at: float) -> None:
-        """Recount the picks a scrape taken at `scraped_at` cannot show (newest first, to the first it can)."""
-        unseen = unseen_tokens = 0
-        for booking in reversed(self.inflight.values()):
-            if booking.picked_at <= scraped_at:
-                break
-            unseen += 1
-            if booking.first_token_at is None:
-                unseen_tokens += booking.uncached_tokens
-        self.unseen_since, self.unseen, self.unseen_tokens = scraped_at, unseen, unseen_tokens
+    def newest_first(self) -> Iterator[tuple[float, int]]:
+        return ((b.picked_at, b.uncached_tokens if b.first_token_at is None else 0)
+                for b in reversed(self.inflight.values()))
 
 
 class InflightLedger:
@@ -221,10 +250,9 @@ class InflightLedger:
             book = self._books.get(endpoint.name)
         if book is None:
             return EndpointLoad(scrape_age_s=age) if age != math.inf else NO_LOAD
-        if book.unseen_since != scraped_at:
-            book.count_unseen(scraped_at)
+        unseen, unseen_tokens = book.unseen.read(scraped_at, book.newest_first)
         backlog_tokens, backlog_requests = self.backlog(endpoint.name, now)
-        return EndpointLoad(len(book.inflight), book.unseen, book.prefilling, book.prefill_tokens, book.unseen_tokens,
+        return EndpointLoad(len(book.inflight), unseen, book.prefilling, book.prefill_tokens, unseen_tokens,
                             age, backlog_tokens, backlog_requests)
 
     def prefill_seconds_per_token(self, endpoint: str) -> float:
@@ -285,9 +313,7 @@ class InflightLedger:
         self._all[booking.ticket] = booking
         self._prefilling[booking.ticket] = booking
         book.inflight[booking.ticket] = booking
-        if now > book.unseen_since:
-            book.unseen += 1
-            book.unseen_tokens += uncached
+        book.unseen.added(now, uncached)
         if uncached > 0:
             book.prefills[booking.ticket] = booking
         book.prefilling += 1
@@ -376,16 +402,15 @@ class InflightLedger:
             book.prefills.pop(booking.ticket, None)
             book.prefilling -= 1
             book.prefill_tokens -= booking.uncached_tokens
-            if booking.picked_at > book.unseen_since:
-                book.unseen_tokens -= booking.uncached_tokens
+            book.unseen.prefill_ended(booking.picked_at, booking.uncached_tokens)
 
     def _forget(self, booking: Booking) -> None:
         self._end_prefill(booking)
         book = self._books.get(booking.endpoint)
         if book is None:
             return
-        if book.inflight.pop(booking.ticket, None) is not None and booking.picked_at > book.unseen_since:
-            book.unseen -= 1
+        if book.inflight.pop(booking.ticket, None) is not None:
+            book.unseen.removed(booking.picked_at)
         book.unanswered.pop(booking.ticket, None)
         if not book.inflight:
             del self._books[booking.endpoint]

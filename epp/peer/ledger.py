@@ -11,13 +11,14 @@ then shows only through the scrape, as without a link).
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from epp.framework.load import Booking, EndpointLoad, InflightLedger
+from epp.framework.load import Booking, EndpointLoad, InflightLedger, UnseenPicks
 from epp.framework.types import Endpoint
 
 
@@ -30,9 +31,10 @@ class BookingPublisher(Protocol):
 
 
 class _RemoteBooking:
-    __slots__ = ("endpoint", "uncached", "received_at", "prefilling")
+    __slots__ = ("key", "endpoint", "uncached", "received_at", "prefilling")
 
-    def __init__(self, endpoint: str, uncached: int, received_at: float) -> None:
+    def __init__(self, key: tuple[str, int], endpoint: str, uncached: int, received_at: float) -> None:
+        self.key = key  # (picker, ticket)
         self.endpoint = endpoint
         self.uncached = uncached
         self.received_at = received_at
@@ -40,13 +42,22 @@ class _RemoteBooking:
 
 
 class _RemoteBook:
-    __slots__ = ("bookings", "prefilling", "prefill_tokens", "cache_hits")
+    __slots__ = ("bookings", "prefills", "cache_hits", "prefill_tokens", "unseen")
 
     def __init__(self) -> None:
         self.bookings: OrderedDict[tuple[str, int], _RemoteBooking] = OrderedDict()  # arrival order
-        self.prefilling = 0
+        # Still prefilling, apart, so that reads and expiry never walk decoding requests.
+        self.prefills: OrderedDict[tuple[str, int], _RemoteBooking] = OrderedDict()  # with tokens to do
+        self.cache_hits: OrderedDict[tuple[str, int], _RemoteBooking] = OrderedDict()  # no token to do
         self.prefill_tokens = 0
-        self.cache_hits = 0  # prefilling with no token to do
+        self.unseen = UnseenPicks()
+
+    @property
+    def prefilling(self) -> int:
+        return len(self.prefills) + len(self.cache_hits)
+
+    def newest_first(self) -> Iterator[tuple[float, int]]:
+        return ((r.received_at, r.uncached if r.prefilling else 0) for r in reversed(self.bookings.values()))
 
 
 class SharedInflightLedger(InflightLedger):
@@ -90,15 +101,15 @@ class SharedInflightLedger(InflightLedger):
         key = (picker, ticket)
         if key in self._remote:
             return
-        remote = _RemoteBooking(endpoint, uncached_tokens, now)
+        remote = _RemoteBooking(key, endpoint, uncached_tokens, now)
         self._remote[key] = remote
         book = self._remote_books.get(endpoint)
         if book is None:
             book = self._remote_books[endpoint] = _RemoteBook()
         book.bookings[key] = remote
-        book.prefilling += 1
+        (book.prefills if uncached_tokens > 0 else book.cache_hits)[key] = remote
         book.prefill_tokens += uncached_tokens
-        book.cache_hits += uncached_tokens <= 0
+        book.unseen.added(now, uncached_tokens)
         while len(self._remote) > self.capacity:
             oldest_key, oldest = self._remote.popitem(last=False)
             self._drop(oldest_key, oldest)
@@ -130,10 +141,11 @@ class SharedInflightLedger(InflightLedger):
             del self._remote[key]
             self._drop(key, remote)
         for book in self._remote_books.values():
-            for remote in book.bookings.values():
-                if remote.received_at + self.prefill_timeout_s > now:
-                    break
-                self._end_remote_prefill(remote)
+            for prefilling in (book.prefills, book.cache_hits):
+                expired = list(itertools.takewhile(lambda r: r.received_at + self.prefill_timeout_s <= now,
+                                                   prefilling.values()))
+                for remote in expired:
+                    self._end_remote_prefill(remote)
 
     def remove_endpoint(self, endpoint: str) -> None:
         super().remove_endpoint(endpoint)
@@ -148,13 +160,7 @@ class SharedInflightLedger(InflightLedger):
         if book is None:
             return own
         scraped_at = endpoint.metrics.update_time
-        unseen = unseen_tokens = 0
-        for remote in reversed(book.bookings.values()):
-            if remote.received_at <= scraped_at:
-                break
-            unseen += 1
-            if remote.prefilling:
-                unseen_tokens += remote.uncached
+        unseen, unseen_tokens = book.unseen.read(scraped_at, book.newest_first)
         now = time.monotonic() if now is None else now
         if own.scrape_age_s == math.inf and scraped_at > 0:  # NO_LOAD carries no age
             age = now - scraped_at
@@ -174,7 +180,7 @@ class SharedInflightLedger(InflightLedger):
         book = self._remote_books.get(endpoint)
         if book is None or not book.prefilling:
             return own
-        remote = ((r.received_at, r.uncached) for r in book.bookings.values() if r.prefilling and r.uncached > 0)
+        remote = ((r.received_at, r.uncached) for r in book.prefills.values())
         return heapq.merge(own, remote, key=lambda item: item[0])
 
     def _prefill_totals(self, endpoint: str) -> tuple[int, int, int]:
@@ -182,8 +188,7 @@ class SharedInflightLedger(InflightLedger):
         book = self._remote_books.get(endpoint)
         if book is None:
             return tokens, with_tokens, cache_hits
-        return (tokens + book.prefill_tokens, with_tokens + book.prefilling - book.cache_hits,
-                cache_hits + book.cache_hits)
+        return tokens + book.prefill_tokens, with_tokens + len(book.prefills), cache_hits + len(book.cache_hits)
 
     def _end_remote_prefill(self, remote: _RemoteBooking) -> None:
         if not remote.prefilling:
@@ -191,9 +196,9 @@ class SharedInflightLedger(InflightLedger):
         remote.prefilling = False
         book = self._remote_books.get(remote.endpoint)
         if book is not None:
-            book.prefilling -= 1
+            (book.prefills if remote.uncached > 0 else book.cache_hits).pop(remote.key, None)
             book.prefill_tokens -= remote.uncached
-            book.cache_hits -= remote.uncached <= 0
+            book.unseen.prefill_ended(remote.received_at, remote.uncached)
 
     def _drop(self, key: tuple[str, int], remote: _RemoteBooking) -> None:
         """Remove a booking (already out of `_remote`) from its endpoint's book."""
@@ -201,6 +206,7 @@ class SharedInflightLedger(InflightLedger):
         book = self._remote_books.get(remote.endpoint)
         if book is None:
             return
-        book.bookings.pop(key, None)
+        if book.bookings.pop(key, None) is not None:
+            book.unseen.removed(remote.received_at)
         if not book.bookings:
             del self._remote_books[remote.endpoint]

@@ -82,3 +82,50 @@ def test_the_prefill_backlog_counts_own_and_peers_prefills_in_the_order_they_arr
     assert (load.prefill_backlog_tokens, load.prefill_backlog_requests) == (pytest.approx(1500), pytest.approx(1.5))
     ledger.pick(b.name, prompt_tokens=1000, now=10.0)  # own only
     assert ledger.load(b, 10.0 + 500 * S).prefill_backlog_tokens == pytest.approx(500)
+
+
+def test_peers_bookings_kept_up_to_date_match_a_model_after_any_sequence_of_events():
+    import random
+
+    from epp.framework import Endpoint, EndpointMetrics
+
+    rng = random.Random(5)
+    ledger = SharedInflightLedger(Recorder(), request_timeout_s=8.0, prefill_timeout_s=3.0)
+    names = [endpoint(i).name for i in range(2)]
+    model: dict[tuple[str, int], dict] = {}  # key -> endpoint, tokens, at, prefilling
+    now, scraped_at, ticket = 0.0, dict.fromkeys(names, 0.0), 0
+    for _ in range(2000):
+        now += rng.uniform(0.0, 0.05)
+        for key, held in list(model.items()):  # what expiry does, by the book
+            if held["at"] + 8.0 <= now:
+                del model[key]
+            elif held["at"] + 3.0 <= now:
+                held["prefilling"] = False
+        event = rng.random()
+        if event < 0.4:
+            ticket += 1
+            key, name, tokens = ("peer", ticket), rng.choice(names), rng.choice([0, 100, 2000])
+            ledger.peer_booked("peer", ticket, name, tokens, now=now)
+            model[key] = {"endpoint": name, "tokens": tokens, "at": now, "prefilling": True}
+        elif event < 0.6 and model:
+            key = rng.choice(list(model))
+            prefill_only = rng.random() < 0.5
+            ledger.peer_released(*key, prefill_only)
+            if prefill_only:
+                model[key]["prefilling"] = False
+            else:
+                del model[key]
+        elif event < 0.7:
+            scraped_at[rng.choice(names)] = now
+        else:
+            ledger.expire(now)
+            name = rng.choice(names)
+            host, port = name.split(":")
+            load = ledger.load(Endpoint(host, int(port), metrics=EndpointMetrics(update_time=scraped_at[name])), now)
+            mine = [held for held in model.values() if held["endpoint"] == name]
+            unseen = [held for held in mine if held["at"] > scraped_at[name]]
+            assert load.inflight_requests == len(mine)
+            assert load.prefilling_requests == sum(held["prefilling"] for held in mine)
+            assert load.prefill_tokens == sum(held["tokens"] for held in mine if held["prefilling"])
+            assert load.unseen_requests == len(unseen)
+            assert load.unseen_prefill_tokens == sum(held["tokens"] for held in unseen if held["prefilling"])
