@@ -30,7 +30,7 @@ from grpc_health.v1 import health_pb2_grpc
 
 from epp.server.health import HealthService
 from epp.server.metrics_merge import merge_pages
-from epp.server.runner import BindError, ServeOptions, probe_port, start_server
+from epp.server.runner import BindError, ServeOptions, freeze_startup_heap, probe_port, start_server
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ def _worker_main(options: ServeOptions, conn: Connection, log_level: int) -> Non
 
 async def _worker_serve(options: ServeOptions, conn: Connection) -> None:
     server = await start_server(options)
+    freeze_startup_heap()
     conn.send(("started", os.getpid(), server.health_port, server.metrics_port, len(server.endpoints)))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
