@@ -271,7 +271,7 @@ def freeze_startup_heap() -> None:
 
     It lives as long as the process; without this each full collection walks all of it again
     (1-12 % of the CPU per routed request in bench/extproc_cpu.py, bench/README.md). Only for
-    processes that serve until they exit: frozen objects are never freed.
+    processes that serve until they exit: a reference cycle among frozen objects is never collected.
     """
     gc.collect()
     gc.freeze()
