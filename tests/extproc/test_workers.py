@@ -50,6 +50,14 @@ def wait_until(predicate, timeout: float, what: str):
         time.sleep(0.1)
 
 
+def ready_workers(metrics_port: int) -> float:
+    """How many workers the supervisor counts ready (0 while its metrics page does not answer)."""
+    try:
+        return metric_samples(metrics_port).get('epp_workers{state="ready"}', 0.0)
+    except OSError:
+        return 0.0
+
+
 def readiness(health_port: int) -> int | None:
     with grpc.insecure_channel(f"127.0.0.1:{health_port}") as channel:
         try:
@@ -76,8 +84,9 @@ def two_workers(request):
          *config],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        wait_until(lambda: readiness(health_port) == health_pb2.HealthCheckResponse.SERVING, 60,
-                   "the two workers to be ready")
+        # The pod is ready with one worker ready; tests that kill a worker need the other one ready too.
+        wait_until(lambda: readiness(health_port) == health_pb2.HealthCheckResponse.SERVING
+                   and ready_workers(metrics_port) == 2, 60, "the two workers to be ready")
         yield proc, grpc_port, health_port, metrics_port
     finally:
         if proc.poll() is None:
