@@ -127,13 +127,18 @@ def _scrape_only(config: str) -> str:
     return yaml.safe_dump(doc, sort_keys=False)
 
 
-def _head_first_index(config: str) -> str:
-    """`config` with the approximate producer's index as GIE keeps it (a chain's head evicted first)."""
+def _with_parameter(config: str, plugin_type: str, key: str, value: Any) -> str:
+    """`config` with parameter `key` of every `plugin_type` plugin set to `value`."""
     doc = yaml.safe_load(config)
     for entry in doc.get("plugins", []):
-        if entry.get("type") == "approx-prefix-cache-producer":
-            entry.setdefault("parameters", {})["chainAware"] = False
+        if entry.get("type") == plugin_type:
+            entry.setdefault("parameters", {})[key] = value
     return yaml.safe_dump(doc, sort_keys=False)
+
+
+def _head_first_index(config: str) -> str:
+    """`config` with the approximate producer's index as GIE keeps it (a chain's head evicted first)."""
+    return _with_parameter(config, "approx-prefix-cache-producer", "chainAware", False)
 
 
 def _without_home(config: str) -> str:
@@ -151,11 +156,7 @@ def _without_home(config: str) -> str:
 
 def _without_tie_break(config: str) -> str:
     """`config` with queue-scorer counting whole requests only (`backlogTieBreak: 0`, the "before")."""
-    doc = yaml.safe_load(config)
-    for entry in doc.get("plugins", []):
-        if entry.get("type") == "queue-scorer":
-            entry.setdefault("parameters", {})["backlogTieBreak"] = 0
-    return yaml.safe_dump(doc, sort_keys=False)
+    return _with_parameter(config, "queue-scorer", "backlogTieBreak", 0)
 
 
 def epp_config(kind: str, t: Tuning) -> str:
