@@ -6,6 +6,7 @@ import asyncio
 import logging
 import math
 import random
+import ssl
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from epp.datalayer.http_get import FetchFailure, KeepAliveGetter
 from epp.datalayer.promparse import VllmMetrics, parse_vllm_metrics
 from epp.datalayer.registry import EndpointRegistry
 from epp.framework.types import Endpoint, EndpointMetrics
@@ -99,6 +101,12 @@ class MetricsScraper:
         self.path = path if path.startswith("/") else "/" + path
         self.scheme = scheme
         self._ssl = not insecure_skip_verify  # True: aiohttp verifies certificates
+        self._ssl_context: ssl.SSLContext | None = None
+        if scheme == "https":
+            self._ssl_context = ssl.create_default_context()
+            if insecure_skip_verify:
+                self._ssl_context.check_hostname = False
+                self._ssl_context.verify_mode = ssl.CERT_NONE
         # Parsing runs on the event loop at ~1 ms per MB; the cap keeps one scrape's stall in the
         # low milliseconds (a single vLLM's page is ~40-100 KB).
         self.max_body_bytes = max_body_bytes
@@ -119,6 +127,7 @@ class MetricsScraper:
         self._session = session
         self._owns_session = session is None
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._getters: dict[str, KeepAliveGetter] = {}  # per endpoint: its kept-alive /metrics connection
         self._failures: dict[str, int] = {}
         self._running = False
         metrics_registry = metrics_registry if metrics_registry is not None else CollectorRegistry()
@@ -168,6 +177,9 @@ class MetricsScraper:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for getter in self._getters.values():
+            getter.close()
+        self._getters.clear()
         if self._owns_session and self._session is not None:
             await self._session.close()
             self._session = None
@@ -209,6 +221,9 @@ class MetricsScraper:
             task = self._tasks.pop(endpoint.name, None)
             if task is not None:
                 task.cancel()
+            getter = self._getters.pop(endpoint.name, None)
+            if getter is not None:
+                getter.close()
             self._failures.pop(endpoint.name, None)
             self._sleep_probes.pop(endpoint.name, None)
             for reason in FAILURE_REASONS:
@@ -310,31 +325,22 @@ class MetricsScraper:
         return probe.sleeping
 
     async def _fetch(self, endpoint: Endpoint) -> bytes:
-        session = self._session
-        if session is None:
+        if not self._running:
             raise RuntimeError("MetricsScraper.start() was not called")
-        url = f"{self.scheme}://{endpoint.metrics_hostport}{self.path}"
+        port = endpoint.metrics_port or endpoint.port
+        getter = self._getters.get(endpoint.name)
+        if getter is None or (getter.host, getter.port) != (endpoint.address, port):
+            if getter is not None:
+                getter.close()
+            getter = self._getters[endpoint.name] = KeepAliveGetter(
+                endpoint.address, port, self.path, ssl_context=self._ssl_context, max_body_bytes=self.max_body_bytes)
         try:
-            async with asyncio.timeout(self.timeout):
-                async with session.get(url, allow_redirects=False, ssl=self._ssl) as response:
-                    if response.status != 200:
-                        raise ScrapeFailure("http_status", f"HTTP {response.status}")
-                    if (response.content_length or 0) > self.max_body_bytes:
-                        raise ScrapeFailure("too_large", f"{response.content_length} bytes")
-                    chunks: list[bytes] = []
-                    size = 0
-                    async for chunk in response.content.iter_any():
-                        size += len(chunk)
-                        if size > self.max_body_bytes:
-                            raise ScrapeFailure("too_large", f"over {self.max_body_bytes} bytes")
-                        chunks.append(chunk)
-                    return b"".join(chunks)
-        except TimeoutError:
-            raise ScrapeFailure("timeout", f"no answer within {self.timeout}s") from None
-        except aiohttp.ClientConnectorError as exc:
-            raise ScrapeFailure("connect", str(exc)) from None
-        except (aiohttp.ClientError, OSError) as exc:
-            raise ScrapeFailure("protocol", f"{type(exc).__name__}: {exc}") from None
+            status, page = await getter.get(self.timeout)
+        except FetchFailure as exc:
+            raise ScrapeFailure(exc.reason, exc.detail) from None
+        if status != 200:
+            raise ScrapeFailure("http_status", f"HTTP {status}")
+        return page
 
     def _record_failure(self, endpoint: Endpoint, failure: ScrapeFailure) -> None:
         self.scrape_errors.labels(endpoint.name, failure.reason).inc()

@@ -92,3 +92,28 @@ def test_metrics_show_prefix_caching_with_the_launchers_block_size(cli_vllm_serv
     assert 'prefix_caching_hash_algo="sha256"' in info
     hits = next(line for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total{"))
     assert float(hits.rsplit(" ", 1)[1]) > 0  # the same prompt was sent twice in this module
+
+
+async def test_the_pickers_scraper_reads_a_real_vllm_page_over_one_kept_alive_connection(cli_vllm_server):
+    import asyncio
+
+    from epp.datalayer.registry import EndpointRegistry, EndpointSpec
+    from epp.datalayer.scraper import MetricsScraper
+
+    srv = cli_vllm_server
+    _post(srv.base_url + "/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 2})
+    registry = EndpointRegistry()
+    registry.set_endpoints([EndpointSpec("127.0.0.1", srv.http_port, {})])
+    name = f"127.0.0.1:{srv.http_port}"
+    async with MetricsScraper(registry, interval=0.02) as scraper:
+        deadline = time.monotonic() + 10
+        while registry.get(name).metrics.update_time == 0.0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        first = registry.get(name).metrics
+        await asyncio.sleep(0.3)  # about 15 more scrapes of uvicorn's answer
+        later = registry.get(name).metrics
+        getter = scraper._getters[name]
+    assert first.cache_block_size == 32 and first.cache_num_blocks == 48
+    assert first.prefix_cache_queries > 0 and registry.get(name).healthy
+    assert later.update_time > first.update_time
+    assert getter.connections_opened == 1  # uvicorn kept the connection open between scrapes
