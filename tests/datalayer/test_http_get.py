@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
 from epp.datalayer.http_get import FetchFailure, KeepAliveGetter
 from epp.netutil import free_ports
+from epp.server.tls import self_signed_pair
 
 PAGE = b"vllm:num_requests_waiting 3\n" * 200
 
@@ -56,12 +58,12 @@ class ScriptedServer:
 
 
 @pytest.fixture
-async def serve() -> AsyncIterator[Callable[[Callable[[int], tuple[bytes, str]]], Awaitable[ScriptedServer]]]:
+async def serve() -> AsyncIterator[Callable[..., Awaitable[ScriptedServer]]]:
     servers: list[asyncio.Server] = []
 
-    async def start(answer: Callable[[int], tuple[bytes, str]]) -> ScriptedServer:
+    async def start(answer: Callable[[int], tuple[bytes, str]], tls: ssl.SSLContext | None = None) -> ScriptedServer:
         scripted = ScriptedServer(answer)
-        server = await asyncio.start_server(scripted.handle, "127.0.0.1", 0)
+        server = await asyncio.start_server(scripted.handle, "127.0.0.1", 0, ssl=tls)
         scripted.port = server.sockets[0].getsockname()[1]
         servers.append(server)
         return scripted
@@ -84,6 +86,24 @@ async def test_two_gets_share_one_kept_alive_connection(serve):
     assert server.requests[0].startswith(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:")
     assert b"Accept-Encoding: identity" in server.requests[0]
     client.close()
+
+
+async def test_https_verifies_the_server_and_keeps_the_connection(serve, tmp_path):
+    key, cert = self_signed_pair("localhost")
+    (tmp_path / "tls.crt").write_bytes(cert)
+    (tmp_path / "tls.key").write_bytes(key)
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(tmp_path / "tls.crt", tmp_path / "tls.key")
+    server = await serve(lambda n: (with_length(), "keep"), tls)
+    trusting = KeepAliveGetter("localhost", server.port, "/metrics",
+                               ssl_context=ssl.create_default_context(cadata=cert.decode()))
+    assert await trusting.get(2) == (200, PAGE)
+    assert await trusting.get(2) == (200, PAGE)
+    assert trusting.connections_opened == 1
+    trusting.close()
+    with pytest.raises(FetchFailure) as failure:  # a client that does not trust the certificate
+        await KeepAliveGetter("localhost", server.port, "/metrics", ssl_context=ssl.create_default_context()).get(2)
+    assert failure.value.reason == "connect"
 
 
 async def test_a_chunked_answer_with_trailers_is_joined(serve):
