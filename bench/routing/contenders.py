@@ -212,7 +212,7 @@ class Contender:
     """One router configuration under test."""
 
     name: str
-    kind: str  # "envoy-rr" | "epp" | "vllm-router" | "sglang-router"
+    kind: str  # "envoy-rr" | "epp" | "minimal-picker" | "vllm-router" | "sglang-router"
     variant: str = ""  # epp config kind or peer policy
     description: str = ""
     default: bool = True  # part of `--contenders all`
@@ -228,6 +228,9 @@ class Contender:
 CONTENDERS: dict[str, Contender] = {c.name: c for c in (
     Contender("round-robin", "envoy-rr", "", "Envoy ROUND_ROBIN cluster, no picker"),
     Contender("epp-random", "epp", "random", "our EPP behind Envoy: random-picker"),
+    Contender("minimal-picker", "minimal-picker", "",
+              "bench/minimal_picker.py behind the same Envoy: random, no parsing, no metrics (the CPU floor "
+              "of a Python ext_proc picker)", default=False),
     Contender("epp-load", "epp", "load", "our EPP: queue + kv-cache-utilization scorers"),
     Contender("epp-approx", "epp", "approx", "our EPP: GIE default (queue 2, kv 2, approximate prefix 3)"),
     Contender("epp-approx-ttft", "epp", "sample:approximate",
@@ -266,6 +269,8 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
               "before: epp-approx without the rendezvous home for unseen prefixes", default=False),
     Contender("epp-approx-w2-no-home", "epp", "approx+no-home", "before: epp-approx-w2 without the rendezvous home",
               default=False, workers=2),
+    Contender("epp-approx-pods2-no-home", "epp", "approx+no-home", "before: epp-approx-pods2 without the rendezvous home",
+              default=False, pods=2),
     Contender("epp-precise-w2-no-home", "epp", "precise+no-home", "before: epp-precise-w2 without the rendezvous home",
               default=False, workers=2),
     Contender("epp-approx-no-tie-break", "epp", "approx+no-tie-break",
@@ -303,6 +308,20 @@ async def _wait_http(url: str, timeout: float, proc: asyncio.subprocess.Process 
                         return
             await asyncio.sleep(0.2)
     raise Unavailable(f"not ready at {url} after {timeout:.0f}s: {_tail(log)}")
+
+
+async def _wait_tcp(port: int, timeout: float, proc: asyncio.subprocess.Process, log: Path) -> None:
+    """Wait until something accepts TCP connections on 127.0.0.1:`port` (a gRPC server with no health service)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.returncode is not None:
+            raise Unavailable(f"exited with {proc.returncode}: {_tail(log)}")
+        with contextlib.suppress(OSError):
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            return
+        await asyncio.sleep(0.2)
+    raise Unavailable(f"nothing listens on port {port} after {timeout:.0f}s: {_tail(log)}")
 
 
 async def _serving_workers(url: str, count: int, timeout: float = 60) -> list[int]:
@@ -453,6 +472,23 @@ async def _start(c: Contender, fleet: SimFleet, tuning: Tuning, workdir: Path) -
         return router
     if c.kind == "epp" and c.pods > 1:
         return await _start_epp_pods(c, fleet, tuning, workdir)
+    if c.kind == "minimal-picker":
+        grpc, listen, admin = free_ports(3)
+        router = RunningRouter(f"http://127.0.0.1:{listen}", version="bench/minimal_picker.py + envoy",
+                               flags="minimal_picker.py + envoy ext_proc")
+        log = workdir / "minimal-picker.log"
+        proc = await _spawn([sys.executable, str(Path(__file__).resolve().parents[1] / "minimal_picker.py"),
+                             str(grpc), ",".join(fleet.endpoints)], log)
+        router.pids.append(proc.pid)
+        router.stoppers.append(lambda: _terminate(proc))
+        try:
+            await _wait_tcp(grpc, 30, proc, log)
+            await _start_envoy(router, render_config(listen_port=listen, admin_port=admin, epp_port=grpc),
+                               admin, workdir)
+        except BaseException:
+            await router.stop()
+            raise
+        return router
     if c.kind == "epp":
         grpc, health, metrics, listen, admin = free_ports(5)
         router = RunningRouter(f"http://127.0.0.1:{listen}", version="epp (this repo) + envoy")
