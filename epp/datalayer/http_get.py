@@ -37,7 +37,7 @@ class _ResponseReader(asyncio.Protocol):
         self._buffer = bytearray()
         self._status = 0
         self._keep_alive = True
-        self._length: int | None = None  # bytes of body still expected (Content-Length), else None
+        self._length: int | None = None  # the body's Content-Length, if it has one
         self._chunked = False
         self._until_close = False
         self._in_body = False
@@ -218,7 +218,6 @@ class KeepAliveGetter:
             # A kept-alive connection the server closed while idle: one retry on a fresh one.
             if not reused or reader.received_any or not reader.closed:
                 raise
-        self.close()
         return await self._exchange(await self._connection())
 
     async def _exchange(self, reader: _ResponseReader) -> tuple[int, bytes]:
@@ -245,7 +244,7 @@ class KeepAliveGetter:
         try:
             _, reader = await loop.create_connection(lambda: _ResponseReader(self.max_body_bytes),
                                                      self.host, self.port, **kwargs)
-        except (OSError, ssl.SSLError) as exc:
+        except OSError as exc:  # refused, unreachable, or a TLS handshake that failed
             raise FetchFailure("connect", f"{type(exc).__name__}: {exc}") from None
         self.connections_opened += 1
         self._reader = reader
