@@ -12,10 +12,13 @@ not depend on what else runs on the machine. Three servers in the same run:
 Optional rows: `--sync-floor` adds the same empty servicer on grpc's sync server (thread pool),
 `--before DIR` adds `epp serve` run from another checkout (e.g. `git worktree add DIR <commit>`).
 With `--repeat N` every row is measured N times, rows taking turns, and the minimum is shown
-(other tenants of a shared machine only ever add CPU time).
+(other tenants of a shared machine only ever add CPU time). `--sse-chunks N` answers the
+all-phases requests as a streamed completion of N token chunks (each an ext_proc message in and
+out, as through Envoy): the difference to a run without it, divided by N, is the cost per chunk.
 
     python bench/extproc_cpu.py --requests 3000
     python bench/extproc_cpu.py --requests 2000 --repeat 3 --sync-floor --before /tmp/epp-before
+    python bench/extproc_cpu.py --requests 300 --repeat 3 --sse-chunks 64
 """
 
 from __future__ import annotations
@@ -84,7 +87,22 @@ def _headers(pairs) -> base_pb2.HeaderMap:
     return base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs])
 
 
-def _messages(full: bool) -> tuple[list[pb.ProcessingRequest], list[pb.ProcessingRequest]]:
+def _sse_response(chunks: int) -> list[pb.ProcessingRequest]:
+    """A streamed completion as vLLM sends it: one SSE event per token, then the usage and [DONE]."""
+    def token(i: int) -> bytes:
+        event = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+                 "choices": [{"index": 0, "text": f" tok{i}", "logprobs": None, "finish_reason": None}]}
+        return f"data: {json.dumps(event)}\n\n".encode()
+
+    last = (b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[],'
+            b'"usage":{"prompt_tokens":900,"completion_tokens":%d}}\n\ndata: [DONE]\n\n' % chunks)
+    return ([pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=_headers(
+                [(":status", "200"), ("content-type", "text/event-stream")])))]
+            + [pb.ProcessingRequest(response_body=pb.HttpBody(body=token(i))) for i in range(chunks)]
+            + [pb.ProcessingRequest(response_body=pb.HttpBody(body=last, end_of_stream=True))])
+
+
+def _messages(full: bool, sse_chunks: int = 0) -> tuple[list[pb.ProcessingRequest], list[pb.ProcessingRequest]]:
     body = json.dumps({"model": "m", "prompt": ("The quick brown fox jumps over the lazy dog. " * 92)[:4096]})
     request = [
         pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=_headers(
@@ -92,17 +110,20 @@ def _messages(full: bool) -> tuple[list[pb.ProcessingRequest], list[pb.Processin
              ("x-request-id", "r")]))),
         pb.ProcessingRequest(request_body=pb.HttpBody(body=body.encode(), end_of_stream=True)),
     ]
-    response = [
+    if not full:
+        return request, []
+    if sse_chunks:
+        return request, _sse_response(sse_chunks)
+    return request, [
         pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=_headers(
             [(":status", "200"), ("content-type", "application/json")]))),
         pb.ProcessingRequest(response_body=pb.HttpBody(
             body=b'{"usage":{"prompt_tokens":900,"completion_tokens":1}}', end_of_stream=True)),
-    ] if full else []
-    return request, response
+    ]
 
 
-async def _drive(port: int, n: int, concurrency: int, full: bool) -> float:
-    request, response = _messages(full)
+async def _drive(port: int, n: int, concurrency: int, full: bool, sse_chunks: int = 0) -> float:
+    request, response = _messages(full, sse_chunks)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = pb_grpc.ExternalProcessorStub(channel)
         remaining = n
@@ -134,20 +155,21 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _measure(argv: list[str], port: int, n: int, concurrency: int, full: bool, cwd: Path = REPO) -> dict:
+def _measure(argv: list[str], port: int, n: int, concurrency: int, full: bool, cwd: Path = REPO,
+             sse_chunks: int = 0) -> dict:
     proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30
         while True:
             try:
-                asyncio.run(_drive(port, 50, 4, full))  # warm-up, and proof the server is up
+                asyncio.run(_drive(port, 50, 4, full, sse_chunks))  # warm-up, and proof the server is up
                 break
             except grpc.aio.AioRpcError:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
         before = _cpu_seconds(proc.pid)
-        rps = asyncio.run(_drive(port, n, concurrency, full))
+        rps = asyncio.run(_drive(port, n, concurrency, full, sse_chunks))
         cpu = _cpu_seconds(proc.pid) - before
         return {"cpu_us_per_request": cpu / n * 1e6, "requests_per_cpu_second": n / cpu, "rps_here": rps}
     finally:
@@ -162,6 +184,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="measure every row this many times; show the minimum")
     parser.add_argument("--sync-floor", action="store_true", help="also measure the floor on grpc's sync server")
     parser.add_argument("--before", type=Path, help="also measure `epp serve` run from this checkout")
+    parser.add_argument("--sse-chunks", type=int, default=0,
+                        help="all phases: answer as a stream of this many SSE token chunks (one ext_proc message each)")
     args = parser.parse_args()
     port, health, metrics = free_ports(3)
     endpoints = ",".join(f"127.0.0.1:{8000 + i}" for i in range(16))
@@ -174,7 +198,9 @@ def main() -> None:
     minimal = [sys.executable, str(REPO / "bench" / "minimal_picker.py"), str(port), endpoints]
     sync_floor = [sys.executable, "-c", SYNC_FLOOR_SERVER, str(port)]
     rows: list[tuple[str, list[str], bool, Path]] = []
-    for full, phases, mode in ((True, "all phases", "all phases"), (False, "request phases", "request-only Envoy mode")):
+    streamed = f", {args.sse_chunks} SSE chunks" if args.sse_chunks else ""
+    for full, phases, mode in ((True, f"all phases{streamed}", f"all phases{streamed}"),
+                               (False, "request phases", "request-only Envoy mode")):
         rows.append((f"floor: empty grpc.aio servicer, {phases}", floor, full, REPO))
         if args.sync_floor:
             rows.append((f"floor on grpc's sync server (thread pool), {phases}", sync_floor, full, REPO))
@@ -186,7 +212,8 @@ def main() -> None:
     for round_ in range(args.repeat):
         for label, argv, full, cwd in rows:
             print(f"measuring {label} ({round_ + 1}/{args.repeat}) ...", file=sys.stderr, flush=True)
-            cpu[label].append(_measure(argv, port, args.requests, args.concurrency, full, cwd)["cpu_us_per_request"])
+            cpu[label].append(_measure(argv, port, args.requests, args.concurrency, full, cwd,
+                                       args.sse_chunks)["cpu_us_per_request"])
     print(f"\n{args.requests} requests at concurrency {args.concurrency}, 16 endpoints, 4 KB prompts"
           f"{f', minimum of {args.repeat} runs' if args.repeat > 1 else ''}\n")
     print("| server | CPU µs / request | routed requests per CPU-second | × the floor of its mode "
