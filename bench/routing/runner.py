@@ -34,7 +34,7 @@ from bench.routing.contenders import (
     Unavailable,
     start_contender,
 )
-from bench.routing.loadgen import RequestRecord, StageResult, drain_inflight, run_stage
+from bench.routing.loadgen import RequestRecord, StageResult, build_ahead, drain_inflight, run_stage
 from bench.routing.measure import CpuMeter, ReplicaCounters, percentile, scrape_fleet
 from bench.routing.oracle import oracle_hits
 from bench.routing.scenarios import Scenario
@@ -177,8 +177,8 @@ async def run_contender_on(scenario: Scenario, contender: Contender, fleet: Any,
     or on a fresh simulated fleet when `fleet` is None; the result carries its validity check."""
     result = ContenderResult(contender.name, contender.description)
     tuning = tuning_for(scenario)
-    requests: Iterator[BenchRequest] = scenario.workload.requests(tuning.tokenizer_dir)
-    first = next(requests)  # builds the prompts before the clock starts
+    requests = build_ahead(scenario.workload.requests(tuning.tokenizer_dir), list(scenario.stages))
+    first = next(requests)
     requests = _chain(first, requests)
     workdir.mkdir(parents=True, exist_ok=True)
     own_fleet = fleet is None

@@ -8,7 +8,7 @@ import itertools
 import aiohttp
 from aiohttp import web
 
-from bench.routing.loadgen import Stage, ramp, run_stage
+from bench.routing.loadgen import Stage, build_ahead, ramp, run_stage, send_times
 from bench.routing.measure import counter_sum, percentile
 from bench.routing.oracle import belady_hits, oracle_hits, prompt_token_ids
 from bench.routing.workloads import Agentic, MultiTurn, NoSharing, SharedPrefix
@@ -85,6 +85,34 @@ def test_percentile_interpolates():
 
 def test_ramp_spreads_rates_evenly():
     assert [s.rate for s in ramp(2.0, 8.0, 4, 10.0)] == [2.0, 4.0, 6.0, 8.0]
+
+
+def test_requests_of_open_loop_and_trace_stages_are_built_before_the_clock_starts():
+    built: list[int] = []
+
+    def counted():
+        for i in itertools.count():
+            built.append(i)
+            yield i
+
+    stages = [Stage(10.0, 4.0), Stage(5.0, 2.0, "constant")]
+    planned = len(send_times(stages[0], 0)) + len(send_times(stages[1], 1))
+    assert planned == len(send_times(stages[0], 0)) + 9  # a constant 2/s for 5 s: 0.5 s ... 4.5 s
+    ahead = build_ahead(counted(), stages)
+    assert len(built) == planned  # nothing left to build while a stage runs
+    assert list(itertools.islice(ahead, planned + 2)) == list(range(planned + 2))  # same order, then lazily on
+    built.clear()
+    build_ahead(counted(), [Stage(5.0, 2.0, "constant"), Stage(5.0, concurrency=4), Stage(5.0, 2.0)])
+    assert len(built) == 9  # a closed-loop stage's count is unknown: the look-ahead stops there
+    trace = iter(range(7))
+    assert list(build_ahead(trace, [Stage(3.0, 2.0, "trace")])) == list(range(7))
+
+
+def test_poisson_send_times_follow_the_stage_rate_without_bunching():
+    times = send_times(Stage(600.0, 8.0), 3)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert 4400 < len(times) < 5200 and all(0 < t < 600 for t in times)
+    assert sum(g < 0.002 for g in gaps) < 0.03 * len(gaps)  # P(gap < 2 ms) = 1.6 % at 8/s
 
 
 async def test_open_loop_stage_streams_measures_ttft_and_is_bounded_in_time():
