@@ -41,7 +41,7 @@ from epp.framework.plugin import (
     SchedulingResult,
 )
 from epp.framework.registry import PluginParams
-from epp.framework.rendezvous import home_enabled, publish_home
+from epp.framework.rendezvous import publish_home
 from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 from epp.scorers.prefix_hashing import AVERAGE_CHARACTERS_PER_TOKEN, block_hashes, chain_seed
 from epp.scorers.prefix_index import PrefixIndex
@@ -106,11 +106,9 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
         else:
             fixed_cpt = params.float("charsPerToken", 0.0, minimum=0.0, maximum=64.0)
             self.publish_tier_match = params.bool("publishTierMatch", False)
-        # A prefix no endpoint holds goes to its rendezvous home (epp/framework/rendezvous.py), so that
-        # every picker of a pool places a group's first requests alike (default: when it has peers);
-        # GIE's algorithm has no home.
-        self.rendezvous_home = not self.gie_compatible and home_enabled(params.bool("rendezvousHome", None),
-                                                                        context.sharing)
+        # With `rendezvousHome`, a prefix no endpoint holds goes to its rendezvous home
+        # (epp/framework/rendezvous.py: off by default, and why); GIE's algorithm has no home.
+        self.rendezvous_home = not self.gie_compatible and params.bool("rendezvousHome", False)
         self._ledger = context.load
         #: Characters per token: fixed when configured (or GIE), else learned from responses.
         self.learn_chars_per_token = fixed_cpt == 0.0

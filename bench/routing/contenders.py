@@ -141,8 +141,8 @@ def _head_first_index(config: str) -> str:
     return _with_parameter(config, "approx-prefix-cache-producer", "chainAware", False)
 
 
-def _without_home(config: str) -> str:
-    """`config` with the prefix producer's rendezvous home off (epp/framework/rendezvous.py: the "before")."""
+def _with_home(config: str, on: bool) -> str:
+    """`config` with the prefix producer's rendezvous home set (epp/framework/rendezvous.py; off by default)."""
     doc = yaml.safe_load(config)
     producers = [p for p in doc["plugins"]
                  if p.get("type") in ("approx-prefix-cache-producer", "precise-prefix-cache-producer")]
@@ -150,7 +150,7 @@ def _without_home(config: str) -> str:
         producers = [{"type": "approx-prefix-cache-producer"}]
         doc["plugins"].insert(0, producers[0])
     for producer in producers:
-        producer.setdefault("parameters", {})["rendezvousHome"] = False
+        producer.setdefault("parameters", {})["rendezvousHome"] = on
     return yaml.safe_dump(doc, sort_keys=False)
 
 
@@ -168,7 +168,9 @@ def epp_config(kind: str, t: Tuning) -> str:
     if kind.startswith("sample:"):
         return sample_config(kind.partition(":")[2], t)
     if kind.endswith("+no-home"):
-        return _without_home(epp_config(kind.removesuffix("+no-home"), t))
+        return _with_home(epp_config(kind.removesuffix("+no-home"), t), False)
+    if kind.endswith("+home"):
+        return _with_home(epp_config(kind.removesuffix("+home"), t), True)
     if kind.endswith("+scrape-only"):
         return _scrape_only(epp_config(kind.removesuffix("+scrape-only"), t))
     if kind == "random":
@@ -270,6 +272,16 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
     Contender("epp-approx-w2-no-home", "epp", "approx+no-home", "before: epp-approx-w2 without the rendezvous home",
               default=False, workers=2),
     Contender("epp-approx-pods2-no-home", "epp", "approx+no-home", "before: epp-approx-pods2 without the rendezvous home",
+              default=False, pods=2),
+    Contender("epp-precise-pods2-no-home", "epp", "precise+no-home", "before: epp-precise-pods2 without the rendezvous home",
+              default=False, pods=2),
+    Contender("epp-approx-w2-home", "epp", "approx+home", "epp-approx-w2 with the rendezvous home on",
+              default=False, workers=2),
+    Contender("epp-approx-pods2-home", "epp", "approx+home", "epp-approx-pods2 with the rendezvous home on",
+              default=False, pods=2),
+    Contender("epp-precise-w2-home", "epp", "precise+home", "epp-precise-w2 with the rendezvous home on",
+              default=False, workers=2),
+    Contender("epp-precise-pods2-home", "epp", "precise+home", "epp-precise-pods2 with the rendezvous home on",
               default=False, pods=2),
     Contender("epp-precise-w2-no-home", "epp", "precise+no-home", "before: epp-precise-w2 without the rendezvous home",
               default=False, workers=2),

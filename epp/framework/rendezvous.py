@@ -24,9 +24,13 @@ there (at this picker at once, at its peers after the peer link's delay, and unt
 same rule). The home is published beside the match info (`PREFIX_HOME`), never inside it: the
 match info still says that nothing is cached, for the in-flight bookings and the accounting.
 
-The producers' `rendezvousHome` parameter: `true`, `false`, or unset (auto: on when the picker
-shares decisions with peers, i.e. `--workers N` or `--peers`). A picker alone has no race to
-remove, and keeps placing a new prefix on the least loaded endpoint as it always did.
+The producers' `rendezvousHome` parameter: `true`, or `false` (the default). It is off even
+for pickers with peers: measured with arrivals as the workload draws them (bench/README.md,
+"Why several pickers lose on no-sharing"), pickers without the home matched one picker on
+no-sharing, shared-prefix and multi-turn, while with it their TTFT p90 on unique prompts was
+1.18-1.45x one picker's and their shared-prefix hit rate 4-5 points lower: the full match it
+scores outvotes queue-scorer's prefill-backlog tie-break on every prompt nobody holds, and
+requests that reach two pickers within the peer link's delay are rare.
 """
 
 from __future__ import annotations
@@ -38,7 +42,6 @@ import xxhash
 from epp.framework.datakeys import PREFIX_HOME
 from epp.framework.load import EndpointLoad
 from epp.framework.plugin import CycleState
-from epp.framework.sharing import DecisionSharing
 from epp.framework.types import Endpoint
 
 # Requests waiting above the fewest that still count as least loaded. Zero: a request queued
@@ -48,11 +51,6 @@ WAITING_SLACK = 0.0
 KV_SLACK = 0.1
 
 _U64 = (1 << 64) - 1
-
-
-def home_enabled(setting: bool | None, sharing: DecisionSharing) -> bool:
-    """`rendezvousHome` as configured, or (None: auto) whether the picker has peers to agree with."""
-    return sharing.has_peers if setting is None else setting
 
 
 def rendezvous_rank(anchor: int, endpoint: str) -> int:

@@ -14,9 +14,8 @@ candidate endpoint:
 - `PREFIX_TIER_MATCH`: the same run in tokens, unweighted, split by tier.
 As a pre-request hook it claims the request's blocks on each profile's chosen endpoint for
 `speculativeTTL`, so a burst of same-prefix requests does not scatter before events arrive.
-When no endpoint holds any block of the prompt, it names the prefix's rendezvous home
-(`rendezvousHome`, default on when the picker has peers; `epp.scorers.rendezvous_home`), the same
-in every picker of a pool.
+With `rendezvousHome: true` (default false), when no endpoint holds any block of the prompt, it
+names the prefix's rendezvous home (`epp.framework.rendezvous`), the same in every picker of a pool.
 Topics: vLLM publishes on topic `""` unless `--kv-events-config` sets one. `mode: per-endpoint`
 (the default) accepts it: the socket it dialled names the replica, and the model is
 `defaultModel`, or the one model of `tokenizers` when there is exactly one. `mode: centralized`
@@ -56,7 +55,7 @@ from epp.framework.datakeys import (
     PrefixMatchInfo,
     TierMatch,
 )
-from epp.framework.rendezvous import home_enabled, publish_home
+from epp.framework.rendezvous import publish_home
 from epp.kvevents.backend import BACKENDS, InMemoryKVIndex, KVIndexBackend
 from epp.kvevents.decoding import Tier
 from epp.kvevents.metrics import KVIndexMetrics, KVSubscriberMetrics
@@ -93,7 +92,7 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
             weights[tier] = float(weight)
         self.tier_weights = (weights["gpu"], weights["cpu"], weights["disk"])  # indexed by Tier
         speculative_ttl = params.duration("speculativeTTL", 2.0)
-        self.rendezvous_home = home_enabled(params.bool("rendezvousHome", None), context.sharing)
+        self.rendezvous_home = params.bool("rendezvousHome", False)
         self._ledger = context.load
         mode = params.str("mode", "per-endpoint", choices=MODES)
         shard, shards = _event_shard(name, params.str("eventShard", None))

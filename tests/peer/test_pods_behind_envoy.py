@@ -3,8 +3,9 @@
 Two pickers, each its own process with its own ports, told of each other with `--peer-port` and
 `--peers`, are both members of Envoy's `epp` cluster: Envoy spreads the requests' ext_proc
 streams over them. Simulated vLLM replicas serve. Each group's first requests are sent at once,
-so they reach both pickers before either can have heard of the other's pick; the group must
-still land on one replica (the rendezvous home), and stay there.
+so they reach both pickers before either can have heard of the other's pick; with the rendezvous
+home on (`rendezvousHome: true`, off by default) the group must still land on one replica, and
+stay there.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import sys
 
 import aiohttp
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from epp.config.compose import DEFAULT_CONFIG_YAML
 from epp.engine.sim import FleetConfig, SimFleet
 from epp.engine.sim.fleet import default_tokenizer_dir
 from epp.envoy import EnvoyProcess, render_config
@@ -55,6 +58,13 @@ async def complete(http: aiohttp.ClientSession, url: str, prompt: str) -> None:
         await resp.read()
 
 
+def default_config_with_home() -> str:
+    """GIE's default pipeline with the approximate producer's rendezvous home on."""
+    document = yaml.safe_load(DEFAULT_CONFIG_YAML)
+    document["plugins"].insert(0, {"type": "approx-prefix-cache-producer", "parameters": {"rendezvousHome": True}})
+    return yaml.safe_dump(document, sort_keys=False)
+
+
 async def test_two_pods_behind_one_envoy_send_each_group_to_one_replica():
     tokenizer_dir = default_tokenizer_dir()
     fleet_config = FleetConfig(replicas=3, model=MODEL, tokenizer_dir=tokenizer_dir, profile="fast*100",
@@ -71,6 +81,7 @@ async def test_two_pods_behind_one_envoy_send_each_group_to_one_replica():
                     str(health), "--metrics-port", str(metrics), "--bind-address", "127.0.0.1",
                     "--endpoints", ",".join(fleet.endpoints), "--refresh-metrics-interval", "0.05",
                     "--grace-period", "1", "--peer-port", str(peer), "--peers", f"127.0.0.1:{other}",
+                    "--config-text", default_config_with_home(),
                     stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL))
 
             async def linked() -> bool:

@@ -113,9 +113,9 @@ async def test_the_approximate_producer_names_a_home_only_while_no_endpoint_hold
     assert scorer.score(after, prompt, eps)[elsewhere.name] == 1.0
 
 
-@pytest.mark.parametrize("params", [{"rendezvousHome": False}, {}], ids=["off", "auto-without-peers"])
-async def test_rendezvous_home_off_or_alone_names_no_home(params):
-    # A picker alone keeps placing new prefixes by load as before: there is no other picker to agree with.
+@pytest.mark.parametrize("params", [{"rendezvousHome": False}, {}], ids=["off", "default"])
+async def test_rendezvous_home_off_or_by_default_names_no_home(params):
+    # Without the home new prefixes are placed by load, as GIE does.
     from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
 
     producer = make_plugin("approx-prefix-cache-producer", {"autoTune": False, **params})
@@ -127,7 +127,8 @@ async def test_rendezvous_home_off_or_alone_names_no_home(params):
     assert not state.all_endpoint_data(PREFIX_HOME)  # GIE's algorithm, unchanged
 
 
-async def test_a_picker_with_peers_names_homes_by_default():
+@pytest.mark.parametrize("params,homes", [({}, 0), ({"rendezvousHome": True}, 1)], ids=["default", "on"])
+async def test_a_picker_with_peers_names_homes_only_when_asked(params, homes):
     from epp.framework import PluginContext
     from epp.framework.sharing import DecisionSharing
     from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
@@ -140,7 +141,7 @@ async def test_a_picker_with_peers_names_homes_by_default():
             return True
 
     context = PluginContext(sharing=Linked())
-    producer = make_plugin("approx-prefix-cache-producer", {"autoTune": False}, context=context)
+    producer = make_plugin("approx-prefix-cache-producer", {"autoTune": False, **params}, context=context)
     state = CycleState()
     await producer.prepare(state, request("tenant 7 system prompt " * 40), [endpoint(i) for i in range(4)])
-    assert len(state.all_endpoint_data(PREFIX_HOME)) == 1
+    assert len(state.all_endpoint_data(PREFIX_HOME)) == homes
