@@ -101,7 +101,11 @@ async def test_a_tier_it_cannot_delete_from_turns_unhealthy_then_recovers(tier):
 
             set_dirs_mode(tier, 0o777)  # the operator fixes the permissions
             await wait_for(session, port, lambda s: s["tier_healthy"], "the tier to recover")
-            assert len(list(tier.rglob("*.bin"))) == 5
+            # Back under the high watermark (85 KB), and nothing below the low one (50 KB) deleted. One
+            # clean cycle leaves 5 files; a cycle that ran while the directories were being made
+            # writable one by one deletes only some victims, and the next finds usage under 85 KB
+            # (a CI run saw 7 left).
+            assert 5 <= len(list(tier.rglob("*.bin"))) <= 8
     finally:
         proc.terminate()
         _, err = await proc.communicate()
