@@ -26,12 +26,8 @@ _UNSUPPORTED_PROBE_INTERVAL_S = 30.0
 FAILURE_REASONS = ("connect", "timeout", "http_status", "too_large", "no_metrics", "protocol", "internal")
 
 
-class ScrapeFailure(Exception):
+class ScrapeFailure(FetchFailure):
     """One failed scrape; `reason` is one of FAILURE_REASONS (the error counter's label)."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
 
 
 def to_endpoint_metrics(values: VllmMetrics, update_time: float,
@@ -100,7 +96,6 @@ class MetricsScraper:
             raise ValueError(f"scheme must be http or https, got {scheme!r}")
         self.path = path if path.startswith("/") else "/" + path
         self.scheme = scheme
-        self._ssl = not insecure_skip_verify  # True: aiohttp verifies certificates
         self._ssl_context: ssl.SSLContext | None = None
         if scheme == "https":
             self._ssl_context = ssl.create_default_context()
@@ -284,7 +279,7 @@ class MetricsScraper:
             if not values.found_any:
                 raise ScrapeFailure("no_metrics", "no vLLM series on the page")
             sleeping = None if values.sleeping is not None else await self._probe_sleeping(endpoint)
-        except ScrapeFailure as failure:
+        except FetchFailure as failure:
             self.scrape_duration.observe(time.perf_counter() - t0)
             self._record_failure(endpoint, failure)
             return False
@@ -309,7 +304,7 @@ class MetricsScraper:
         url = f"{self.scheme}://{endpoint.hostport}/is_sleeping"
         try:
             async with asyncio.timeout(self.timeout):
-                async with self._session.get(url, allow_redirects=False, ssl=self._ssl) as response:
+                async with self._session.get(url, allow_redirects=False, ssl=self._ssl_context or True) as response:
                     if response.status in (404, 405):
                         probe.supported, probe.sleeping = False, False
                         return False
@@ -334,15 +329,12 @@ class MetricsScraper:
                 getter.close()
             getter = self._getters[endpoint.name] = KeepAliveGetter(
                 endpoint.address, port, self.path, ssl_context=self._ssl_context, max_body_bytes=self.max_body_bytes)
-        try:
-            status, page = await getter.get(self.timeout)
-        except FetchFailure as exc:
-            raise ScrapeFailure(exc.reason, exc.detail) from None
+        status, page = await getter.get(self.timeout)  # FetchFailure counts as a failed scrape
         if status != 200:
             raise ScrapeFailure("http_status", f"HTTP {status}")
         return page
 
-    def _record_failure(self, endpoint: Endpoint, failure: ScrapeFailure) -> None:
+    def _record_failure(self, endpoint: Endpoint, failure: FetchFailure) -> None:
         self.scrape_errors.labels(endpoint.name, failure.reason).inc()
         count = self._failures.get(endpoint.name, 0) + 1
         self._failures[endpoint.name] = count
