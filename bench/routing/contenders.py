@@ -159,8 +159,24 @@ def _without_tie_break(config: str) -> str:
     return _with_parameter(config, "queue-scorer", "backlogTieBreak", 0)
 
 
+def _with_random_ties(config: str) -> str:
+    """`config` whose max-score-pickers break ties at random as GIE's does (`tieBreak: random`, the "before")."""
+    doc = yaml.safe_load(config)
+    pickers = [p for p in doc["plugins"] if p.get("type") == "max-score-picker"]
+    if not pickers:  # the loader's default picker: declare it, in every profile
+        pickers = [{"type": "max-score-picker"}]
+        doc["plugins"].append(pickers[0])
+        for profile in doc["schedulingProfiles"]:
+            profile["plugins"].append({"pluginRef": "max-score-picker"})
+    for picker in pickers:
+        picker.setdefault("parameters", {})["tieBreak"] = "random"
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
 def epp_config(kind: str, t: Tuning) -> str:
     """The EndpointPickerConfig of one `epp-*` contender."""
+    if kind.endswith("+random-ties"):
+        return _with_random_ties(epp_config(kind.removesuffix("+random-ties"), t))
     if kind.endswith("+no-tie-break"):
         return _without_tie_break(epp_config(kind.removesuffix("+no-tie-break"), t))
     if kind.endswith("+head-first-index"):
@@ -273,6 +289,9 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
     Contender("epp-precise-no-tie-break", "epp", "precise+no-tie-break",
               "before: epp-precise with queue-scorer on whole requests only (no prefill-backlog tie-break)",
               default=False),
+    *(Contender(f"epp-{pipeline}-random-ties", "epp", f"{pipeline}+random-ties",
+                f"before: epp-{pipeline} with max-score-picker's ties broken at random (GIE), not by cache writes",
+                default=False) for pipeline in ("approx", "precise")),
     *(Contender(f"epp-{pipeline}{pickers}-{suffix}", "epp", f"{pipeline}+{suffix}",
                 f"epp-{pipeline}{pickers} with rendezvousHome: {on}", default=False, workers=workers, pods=pods)
       for pipeline in ("approx", "precise")

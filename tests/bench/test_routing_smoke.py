@@ -69,11 +69,14 @@ def test_report_has_a_row_per_contender_and_both_plots(smoke):
     assert (out / "results.json").exists()
 
 
-def test_prefix_aware_picker_beats_round_robin_on_cache_hits(smoke):
+@pytest.mark.parametrize("name", ["epp-precise", "epp-approx"])
+def test_prefix_aware_picker_beats_round_robin_on_cache_hits(smoke, name):
+    # Four groups whose prefixes fit two to a replica: a picker that puts three on one replica
+    # thrashes its cache and falls to round-robin's hit rate (GIE's random tie-break did, at times).
     results, _ = smoke
-    rr, precise = results["round-robin"].overall, results["epp-precise"].overall
-    assert rr is not None and precise is not None
-    assert precise.hit_rate > rr.hit_rate
+    rr, ours = results["round-robin"].overall, results[name].overall
+    assert rr is not None and ours is not None
+    assert ours.hit_rate > rr.hit_rate
 
 
 def test_a_peer_that_cannot_start_is_reported_unavailable(tmp_path, monkeypatch):

@@ -216,7 +216,7 @@ INVALID = [
      "epp.yaml: plugins[0].parameters: must be a mapping, got list"),
     (HEADER + "plugins:\n- type: max-score-picker\n  parameters: {maxNumOfEndpoint: 2}\n",
      "epp.yaml: plugins[0].parameters: plugin 'max-score-picker': unknown parameter(s) ['maxNumOfEndpoint']; "
-     "allowed: ['maxNumOfEndpoints']"),
+     "allowed: ['maxNumOfEndpoints', 'tieBreak']"),
     (HEADER + "plugins:\n- type: approx-prefix-cache-producer\n  parameters: {blockSizeTokens: -4}\n",
      "epp.yaml: plugins[0].parameters: plugin 'approx-prefix-cache-producer': parameter 'blockSizeTokens' "
      "must be >= 1, got -4"),

@@ -9,7 +9,7 @@ import pytest
 
 from epp.config.compose import endpoint_picker_config
 from epp.framework import CycleState, Endpoint, EndpointMetrics, InflightLedger, PluginContext
-from epp.framework.load import estimate_prompt_tokens
+from epp.framework.load import CACHE_WRITE_HALF_LIFE_S, estimate_prompt_tokens
 from tests.scheduling.sched_fixtures import DirectorHarness, endpoint, make_plugin, request
 
 SCRAPED_AT = 1.0  # sched_fixtures' endpoints were scraped at t = 1.0
@@ -226,6 +226,21 @@ async def test_a_burst_within_one_scrape_interval_spreads(burst, max_per_endpoin
         result, _ = await picker.pick(request("x" * 8000, request_id=f"r{i}"))
         picks[result.targets[0].name] = picks.get(result.targets[0].name, 0) + 1
     assert max(picks.values()) == max_per_endpoint and len(picks) == min(burst, 4)
+
+
+def test_cache_writes_add_up_fade_by_half_life_and_leave_with_the_endpoint():
+    ledger = InflightLedger()
+    a = endpoint(0).name
+    assert ledger.cache_writes(a, 1.0) == 0.0
+    done = ledger.pick(a, prompt_tokens=1000, uncached_tokens=400, now=1.0)
+    ledger.complete(done)  # a finished request's tokens stay written
+    ledger.pick(a, prompt_tokens=1000, uncached_tokens=0, now=1.0)  # a whole-prompt hit writes nothing
+    ledger.pick(a, prompt_tokens=200, now=1.0 + CACHE_WRITE_HALF_LIFE_S)
+    assert ledger.cache_writes(a, 1.0) == 400
+    assert ledger.cache_writes(a, 1.0 + CACHE_WRITE_HALF_LIFE_S) == pytest.approx(200 + 200)
+    assert ledger.cache_writes(a, 1.0 + 3 * CACHE_WRITE_HALF_LIFE_S) == pytest.approx(100)
+    ledger.remove_endpoint(a)
+    assert ledger.cache_writes(a, 1.0) == 0.0
 
 
 def test_estimate_prompt_tokens_reads_prompts_and_chats():

@@ -1,11 +1,12 @@
-"""Pickers: max score with random tie-break, random, weighted random (A-Res)."""
+"""Pickers: max score (ties to the least-written cache, then random), random, weighted random (A-Res)."""
 
 from collections import Counter
 
 import pytest
 
-from epp.framework import ConfigError, CycleState, ScoredEndpoint
-from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
+from epp.config.compose import endpoint_picker_config
+from epp.framework import ConfigError, CycleState, PluginContext, ScoredEndpoint
+from tests.scheduling.sched_fixtures import DirectorHarness, endpoint, make_plugin, request
 
 
 def scored(*values):
@@ -32,6 +33,56 @@ def test_max_score_picker_breaks_ties_at_random():
     counts = Counter(pick_names(picker, scored(1.0, 0.5, 1.0, 1.0))[0] for _ in range(600))
     assert set(counts) == {"192.168.1.1:8000", "192.168.1.3:8000", "192.168.1.4:8000"}
     assert min(counts.values()) > 120  # about 200 each
+
+
+def picker_with_cache_writes(writes, parameters=None):
+    """A max-score-picker whose ledger saw `writes[i]` uncached tokens sent to endpoint i just now."""
+    context = PluginContext()
+    for i, tokens in enumerate(writes):
+        context.load.pick(endpoint(i).name, prompt_tokens=tokens)
+    return make_plugin("max-score-picker", parameters, context=context)
+
+
+def test_a_tie_goes_to_the_endpoint_sent_the_fewest_uncached_tokens_lately():
+    picker = picker_with_cache_writes([900, 300, 600])
+    assert pick_names(picker, scored(1.0, 1.0, 1.0)) == ["192.168.1.2:8000"]
+    assert pick_names(picker, scored(1.0, 0.5, 1.0)) == ["192.168.1.3:8000"]
+    # Cache writes only break ties: a higher score wins however much was written there.
+    assert pick_names(picker, scored(1.0, 0.5, 0.9)) == ["192.168.1.1:8000"]
+
+
+def test_fallbacks_with_equal_scores_come_in_cache_write_order():
+    picker = picker_with_cache_writes([900, 300, 600, 0], {"maxNumOfEndpoints": 4})
+    assert pick_names(picker, scored(1.0, 1.0, 1.0, 0.2)) == [
+        "192.168.1.2:8000", "192.168.1.3:8000", "192.168.1.1:8000", "192.168.1.4:8000"]
+
+
+def test_tie_break_random_is_gies_choice_whatever_was_written():
+    picker = picker_with_cache_writes([900, 0, 900], {"tieBreak": "random"})
+    counts = Counter(pick_names(picker, scored(1.0, 1.0, 1.0))[0] for _ in range(600))
+    assert len(counts) == 3 and min(counts.values()) > 120
+    with pytest.raises(ConfigError, match="'tieBreak' must be one of"):
+        make_plugin("max-score-picker", {"tieBreak": "oldest"})
+
+
+# Eight prompts no replica holds, one at a time on four idle replicas: nothing but the tie-break
+# tells the replicas apart. Each new prefix goes where the fewest went, two per replica (GIE's
+# random choice gives an even split about 4 % of the time), and each prefix's next request follows
+# its cache.
+async def test_new_prefixes_on_an_idle_pool_spread_over_every_replica():
+    picker = DirectorHarness(endpoint_picker_config(
+        ["approx-prefix-cache-producer", "prefix-cache-scorer", "queue-scorer", "kv-cache-utilization-scorer",
+         "max-score-picker"],
+        {"prefix-cache-scorer": 3, "queue-scorer": 2, "kv-cache-utilization-scorer": 2, "max-score-picker": None}))
+    picker.set_pool([endpoint(i, block_size=16, num_blocks=1000) for i in range(4)])
+    placed: dict[int, str] = {}
+    for rounds in range(2):
+        for group in range(8):
+            prompt = f"group {group}: " + f"a system prompt of group {group} " * 40 + f"question {rounds}"
+            result, _ = await picker.cycle(request(prompt, request_id=f"r{rounds}-{group}"))
+            placed.setdefault(group, result.targets[0].name)
+            assert result.targets[0].name == placed[group]
+    assert sorted(Counter(placed.values()).values()) == [2, 2, 2, 2]
 
 
 def test_pickers_return_at_most_the_candidates():
