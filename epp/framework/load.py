@@ -277,6 +277,10 @@ class InflightLedger:
         now = time.monotonic() if now is None else now
         return tokens * 0.5 ** ((now - at) / CACHE_WRITE_HALF_LIFE_S) if now > at else tokens
 
+    def add_cache_write(self, endpoint: str, tokens: int, now: float) -> None:
+        """Count `tokens` uncached prompt tokens sent to `endpoint` at `now` in its `cache_writes`."""
+        self._writes[endpoint] = (self.cache_writes(endpoint, now) + tokens, now)
+
     def backlog(self, endpoint: str, now: float) -> tuple[float, float]:
         """Prefill tokens and (fractional) requests on `endpoint` still to do now (see `prefill_backlog`)."""
         tokens, with_tokens, cache_hits = self._prefill_totals(endpoint)
@@ -332,7 +336,7 @@ class InflightLedger:
         self._prefilling[booking.ticket] = booking
         book.inflight[booking.ticket] = booking
         book.unseen.added(now, uncached)
-        self._writes[endpoint] = (self.cache_writes(endpoint, now) + uncached, now)
+        self.add_cache_write(endpoint, uncached, now)
         if uncached > 0:
             book.prefills[booking.ticket] = booking
         book.prefilling += 1

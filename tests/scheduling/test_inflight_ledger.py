@@ -260,7 +260,7 @@ def test_scorers_read_the_ledger_through_the_plugin_context():
     assert gie.score(CycleState(), request(), [a, b]) == {a.name: 1.0, b.name: 1.0}
 
 
-def test_the_ledger_exports_each_endpoints_backlog_and_prefill_speed():
+def test_the_ledger_exports_each_endpoints_backlog_prefill_speed_and_cache_writes():
     from prometheus_client import CollectorRegistry
 
     from epp.datalayer.registry import EndpointRegistry, EndpointSpec
@@ -275,6 +275,7 @@ def test_the_ledger_exports_each_endpoints_backlog_and_prefill_speed():
     ledger.pick(name, prompt_tokens=1000)
     assert 100 <= registry.get_sample_value("epp_inflight_prefill_backlog_tokens", {"endpoint": name}) <= 1000
     assert registry.get_sample_value("epp_prefill_seconds_per_token", {"endpoint": name}) == PRIOR_PREFILL_S_PER_TOKEN
+    assert 990 < registry.get_sample_value("epp_cache_write_tokens", {"endpoint": name}) <= 1000
     endpoints.set_endpoints([])  # an endpoint that leaves takes its learned speed along
     assert registry.get_sample_value("epp_prefill_seconds_per_token", {"endpoint": name}) is None
 
