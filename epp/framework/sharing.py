@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable, Sequence
 PrefixLearner = Callable[[str, Sequence[int], int], None]
 #: Lists what this picker knows, for a peer that starts late: (endpoint, hashes oldest first, capacity).
 PrefixSnapshotter = Callable[[], Iterable[tuple[str, Sequence[int], int]]]
+#: Applies a peer's precise claim: (endpoint, block keys first block first).
+ClaimLearner = Callable[[str, Sequence[int]], None]
 
 
 class DecisionSharing:
@@ -25,6 +27,12 @@ class DecisionSharing:
 
     def share_prefixes(self, learner: PrefixLearner, snapshotter: PrefixSnapshotter) -> None:
         """Register how to apply the peers' prefix routes and how to list this picker's for a late peer."""
+
+    def publish_claim(self, endpoint: str, keys: Sequence[int]) -> None:
+        """Tell the peers that `endpoint` was sent a request with these precise block keys (not yet in events)."""
+
+    def share_claims(self, learner: ClaimLearner) -> None:
+        """Register how to apply the peers' precise claims."""
 
     @property
     def has_peers(self) -> bool:

@@ -13,7 +13,9 @@ candidate endpoint:
   prompt's total blocks (the `prefix-cache-scorer` scores `matched / total`);
 - `PREFIX_TIER_MATCH`: the same run in tokens, unweighted, split by tier.
 As a pre-request hook it claims the request's blocks on each profile's chosen endpoint for
-`speculativeTTL`, so a burst of same-prefix requests does not scatter before events arrive.
+`speculativeTTL`, so a burst of same-prefix requests does not scatter before events arrive; with
+peer pickers (`--workers`, `--peers`) each claim goes over the peer link too, and each picker
+claims its peers' picks for its own TTL.
 With `rendezvousHome: true` (default false), when no endpoint holds any block of the prompt, it
 names the prefix's rendezvous home (`epp.framework.rendezvous`), the same in every picker of a pool.
 Topics: vLLM publishes on topic `""` unless `--kv-events-config` sets one. `mode: per-endpoint`
@@ -94,6 +96,11 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
         speculative_ttl = params.duration("speculativeTTL", 2.0)
         self.rendezvous_home = params.bool("rendezvousHome", False)
         self._ledger = context.load
+        self._endpoints = context.endpoints
+        # Peer pickers learn this one's claims and it theirs: KV events confirm a pick only after its
+        # prefill, and until then a peer would not see the prefix at all (epp.framework.sharing).
+        self.sharing = context.sharing
+        self.sharing.share_claims(self._learn_peer_claim)
         mode = params.str("mode", "per-endpoint", choices=MODES)
         shard, shards = _event_shard(name, params.str("eventShard", None))
         config = SubscriberConfig(
@@ -210,6 +217,13 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
         for profile in result.profile_results.values():
             if profile is not None and profile.targets:
                 self.index.add_speculative(profile.targets[0].name, keys)
+                self.sharing.publish_claim(profile.targets[0].name, keys)
+
+    def _learn_peer_claim(self, endpoint: str, keys: Sequence[int]) -> None:
+        """A peer picker sent a request with these keys to `endpoint`: claim them as if we had."""
+        if self._endpoints is not None and self._endpoints.get(endpoint) is None:
+            return  # not (or no longer) in this picker's pool
+        self.index.add_speculative(endpoint, keys)
 
 
 def _event_shard(name: str, text: str | None) -> tuple[int, int]:

@@ -28,7 +28,7 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from epp.framework.sharing import DecisionSharing, PrefixLearner, PrefixSnapshotter
+from epp.framework.sharing import ClaimLearner, DecisionSharing, PrefixLearner, PrefixSnapshotter
 from epp.peer.ledger import SharedInflightLedger
 from epp.peer.v1 import peer_pb2 as pb
 from epp.peer.v1 import peer_pb2_grpc as pb_grpc
@@ -48,7 +48,7 @@ _CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1), ("grpc.initial_reconn
 # A decision as the hot path records it: its protobuf message is built by the sender task, off the
 # request's path (one tuple per decision, shared by every subscriber's outbox).
 _Pending = tuple[int, Any, Any, Any]  # (kind, a, b, c)
-_ROUTED, _BOOKED, _RELEASED = 0, 1, 2
+_ROUTED, _BOOKED, _RELEASED, _CLAIMED = 0, 1, 2, 3
 
 
 def _decision(pending: _Pending) -> pb.Decision:
@@ -57,6 +57,8 @@ def _decision(pending: _Pending) -> pb.Decision:
         return pb.Decision(prefix_routed=pb.PrefixRouted(endpoint=a, block_hashes=b, capacity=c))
     if kind == _BOOKED:
         return pb.Decision(booked=pb.Booked(ticket=a, endpoint=b, uncached_tokens=c))
+    if kind == _CLAIMED:
+        return pb.Decision(prefix_claimed=pb.PrefixClaimed(endpoint=a, block_keys=b))
     return pb.Decision(released=pb.Released(ticket=a, prefill_only=b))
 
 
@@ -80,7 +82,7 @@ class PeerMetrics:
         self.sent = Counter("epp_peer_decisions_sent", "Decisions sent to subscribed peers.", registry=r)
         self.received = Counter("epp_peer_decisions_received", "Peers' decisions applied, by kind.", ["kind"],
                                 registry=r)
-        self.received_by_kind = {kind: self.received.labels(kind) for kind in ("prefix_routed", "booked", "released")}
+        self.received_by_kind = {kind: self.received.labels(kind) for kind in ("prefix_routed", "booked", "released", "prefix_claimed")}
         self.dropped = Counter("epp_peer_decisions_dropped",
                                "Decisions dropped for a subscriber that fell behind (oldest first).", registry=r)
         self.lost = Counter("epp_peer_decisions_lost", "Gaps seen in a peer's decision sequence.", registry=r)
@@ -117,6 +119,7 @@ class PeerNode(DecisionSharing, pb_grpc.PickerPeersServicer):
         self._sequence = itertools.count(1)
         self._learner: PrefixLearner | None = None
         self._snapshotter: PrefixSnapshotter | None = None
+        self._claim_learner: ClaimLearner | None = None
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._pending: deque[tuple[str, pb.Decision]] = deque(maxlen=outbox_limit)
@@ -139,6 +142,13 @@ class PeerNode(DecisionSharing, pb_grpc.PickerPeersServicer):
         if not self._outboxes:
             return
         self._publish((_ROUTED, endpoint, hashes, capacity))
+
+    def share_claims(self, learner: ClaimLearner) -> None:
+        self._claim_learner = learner
+
+    def publish_claim(self, endpoint: str, keys: Sequence[int]) -> None:
+        if self._outboxes:
+            self._publish((_CLAIMED, endpoint, keys, None))
 
     def publish_booked(self, ticket: int, endpoint: str, uncached_tokens: int) -> None:
         """The own ledger booked a pick (SharedInflightLedger calls this)."""
@@ -299,8 +309,12 @@ class PeerNode(DecisionSharing, pb_grpc.PickerPeersServicer):
                 if ledger is not None:
                     booked = decision.booked
                     ledger.peer_booked(picker, booked.ticket, booked.endpoint, booked.uncached_tokens)
-            elif kind == "released" and ledger is not None:
-                ledger.peer_released(picker, decision.released.ticket, decision.released.prefill_only)
+            elif kind == "released":
+                if ledger is not None:
+                    ledger.peer_released(picker, decision.released.ticket, decision.released.prefill_only)
+            elif kind == "prefix_claimed" and self._claim_learner is not None:
+                claim = decision.prefix_claimed
+                self._claim_learner(claim.endpoint, claim.block_keys)
 
     async def _catch_up(self) -> None:
         """Apply one peer's snapshot (the first that answers), then what arrived meanwhile."""

@@ -29,14 +29,16 @@ class DecisionBatch(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., picker_id: _Optional[str] = ..., first_sequence: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., oldest_decision_unix_nanos: _Optional[int] = ...) -> None: ...
 
 class Decision(_message.Message):
-    __slots__ = ("prefix_routed", "booked", "released")
+    __slots__ = ("prefix_routed", "booked", "released", "prefix_claimed")
     PREFIX_ROUTED_FIELD_NUMBER: _ClassVar[int]
     BOOKED_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CLAIMED_FIELD_NUMBER: _ClassVar[int]
     prefix_routed: PrefixRouted
     booked: Booked
     released: Released
-    def __init__(self, prefix_routed: _Optional[_Union[PrefixRouted, _Mapping]] = ..., booked: _Optional[_Union[Booked, _Mapping]] = ..., released: _Optional[_Union[Released, _Mapping]] = ...) -> None: ...
+    prefix_claimed: PrefixClaimed
+    def __init__(self, prefix_routed: _Optional[_Union[PrefixRouted, _Mapping]] = ..., booked: _Optional[_Union[Booked, _Mapping]] = ..., released: _Optional[_Union[Released, _Mapping]] = ..., prefix_claimed: _Optional[_Union[PrefixClaimed, _Mapping]] = ...) -> None: ...
 
 class PrefixRouted(_message.Message):
     __slots__ = ("endpoint", "block_hashes", "capacity")
@@ -47,6 +49,14 @@ class PrefixRouted(_message.Message):
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     capacity: int
     def __init__(self, endpoint: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ..., capacity: _Optional[int] = ...) -> None: ...
+
+class PrefixClaimed(_message.Message):
+    __slots__ = ("endpoint", "block_keys")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    block_keys: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, endpoint: _Optional[str] = ..., block_keys: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Booked(_message.Message):
     __slots__ = ("ticket", "endpoint", "uncached_tokens")
