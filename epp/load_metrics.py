@@ -9,7 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from epp.datalayer.registry import EndpointRegistry
-from epp.framework.load import CACHE_WRITE_HALF_LIFE_S, InflightLedger
+from epp.framework.load import InflightLedger
 from epp.framework.types import Endpoint
 
 
@@ -36,10 +36,6 @@ class LedgerCollector(Collector):
         speed = GaugeMetricFamily("epp_prefill_seconds_per_token",
                                   "Prefill speed the backlog model uses (learned from uncontended first tokens, "
                                   "else the prior).", labels=["endpoint"])
-        writes = GaugeMetricFamily("epp_cache_write_tokens",
-                                   "Uncached prompt tokens sent to the endpoint lately, each fading with a "
-                                   f"{CACHE_WRITE_HALF_LIFE_S:g} s half-life (max-score-picker's tie-break).",
-                                   labels=["endpoint"])
         age = GaugeMetricFamily("epp_endpoint_scrape_age_seconds",
                                 "Seconds since the endpoint's metrics were scraped (absent if never).",
                                 labels=["endpoint"])
@@ -50,10 +46,9 @@ class LedgerCollector(Collector):
             unseen.add_metric([ep.name], load.unseen_requests)
             backlog.add_metric([ep.name], load.prefill_backlog_tokens)
             speed.add_metric([ep.name], self.ledger.prefill_seconds_per_token(ep.name))
-            writes.add_metric([ep.name], self.ledger.cache_writes(ep.name))
             if load.scrape_age_s != float("inf"):
                 age.add_metric([ep.name], load.scrape_age_s)
-        yield from (inflight, prefill, backlog, speed, writes, unseen, age)
+        yield from (inflight, prefill, backlog, speed, unseen, age)
         tracked = GaugeMetricFamily("epp_inflight_tracked_requests", "Bookings the in-flight ledger holds.")
         tracked.add_metric([], len(self.ledger))
         yield tracked

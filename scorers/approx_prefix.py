@@ -29,7 +29,13 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
-from epp.framework.datakeys import PREFIX_MATCH_INFO, PREFIX_TIER_MATCH, PrefixMatchInfo, TierMatch
+from epp.framework.datakeys import (
+    PREFIX_CACHE_FREE_BLOCKS,
+    PREFIX_MATCH_INFO,
+    PREFIX_TIER_MATCH,
+    PrefixMatchInfo,
+    TierMatch,
+)
 from epp.framework.errors import ConfigError
 from epp.framework.load import Booking, prompt_characters
 from epp.framework.metrics import once_per_registry
@@ -137,7 +143,8 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
                 f"rendezvousHome={str(self.rendezvous_home).lower()}")
 
     def produces(self) -> frozenset[str]:
-        return frozenset({PREFIX_MATCH_INFO, PREFIX_TIER_MATCH} if self.publish_tier_match else {PREFIX_MATCH_INFO})
+        keys = {PREFIX_MATCH_INFO, PREFIX_CACHE_FREE_BLOCKS}
+        return frozenset(keys | {PREFIX_TIER_MATCH} if self.publish_tier_match else keys)
 
     def _on_endpoints_changed(self, added: tuple[Endpoint, ...], removed: tuple[Endpoint, ...]) -> None:
         for ep in removed:
@@ -182,10 +189,13 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
         matched = self.index.match_longest_prefix(hashes) if hashes else {}
         total = len(hashes)
         no_match = PrefixMatchInfo(0, total, block_tokens)  # immutable: shared by every endpoint without a hit
+        index = self.index
         for ep in endpoints:
             hit = matched.get(ep.name)
             state.put_endpoint_data(PREFIX_MATCH_INFO, ep.name,
                                     no_match if hit is None else PrefixMatchInfo(hit, total, block_tokens))
+            state.put_endpoint_data(PREFIX_CACHE_FREE_BLOCKS, ep.name,
+                                    max(0, self._capacity_for(ep) - index.held(ep.name)))
         if self.publish_tier_match:
             self._publish_tier_match(state, request, endpoints, matched, block_tokens)
         if hashes and not matched and self.rendezvous_home:

@@ -1,9 +1,8 @@
-"""Pickers: max score (ties to the least-written cache, or random), uniform random, and weighted random (A-Res)."""
+"""Pickers: max score (ties to the most free prefix cache, then random), uniform random, weighted random (A-Res)."""
 
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Sequence
 
 from epp.framework import (
@@ -15,6 +14,7 @@ from epp.framework import (
     ProfileRunResult,
     ScoredEndpoint,
 )
+from epp.framework.datakeys import PREFIX_CACHE_FREE_BLOCKS
 
 
 class _CountedPicker(Picker):
@@ -30,48 +30,45 @@ class _CountedPicker(Picker):
 class MaxScorePicker(_CountedPicker):
     """Highest total score first; returns maxNumOfEndpoints targets.
 
-    Equal scores go to the endpoint this picker sent the fewest uncached prompt tokens lately
-    (`tieBreak: fewest-cache-writes`, the ledger's `cache_writes`), then at random. When nothing
-    tells endpoints apart (an idle pool, a prompt no replica holds) GIE's random choice lets
-    several new prefixes land on one replica, which then evicts one of them while another replica
-    sits empty; sending each to where the fewest new prefixes went lately spreads them over the
-    fleet's cache. `tieBreak: random` is GIE's behaviour.
+    Equal scores go to the endpoint whose prefix cache has the most room its index knows of
+    (`tieBreak: most-free-cache`, the prefix producer's `PREFIX_CACHE_FREE_BLOCKS`), then at
+    random. When nothing else tells endpoints apart (an idle pool, a prompt no replica holds),
+    GIE's random choice can put several new prefixes on one replica, which then evicts one of
+    them while another replica's cache sits empty. Once every cache is full the room is 0
+    everywhere and ties fall at random again, as GIE's do. `tieBreak: random` is GIE's behaviour.
     """
 
     type_name = "max-score-picker"
 
     def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
         super().__init__(name, params, context)
-        tie_break = params.str("tieBreak", "fewest-cache-writes", choices=("fewest-cache-writes", "random"))
-        self.ledger = context.load if tie_break == "fewest-cache-writes" else None
+        self.tie_break = params.str("tieBreak", "most-free-cache", choices=("most-free-cache", "random"))
 
     def describe(self) -> str:
-        tie_break = "random" if self.ledger is None else "fewest-cache-writes"
-        return f"{super().describe()} tieBreak={tie_break}"
+        return f"{super().describe()} tieBreak={self.tie_break}"
 
     def pick(self, state: CycleState, request: InferenceRequest,
              scored: Sequence[ScoredEndpoint]) -> ProfileRunResult:
         if not scored:
             return ProfileRunResult(())
-        rng, ledger = self._rng, self.ledger
+        rng = self._rng
+        by_room = self.tie_break == "most-free-cache"
         if self.max_endpoints == 1:
             best = max(s.score for s in scored)
             ties = [s for s in scored if s.score == best]
             if len(ties) == 1:
                 return ProfileRunResult((ties[0].endpoint,))
-            if ledger is not None:
-                now = time.monotonic()
-                writes = [ledger.cache_writes(s.endpoint.name, now) for s in ties]
-                least = min(writes)
-                ties = [s for s, w in zip(ties, writes) if w == least]
+            if by_room:
+                rooms = [state.endpoint_data(PREFIX_CACHE_FREE_BLOCKS, s.endpoint.name, 0) for s in ties]
+                most = max(rooms)
+                ties = [s for s, room in zip(ties, rooms) if room == most]
             return ProfileRunResult((rng.choice(ties).endpoint,))
-        # Equal scores in cache-write order, then in random order (like shuffle + stable sort).
-        now = time.monotonic()
 
-        def writes(s: ScoredEndpoint) -> float:
-            return 0.0 if ledger is None else ledger.cache_writes(s.endpoint.name, now)
+        # Equal scores by room (most first), then in random order (like shuffle + stable sort).
+        def room(s: ScoredEndpoint) -> int:
+            return state.endpoint_data(PREFIX_CACHE_FREE_BLOCKS, s.endpoint.name, 0) if by_room else 0
 
-        order = sorted(scored, key=lambda s: (-s.score, writes(s), rng.random()))
+        order = sorted(scored, key=lambda s: (-s.score, -room(s), rng.random()))
         return ProfileRunResult(tuple(s.endpoint for s in order[: self.max_endpoints]))
 
 

@@ -35,6 +35,11 @@ class PrefixIndex:
     def capacity(self, endpoint: str) -> int | None:
         return self._capacity.get(endpoint)
 
+    def held(self, endpoint: str) -> int:
+        """Hashes in the endpoint's LRU."""
+        lru = self._lrus.get(endpoint)
+        return 0 if lru is None else len(lru)
+
     def entries(self) -> list[tuple[str, list[int], int]]:
         """Per endpoint: its hashes in the order `add` rebuilds its LRU from, and its capacity (a peer's snapshot).
 

@@ -289,9 +289,11 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
     Contender("epp-precise-no-tie-break", "epp", "precise+no-tie-break",
               "before: epp-precise with queue-scorer on whole requests only (no prefill-backlog tie-break)",
               default=False),
-    *(Contender(f"epp-{pipeline}-random-ties", "epp", f"{pipeline}+random-ties",
-                f"before: epp-{pipeline} with max-score-picker's ties broken at random (GIE), not by cache writes",
-                default=False) for pipeline in ("approx", "precise")),
+    *(Contender(f"epp-{pipeline}{pickers}-random-ties", "epp", f"{pipeline}+random-ties",
+                f"before: epp-{pipeline}{pickers} with max-score-picker's ties broken at random (GIE), not by "
+                "cache writes", default=False, workers=workers, pods=pods)
+      for pipeline in ("approx", "precise")
+      for pickers, workers, pods in (("", 1, 1), ("-w2", 2, 1), ("-pods2", 1, 2))),
     *(Contender(f"epp-{pipeline}{pickers}-{suffix}", "epp", f"{pipeline}+{suffix}",
                 f"epp-{pipeline}{pickers} with rendezvousHome: {on}", default=False, workers=workers, pods=pods)
       for pipeline in ("approx", "precise")

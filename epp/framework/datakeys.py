@@ -8,6 +8,10 @@ from dataclasses import dataclass
 PREFIX_MATCH_INFO = "prefix-cache-match-info"
 # Per endpoint: TierMatch. Written by precise-prefix-cache-producer only.
 PREFIX_TIER_MATCH = "prefix-cache-tier-match"
+# Per endpoint: int, the blocks of its prefix cache its index believes hold no prefix yet (its
+# capacity less the blocks indexed on it; absent when the capacity is unknown). Written by the
+# prefix producers; max-score-picker breaks ties with it.
+PREFIX_CACHE_FREE_BLOCKS = "prefix-cache-free-blocks"
 # Per endpoint: InflightLoad. Written by inflight-load-producer.
 INFLIGHT_LOAD = "inflight-load"
 # Per endpoint: 1.0 on the rendezvous home of a prefix no endpoint holds (see epp.framework.rendezvous).

@@ -23,10 +23,6 @@ taken after the pick, which shows it. Load-aware scorers read `load(endpoint)`:
   counts whole requests ties the two and loses to it. The predicted-TTFT scorer reads the backlog;
   the min-max load scorers keep whole requests (see `waiting_estimate`).
 
-`cache_writes(endpoint)` is the uncached prompt tokens sent to an endpoint lately (each fading
-with a half-life): where new prefixes have been written, and so what they pushed out of the cache.
-`max-score-picker` breaks ties with it.
-
 The `*_estimate` helpers combine them with the scrape so that no signal is stale in the
 picker's favour: `waiting = max(scraped waiting + unseen, own prefilling)` (max, not sum: once
 scraped, the picker's own requests show in both), likewise for running requests and KV usage.
@@ -61,9 +57,6 @@ PRIOR_PREFILL_S_PER_TOKEN = 2e-4
 # Uncontended first tokens of shorter prefills are mostly fixed latency: they teach no speed.
 MIN_SPEED_SAMPLE_TOKENS = 256
 SPEED_EWMA_WEIGHT = 0.2
-# Uncached tokens sent to an endpoint fade with this half-life in `cache_writes`: the picks of the
-# last minute or so say which replica's cache new prefixes have been pushing out lately.
-CACHE_WRITE_HALF_LIFE_S = 30.0
 
 
 def prefill_backlog(prefills: Iterable[tuple[float, int]], s_per_token: float, now: float,
@@ -239,8 +232,6 @@ class InflightLedger:
         self._ids = itertools.count(1)
         self._observers: list[Observer] = []
         self._s_per_token: dict[str, float] = {}  # learned prefill speed per endpoint
-        # Per endpoint: uncached tokens sent, faded to the time beside them (see `cache_writes`).
-        self._writes: dict[str, tuple[float, float]] = {}
         self.dropped = 0  # bookings dropped at capacity or timeout (their end was never seen)
 
     def __len__(self) -> int:
@@ -267,19 +258,6 @@ class InflightLedger:
     def prefill_seconds_per_token(self, endpoint: str) -> float:
         """The prefill speed the backlog model uses for `endpoint` (learned, or the prior)."""
         return self._s_per_token.get(endpoint, PRIOR_PREFILL_S_PER_TOKEN)
-
-    def cache_writes(self, endpoint: str, now: float | None = None) -> float:
-        """Uncached prompt tokens sent to `endpoint`, each fading with a `CACHE_WRITE_HALF_LIFE_S` half-life."""
-        entry = self._writes.get(endpoint)
-        if entry is None:
-            return 0.0
-        tokens, at = entry
-        now = time.monotonic() if now is None else now
-        return tokens * 0.5 ** ((now - at) / CACHE_WRITE_HALF_LIFE_S) if now > at else tokens
-
-    def add_cache_write(self, endpoint: str, tokens: int, now: float) -> None:
-        """Count `tokens` uncached prompt tokens sent to `endpoint` at `now` in its `cache_writes`."""
-        self._writes[endpoint] = (self.cache_writes(endpoint, now) + tokens, now)
 
     def backlog(self, endpoint: str, now: float) -> tuple[float, float]:
         """Prefill tokens and (fractional) requests on `endpoint` still to do now (see `prefill_backlog`)."""
@@ -336,7 +314,6 @@ class InflightLedger:
         self._prefilling[booking.ticket] = booking
         book.inflight[booking.ticket] = booking
         book.unseen.added(now, uncached)
-        self.add_cache_write(endpoint, uncached, now)
         if uncached > 0:
             book.prefills[booking.ticket] = booking
         book.prefilling += 1
@@ -410,7 +387,6 @@ class InflightLedger:
     def remove_endpoint(self, endpoint: str) -> None:
         """Forget an endpoint that left the pool."""
         self._s_per_token.pop(endpoint, None)
-        self._writes.pop(endpoint, None)
         book = self._books.pop(endpoint, None)
         if book is None:
             return

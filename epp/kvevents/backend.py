@@ -45,6 +45,9 @@ class KVIndexBackend(Protocol):
     def endpoints(self) -> list[str]:
         """Endpoints with engine state in this process."""
 
+    def engine_blocks(self, endpoint: str) -> int:
+        """Engine hashes known for `endpoint` in this process (its blocks in any tier, bounded)."""
+
     def add_speculative(self, endpoint: str, keys: Sequence[int], ttl_s: float | None = None) -> int:
         """After a pick: claim `keys` on `endpoint` (as GPU) for a short TTL, until events confirm."""
 

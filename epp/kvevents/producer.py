@@ -52,6 +52,7 @@ from epp.framework import (
     once_per_registry,
 )
 from epp.framework.datakeys import (
+    PREFIX_CACHE_FREE_BLOCKS,
     PREFIX_MATCH_INFO,
     PREFIX_TIER_MATCH,
     PrefixMatchInfo,
@@ -173,7 +174,7 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
 
     # ---- producing -----------------------------------------------------------------------------
     def produces(self) -> frozenset[str]:
-        return frozenset({PREFIX_MATCH_INFO, PREFIX_TIER_MATCH})
+        return frozenset({PREFIX_MATCH_INFO, PREFIX_TIER_MATCH, PREFIX_CACHE_FREE_BLOCKS})
 
     async def prompt_tokens(self, request: InferenceRequest) -> list[int] | None:
         """The prompt's token ids as vLLM will see them, or None when they cannot be known."""
@@ -206,6 +207,9 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
             state.put_endpoint_data(PREFIX_MATCH_INFO, ep.name, PrefixMatchInfo(weighted, total_blocks, bs))
             state.put_endpoint_data(PREFIX_TIER_MATCH, ep.name, TierMatch(
                 counts[Tier.GPU] * bs, counts[Tier.CPU] * bs, counts[Tier.DISK] * bs, len(tokens)))
+            if ep.metrics.cache_num_blocks > 0:  # engine blocks of any tier: an estimate, exact before offload
+                state.put_endpoint_data(PREFIX_CACHE_FREE_BLOCKS, ep.name,
+                                        max(0, ep.metrics.cache_num_blocks - self.index.engine_blocks(ep.name)))
         if keys and not matches and self.rendezvous_home:
             publish_home(state, keys[0], endpoints, self._ledger.load)
 

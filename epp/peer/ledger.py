@@ -2,8 +2,7 @@
 
 A picker alone books its own picks (`epp.framework.load`); with peers, each of its bookings is
 published (booked, prefill done, released) and the peers' ones are held here beside its own, so
-load-aware scorers see the pool's whole in-flight work, not the own share of it (and the
-tie-break's cache writes, the pool's new prefixes). A peer's picks
+load-aware scorers see the pool's whole in-flight work, not the own share of it. A peer's picks
 count as unseen by a scrape when they arrived after that scrape. Bounded like the own bookings:
 the same timeouts and capacity, and all of a peer's bookings go when its link drops (its work
 then shows only through the scrape, as without a link).
@@ -111,7 +110,6 @@ class SharedInflightLedger(InflightLedger):
         (book.prefills if uncached_tokens > 0 else book.cache_hits)[key] = remote
         book.prefill_tokens += uncached_tokens
         book.unseen.added(now, uncached_tokens)
-        self.add_cache_write(endpoint, uncached_tokens, now)
         while len(self._remote) > self.capacity:
             oldest_key, oldest = self._remote.popitem(last=False)
             self._drop(oldest_key, oldest)

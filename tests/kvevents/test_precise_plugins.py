@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
 from epp.engine.tinymodel import write_tiny_model
 from epp.framework import PluginParams, PluginRegistry
-from epp.framework.datakeys import PREFIX_MATCH_INFO, PREFIX_TIER_MATCH, TierMatch
+from epp.framework.datakeys import PREFIX_CACHE_FREE_BLOCKS, PREFIX_MATCH_INFO, PREFIX_TIER_MATCH, TierMatch
 from epp.framework.errors import ConfigError
 from epp.framework.plugin import (
     CycleState,
@@ -86,6 +86,17 @@ async def test_match_info_is_tier_weighted_and_tier_match_counts_tokens():
     assert info_b.matched_blocks == pytest.approx(4 * 0.8)
     assert state.endpoint_data(PREFIX_TIER_MATCH, B.name) == TierMatch(0, 16, 0, 32)
     assert state.endpoint_data(PREFIX_TIER_MATCH, A.name) == TierMatch(8, 0, 0, 32)
+
+
+async def test_free_cache_is_the_scraped_block_count_less_the_blocks_events_stored():
+    prod = producer()
+    feed(prod, A, wire.stored([1, 2, 3], TOKENS[:12]))
+    sized = [Endpoint(ep.address, ep.port, metrics=EndpointMetrics(cache_num_blocks=10, cache_block_size=BS))
+             for ep in (A, B)]
+    state = await produce(prod, endpoints=sized)
+    assert state.all_endpoint_data(PREFIX_CACHE_FREE_BLOCKS) == {A.name: 7, B.name: 10}
+    # Cache size not scraped (yet): no room is claimed for the tie-break to read.
+    assert (await produce(prod)).all_endpoint_data(PREFIX_CACHE_FREE_BLOCKS) == {}
 
 
 async def test_tier_weights_change_the_decision_as_configured():

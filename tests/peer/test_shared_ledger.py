@@ -129,12 +129,3 @@ def test_peers_bookings_kept_up_to_date_match_a_model_after_any_sequence_of_even
             assert load.prefill_tokens == sum(held["tokens"] for held in mine if held["prefilling"])
             assert load.unseen_requests == len(unseen)
             assert load.unseen_prefill_tokens == sum(held["tokens"] for held in unseen if held["prefilling"])
-
-
-def test_peers_bookings_count_as_cache_writes_for_the_tie_break():
-    ledger = SharedInflightLedger(Recorder())
-    a, b = endpoint(0).name, endpoint(1).name
-    ledger.pick(a, prompt_tokens=300, uncached_tokens=100, now=1.0)
-    ledger.peer_booked("p1", 1, b, 400, now=1.0)  # a new prefix a peer sent to b
-    ledger.peer_booked("p1", 1, b, 400, now=1.0)  # the same booking again: counted once
-    assert (ledger.cache_writes(a, 1.0), ledger.cache_writes(b, 1.0)) == (100, 400)

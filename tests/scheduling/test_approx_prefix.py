@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry
 
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
 from epp.framework import ApiKind, ConfigError, CycleState, PluginContext, ProfileRunResult, SchedulingResult
-from epp.framework.datakeys import PREFIX_MATCH_INFO
+from epp.framework.datakeys import PREFIX_CACHE_FREE_BLOCKS, PREFIX_MATCH_INFO
 from epp.scorers.prefix_index import PrefixIndex
 from epp.scorers.prompt_text import user_input_bytes
 from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
@@ -126,6 +126,20 @@ async def test_lru_capacity_auto_tunes_from_cache_num_blocks():
     state, _ = await prepare(fixed, request("a" * 40), [small])
     fixed.pre_request(state, request("a" * 40), result_for(small))
     assert fixed.index.size == 5
+
+
+async def test_each_endpoints_free_cache_is_its_capacity_less_what_the_index_holds():
+    producer = make_plugin("approx-prefix-cache-producer", {"blockSizeTokens": 1, "autoTune": False,
+                                                            "lruCapacityPerServer": 20})
+    eps = [endpoint(0), endpoint(1)]
+    state, _ = await prepare(producer, request("a" * 24), eps)  # 6 blocks of 4 characters
+    assert state.all_endpoint_data(PREFIX_CACHE_FREE_BLOCKS) == {eps[0].name: 20, eps[1].name: 20}
+    producer.pre_request(state, request("a" * 24), result_for(eps[0]))
+    state, _ = await prepare(producer, request("b" * 100), eps)  # 25 blocks: more than the capacity
+    assert state.all_endpoint_data(PREFIX_CACHE_FREE_BLOCKS) == {eps[0].name: 14, eps[1].name: 20}
+    producer.pre_request(state, request("b" * 100), result_for(eps[0]))
+    state, _ = await prepare(producer, request("c" * 8), eps)
+    assert state.endpoint_data(PREFIX_CACHE_FREE_BLOCKS, eps[0].name) == 0  # full: never below 0
 
 
 async def test_removed_endpoints_are_purged_and_metrics_reported():

@@ -9,7 +9,7 @@ import pytest
 
 from epp.config.compose import endpoint_picker_config
 from epp.framework import CycleState, Endpoint, EndpointMetrics, InflightLedger, PluginContext
-from epp.framework.load import CACHE_WRITE_HALF_LIFE_S, estimate_prompt_tokens
+from epp.framework.load import estimate_prompt_tokens
 from tests.scheduling.sched_fixtures import DirectorHarness, endpoint, make_plugin, request
 
 SCRAPED_AT = 1.0  # sched_fixtures' endpoints were scraped at t = 1.0
@@ -228,21 +228,6 @@ async def test_a_burst_within_one_scrape_interval_spreads(burst, max_per_endpoin
     assert max(picks.values()) == max_per_endpoint and len(picks) == min(burst, 4)
 
 
-def test_cache_writes_add_up_fade_by_half_life_and_leave_with_the_endpoint():
-    ledger = InflightLedger()
-    a = endpoint(0).name
-    assert ledger.cache_writes(a, 1.0) == 0.0
-    done = ledger.pick(a, prompt_tokens=1000, uncached_tokens=400, now=1.0)
-    ledger.complete(done)  # a finished request's tokens stay written
-    ledger.pick(a, prompt_tokens=1000, uncached_tokens=0, now=1.0)  # a whole-prompt hit writes nothing
-    ledger.pick(a, prompt_tokens=200, now=1.0 + CACHE_WRITE_HALF_LIFE_S)
-    assert ledger.cache_writes(a, 1.0) == 400
-    assert ledger.cache_writes(a, 1.0 + CACHE_WRITE_HALF_LIFE_S) == pytest.approx(200 + 200)
-    assert ledger.cache_writes(a, 1.0 + 3 * CACHE_WRITE_HALF_LIFE_S) == pytest.approx(100)
-    ledger.remove_endpoint(a)
-    assert ledger.cache_writes(a, 1.0) == 0.0
-
-
 def test_estimate_prompt_tokens_reads_prompts_and_chats():
     assert estimate_prompt_tokens(request("abcd" * 100)) == 100
     chat = request(body={"model": "m", "messages": [{"role": "user", "content": "abcd" * 50}] * 2})
@@ -260,7 +245,7 @@ def test_scorers_read_the_ledger_through_the_plugin_context():
     assert gie.score(CycleState(), request(), [a, b]) == {a.name: 1.0, b.name: 1.0}
 
 
-def test_the_ledger_exports_each_endpoints_backlog_prefill_speed_and_cache_writes():
+def test_the_ledger_exports_each_endpoints_backlog_and_prefill_speed():
     from prometheus_client import CollectorRegistry
 
     from epp.datalayer.registry import EndpointRegistry, EndpointSpec
@@ -275,7 +260,6 @@ def test_the_ledger_exports_each_endpoints_backlog_prefill_speed_and_cache_write
     ledger.pick(name, prompt_tokens=1000)
     assert 100 <= registry.get_sample_value("epp_inflight_prefill_backlog_tokens", {"endpoint": name}) <= 1000
     assert registry.get_sample_value("epp_prefill_seconds_per_token", {"endpoint": name}) == PRIOR_PREFILL_S_PER_TOKEN
-    assert 990 < registry.get_sample_value("epp_cache_write_tokens", {"endpoint": name}) <= 1000
     endpoints.set_endpoints([])  # an endpoint that leaves takes its learned speed along
     assert registry.get_sample_value("epp_prefill_seconds_per_token", {"endpoint": name}) is None
 

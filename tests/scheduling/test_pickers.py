@@ -1,11 +1,12 @@
-"""Pickers: max score (ties to the least-written cache, then random), random, weighted random (A-Res)."""
+"""Pickers: max score (ties to the most free prefix cache, then random), random, weighted random (A-Res)."""
 
 from collections import Counter
 
 import pytest
 
 from epp.config.compose import endpoint_picker_config
-from epp.framework import ConfigError, CycleState, PluginContext, ScoredEndpoint
+from epp.framework import ConfigError, CycleState, ScoredEndpoint
+from epp.framework.datakeys import PREFIX_CACHE_FREE_BLOCKS
 from tests.scheduling.sched_fixtures import DirectorHarness, endpoint, make_plugin, request
 
 
@@ -35,40 +36,53 @@ def test_max_score_picker_breaks_ties_at_random():
     assert min(counts.values()) > 120  # about 200 each
 
 
-def picker_with_cache_writes(writes, parameters=None):
-    """A max-score-picker whose ledger saw `writes[i]` uncached tokens sent to endpoint i just now."""
-    context = PluginContext()
-    for i, tokens in enumerate(writes):
-        context.load.pick(endpoint(i).name, prompt_tokens=tokens)
-    return make_plugin("max-score-picker", parameters, context=context)
+def state_with_free_blocks(*free):
+    """A cycle state where the prefix producer found `free[i]` unindexed blocks on endpoint i."""
+    state = CycleState()
+    for i, blocks in enumerate(free):
+        state.put_endpoint_data(PREFIX_CACHE_FREE_BLOCKS, endpoint(i).name, blocks)
+    return state
 
 
-def test_a_tie_goes_to_the_endpoint_sent_the_fewest_uncached_tokens_lately():
-    picker = picker_with_cache_writes([900, 300, 600])
-    assert pick_names(picker, scored(1.0, 1.0, 1.0)) == ["192.168.1.2:8000"]
-    assert pick_names(picker, scored(1.0, 0.5, 1.0)) == ["192.168.1.3:8000"]
-    # Cache writes only break ties: a higher score wins however much was written there.
-    assert pick_names(picker, scored(1.0, 0.5, 0.9)) == ["192.168.1.1:8000"]
+def pick_in(picker, state, candidates):
+    return [ep.name for ep in picker.pick(state, request(), candidates).targets]
 
 
-def test_fallbacks_with_equal_scores_come_in_cache_write_order():
-    picker = picker_with_cache_writes([900, 300, 600, 0], {"maxNumOfEndpoints": 4})
-    assert pick_names(picker, scored(1.0, 1.0, 1.0, 0.2)) == [
+def test_a_tie_goes_to_the_endpoint_with_the_most_free_prefix_cache():
+    picker = make_plugin("max-score-picker")
+    state = state_with_free_blocks(100, 900, 400)
+    assert pick_in(picker, state, scored(1.0, 1.0, 1.0)) == ["192.168.1.2:8000"]
+    assert pick_in(picker, state, scored(1.0, 0.5, 1.0)) == ["192.168.1.3:8000"]
+    # Room only breaks ties: a higher score wins however full its cache is.
+    assert pick_in(picker, state, scored(1.0, 0.5, 0.9)) == ["192.168.1.1:8000"]
+
+
+def test_full_caches_tie_at_random_again():
+    picker = make_plugin("max-score-picker")
+    state = state_with_free_blocks(0, 0, 0)
+    counts = Counter(pick_in(picker, state, scored(1.0, 1.0, 1.0))[0] for _ in range(600))
+    assert len(counts) == 3 and min(counts.values()) > 120
+
+
+def test_fallbacks_with_equal_scores_come_most_free_cache_first():
+    picker = make_plugin("max-score-picker", {"maxNumOfEndpoints": 4})
+    assert pick_in(picker, state_with_free_blocks(100, 900, 400, 1000), scored(1.0, 1.0, 1.0, 0.2)) == [
         "192.168.1.2:8000", "192.168.1.3:8000", "192.168.1.1:8000", "192.168.1.4:8000"]
 
 
-def test_tie_break_random_is_gies_choice_whatever_was_written():
-    picker = picker_with_cache_writes([900, 0, 900], {"tieBreak": "random"})
-    counts = Counter(pick_names(picker, scored(1.0, 1.0, 1.0))[0] for _ in range(600))
+def test_tie_break_random_is_gies_choice_whatever_the_room():
+    picker = make_plugin("max-score-picker", {"tieBreak": "random"})
+    state = state_with_free_blocks(0, 900, 0)
+    counts = Counter(pick_in(picker, state, scored(1.0, 1.0, 1.0))[0] for _ in range(600))
     assert len(counts) == 3 and min(counts.values()) > 120
     with pytest.raises(ConfigError, match="'tieBreak' must be one of"):
         make_plugin("max-score-picker", {"tieBreak": "oldest"})
 
 
 # Eight prompts no replica holds, one at a time on four idle replicas: nothing but the tie-break
-# tells the replicas apart. Each new prefix goes where the fewest went, two per replica (GIE's
-# random choice gives an even split about 4 % of the time), and each prefix's next request follows
-# its cache.
+# tells the replicas apart. Each new prefix goes to a replica whose cache holds the fewest, two
+# per replica (GIE's random choice gives an even split about 4 % of the time), and each prefix's
+# next request follows its cache.
 async def test_new_prefixes_on_an_idle_pool_spread_over_every_replica():
     picker = DirectorHarness(endpoint_picker_config(
         ["approx-prefix-cache-producer", "prefix-cache-scorer", "queue-scorer", "kv-cache-utilization-scorer",
