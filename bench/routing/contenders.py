@@ -290,8 +290,8 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
               "before: epp-precise with queue-scorer on whole requests only (no prefill-backlog tie-break)",
               default=False),
     *(Contender(f"epp-{pipeline}{pickers}-random-ties", "epp", f"{pipeline}+random-ties",
-                f"before: epp-{pipeline}{pickers} with max-score-picker's ties broken at random (GIE), not by "
-                "cache writes", default=False, workers=workers, pods=pods)
+                f"before: epp-{pipeline}{pickers} with max-score-picker's ties broken at random (GIE), not by the "
+                "most free prefix cache", default=False, workers=workers, pods=pods)
       for pipeline in ("approx", "precise")
       for pickers, workers, pods in (("", 1, 1), ("-w2", 2, 1), ("-pods2", 1, 2))),
     *(Contender(f"epp-{pipeline}{pickers}-{suffix}", "epp", f"{pipeline}+{suffix}",

@@ -82,7 +82,8 @@ class PeerMetrics:
         self.sent = Counter("epp_peer_decisions_sent", "Decisions sent to subscribed peers.", registry=r)
         self.received = Counter("epp_peer_decisions_received", "Peers' decisions applied, by kind.", ["kind"],
                                 registry=r)
-        self.received_by_kind = {kind: self.received.labels(kind) for kind in ("prefix_routed", "booked", "released", "prefix_claimed")}
+        self.received_by_kind = {kind: self.received.labels(kind)
+                                 for kind in ("prefix_routed", "booked", "released", "prefix_claimed")}
         self.dropped = Counter("epp_peer_decisions_dropped",
                                "Decisions dropped for a subscriber that fell behind (oldest first).", registry=r)
         self.lost = Counter("epp_peer_decisions_lost", "Gaps seen in a peer's decision sequence.", registry=r)
