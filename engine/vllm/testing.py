@@ -14,7 +14,7 @@ from pathlib import Path
 
 from epp.engine.vllm.env import VllmEnvNotFound, find_vllm_python
 from epp.engine.vllm.launcher import HostResources, LaunchOptions, build_plan, host_resources
-from epp.engine.vllm.process import VllmProcess
+from epp.engine.vllm.process import VllmProcess, VllmStartError
 from epp.netutil import free_ports  # noqa: F401  (re-exported for tests)
 
 TINY_MODEL_NAME = "tiny"
@@ -65,6 +65,10 @@ class TinyVllmServer:
         return f"tcp://127.0.0.1:{self.replay_port}"
 
 
+# Starts of a tiny replica that may fail on a port taken between choosing and binding it.
+PORT_RACE_ATTEMPTS = 3
+
+
 def tiny_launch_options(
     python: str, model_dir: Path, http_port: int, events_port: int, replay_port: int, *,
     num_gpu_blocks_override: int | None = None, max_model_len: int = 1024,
@@ -93,19 +97,29 @@ def start_tiny_vllm(
     model_dir = workdir / "tiny-model"
     if not (model_dir / "model.safetensors").exists():
         write_tiny_model(model_dir, hidden_size=128, num_heads=4, num_layers=2)
-    http_port, events_port, replay_port = free_ports(3)
-    opts = tiny_launch_options(
-        str(python), model_dir, http_port, events_port, replay_port,
-        num_gpu_blocks_override=num_gpu_blocks_override, max_model_len=max_model_len,
-        extra_args=extra_args,
-    )
-    host = host_resources("cpu")
-    plan = build_plan(opts, HostResources(host.mem_available_bytes, host.disk_free_bytes, "cpu"))
-    process = VllmProcess(plan.argv, plan.env, workdir / f"vllm-{http_port}.log",
-                          f"http://127.0.0.1:{http_port}")
-    startup_s = process.wait_healthy(startup_timeout_s)
-    return TinyVllmServer(process, model_dir, TINY_MODEL_NAME, http_port, events_port, replay_port,
-                          opts.kv_events_topic, opts.block_size, startup_s, plan.env)
+    for attempt in range(1, PORT_RACE_ATTEMPTS + 1):
+        http_port, events_port, replay_port = free_ports(3)
+        opts = tiny_launch_options(
+            str(python), model_dir, http_port, events_port, replay_port,
+            num_gpu_blocks_override=num_gpu_blocks_override, max_model_len=max_model_len,
+            extra_args=extra_args,
+        )
+        host = host_resources("cpu")
+        plan = build_plan(opts, HostResources(host.mem_available_bytes, host.disk_free_bytes, "cpu"))
+        process = VllmProcess(plan.argv, plan.env, workdir / f"vllm-{http_port}.log",
+                              f"http://127.0.0.1:{http_port}")
+        try:
+            startup_s = process.wait_healthy(startup_timeout_s)
+        except VllmStartError as exc:
+            # A port free when chosen can be taken before vLLM binds it (another replica starting
+            # beside this one, or vLLM's own ephemeral sockets): choose again, a bounded number of times.
+            if "Address already in use" not in str(exc) or attempt == PORT_RACE_ATTEMPTS:
+                raise
+            process.stop()
+            continue
+        return TinyVllmServer(process, model_dir, TINY_MODEL_NAME, http_port, events_port, replay_port,
+                              opts.kv_events_topic, opts.block_size, startup_s, plan.env)
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 @contextmanager
