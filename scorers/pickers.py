@@ -53,21 +53,21 @@ class MaxScorePicker(_CountedPicker):
             return ProfileRunResult(())
         rng = self._rng
         by_room = self.tie_break == "most-free-cache"
+
+        def room(s: ScoredEndpoint) -> int:
+            return state.endpoint_data(PREFIX_CACHE_FREE_BLOCKS, s.endpoint.name, 0) if by_room else 0
+
         if self.max_endpoints == 1:
             best = max(s.score for s in scored)
             ties = [s for s in scored if s.score == best]
             if len(ties) == 1:
                 return ProfileRunResult((ties[0].endpoint,))
             if by_room:
-                rooms = [state.endpoint_data(PREFIX_CACHE_FREE_BLOCKS, s.endpoint.name, 0) for s in ties]
+                rooms = [room(s) for s in ties]
                 most = max(rooms)
-                ties = [s for s, room in zip(ties, rooms) if room == most]
+                ties = [s for s, r in zip(ties, rooms) if r == most]
             return ProfileRunResult((rng.choice(ties).endpoint,))
-
         # Equal scores by room (most first), then in random order (like shuffle + stable sort).
-        def room(s: ScoredEndpoint) -> int:
-            return state.endpoint_data(PREFIX_CACHE_FREE_BLOCKS, s.endpoint.name, 0) if by_room else 0
-
         order = sorted(scored, key=lambda s: (-s.score, -room(s), rng.random()))
         return ProfileRunResult(tuple(s.endpoint for s in order[: self.max_endpoints]))
 

@@ -243,6 +243,9 @@ class Contender:
         return self.kind in ("vllm-router", "sglang-router")
 
 
+# Name suffix, `--workers`, pods: one picker, two workers, two pods (the generated "before" contenders).
+_PICKER_SHAPES = (("", 1, 1), ("-w2", 2, 1), ("-pods2", 1, 2))
+
 CONTENDERS: dict[str, Contender] = {c.name: c for c in (
     Contender("round-robin", "envoy-rr", "", "Envoy ROUND_ROBIN cluster, no picker"),
     Contender("epp-random", "epp", "random", "our EPP behind Envoy: random-picker"),
@@ -293,11 +296,11 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
                 f"before: epp-{pipeline}{pickers} with max-score-picker's ties broken at random (GIE), not by the "
                 "most free prefix cache", default=False, workers=workers, pods=pods)
       for pipeline in ("approx", "precise")
-      for pickers, workers, pods in (("", 1, 1), ("-w2", 2, 1), ("-pods2", 1, 2))),
+      for pickers, workers, pods in _PICKER_SHAPES),
     *(Contender(f"epp-{pipeline}{pickers}-{suffix}", "epp", f"{pipeline}+{suffix}",
                 f"epp-{pipeline}{pickers} with rendezvousHome: {on}", default=False, workers=workers, pods=pods)
       for pipeline in ("approx", "precise")
-      for pickers, workers, pods in (("", 1, 1), ("-w2", 2, 1), ("-pods2", 1, 2))
+      for pickers, workers, pods in _PICKER_SHAPES
       for suffix, on in (("no-home", "false"), ("home", "true")) if pickers or suffix == "no-home"),
     Contender("vllm-router-rr", "vllm-router", "round_robin", "vllm-router --policy round_robin"),
     # vllm-router 0.1.17's cache_aware and kv_aware tokenize through the replicas' /v1/completions/render,
