@@ -144,7 +144,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m epp.engine.sim") 
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     _fleet_parser(sub)
     args = parser.parse_args(argv)
-    asyncio.run(_run_fleet(_config(args)))
+    try:
+        asyncio.run(_run_fleet(_config(args)))
+    except OSError as e:  # a port in use, an address not on this host: one line, not a traceback
+        raise SystemExit(f"{prog} fleet: {e}") from None
 
 
 if __name__ == "__main__":

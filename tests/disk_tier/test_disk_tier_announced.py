@@ -10,7 +10,6 @@ disk copies go.
 from __future__ import annotations
 
 import asyncio
-import socket
 import sys
 
 import aiohttp
@@ -26,29 +25,11 @@ from epp.kvevents.index import KVBlockIndex
 from epp.kvevents.metrics import KVIndexMetrics, KVSubscriberMetrics
 from epp.kvevents.subscriber import KVEventSubscriber, SubscriberConfig
 from epp.netutil import free_ports
+from tests.conftest import consecutive_free_ports
 
 KB = 1024
 GPU_HOST = HostResources(mem_available_bytes=64 << 30, disk_free_bytes=lambda p: 1 << 40, platform="gpu")
 BLOCK = 16
-
-
-def consecutive_free_ports(n: int) -> int:
-    """The first of `n` consecutive loopback ports that are free now."""
-    for _ in range(200):
-        [base] = free_ports(1)
-        socks = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def tokens_of(i: int) -> list[int]:

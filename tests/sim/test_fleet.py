@@ -6,6 +6,7 @@ import asyncio
 import json
 import re
 import signal
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -14,7 +15,7 @@ import aiohttp
 
 from epp.engine.sim import FleetConfig, SimFleet
 from epp.engine.sim.fleet import default_tokenizer_dir
-from tests.conftest import free_port
+from tests.conftest import consecutive_free_ports
 
 ENDPOINTS = re.compile(r"^127\.0\.0\.1:\d+(,127\.0\.0\.1:\d+)*$")
 
@@ -47,14 +48,31 @@ async def test_worker_processes_host_the_replicas(tokenizer_dir):
     assert all(p.returncode is not None for p in procs)
 
 
-async def test_command_line_prints_endpoints_and_stops_on_sigterm(tokenizer_dir):
-    base = free_port()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "epp.engine.sim", "fleet", "--replicas", "2", "--base-port", str(base),
-        "--tokenizer-dir", tokenizer_dir, "--cpu-blocks", "64",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    try:
+async def start_fleet_command(tokenizer_dir: str) -> tuple[asyncio.subprocess.Process, int, str]:
+    """Start `python -m epp.engine.sim fleet` on two consecutive free ports; returns (process, base, stdout line).
+
+    Another test's client socket can take a port between the check and the fleet's bind, so a start that
+    lost that race is tried again (up to 3 times); any other failure is raised with the fleet's stderr.
+    """
+    for attempt in range(3):
+        base = consecutive_free_ports(2)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "epp.engine.sim", "fleet", "--replicas", "2", "--base-port", str(base),
+            "--tokenizer-dir", tokenizer_dir, "--cpu-blocks", "64",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode().strip()
+        if line:
+            return proc, base, line
+        stderr = (await asyncio.wait_for(proc.stderr.read(), 15)).decode()
+        await proc.wait()
+        if "address already in use" not in stderr.lower() or attempt == 2:
+            raise AssertionError(f"the fleet printed no endpoints; stderr:\n{stderr}")
+    raise AssertionError("unreachable")
+
+
+async def test_command_line_prints_endpoints_and_stops_on_sigterm(tokenizer_dir):
+    proc, base, line = await start_fleet_command(tokenizer_dir)
+    try:
         assert line == f"127.0.0.1:{base},127.0.0.1:{base + 1}"
         details = [json.loads(await proc.stderr.readline()) for _ in range(2)]
         assert [d["endpoint"] for d in details] == line.split(",")
@@ -63,6 +81,20 @@ async def test_command_line_prints_endpoints_and_stops_on_sigterm(tokenizer_dir)
         proc.send_signal(signal.SIGTERM)
         rc = await asyncio.wait_for(proc.wait(), 15)
     assert rc == 0
+
+
+async def test_command_line_reports_a_taken_port_in_one_line(tokenizer_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "epp.engine.sim", "fleet", "--replicas", "1", "--base-port", str(port),
+            "--tokenizer-dir", tokenizer_dir, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 1 and out == b""
+    assert err.decode().strip().endswith(f"('127.0.0.1', {port}): address already in use")
+    assert "Traceback" not in err.decode()
 
 
 async def test_centralized_mode_every_replica_dials_one_bound_subscriber(tokenizer_dir):
