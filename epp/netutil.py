@@ -10,6 +10,9 @@ from pathlib import Path
 _EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 # Ports handed out lately, skipped by later calls: a caller may not have bound its port yet.
 _recently_handed: deque[int] = deque(maxlen=4096)
+# From the OS, not the `random` module's generator: a process that seeds that one (benchmarks do),
+# or a forked copy of it, would otherwise hand out the same ports as its twin.
+_choose = random.SystemRandom().choice
 
 
 def _below_ephemeral_range() -> range | None:
@@ -43,7 +46,7 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
         return _kernel_chosen_ports(count, host)
     ports: list[int] = []
     for _ in range(64 * count):
-        port = random.choice(candidates)
+        port = _choose(candidates)
         if port in ports or port in _recently_handed or not _bindable(host, port):
             continue
         ports.append(port)

@@ -51,8 +51,8 @@ async def test_worker_processes_host_the_replicas(tokenizer_dir):
 async def start_fleet_command(tokenizer_dir: str) -> tuple[asyncio.subprocess.Process, int, str]:
     """Start `python -m epp.engine.sim fleet` on two consecutive free ports; returns (process, base, stdout line).
 
-    Another test's client socket can take a port between the check and the fleet's bind, so a start that
-    lost that race is tried again (up to 3 times); any other failure is raised with the fleet's stderr.
+    Another process can still take a port between the check and the fleet's bind, so a start that lost
+    that race is tried again (up to 3 times); any other failure is raised with the fleet's stderr.
     """
     for attempt in range(3):
         base = consecutive_free_ports(2)
