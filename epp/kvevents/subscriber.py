@@ -428,14 +428,15 @@ class KVEventSubscriber:
         if self._streams.get(stream.key) is not stream:
             return  # the endpoint left meanwhile
         ok = replayed is not None and (kind != "gap" or (replayed and replayed[0][0] == start))
-        self.metrics.replays.labels("ok" if ok else "failed").inc()
-        if not ok and kind != "startup":
-            # No second try until the cooldown ends. (A replica not reachable at discovery gets
-            # its ordinary first-contact replay once its events flow.)
-            stream.last_failed_replay_at = time.monotonic()
-        if not ok and kind == "gap":
-            self._reset(stream, "gap_unrepairable")
-        if ok:
+        if not ok:
+            self.metrics.replays.labels("failed").inc()
+            if kind != "startup":
+                # No second try until the cooldown ends. (A replica not reachable at discovery gets
+                # its ordinary first-contact replay once its events flow.)
+                stream.last_failed_replay_at = time.monotonic()
+            if kind == "gap":
+                self._reset(stream, "gap_unrepairable")
+        else:
             expected = start if kind == "gap" else None
             for seq, topic, payload in replayed:
                 if expected is not None and seq != expected:
@@ -445,6 +446,8 @@ class KVEventSubscriber:
                 self._apply(stream, seq, topic, payload)
                 expected = seq + 1
                 await self._maybe_yield()
+            # Counted once applied (the loop may yield): a reader of the counter sees the repaired index.
+            self.metrics.replays.labels("ok").inc()
         pending, stream.pending = stream.pending, []
         stream.repairing = False
         for seq, topic, payload in pending:

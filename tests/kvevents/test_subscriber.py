@@ -42,7 +42,7 @@ async def wait_for(condition, timeout: float = 5.0) -> None:
 class Rig:
     """A registry with one endpoint, an index, a subscriber (per-endpoint mode) and a publisher."""
 
-    def __init__(self, *, replay=True, buffer_steps=10_000, cooldown=30.0):
+    def __init__(self, *, replay=True, buffer_steps=10_000, cooldown=30.0, apply_budget_s=None):
         self.registry = CollectorRegistry()
         self.index = KVBlockIndex(BS, 10_000, metrics=KVIndexMetrics(self.registry))
         self.endpoints = EndpointRegistry()
@@ -53,7 +53,8 @@ class Rig:
         self.name = "127.0.0.1:9000"
         self.endpoints.set_endpoints([EndpointSpec("127.0.0.1", 9000, labels)])
         self.sub = KVEventSubscriber(
-            self.index, SubscriberConfig(mode="per-endpoint", replay_timeout_s=2.0, replay_cooldown_s=cooldown),
+            self.index, SubscriberConfig(mode="per-endpoint", replay_timeout_s=2.0, replay_cooldown_s=cooldown,
+                                         **({} if apply_budget_s is None else {"apply_budget_s": apply_budget_s})),
             self.endpoints, KVSubscriberMetrics(self.registry))
 
     def metric(self, name, labels=None):
@@ -128,6 +129,23 @@ async def test_a_late_starting_subscriber_rebuilds_its_view_from_replay(rig_fact
     await rig.connect()
     await wait_for(lambda: rig.matched(3, 4) == 4)
     assert rig.metric("epp_kv_index_events_dropped_total", {"reason": "unknown_parent"}) == 0
+
+
+async def test_a_replay_counts_as_ok_only_once_every_replayed_batch_is_applied(rig_factory):
+    rig = rig_factory(apply_budget_s=0.0)  # the subscriber yields to the loop after every batch
+    for block in range(20):
+        await rig.pub.publish([block_event(4, block)])
+    seen_when_counted = []
+
+    async def watch():
+        while rig.metric("epp_kv_events_replays_total", {"outcome": "ok"}) == 0:
+            await asyncio.sleep(0)
+        seen_when_counted.append(rig.matched(4, 20))
+
+    watcher = asyncio.create_task(watch())
+    await rig.connect()
+    await asyncio.wait_for(watcher, 5)
+    assert seen_when_counted == [20]
 
 
 async def test_an_unrepairable_gap_drops_the_endpoints_entries_and_says_so(rig_factory):
