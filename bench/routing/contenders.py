@@ -456,8 +456,8 @@ def _pip_version(dist: str) -> str:
     return "?"
 
 
-async def _start_envoy(router: RunningRouter, config: str, admin: int, workdir: Path) -> None:
-    envoy = EnvoyProcess(config, admin)
+async def _start_envoy(router: RunningRouter, config: str, admin: int, workdir: Path, concurrency: int = 1) -> None:
+    envoy = EnvoyProcess(config, admin, concurrency=concurrency)
     router.stoppers.append(envoy.stop)
     try:
         await envoy.start()
@@ -530,8 +530,11 @@ async def _start(c: Contender, fleet: SimFleet, tuning: Tuning, workdir: Path) -
             if c.workers > 1:  # the router's CPU is the supervisor's and every worker's
                 router.pids.extend(await _serving_workers(f"http://127.0.0.1:{metrics}/metrics", c.workers))
                 router.flags += f" --workers {c.workers}"
+            # Envoy opens one HTTP/2 connection to the picker per Envoy worker thread, and the kernel
+            # hands each connection to one `--workers` process: with one Envoy thread, one process
+            # would route every request. A thread per picker process lets the streams spread.
             await _start_envoy(router, render_config(listen_port=listen, admin_port=admin, epp_port=grpc),
-                               admin, workdir)
+                               admin, workdir, concurrency=c.workers)
         except BaseException:
             await router.stop()
             raise
