@@ -10,7 +10,7 @@ from pathlib import Path
 _EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 # Ports handed out lately, skipped by later calls: a caller may not have bound its port yet.
 _recently_handed: deque[int] = deque(maxlen=4096)
-# From the OS, not the `random` module's generator: a process that seeds that one (benchmarks do),
+# From the OS, not the `random` module's generator: a process that seeds that one,
 # or a forked copy of it, would otherwise hand out the same ports as its twin.
 _choose = random.SystemRandom().choice
 
