@@ -25,7 +25,8 @@ def _below_ephemeral_range() -> range | None:
     return ports if len(ports) >= 1024 else None
 
 
-def _bindable(host: str, port: int) -> bool:
+def bindable(host: str, port: int) -> bool:
+    """Whether a TCP socket can bind `host:port` right now."""
     with socket.socket() as sock:
         try:
             sock.bind((host, port))
@@ -47,7 +48,7 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     ports: list[int] = []
     for _ in range(64 * count):
         port = _choose(candidates)
-        if port in ports or port in _recently_handed or not _bindable(host, port):
+        if port in ports or port in _recently_handed or not bindable(host, port):
             continue
         ports.append(port)
         if len(ports) == count:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
-from epp.netutil import free_ports
+from epp.netutil import bindable, free_ports
 
 
 def free_port() -> int:
@@ -18,18 +16,8 @@ def consecutive_free_ports(n: int) -> int:
     """The first of `n` consecutive loopback ports that are free now."""
     for _ in range(200):
         [base] = free_ports(1)
-        socks = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
+        if all(bindable("127.0.0.1", port) for port in range(base + 1, base + n)):
             return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
     raise RuntimeError(f"no {n} consecutive free loopback ports found")
 
 

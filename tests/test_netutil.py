@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-from pathlib import Path
 
 import pytest
 
@@ -12,10 +11,10 @@ from epp.netutil import free_ports
 
 
 def ephemeral_low() -> int:
-    return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    return int(netutil._EPHEMERAL_RANGE_FILE.read_text().split()[0])
 
 
-@pytest.mark.skipif(not Path("/proc/sys/net/ipv4/ip_local_port_range").exists(), reason="Linux only")
+@pytest.mark.skipif(not netutil._EPHEMERAL_RANGE_FILE.exists(), reason="Linux only")
 def test_ports_come_from_below_the_ephemeral_range_and_bind():
     ports = free_ports(8)
     assert len(set(ports)) == 8
