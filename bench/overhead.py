@@ -32,7 +32,7 @@ from aiohttp import web
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from epp.envoy import EnvoyProcess, render_config  # noqa: E402
+from epp.envoy import RESPONSE_MODES, EnvoyProcess, render_config  # noqa: E402
 from epp.netutil import free_ports  # noqa: E402
 
 METRICS_TEXT = (
@@ -142,9 +142,9 @@ async def run(args: argparse.Namespace) -> dict:
                                ",".join(endpoints)], start_new_session=True)
     envoys = {
         "epp": EnvoyProcess(render_config(listen_port=l_epp, admin_port=a_epp, epp_port=grpc,
-                                          response_processing=not args.request_only), a_epp),
+                                          responses=args.responses), a_epp),
         "minimal": EnvoyProcess(render_config(listen_port=l_min, admin_port=a_min, epp_port=minimal,
-                                              response_processing=not args.request_only), a_min),
+                                              responses=args.responses), a_min),
         "direct": EnvoyProcess(render_config(listen_port=l_rr, admin_port=a_rr, round_robin_backends=endpoints), a_rr),
     }
     listen = {"epp": l_epp, "minimal": l_min, "direct": l_rr}
@@ -196,8 +196,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1000, help="sequential requests for latency")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=10.0, help="duration of the throughput run")
-    parser.add_argument("--request-only", action="store_true",
-                        help="Envoy sends only the request phases to the picker (no response processing)")
+    parser.add_argument("--responses", choices=RESPONSE_MODES, default="full",
+                        help="how much of each response Envoy shows the pickers (`epp envoy-config --responses`)")
+    parser.add_argument("--request-only", dest="responses", action="store_const", const="none",
+                        help="the same as --responses none")
     parser.add_argument("--rounds", type=int, default=10,
                         help="latency is measured in this many turns of the three paths")
     parser.add_argument("--epp-arg", action="append", default=[], help="extra argument for `epp serve`")
@@ -205,7 +207,8 @@ def main() -> None:
     args = parser.parse_args()
     res = asyncio.run(run(args))
     d = res["direct"]
-    mode = "request phases only" if args.request_only else "all phases"
+    mode = {"full": "all phases", "headers": "request phases and response headers",
+            "none": "request phases only"}[args.responses]
     print(f"\n{args.endpoints} endpoints, {args.prompt_bytes}-byte prompts, {mode}, {args.requests} sequential "
           f"requests per path in {args.rounds} rounds, concurrency {args.concurrency} for {args.seconds:.0f}s\n")
     print(f"| path | p50 ms | p99 ms | added p50 ms | added p99 ms | picker CPU µs / request | "

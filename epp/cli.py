@@ -12,6 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 from epp import limits as lim
+from epp.envoy import RESPONSE_MODES
 from epp.server.extproc import DEFAULT_MAX_BODY_BYTES
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -294,7 +295,7 @@ def _run_envoy_config(args: argparse.Namespace) -> int:
                                    epp_port=args.epp_port, epp_host=args.epp_host,
                                    listen_address=args.listen_address,
                                    failure_mode_allow=args.failure_mode_allow, epp_tls=args.epp_tls,
-                                   response_processing=not args.request_only))
+                                   responses="none" if args.request_only else args.responses))
     return 0
 
 
@@ -329,9 +330,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="route requests on when the picker cannot be reached (only body-less requests: "
                             "Envoy fails closed for streamed bodies)")
     envoy.add_argument("--epp-tls", action="store_true", help="reach the picker over TLS (epp serve --secure-serving)")
-    envoy.add_argument("--request-only", action="store_true",
-                       help="send only request phases to the picker: lower overhead; no token-usage metrics, "
-                            "response hooks or model-name rewrite back")
+    envoy.add_argument("--responses", choices=RESPONSE_MODES, default="full",
+                       help="how much of each response the picker sees: full (GIE's contract: headers and "
+                            "every body chunk), headers (headers and the end: far less picker CPU for streamed "
+                            "answers; no token usage, first-token timing or model-name rewrite back), none "
+                            "(request phases only; the picker no longer sees requests end)")
+    envoy.add_argument("--request-only", action="store_true", help="the same as --responses none")
     calibration = sub.add_parser("calibration", help="show the predicted-TTFT costs a running picker has learned",
                                  description="Read a running picker's /metrics and print, per endpoint and model, "
                                              "the TTFT costs its predicted-ttft-scorer has learned.")

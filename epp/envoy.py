@@ -66,8 +66,11 @@ _EXT_PROC_FILTER = """\
                 request_body_mode: FULL_DUPLEX_STREAMED
                 response_body_mode: {response_body_mode}
                 request_trailer_mode: SEND
-                response_trailer_mode: {response_header_mode}
+                response_trailer_mode: {response_trailer_mode}
 """
+
+# How much of each response Envoy shows the picker (see `render_config`).
+RESPONSE_MODES = ("full", "headers", "none")
 
 _TEMPLATE = """\
 # Envoy in front of the LLM endpoint picker (rendered by `epp envoy-config`).
@@ -168,15 +171,18 @@ def render_config(*, listen_port: int = 8081, admin_port: int = 19000, epp_port:
                   epp_host: str = "127.0.0.1", listen_address: str = "127.0.0.1",
                   failure_mode_allow: bool = False, epp_tls: bool = False,
                   message_timeout: str = "1000s", round_robin_backends: Sequence[str] = (),
-                  response_processing: bool = True, extra_epp_ports: Sequence[int] = ()) -> str:
+                  responses: str = "full", extra_epp_ports: Sequence[int] = ()) -> str:
     """Envoy bootstrap YAML: through the picker, or (with `round_robin_backends`) plain round-robin.
 
     `extra_epp_ports`: more pickers on `epp_host` in the one ext_proc cluster (separate pods of a
     pool; Envoy spreads the ext_proc streams over them round-robin).
 
-    `response_processing=False` keeps responses away from the picker: two round trips fewer per
-    request, at the price of token-usage metrics, response hooks and the model-name rewrite back.
+    `responses` is how much of each response the picker sees (`RESPONSE_MODES`): "full" (GIE's
+    contract: headers and every body chunk), "headers" (headers, then the stream's end: no chunk
+    crosses gRPC) or "none" (request phases only).
     """
+    if responses not in RESPONSE_MODES:
+        raise ValueError(f"responses must be one of {', '.join(RESPONSE_MODES)}, not {responses!r}")
     if round_robin_backends:
         lines = "".join(
             f"        - endpoint: {{ address: {{ socket_address: {{ address: {hp.rpartition(':')[0]}, "
@@ -185,8 +191,12 @@ def render_config(*, listen_port: int = 8081, admin_port: int = 19000, epp_port:
     else:
         filters = _STRIP_FILTER + _EXT_PROC_FILTER.format(
             failure_mode_allow=str(failure_mode_allow).lower(), message_timeout=message_timeout,
-            response_header_mode="SEND" if response_processing else "SKIP",
-            response_body_mode="FULL_DUPLEX_STREAMED" if response_processing else "NONE")
+            response_header_mode="SKIP" if responses == "none" else "SEND",
+            response_body_mode="FULL_DUPLEX_STREAMED" if responses == "full" else "NONE",
+            # Sending trailers keeps the ext_proc stream open until the response has ended (Envoy
+            # 1.40 closes it after the last phase it will send): with "headers" that close is how
+            # the picker learns the request finished, without reading its body.
+            response_trailer_mode="SKIP" if responses == "none" else "SEND")
         # A DNS name (a Kubernetes Service) is resolved and re-resolved by Envoy; an IP is static.
         dns = not _is_ip(epp_host)
         clusters = _ORIGINAL_DST_CLUSTER + _EPP_CLUSTER.format(

@@ -150,15 +150,17 @@ class RequestLifecycle:
         """The request was answered with an error."""
         self.accounting.failed(self.labels, code)
 
-    def response_headers(self) -> None:
-        """`self.response` holds the response headers: run the hooks; a whole or failed response ends prefill."""
+    def response_headers(self, *, first_token_follows: bool = True) -> None:
+        """`self.response` holds the response headers: run the hooks; prefill ends unless a first token will show."""
         request = self.request
         if request is None:
             return
         response = self.response
         self.director.response_headers(self.state, request, response, self.target)
-        if not response.streaming or response.status != "200":
-            # A whole (or failed) response: its prefill is over, but no first token was timed.
+        if not (first_token_follows and response.streaming and response.status == "200"):
+            # A whole (or failed) response, or a body the picker is not shown: its prefill counts
+            # as over (early, for a streamed one: the next scrape shows the replica's own queue),
+            # but no first token was timed.
             self.first_token_seen = True
             self.director.first_token(self.state, observed=False)
 

@@ -237,6 +237,7 @@ class Contender:
     fleet_options: dict[str, Any] = field(default_factory=dict)  # FleetConfig overrides this router needs
     workers: int = 1  # epp: `epp serve --workers N` (N pickers sharing decisions over the peer link)
     pods: int = 1  # epp: N separate `epp serve` processes (peers of each other) in one Envoy ext_proc cluster
+    responses: str = "full"  # epp, minimal-picker: how much of each response Envoy shows the picker
 
     @property
     def is_peer(self) -> bool:
@@ -272,6 +273,13 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
               ORACLE_LABEL + "predicted-TTFT with the simulator profile's prefill cost", default=False),
     Contender("epp-precise-active", "epp", "precise-active",
               "our EPP: precise prefix 3, active-request (in-flight) 2, kv 2", default=False),
+    Contender("epp-approx-headers", "epp", "approx",
+              "epp-approx with `epp envoy-config --responses headers`: no response body crosses gRPC",
+              default=False, responses="headers"),
+    Contender("epp-precise-headers", "epp", "precise", "epp-precise with `--responses headers`",
+              default=False, responses="headers"),
+    Contender("minimal-picker-headers", "minimal-picker", "", "minimal-picker with `--responses headers`",
+              default=False, responses="headers"),
     Contender("epp-approx-w2", "epp", "approx", "epp-approx with --workers 2 (two pickers sharing decisions)",
               default=False, workers=2),
     Contender("epp-precise-w2", "epp", "precise", "epp-precise with --workers 2 (two pickers sharing decisions)",
@@ -456,6 +464,10 @@ def _pip_version(dist: str) -> str:
     return "?"
 
 
+def _responses_flag(c: Contender) -> str:
+    return "" if c.responses == "full" else f" (epp envoy-config --responses {c.responses})"
+
+
 async def _start_envoy(router: RunningRouter, config: str, admin: int, workdir: Path, concurrency: int = 1) -> None:
     envoy = EnvoyProcess(config, admin, concurrency=concurrency)
     router.stoppers.append(envoy.stop)
@@ -496,7 +508,7 @@ async def _start(c: Contender, fleet: SimFleet, tuning: Tuning, workdir: Path) -
     if c.kind == "minimal-picker":
         grpc, listen, admin = free_ports(3)
         router = RunningRouter(f"http://127.0.0.1:{listen}", version="bench/minimal_picker.py + envoy",
-                               flags="minimal_picker.py + envoy ext_proc")
+                               flags=f"minimal_picker.py + envoy ext_proc{_responses_flag(c)}")
         log = workdir / "minimal-picker.log"
         proc = await _spawn([sys.executable, str(Path(__file__).resolve().parents[1] / "minimal_picker.py"),
                              str(grpc), ",".join(fleet.endpoints)], log)
@@ -504,8 +516,8 @@ async def _start(c: Contender, fleet: SimFleet, tuning: Tuning, workdir: Path) -
         router.stoppers.append(lambda: _terminate(proc))
         try:
             await _wait_tcp(grpc, 30, proc, log)
-            await _start_envoy(router, render_config(listen_port=listen, admin_port=admin, epp_port=grpc),
-                               admin, workdir)
+            await _start_envoy(router, render_config(listen_port=listen, admin_port=admin, epp_port=grpc,
+                                                     responses=c.responses), admin, workdir)
         except BaseException:
             await router.stop()
             raise
@@ -524,7 +536,8 @@ async def _start(c: Contender, fleet: SimFleet, tuning: Tuning, workdir: Path) -
         router.pids.append(proc.pid)
         router.stoppers.append(lambda: _terminate(proc))
         router.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
-        router.flags = f"epp serve --config-text <{c.variant} config: {workdir.name}/epp-config.yaml> + envoy ext_proc"
+        router.flags = (f"epp serve --config-text <{c.variant} config: {workdir.name}/epp-config.yaml> + envoy ext_proc"
+                        f"{_responses_flag(c)}")
         try:
             await _wait_http(f"http://127.0.0.1:{metrics}/metrics", 60, proc, log)
             if c.workers > 1:  # the router's CPU is the supervisor's and every worker's
@@ -533,8 +546,8 @@ async def _start(c: Contender, fleet: SimFleet, tuning: Tuning, workdir: Path) -
             # Envoy opens one HTTP/2 connection to the picker per Envoy worker thread, and the kernel
             # hands each connection to one `--workers` process: with one Envoy thread, one process
             # would route every request. A thread per picker process lets the streams spread.
-            await _start_envoy(router, render_config(listen_port=listen, admin_port=admin, epp_port=grpc),
-                               admin, workdir, concurrency=c.workers)
+            await _start_envoy(router, render_config(listen_port=listen, admin_port=admin, epp_port=grpc,
+                                                     responses=c.responses), admin, workdir, concurrency=c.workers)
         except BaseException:
             await router.stop()
             raise

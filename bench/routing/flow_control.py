@@ -209,7 +209,7 @@ async def start_picker(bench: FlowBench, fleet: SimFleet, flow_control: bool, wo
     try:
         await _wait_http(f"http://127.0.0.1:{metrics}/metrics", 60, proc, log)
         await _start_envoy(router, render_config(listen_port=listen, admin_port=admin, epp_port=grpc,
-                                                 response_processing=False), admin, workdir)
+                                                 responses="none"), admin, workdir)
     except BaseException:
         await router.stop()
         raise

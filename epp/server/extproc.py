@@ -4,6 +4,9 @@ Request headers are held until the body ends; then the request is parsed and sch
 headers reply (destination endpoint) and the body (re-emitted as `streamed_response` pieces)
 are sent back to back. Response headers, body and trailers are answered as they come: SSE is
 streamed through piece by piece, JSON is buffered so the model name can be rewritten back.
+When Envoy says (in the stream's `protocol_config`) that it sends no response body
+(`epp envoy-config --responses headers`), the response headers end the request's prefill and
+the stream's close ends the request.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import uuid
 from typing import Any
 
 import grpc
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf.message import DecodeError
@@ -35,6 +39,8 @@ SUBSET_HINT_KEY = "x-gateway-destination-endpoint-subset"
 SERVED_ENDPOINT_KEY = "x-gateway-destination-endpoint-served"
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 RESPONSE_PHASES = frozenset({"response_headers", "response_body", "response_trailers"})
+
+
 def _header_map(header_map: Any) -> dict[str, str]:
     """Envoy headers as a dict of lower-case names; Envoy sends values in `raw_value`."""
     out: dict[str, str] = {}
@@ -83,7 +89,7 @@ class _Stream:
     """
 
     __slots__ = ("service", "life", "headers", "body_parts", "body_size", "subset_hint", "request_id",
-                 "rewriter", "response_parts", "response_size", "passthrough", "rejected")
+                 "rewriter", "response_parts", "response_size", "passthrough", "rejected", "response_body_sent")
 
     def __init__(self, service: ExtProcService) -> None:
         self.service = service
@@ -98,6 +104,8 @@ class _Stream:
         self.response_size = 0
         self.passthrough = False
         self.rejected = False
+        # Whether Envoy sends the response body (its first message says when it does not).
+        self.response_body_sent = True
 
     @property
     def scheduled(self) -> bool:
@@ -169,8 +177,10 @@ class _Stream:
         response.served_endpoint = served_endpoint_of(req)
         response.streaming = "text/event-stream" in headers.get("content-type", "") or bool(
             life.request and life.request.stream)
-        life.response_headers()
-        remove = ["content-length"] if self.rewriter is not None and self.rewriter.active else []
+        body_sent = self.response_body_sent
+        life.response_headers(first_token_follows=body_sent)
+        # The body is rewritten (its length may change) only when the picker is shown it.
+        remove = ["content-length"] if body_sent and self.rewriter is not None and self.rewriter.active else []
         replies = [messages.response_headers_response(response.set_headers.items(), remove)]
         if msg.end_of_stream:
             life.complete()
@@ -215,6 +225,11 @@ class _Stream:
     def on_response_trailers(self) -> list[pb.ProcessingResponse]:
         self.life.complete()
         return [messages.response_trailers_response()]
+
+    def on_close(self) -> None:
+        """Envoy closed the stream: without a response body, that is how a response ends."""
+        if not self.response_body_sent and self.life.response.status:
+            self.life.complete()
 
     def _usage_of(self, body: bytes, *, sse: bool) -> dict[str, Any] | None:
         """Token usage of a response body; a body the picker cannot read is counted and passed on."""
@@ -292,6 +307,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
             while True:
                 req = await self._read(context, stream)
                 if req is grpc.aio.EOF:
+                    stream.on_close()
                     break
                 if stream.rejected:
                     continue  # Envoy answers the client itself after an immediate response
@@ -359,6 +375,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
             if hint is not None:
                 stream.subset_hint = hint
             if kind == "request_headers":
+                if req.HasField("protocol_config"):
+                    stream.response_body_sent = req.protocol_config.response_body_mode != ProcessingMode.NONE
                 return await stream.on_request_headers(req.request_headers)
             return await stream.on_request_body(req.request_body)
         if kind == "response_headers":

@@ -8,6 +8,7 @@ import urllib.request
 
 import grpc
 import pytest
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epp.framework.plugin import ResponseCompleteHook, ResponseHeadersHook
@@ -227,6 +228,48 @@ async def test_response_trailers_are_answered(picker):
         [request_headers(), request_body(BODY), response_headers([(":status", "200")]),
          pb.ProcessingRequest(response_trailers=pb.HttpTrailers())], expect=4)
     assert replies[3].HasField("response_trailers")
+
+
+def headers_only(req):
+    """`req` as Envoy's first message when it sends the picker no response body (`--responses headers`)."""
+    req.protocol_config.request_body_mode = ProcessingMode.FULL_DUPLEX_STREAMED
+    req.protocol_config.response_body_mode = ProcessingMode.NONE
+    return req
+
+
+async def test_without_response_bodies_headers_end_the_prefill_and_the_close_ends_the_request(picker):
+    server, client = picker
+    ledger = server.director.ledger
+    target = server.endpoints.snapshot()[0]
+    running = server.metrics.running_requests.labels("sql-lora")
+    duration = server.metrics.request_duration.labels("sql-lora", "sql-lora-1fdg2")
+    call = await client.open()
+    await call.write(headers_only(request_headers(extra=[("x-gateway-model-name-rewrite", "sql-lora-1fdg2")])))
+    await call.write(request_body(b'{"model":"sql-lora","prompt":"test2","stream":true}'))
+    await call.read(), await call.read()
+    assert ledger.load(target).prefilling_requests == 1
+    await call.write(response_headers([(":status", "200"), ("content-type", "text/event-stream"),
+                                       ("content-length", "1234")]))
+    reply = (await call.read()).response_headers.response
+    # No body will be rewritten, so its length stays as the model server sent it.
+    assert list(reply.header_mutation.remove_headers) == []
+    # No first token will be shown: the prefill counts as over, the request still runs.
+    load = ledger.load(target)
+    assert (load.prefilling_requests, load.inflight_requests) == (0, 1)
+    assert running._value.get() == 1
+    await call.done_writing()  # Envoy closes the stream when the response has ended
+    assert await call.read() is grpc.aio.EOF
+    for _ in range(50):
+        if running._value.get() == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert running._value.get() == 0
+    assert ledger.load(target).inflight_requests == 0
+    assert _histogram_count(duration) == 1  # a finished request, not an aborted one
+
+
+def _histogram_count(child) -> float:
+    return next(s.value for m in child.collect() for s in m.samples if s.name.endswith("_count"))
 
 
 class RecordingHooks(ResponseHeadersHook, ResponseCompleteHook):

@@ -151,7 +151,7 @@ async def test_picker_down_follows_failure_mode_allow(stack, fail_open):
 
 
 async def test_request_only_envoy_config_routes_without_response_phases(stack):
-    envoy, port = await start_envoy(stack.epp.grpc_port, response_processing=False)
+    envoy, port = await start_envoy(stack.epp.grpc_port, responses="none")
     phases = {s.labels["phase"]: s.value for s in stack.epp.metrics.messages.collect()[0].samples
               if s.name.endswith("_total")}
     try:
@@ -171,3 +171,37 @@ async def test_request_only_envoy_config_routes_without_response_phases(stack):
         assert stack.epp.metrics.running_requests.labels("m")._value.get() == 0
     finally:
         await envoy.stop()
+
+
+async def test_headers_only_responses_stream_past_the_picker_and_end_with_the_response(stack):
+    envoy, port = await start_envoy(stack.epp.grpc_port, responses="headers")
+    running = stack.epp.metrics.running_requests.labels("m")._value
+    phases = _phase_counts(stack)
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"http://127.0.0.1:{port}/v1/completions",
+                                    json={"model": "m", "prompt": "lean", "stream": True, "events": 4,
+                                          "delay": 0.2}) as r:
+                assert r.status == 200
+                first = await r.content.readline()
+                assert json.loads(first.removeprefix(b"data: "))["choices"][0]["text"] == "t0"
+                await asyncio.sleep(0.1)  # time for the picker (in this process) to see a close, were there one
+                # The response is still streaming (0.6 s to go): the request still runs on its endpoint.
+                assert running.get() == 1
+                rest = await r.read()
+        assert b"t3" in rest and rest.endswith(b"data: [DONE]\n\n")
+        for _ in range(40):  # the ext_proc stream closes once the response has ended
+            if running.get() == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert running.get() == 0
+        after = _phase_counts(stack)
+        assert after["response_headers"] - phases.get("response_headers", 0) == 1
+        assert after.get("response_body", 0) == phases.get("response_body", 0)  # no chunk crossed gRPC
+    finally:
+        await envoy.stop()
+
+
+def _phase_counts(stack) -> dict[str, float]:
+    return {s.labels["phase"]: s.value for s in stack.epp.metrics.messages.collect()[0].samples
+            if s.name.endswith("_total")}

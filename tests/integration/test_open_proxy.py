@@ -17,7 +17,7 @@ import pytest_asyncio
 import yaml
 
 from epp.datalayer.registry import parse_endpoint_list
-from epp.envoy import CLIENT_STRIPPED_HEADERS, EnvoyProcess, render_config
+from epp.envoy import CLIENT_STRIPPED_HEADERS, RESPONSE_MODES, EnvoyProcess, render_config
 from epp.server.runner import EppServer, ServeOptions
 from tests.backends import EchoBackend
 from tests.conftest import free_port
@@ -96,27 +96,27 @@ def _forged_requests(victim: Listener):
     return requests
 
 
-@pytest.mark.parametrize("request_only", [False, True], ids=["full", "request-only"])
+@pytest.mark.parametrize("responses", RESPONSE_MODES)
 @pytest.mark.parametrize("fail_open", [False, True], ids=["fail-closed", "failure-mode-allow"])
 @module_loop
-async def test_forged_destination_never_reaches_its_host_with_the_picker_down(parts, fail_open, request_only):
+async def test_forged_destination_never_reaches_its_host_with_the_picker_down(parts, fail_open, responses):
     victim, _, _ = parts
     dead_picker = free_port()
     outcomes = await _through_envoy(dead_picker, _forged_requests(victim), failure_mode_allow=fail_open,
-                                    response_processing=not request_only)
+                                    responses=responses)
     assert victim.connections == 0
     # Nothing picked: Envoy has no upstream to use and answers itself, never with the victim's reply.
     assert all(status >= 500 and backend is None for status, backend in outcomes), outcomes
 
 
-@pytest.mark.parametrize("request_only", [False, True], ids=["full", "request-only"])
+@pytest.mark.parametrize("responses", RESPONSE_MODES)
 @pytest.mark.parametrize("fail_open", [False, True], ids=["fail-closed", "failure-mode-allow"])
 @module_loop
-async def test_forged_destination_is_replaced_by_the_pick_with_the_picker_up(parts, fail_open, request_only):
+async def test_forged_destination_is_replaced_by_the_pick_with_the_picker_up(parts, fail_open, responses):
     victim, pool, epp = parts
     before = len(pool.received)
     outcomes = await _through_envoy(epp.grpc_port, _forged_requests(victim), failure_mode_allow=fail_open,
-                                    response_processing=not request_only)
+                                    responses=responses)
     assert victim.connections == 0
     assert outcomes == [(200, "pool")] * len(outcomes)
     for seen in pool.received[before:]:
@@ -154,8 +154,8 @@ SHIPPED = sorted(str(p.relative_to(REPO)) for p in (REPO / "deploy").rglob("*.ya
 @pytest.mark.parametrize("source", ["rendered", *SHIPPED])
 def test_every_shipped_config_strips_client_routing_headers_before_ext_proc(source):
     if source == "rendered":
-        configs = [yaml.safe_load(render_config(failure_mode_allow=a, response_processing=b))
-                   for a in (False, True) for b in (False, True)]
+        configs = [yaml.safe_load(render_config(failure_mode_allow=a, responses=b))
+                   for a in (False, True) for b in RESPONSE_MODES]
     else:
         configs = _envoy_configs_in(REPO / source)
     assert set(FORGED) <= set(CLIENT_STRIPPED_HEADERS)
