@@ -1,14 +1,15 @@
 """CPU cost of one routed request inside the picker process, against a do-nothing ext_proc floor.
 
 A gRPC client (its own process) plays Envoy: per request one ext_proc stream with request
-headers + a 4 KB JSON body, and (full mode) response headers + body. The server's CPU time
+headers + a 4 KB JSON body, then what the response mode sends (`epp envoy-config --responses`):
+"full" response headers + body, "headers" response headers and the stream's close, "none"
+nothing. The first message carries Envoy's `protocol_config`, as Envoy 1.40 sends it. The server's CPU time
 (/proc/<pid>/stat, all threads) is read around N requests at concurrency C, so the number does
 not depend on what else runs on the machine. Three servers in the same run:
   floor        a grpc.aio servicer that answers each phase with an empty message (on uvloop)
   minimal      `bench/minimal_picker.py`: routes at random and re-emits the bodies, the least a
                working picker sends in GIE's full-duplex body mode (the empty floor drops the body)
-  epp full     `epp serve` (default config: queue + kv-cache + approximate prefix), all phases
-  epp request  the same picker with Envoy's request-only mode (no response phases)
+  epp serve    `epp serve` (default config: queue + kv-cache + approximate prefix)
 Optional rows: `--sync-floor` adds the same empty servicer on grpc's sync server (thread pool),
 `--before DIR` adds `epp serve` run from another checkout (e.g. `git worktree add DIR <commit>`).
 With `--repeat N` every row is measured N times, rows taking turns, and the minimum is shown
@@ -17,6 +18,7 @@ all-phases requests as a streamed completion of N token chunks (each an ext_proc
 out, as through Envoy): the difference to a run without it, divided by N, is the cost per chunk.
 
     python bench/extproc_cpu.py --requests 3000
+    python bench/extproc_cpu.py --requests 2000 --repeat 3 --modes full,headers
     python bench/extproc_cpu.py --requests 2000 --repeat 3 --sync-floor --before /tmp/epp-before
     python bench/extproc_cpu.py --requests 300 --repeat 3 --sse-chunks 64
 """
@@ -34,6 +36,7 @@ from pathlib import Path
 
 import grpc
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
@@ -102,16 +105,25 @@ def _sse_response(chunks: int) -> list[pb.ProcessingRequest]:
             + [pb.ProcessingRequest(response_body=pb.HttpBody(body=last, end_of_stream=True))])
 
 
-def _messages(full: bool, sse_chunks: int = 0) -> tuple[list[pb.ProcessingRequest], list[pb.ProcessingRequest]]:
+# What each `--responses` mode sends of a response, and how the tables name it.
+MODES = {"full": "all phases", "headers": "request phases + response headers", "none": "request phases"}
+
+
+def _messages(mode: str, sse_chunks: int = 0) -> tuple[list[pb.ProcessingRequest], list[pb.ProcessingRequest]]:
+    """The request messages and the response messages of one stream in `mode` (a key of MODES)."""
     body = json.dumps({"model": "m", "prompt": ("The quick brown fox jumps over the lazy dog. " * 92)[:4096]})
-    request = [
-        pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=_headers(
-            [(":method", "POST"), (":path", "/v1/completions"), ("content-type", "application/json"),
-             ("x-request-id", "r")]))),
-        pb.ProcessingRequest(request_body=pb.HttpBody(body=body.encode(), end_of_stream=True)),
-    ]
-    if not full:
+    first = pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=_headers(
+        [(":method", "POST"), (":path", "/v1/completions"), ("content-type", "application/json"),
+         ("x-request-id", "r")])))
+    first.protocol_config.request_body_mode = ProcessingMode.FULL_DUPLEX_STREAMED
+    if mode == "full":
+        first.protocol_config.response_body_mode = ProcessingMode.FULL_DUPLEX_STREAMED
+    request = [first, pb.ProcessingRequest(request_body=pb.HttpBody(body=body.encode(), end_of_stream=True))]
+    if mode == "none":
         return request, []
+    if mode == "headers":
+        return request, [pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=_headers(
+            [(":status", "200"), ("content-type", "text/event-stream")])))]
     if sse_chunks:
         return request, _sse_response(sse_chunks)
     return request, [
@@ -122,8 +134,8 @@ def _messages(full: bool, sse_chunks: int = 0) -> tuple[list[pb.ProcessingReques
     ]
 
 
-async def _drive(port: int, n: int, concurrency: int, full: bool, sse_chunks: int = 0) -> float:
-    request, response = _messages(full, sse_chunks)
+async def _drive(port: int, n: int, concurrency: int, mode: str, sse_chunks: int = 0) -> float:
+    request, response = _messages(mode, sse_chunks)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = pb_grpc.ExternalProcessorStub(channel)
         remaining = n
@@ -155,21 +167,21 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _measure(argv: list[str], port: int, n: int, concurrency: int, full: bool, cwd: Path = REPO,
+def _measure(argv: list[str], port: int, n: int, concurrency: int, mode: str, cwd: Path = REPO,
              sse_chunks: int = 0) -> dict:
     proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30
         while True:
             try:
-                asyncio.run(_drive(port, 50, 4, full, sse_chunks))  # warm-up, and proof the server is up
+                asyncio.run(_drive(port, 50, 4, mode, sse_chunks))  # warm-up, and proof the server is up
                 break
             except grpc.aio.AioRpcError:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
         before = _cpu_seconds(proc.pid)
-        rps = asyncio.run(_drive(port, n, concurrency, full, sse_chunks))
+        rps = asyncio.run(_drive(port, n, concurrency, mode, sse_chunks))
         cpu = _cpu_seconds(proc.pid) - before
         return {"cpu_us_per_request": cpu / n * 1e6, "requests_per_cpu_second": n / cpu, "rps_here": rps}
     finally:
@@ -186,7 +198,12 @@ def main() -> None:
     parser.add_argument("--before", type=Path, help="also measure `epp serve` run from this checkout")
     parser.add_argument("--sse-chunks", type=int, default=0,
                         help="all phases: answer as a stream of this many SSE token chunks (one ext_proc message each)")
+    parser.add_argument("--modes", default="full,none",
+                        help=f"response modes to measure, comma-separated, of: {', '.join(MODES)} (default full,none)")
     args = parser.parse_args()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or not set(modes) <= set(MODES):
+        parser.error(f"--modes takes a comma-separated list of {', '.join(MODES)}")
     port, health, metrics = free_ports(3)
     endpoints = ",".join(f"127.0.0.1:{8000 + i}" for i in range(16))
     epp = [sys.executable, "-m", "epp.cli", "serve", "--grpc-port", str(port), "--grpc-health-port", str(health),
@@ -197,22 +214,21 @@ def main() -> None:
     floor = [sys.executable, "-c", FLOOR_SERVER, str(port)]
     minimal = [sys.executable, str(REPO / "bench" / "minimal_picker.py"), str(port), endpoints]
     sync_floor = [sys.executable, "-c", SYNC_FLOOR_SERVER, str(port)]
-    rows: list[tuple[str, list[str], bool, Path]] = []
-    streamed = f", {args.sse_chunks} SSE chunks" if args.sse_chunks else ""
-    for full, phases, mode in ((True, f"all phases{streamed}", f"all phases{streamed}"),
-                               (False, "request phases", "request-only Envoy mode")):
-        rows.append((f"floor: empty grpc.aio servicer, {phases}", floor, full, REPO))
+    rows: list[tuple[str, list[str], str, Path]] = []
+    for mode in modes:
+        phases = MODES[mode] + (f", {args.sse_chunks} SSE chunks" if args.sse_chunks and mode == "full" else "")
+        rows.append((f"floor: empty grpc.aio servicer, {phases}", floor, mode, REPO))
         if args.sync_floor:
-            rows.append((f"floor on grpc's sync server (thread pool), {phases}", sync_floor, full, REPO))
-        rows.append((f"minimal picker (routes at random, re-emits bodies), {phases}", minimal, full, REPO))
+            rows.append((f"floor on grpc's sync server (thread pool), {phases}", sync_floor, mode, REPO))
+        rows.append((f"minimal picker (routes at random, re-emits bodies), {phases}", minimal, mode, REPO))
         if args.before is not None:
-            rows.append((f"epp serve from {args.before}, {mode}", epp, full, args.before.resolve()))
-        rows.append((f"epp serve, {mode}", epp, full, REPO))
+            rows.append((f"epp serve from {args.before}, {phases}", epp, mode, args.before.resolve()))
+        rows.append((f"epp serve, {phases}", epp, mode, REPO))
     cpu: dict[str, list[float]] = {label: [] for label, *_ in rows}
     for round_ in range(args.repeat):
-        for label, argv, full, cwd in rows:
+        for label, argv, mode, cwd in rows:
             print(f"measuring {label} ({round_ + 1}/{args.repeat}) ...", file=sys.stderr, flush=True)
-            cpu[label].append(_measure(argv, port, args.requests, args.concurrency, full, cwd,
+            cpu[label].append(_measure(argv, port, args.requests, args.concurrency, mode, cwd,
                                        args.sse_chunks)["cpu_us_per_request"])
     print(f"\n{args.requests} requests at concurrency {args.concurrency}, 16 endpoints, 4 KB prompts"
           f"{f', minimum of {args.repeat} runs' if args.repeat > 1 else ''}\n")
@@ -220,7 +236,7 @@ def main() -> None:
           "| × the minimal picker |")
     print("|---|---|---|---|---|")
     floor_us = minimal_us = 0.0
-    for label, argv, _full, _cwd in rows:
+    for label, argv, _mode, _cwd in rows:
         us = min(cpu[label])
         if argv is floor:  # each mode's rows start with its floor
             floor_us, minimal_us = us, 0.0

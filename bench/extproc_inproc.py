@@ -2,7 +2,7 @@
 
 Starts the picker in-process (`EppServer`, default config: queue + kv-cache + approximate
 prefix, 16 endpoints, no scraping) and feeds the same messages `bench/extproc_cpu.py` sends
-(request headers + a 4 KB JSON body, and with all phases response headers + body) to its
+(request headers + a 4 KB JSON body, then what each response mode sends) to its
 ext_proc service, one request after another. Prints process CPU µs per request (the minimum
 over batches: other tenants of a shared machine only ever add time) and the share of each
 phase. What `bench/extproc_cpu.py` shows above this is gRPC's, the kernel's and contention's.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from extproc_cpu import _messages  # noqa: E402
+from extproc_cpu import MODES, _messages  # noqa: E402
 
 from epp.datalayer.registry import parse_endpoint_list  # noqa: E402
 from epp.request.parsing import RequestParser  # noqa: E402
@@ -30,7 +30,7 @@ from epp.server.runner import EppServer, ServeOptions  # noqa: E402
 BATCHES = 20
 
 
-async def measure(n: int, full: bool) -> tuple[float, dict[str, float]]:
+async def measure(n: int, mode: str) -> tuple[float, dict[str, float]]:
     """CPU µs per request (minimum over batches) and the share of each phase."""
     options = ServeOptions(grpc_port=0, grpc_health_port=0, metrics_port=0, bind_address="127.0.0.1",
                            endpoints=parse_endpoint_list(",".join(f"127.0.0.1:{8000 + i}" for i in range(16))),
@@ -39,7 +39,7 @@ async def measure(n: int, full: bool) -> tuple[float, dict[str, float]]:
     await server.start()
     try:
         service = ExtProcService(server.director, RequestParser(), server.metrics)
-        request, response = _messages(full)
+        request, response = _messages(mode)
         sequence = [(req.WhichOneof("request"), req) for req in request + response]
         spent = dict.fromkeys([kind for kind, _ in sequence], 0.0)
         clock = time.process_time
@@ -50,7 +50,8 @@ async def measure(n: int, full: bool) -> tuple[float, dict[str, float]]:
                 t0 = clock()
                 await service._dispatch(stream, req)
                 spent[kind] += clock() - t0
-            stream.life.complete(aborted=True)  # what the end of the gRPC stream does
+            stream.on_close()  # what the end of the gRPC stream does
+            stream.life.complete(aborted=True)
 
         for _ in range(200):  # warm-up
             await one()
@@ -74,8 +75,8 @@ def main() -> None:
     print(f"\n{args.requests} requests in {BATCHES} batches, 16 endpoints, 4 KB prompts, no gRPC\n")
     print("| mode | Python CPU µs / request (min batch) | share by phase |")
     print("|---|---|---|")
-    for label, full in (("all phases", True), ("request phases", False)):
-        us, shares = asyncio.run(measure(args.requests, full))
+    for mode, label in MODES.items():
+        us, shares = asyncio.run(measure(args.requests, mode))
         split = ", ".join(f"{kind} {share * 100:.0f} %" for kind, share in shares.items())
         print(f"| {label} | {us:.0f} | {split} |")
 

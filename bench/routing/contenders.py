@@ -238,6 +238,7 @@ class Contender:
     workers: int = 1  # epp: `epp serve --workers N` (N pickers sharing decisions over the peer link)
     pods: int = 1  # epp: N separate `epp serve` processes (peers of each other) in one Envoy ext_proc cluster
     responses: str = "full"  # epp, minimal-picker: how much of each response Envoy shows the picker
+    serve_args: tuple[str, ...] = ()  # epp: more `epp serve` arguments
 
     @property
     def is_peer(self) -> bool:
@@ -280,6 +281,10 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
               default=False, responses="headers"),
     Contender("minimal-picker-headers", "minimal-picker", "", "minimal-picker with `--responses headers`",
               default=False, responses="headers"),
+    *(Contender(f"epp-{pipeline}-headers-scrape{ms}", "epp", pipeline,
+                f"epp-{pipeline}-headers scraping every {ms} ms (`--refresh-metrics-interval`)", default=False,
+                responses="headers", serve_args=("--refresh-metrics-interval", f"{ms / 1000:g}"))
+      for pipeline in ("approx", "precise") for ms in (200, 500)),
     Contender("epp-approx-w2", "epp", "approx", "epp-approx with --workers 2 (two pickers sharing decisions)",
               default=False, workers=2),
     Contender("epp-precise-w2", "epp", "precise", "epp-precise with --workers 2 (two pickers sharing decisions)",
@@ -532,12 +537,12 @@ async def _start(c: Contender, fleet: SimFleet, tuning: Tuning, workdir: Path) -
         proc = await _spawn([sys.executable, "-m", "epp.cli", "serve", "--grpc-port", str(grpc),
                              "--grpc-health-port", str(health), "--metrics-port", str(metrics),
                              "--bind-address", "127.0.0.1", "--config-text", config,
-                             "--endpoints", endpoints, "--workers", str(c.workers)], log)
+                             "--endpoints", endpoints, "--workers", str(c.workers), *c.serve_args], log)
         router.pids.append(proc.pid)
         router.stoppers.append(lambda: _terminate(proc))
         router.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
         router.flags = (f"epp serve --config-text <{c.variant} config: {workdir.name}/epp-config.yaml> + envoy ext_proc"
-                        f"{_responses_flag(c)}")
+                        f"{_responses_flag(c)}{''.join(' ' + a for a in c.serve_args)}")
         try:
             await _wait_http(f"http://127.0.0.1:{metrics}/metrics", 60, proc, log)
             if c.workers > 1:  # the router's CPU is the supervisor's and every worker's
