@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     trace.add_argument("--trace-start", type=float, help="start this many trace seconds in")
     trace.add_argument("--trace-window", type=float, help="take conversations starting within this many trace seconds")
     trace.add_argument("--trace-fraction", type=float, help="share of those conversations replayed (whole)")
+    run.add_argument("--epp-arg", action="append", default=[], metavar="ARG",
+                     help="one more `epp serve` argument for every epp contender (repeat for each word, e.g. "
+                          "--epp-arg=--refresh-metrics-interval --epp-arg=0.045)")
     run.add_argument("--no-raw", action="store_true", help="do not keep per-request records (raw/*.jsonl)")
     run.add_argument("--quiet", action="store_true", help="no progress output")
     sub.add_parser("list", help="list scenarios and contenders")
@@ -89,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else RESULTS / args.scenario
     command = "python -m bench.routing " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    results = asyncio.run(run_scenario(scenario, names, out, progress=not args.quiet, keep_raw=not args.no_raw))
+    results = asyncio.run(run_scenario(scenario, names, out, progress=not args.quiet, keep_raw=not args.no_raw,
+                                       epp_args=tuple(args.epp_arg)))
     md = write_report(scenario, results, out, command, started)
     print(f"report: {md}")
     return 0 if all(r.overall is not None or r.status.startswith("unavailable") for r in results) else 1

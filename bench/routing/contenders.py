@@ -473,6 +473,10 @@ def _responses_flag(c: Contender) -> str:
     return "" if c.responses == "full" else f" (epp envoy-config --responses {c.responses})"
 
 
+def _serve_args_flag(c: Contender) -> str:
+    return "".join(f" {arg}" for arg in c.serve_args)
+
+
 async def _start_envoy(router: RunningRouter, config: str, admin: int, workdir: Path, concurrency: int = 1) -> None:
     envoy = EnvoyProcess(config, admin, concurrency=concurrency)
     router.stoppers.append(envoy.stop)
@@ -541,8 +545,8 @@ async def _start(c: Contender, fleet: SimFleet, tuning: Tuning, workdir: Path) -
         router.pids.append(proc.pid)
         router.stoppers.append(lambda: _terminate(proc))
         router.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
-        router.flags = (f"epp serve --config-text <{c.variant} config: {workdir.name}/epp-config.yaml> + envoy ext_proc"
-                        f"{_responses_flag(c)}{''.join(' ' + a for a in c.serve_args)}")
+        router.flags = (f"epp serve --config-text <{c.variant} config: {workdir.name}/epp-config.yaml>"
+                        f"{_serve_args_flag(c)} + envoy ext_proc{_responses_flag(c)}")
         try:
             await _wait_http(f"http://127.0.0.1:{metrics}/metrics", 60, proc, log)
             if c.workers > 1:  # the router's CPU is the supervisor's and every worker's
@@ -614,7 +618,7 @@ async def _start_epp_pods(c: Contender, fleet: SimFleet, tuning: Tuning, workdir
             proc = await _spawn([sys.executable, "-m", "epp.cli", "serve", "--grpc-port", str(grpc),
                                  "--grpc-health-port", str(health), "--metrics-port", str(metrics),
                                  "--bind-address", "127.0.0.1", "--config-text", config, "--endpoints", endpoints,
-                                 "--peer-port", str(peer), "--peers", peers], log)
+                                 "--peer-port", str(peer), "--peers", peers, *c.serve_args], log)
             router.pids.append(proc.pid)
             router.stoppers.append(lambda proc=proc: _terminate(proc))
             procs.append((proc, log, metrics))
@@ -624,7 +628,8 @@ async def _start_epp_pods(c: Contender, fleet: SimFleet, tuning: Tuning, workdir
             await _wait_metric(f"http://127.0.0.1:{metrics}/metrics", "epp_peer_following", c.pods - 1)
         router.metrics_url = f"http://127.0.0.1:{ports[0][2]}/metrics"  # pod 0's counters
         router.flags = (f"{c.pods} x epp serve --config-text <{c.variant} config: {workdir.name}/epp-config.yaml> "
-                        "--peer-port P --peers <the others> + one envoy ext_proc cluster of all (counters: pod 0)")
+                        f"--peer-port P --peers <the others>{_serve_args_flag(c)} + one envoy ext_proc cluster of all "
+                        "(counters: pod 0)")
         await _start_envoy(router, render_config(listen_port=listen, admin_port=admin, epp_port=ports[0][0],
                                                  extra_epp_ports=[p[0] for p in ports[1:]]), admin, workdir)
     except BaseException:

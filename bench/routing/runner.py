@@ -20,7 +20,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -333,12 +333,14 @@ async def _probe(session: aiohttp.ClientSession, base_url: str, req: BenchReques
 
 
 async def run_scenario(scenario: Scenario, contenders: list[str], out_dir: Path, *, progress: bool = True,
-                       keep_raw: bool = True) -> list[ContenderResult]:
-    """Every contender in turn; prints one line per contender as it finishes."""
+                       keep_raw: bool = True, epp_args: tuple[str, ...] = ()) -> list[ContenderResult]:
+    """Every contender in turn (`epp_args` added to each epp one's `epp serve`); one line per contender as it ends."""
     results = []
     workdir = out_dir / "logs"
     for name in contenders:
         c = CONTENDERS[name]
+        if c.kind == "epp" and epp_args:
+            c = replace(c, serve_args=c.serve_args + epp_args)
         t0 = time.perf_counter()
         if progress:
             print(f"[{scenario.name}/{scenario.scale}] {name}: {c.description}", flush=True)
