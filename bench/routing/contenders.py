@@ -315,6 +315,8 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
       for pipeline in ("approx", "precise")
       for pickers, workers, pods in _PICKER_SHAPES
       for suffix, on in (("no-home", "false"), ("home", "true")) if pickers or suffix == "no-home"),
+    Contender("epp-approx-pods4-home", "epp", "approx+home", "epp-approx-pods4 with rendezvousHome: true",
+              default=False, pods=4),
     Contender("vllm-router-rr", "vllm-router", "round_robin", "vllm-router --policy round_robin"),
     # vllm-router 0.1.17's cache_aware and kv_aware tokenize through the replicas' /v1/completions/render,
     # which vLLM serves only with --enable-scale-out (403 otherwise, and the router then routes blind).
