@@ -630,10 +630,11 @@ async def _start_epp_pods(c: Contender, fleet: SimFleet, tuning: Tuning, workdir
             await _wait_metric(f"http://127.0.0.1:{metrics}/metrics", "epp_peer_following", c.pods - 1)
         router.metrics_url = f"http://127.0.0.1:{ports[0][2]}/metrics"  # pod 0's counters
         router.flags = (f"{c.pods} x epp serve --config-text <{c.variant} config: {workdir.name}/epp-config.yaml> "
-                        f"--peer-port P --peers <the others>{_serve_args_flag(c)} + one envoy ext_proc cluster of all "
-                        "(counters: pod 0)")
+                        f"--peer-port P --peers <the others>{_serve_args_flag(c)} + one envoy ext_proc cluster of all"
+                        f"{_responses_flag(c)} (counters: pod 0)")
         await _start_envoy(router, render_config(listen_port=listen, admin_port=admin, epp_port=ports[0][0],
-                                                 extra_epp_ports=[p[0] for p in ports[1:]]), admin, workdir)
+                                                 extra_epp_ports=[p[0] for p in ports[1:]], responses=c.responses),
+                           admin, workdir)
     except BaseException:
         await router.stop()
         raise

@@ -152,15 +152,13 @@ async def test_picker_down_follows_failure_mode_allow(stack, fail_open):
 
 async def test_request_only_envoy_config_routes_without_response_phases(stack):
     envoy, port = await start_envoy(stack.epp.grpc_port, responses="none")
-    phases = {s.labels["phase"]: s.value for s in stack.epp.metrics.messages.collect()[0].samples
-              if s.name.endswith("_total")}
+    phases = _phase_counts(stack)
     try:
         for i in range(4):
             status, headers, body = await post(f"http://127.0.0.1:{port}/v1/completions",
                                                {"model": "m", "prompt": f"lean {i}"})
             assert status == 200 and json.loads(body)["model"] == "m"
-        after = {s.labels["phase"]: s.value for s in stack.epp.metrics.messages.collect()[0].samples
-                 if s.name.endswith("_total")}
+        after = _phase_counts(stack)
         assert after["request_headers"] - phases.get("request_headers", 0) == 4
         assert after.get("response_headers", 0) == phases.get("response_headers", 0)
         # The picker still sees each request end (the ext_proc stream closes), so nothing stays in flight.
