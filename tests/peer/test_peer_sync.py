@@ -158,7 +158,10 @@ async def route_first_requests_at_once(pickers: list[RoutingPicker], requests: l
         destinations = await asyncio.gather(*(p.route(prompt) for p, prompt in zip(pickers, prompts)))
         placed.setdefault(group, set()).update(destinations)
         if linked:
-            await wait_until(lambda: len(set(waiting_views(pickers))) == 1, "the pickers' load views to agree", 5)
+            # Both views a new group's placement reads: load, and the index (its free-cache tie-break).
+            await wait_until(lambda: len(set(waiting_views(pickers))) == 1
+                             and all(p.homes() == pickers[0].homes() for p in pickers),
+                             "the pickers' load views and indexes to agree", 5)
     for group, endpoints in (await route_alternately(pickers, rest, wait_for_peers=False)).items():
         placed[group] |= endpoints
     return placed
