@@ -54,6 +54,30 @@ from epp.scorers.prefix_index import PrefixIndex
 from epp.scorers.prompt_text import user_input_bytes
 
 PREFILL_PROFILE = "prefill"
+# How much each learned ratio keeps of what it saw before, per observation (~20 observations' memory).
+_RATIO_KEEP = 0.95
+
+
+class _LearnedRatio:
+    """A ratio learned as decayed sum of numerators over decayed sum of denominators.
+
+    Starts at `prior` and takes the first observation whole: an average that leaned on the prior
+    needed ~60 responses to forget it, and several pickers, each seeing a share of them, then
+    sized their LRUs differently for minutes (groups kept on two replicas, partial hits).
+    """
+
+    __slots__ = ("value", "_numerator", "_denominator")
+
+    def __init__(self, prior: float) -> None:
+        self.value = prior
+        self._numerator = self._denominator = 0.0
+
+    def observe(self, numerator: float, denominator: float) -> float:
+        """Add one observation (weighted by its denominator) and return the new ratio."""
+        self._numerator = self._numerator * _RATIO_KEEP + numerator
+        self._denominator = self._denominator * _RATIO_KEEP + denominator
+        self.value = self._numerator / self._denominator
+        return self.value
 
 
 @dataclass(frozen=True)
@@ -121,6 +145,8 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
         self.chars_per_token = fixed_cpt or float(AVERAGE_CHARACTERS_PER_TOKEN)
         #: Hashed input bytes per prompt character (learned; GIE's algorithm takes them as equal).
         self.bytes_per_character = 1.0
+        self._chars_per_token = _LearnedRatio(self.chars_per_token)
+        self._bytes_per_character = _LearnedRatio(self.bytes_per_character)
         chain_aware = False if self.gie_compatible else params.bool("chainAware", True)
         self.index = PrefixIndex(chain_aware=chain_aware)
         if self.learn_chars_per_token:
@@ -180,7 +206,7 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
         if characters >= 64:  # short prompts are mostly JSON syntax
             ratio = input_bytes / characters
             if 1.0 <= ratio <= 8.0:
-                self.bytes_per_character += 0.05 * (ratio - self.bytes_per_character)
+                self.bytes_per_character = self._bytes_per_character.observe(input_bytes, characters)
 
     async def prepare(self, state: CycleState, request: InferenceRequest,
                       endpoints: Sequence[Endpoint]) -> None:
@@ -223,7 +249,7 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
             return
         ratio = booking.prompt_characters / tokens
         if 0.5 <= ratio <= 64:  # ignore nonsense (a prompt of token ids, a wrong usage)
-            self.chars_per_token += 0.05 * (ratio - self.chars_per_token)
+            self.chars_per_token = self._chars_per_token.observe(booking.prompt_characters, tokens)
 
     def _capacity_for(self, ep: Endpoint) -> int:
         """Hash blocks the endpoint's cache holds: its blocks, scaled by how many tokens a hash block covers."""
