@@ -54,17 +54,14 @@ from epp.scorers.prefix_index import PrefixIndex
 from epp.scorers.prompt_text import user_input_bytes
 
 PREFILL_PROFILE = "prefill"
-# How much each learned ratio keeps of what it saw before, per observation (~20 observations' memory).
+# How much the learned bytes per character keep of what they saw, per request (~20 requests' memory).
 _RATIO_KEEP = 0.95
+# How far the characters per token move toward each response's ratio.
+_CHARS_PER_TOKEN_STEP = 0.05
 
 
 class _LearnedRatio:
-    """A ratio learned as decayed sum of numerators over decayed sum of denominators.
-
-    Starts at `prior` and takes the first observation whole: an average that leaned on the prior
-    needed ~60 responses to forget it, and several pickers, each seeing a share of them, then
-    sized their LRUs differently for minutes (groups kept on two replicas, partial hits).
-    """
+    """A ratio learned as decayed sum of numerators over decayed sum of denominators (the first observation whole)."""
 
     __slots__ = ("value", "_numerator", "_denominator")
 
@@ -145,12 +142,15 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
         self.chars_per_token = fixed_cpt or float(AVERAGE_CHARACTERS_PER_TOKEN)
         #: Hashed input bytes per prompt character (learned; GIE's algorithm takes them as equal).
         self.bytes_per_character = 1.0
-        self._chars_per_token = _LearnedRatio(self.chars_per_token)
         self._bytes_per_character = _LearnedRatio(self.bytes_per_character)
         chain_aware = False if self.gie_compatible else params.bool("chainAware", True)
         self.index = PrefixIndex(chain_aware=chain_aware)
         if self.learn_chars_per_token:
             context.load.add_observer(self._learn_chars_per_token)
+            # Every picker of a pool learns from every response: with a share each, their LRUs were
+            # sized apart for minutes (four pods, shared-prefix: groups kept on replicas that had
+            # evicted them).
+            context.sharing.share_prompt_tokens(self._count_prompt_tokens)
         self.metrics = prefix_index_metrics(context.metrics_registry or CollectorRegistry())
         if context.endpoints is not None:
             context.endpoints.add_listener(self._on_endpoints_changed)
@@ -247,9 +247,18 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
         tokens = usage.get("prompt_tokens")
         if not isinstance(tokens, int) or tokens < 16:
             return
-        ratio = booking.prompt_characters / tokens
-        if 0.5 <= ratio <= 64:  # ignore nonsense (a prompt of token ids, a wrong usage)
-            self.chars_per_token = self._chars_per_token.observe(booking.prompt_characters, tokens)
+        if self._count_prompt_tokens(booking.prompt_characters, tokens):
+            self.sharing.publish_prompt_tokens(booking.prompt_characters, tokens)
+
+    def _count_prompt_tokens(self, characters: int, tokens: int) -> bool:
+        """Move the characters per token toward this prompt's; False when its ratio is nonsense."""
+        if tokens <= 0 or not 0.5 <= characters / tokens <= 64:  # a prompt of token ids, a wrong usage
+            return False
+        # An average that starts at GIE's 4.0 and forgets it over ~60 responses. A ratio of sums
+        # taking the first response whole was tried: the same on shared-prefix, 1.2-2.3 hit points
+        # and 10-19 % of TTFT p90 worse on multi-turn (bench/README.md, "the learned characters per token").
+        self.chars_per_token += _CHARS_PER_TOKEN_STEP * (characters / tokens - self.chars_per_token)
+        return True
 
     def _capacity_for(self, ep: Endpoint) -> int:
         """Hash blocks the endpoint's cache holds: its blocks, scaled by how many tokens a hash block covers."""

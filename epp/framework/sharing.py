@@ -17,6 +17,8 @@ PrefixLearner = Callable[[str, Sequence[int], int], None]
 PrefixSnapshotter = Callable[[], Iterable[tuple[str, Sequence[int], int]]]
 #: Applies a peer's precise claim: (endpoint, block keys first block first).
 ClaimLearner = Callable[[str, Sequence[int]], None]
+#: Applies a prompt a peer saw counted: (characters, prompt tokens the model server counted).
+PromptTokensLearner = Callable[[int, int], None]
 
 
 class DecisionSharing:
@@ -33,6 +35,12 @@ class DecisionSharing:
 
     def share_claims(self, learner: ClaimLearner) -> None:
         """Register how to apply the peers' precise claims."""
+
+    def publish_prompt_tokens(self, characters: int, tokens: int) -> None:
+        """Tell the peers that a prompt of `characters` characters was counted as `tokens` tokens."""
+
+    def share_prompt_tokens(self, learner: PromptTokensLearner) -> None:
+        """Register how to apply the prompt token counts the peers saw."""
 
     @property
     def has_peers(self) -> bool:

@@ -28,7 +28,13 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from epp.framework.sharing import ClaimLearner, DecisionSharing, PrefixLearner, PrefixSnapshotter
+from epp.framework.sharing import (
+    ClaimLearner,
+    DecisionSharing,
+    PrefixLearner,
+    PrefixSnapshotter,
+    PromptTokensLearner,
+)
 from epp.peer.ledger import SharedInflightLedger
 from epp.peer.v1 import peer_pb2 as pb
 from epp.peer.v1 import peer_pb2_grpc as pb_grpc
@@ -48,7 +54,7 @@ _CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1), ("grpc.initial_reconn
 # A decision as the hot path records it: its protobuf message is built by the sender task, off the
 # request's path (one tuple per decision, shared by every subscriber's outbox).
 _Pending = tuple[int, Any, Any, Any]  # (kind, a, b, c)
-_ROUTED, _BOOKED, _RELEASED, _CLAIMED = 0, 1, 2, 3
+_ROUTED, _BOOKED, _RELEASED, _CLAIMED, _COUNTED = 0, 1, 2, 3, 4
 
 
 def _decision(pending: _Pending) -> pb.Decision:
@@ -59,6 +65,8 @@ def _decision(pending: _Pending) -> pb.Decision:
         return pb.Decision(booked=pb.Booked(ticket=a, endpoint=b, uncached_tokens=c))
     if kind == _CLAIMED:
         return pb.Decision(prefix_claimed=pb.PrefixClaimed(endpoint=a, block_keys=b))
+    if kind == _COUNTED:
+        return pb.Decision(prompt_tokens_counted=pb.PromptTokensCounted(characters=a, tokens=b))
     return pb.Decision(released=pb.Released(ticket=a, prefill_only=b))
 
 
@@ -83,7 +91,8 @@ class PeerMetrics:
         self.received = Counter("epp_peer_decisions_received", "Peers' decisions applied, by kind.", ["kind"],
                                 registry=r)
         self.received_by_kind = {kind: self.received.labels(kind)
-                                 for kind in ("prefix_routed", "booked", "released", "prefix_claimed")}
+                                 for kind in ("prefix_routed", "booked", "released", "prefix_claimed",
+                                              "prompt_tokens_counted")}
         self.dropped = Counter("epp_peer_decisions_dropped",
                                "Decisions dropped for a subscriber that fell behind (oldest first).", registry=r)
         self.lost = Counter("epp_peer_decisions_lost", "Gaps seen in a peer's decision sequence.", registry=r)
@@ -121,6 +130,7 @@ class PeerNode(DecisionSharing, pb_grpc.PickerPeersServicer):
         self._learner: PrefixLearner | None = None
         self._snapshotter: PrefixSnapshotter | None = None
         self._claim_learner: ClaimLearner | None = None
+        self._tokens_learner: PromptTokensLearner | None = None
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._pending: deque[tuple[str, pb.Decision]] = deque(maxlen=outbox_limit)
@@ -150,6 +160,13 @@ class PeerNode(DecisionSharing, pb_grpc.PickerPeersServicer):
     def publish_claim(self, endpoint: str, keys: Sequence[int]) -> None:
         if self._outboxes:
             self._publish((_CLAIMED, endpoint, keys, None))
+
+    def share_prompt_tokens(self, learner: PromptTokensLearner) -> None:
+        self._tokens_learner = learner
+
+    def publish_prompt_tokens(self, characters: int, tokens: int) -> None:
+        if self._outboxes:
+            self._publish((_COUNTED, characters, tokens, None))
 
     def publish_booked(self, ticket: int, endpoint: str, uncached_tokens: int) -> None:
         """The own ledger booked a pick (SharedInflightLedger calls this)."""
@@ -316,6 +333,9 @@ class PeerNode(DecisionSharing, pb_grpc.PickerPeersServicer):
             elif kind == "prefix_claimed" and self._claim_learner is not None:
                 claim = decision.prefix_claimed
                 self._claim_learner(claim.endpoint, claim.block_keys)
+            elif kind == "prompt_tokens_counted" and self._tokens_learner is not None:
+                counted = decision.prompt_tokens_counted
+                self._tokens_learner(counted.characters, counted.tokens)
 
     async def _catch_up(self) -> None:
         """Apply one peer's snapshot (the first that answers), then what arrived meanwhile."""

@@ -284,3 +284,34 @@ async def test_in_flight_bookings_of_a_peer_count_in_the_other_pickers_load_unti
     finally:
         for picker in pickers:
             await picker.stop()
+
+
+async def test_every_linked_picker_learns_the_characters_per_token_from_every_response():
+    # Each picker sees a share of the responses; learning from its share alone, four pods sized their
+    # LRUs apart for minutes and kept groups indexed on replicas that had evicted them.
+    from epp.framework import ResponseInfo
+
+    learning = scorer_then_max_score(plugin("approx-prefix-cache-producer", autoTune=False, blockSizeTokens=4,
+                                            lruCapacityPerServer=5000))
+    port_a, port_b = free_ports(2)
+    a = await RoutingPicker.start(port_a, (port_b,), config=learning)
+    b = await RoutingPicker.start(port_b, (port_a,), config=learning)
+
+    def chars_per_token(picker: RoutingPicker) -> float:
+        [producer] = picker.server.director.pipeline.plugins_of(ApproxPrefixCacheProducer)
+        return producer.chars_per_token
+
+    try:
+        await wait_until(lambda: a.metric("epp_peer_following") == 1 and b.metric("epp_peer_following") == 1,
+                         "the pickers to follow each other", 10)
+        ledger = a.server.context.load
+        for _ in range(20):  # responses A saw complete: ~2.26 characters a token
+            booking = ledger.pick("10.0.0.1:8000", prompt_tokens=2_600, prompt_characters=10_400)
+            ledger.complete(booking, ResponseInfo(usage={"prompt_tokens": 4_600}))
+        assert chars_per_token(a) < 3.2  # moved from GIE's 4.0 toward 2.26
+        await wait_until(lambda: b.metric("epp_peer_decisions_received_total", {"kind": "prompt_tokens_counted"}) == 20,
+                         "B to receive A's twenty counts", 5)
+        assert chars_per_token(b) == pytest.approx(chars_per_token(a))
+    finally:
+        await a.stop()
+        await b.stop()

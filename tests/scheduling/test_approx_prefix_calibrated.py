@@ -28,26 +28,6 @@ def test_learns_characters_per_token_and_sizes_the_lru_to_the_real_cache():
     assert producer._capacity_for(ep) == pytest.approx(565, rel=0.02)
 
 
-def test_the_first_response_sets_the_ratio_and_a_new_workload_moves_it():
-    # Several pickers each see a share of the responses: none may lean on the prior for long,
-    # or their LRUs are sized differently and a group stays indexed on a replica that evicted it.
-    context = PluginContext()
-    producer = make_plugin("approx-prefix-cache-producer", context=context)
-    completed(context, characters=10_400, prompt_tokens=4_600)
-    assert producer.chars_per_token == pytest.approx(10_400 / 4_600)
-    for _ in range(60):  # the traffic turns to text of 3.5 characters a token
-        completed(context, characters=7_000, prompt_tokens=2_000)
-    assert producer.chars_per_token == pytest.approx(3.5, rel=0.05)
-
-
-def test_long_prompts_weigh_more_than_short_ones():
-    context = PluginContext()
-    producer = make_plugin("approx-prefix-cache-producer", context=context)
-    completed(context, characters=40_000, prompt_tokens=20_000)  # 2 a token
-    completed(context, characters=400, prompt_tokens=100)  # 4 a token
-    assert producer.chars_per_token == pytest.approx(40_400 / 20_100, rel=0.01)
-
-
 @pytest.mark.parametrize("usage", [{}, {"prompt_tokens": 3}, {"prompt_tokens": "many"}, {"prompt_tokens": 10**9}])
 def test_useless_usage_teaches_nothing(usage):
     context = PluginContext()

@@ -29,16 +29,18 @@ class DecisionBatch(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., picker_id: _Optional[str] = ..., first_sequence: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., oldest_decision_unix_nanos: _Optional[int] = ...) -> None: ...
 
 class Decision(_message.Message):
-    __slots__ = ("prefix_routed", "booked", "released", "prefix_claimed")
+    __slots__ = ("prefix_routed", "booked", "released", "prefix_claimed", "prompt_tokens_counted")
     PREFIX_ROUTED_FIELD_NUMBER: _ClassVar[int]
     BOOKED_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CLAIMED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_COUNTED_FIELD_NUMBER: _ClassVar[int]
     prefix_routed: PrefixRouted
     booked: Booked
     released: Released
     prefix_claimed: PrefixClaimed
-    def __init__(self, prefix_routed: _Optional[_Union[PrefixRouted, _Mapping]] = ..., booked: _Optional[_Union[Booked, _Mapping]] = ..., released: _Optional[_Union[Released, _Mapping]] = ..., prefix_claimed: _Optional[_Union[PrefixClaimed, _Mapping]] = ...) -> None: ...
+    prompt_tokens_counted: PromptTokensCounted
+    def __init__(self, prefix_routed: _Optional[_Union[PrefixRouted, _Mapping]] = ..., booked: _Optional[_Union[Booked, _Mapping]] = ..., released: _Optional[_Union[Released, _Mapping]] = ..., prefix_claimed: _Optional[_Union[PrefixClaimed, _Mapping]] = ..., prompt_tokens_counted: _Optional[_Union[PromptTokensCounted, _Mapping]] = ...) -> None: ...
 
 class PrefixRouted(_message.Message):
     __slots__ = ("endpoint", "block_hashes", "capacity")
@@ -49,6 +51,14 @@ class PrefixRouted(_message.Message):
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     capacity: int
     def __init__(self, endpoint: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ..., capacity: _Optional[int] = ...) -> None: ...
+
+class PromptTokensCounted(_message.Message):
+    __slots__ = ("characters", "tokens")
+    CHARACTERS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    characters: int
+    tokens: int
+    def __init__(self, characters: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class PrefixClaimed(_message.Message):
     __slots__ = ("endpoint", "block_keys")
