@@ -54,27 +54,8 @@ from epp.scorers.prefix_index import PrefixIndex
 from epp.scorers.prompt_text import user_input_bytes
 
 PREFILL_PROFILE = "prefill"
-# How much the learned bytes per character keep of what they saw, per request (~20 requests' memory).
-_RATIO_KEEP = 0.95
-# How far the characters per token move toward each response's ratio.
-_CHARS_PER_TOKEN_STEP = 0.05
-
-
-class _LearnedRatio:
-    """A ratio learned as decayed sum of numerators over decayed sum of denominators (the first observation whole)."""
-
-    __slots__ = ("value", "_numerator", "_denominator")
-
-    def __init__(self, prior: float) -> None:
-        self.value = prior
-        self._numerator = self._denominator = 0.0
-
-    def observe(self, numerator: float, denominator: float) -> float:
-        """Add one observation (weighted by its denominator) and return the new ratio."""
-        self._numerator = self._numerator * _RATIO_KEEP + numerator
-        self._denominator = self._denominator * _RATIO_KEEP + denominator
-        self.value = self._numerator / self._denominator
-        return self.value
+# How far each learned ratio (characters per token, hashed bytes per character) moves toward an observation.
+_LEARNING_STEP = 0.05
 
 
 @dataclass(frozen=True)
@@ -142,7 +123,6 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
         self.chars_per_token = fixed_cpt or float(AVERAGE_CHARACTERS_PER_TOKEN)
         #: Hashed input bytes per prompt character (learned; GIE's algorithm takes them as equal).
         self.bytes_per_character = 1.0
-        self._bytes_per_character = _LearnedRatio(self.bytes_per_character)
         chain_aware = False if self.gie_compatible else params.bool("chainAware", True)
         self.index = PrefixIndex(chain_aware=chain_aware)
         if self.learn_chars_per_token:
@@ -206,7 +186,7 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
         if characters >= 64:  # short prompts are mostly JSON syntax
             ratio = input_bytes / characters
             if 1.0 <= ratio <= 8.0:
-                self.bytes_per_character = self._bytes_per_character.observe(input_bytes, characters)
+                self.bytes_per_character += _LEARNING_STEP * (ratio - self.bytes_per_character)
 
     async def prepare(self, state: CycleState, request: InferenceRequest,
                       endpoints: Sequence[Endpoint]) -> None:
@@ -255,9 +235,10 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
         if tokens <= 0 or not 0.5 <= characters / tokens <= 64:  # a prompt of token ids, a wrong usage
             return False
         # An average that starts at GIE's 4.0 and forgets it over ~60 responses. A ratio of sums
-        # taking the first response whole was tried: the same on shared-prefix, 1.2-2.3 hit points
-        # and 10-19 % of TTFT p90 worse on multi-turn (bench/README.md, "the learned characters per token").
-        self.chars_per_token += _CHARS_PER_TOKEN_STEP * (characters / tokens - self.chars_per_token)
+        # taking the first response whole was tried and taken back (bench/README.md, "The learned
+        # characters per token"): no better on shared-prefix; on multi-turn one picker lost 1.2-2.3 hit
+        # points against this average in two comparisons of five runs each.
+        self.chars_per_token += _LEARNING_STEP * (characters / tokens - self.chars_per_token)
         return True
 
     def _capacity_for(self, ep: Endpoint) -> int:
