@@ -141,8 +141,8 @@ def _head_first_index(config: str) -> str:
     return _with_parameter(config, "approx-prefix-cache-producer", "chainAware", False)
 
 
-def _with_home(config: str, on: bool) -> str:
-    """`config` with the prefix producer's rendezvous home set (epp/framework/rendezvous.py; off by default)."""
+def _with_producer_parameter(config: str, key: str, value: Any) -> str:
+    """`config` with parameter `key` of its prefix producers set (GIE's default config: its implicit approximate one)."""
     doc = yaml.safe_load(config)
     producers = [p for p in doc["plugins"]
                  if p.get("type") in ("approx-prefix-cache-producer", "precise-prefix-cache-producer")]
@@ -150,8 +150,13 @@ def _with_home(config: str, on: bool) -> str:
         producers = [{"type": "approx-prefix-cache-producer"}]
         doc["plugins"].insert(0, producers[0])
     for producer in producers:
-        producer.setdefault("parameters", {})["rendezvousHome"] = on
+        producer.setdefault("parameters", {})[key] = value
     return yaml.safe_dump(doc, sort_keys=False)
+
+
+def _with_home(config: str, on: bool) -> str:
+    """`config` with the prefix producer's rendezvous home set (epp/framework/rendezvous.py; off by default)."""
+    return _with_producer_parameter(config, "rendezvousHome", on)
 
 
 def _without_tie_break(config: str) -> str:
@@ -187,6 +192,10 @@ def epp_config(kind: str, t: Tuning) -> str:
         return _with_home(epp_config(kind.removesuffix("+no-home"), t), False)
     if kind.endswith("+home"):
         return _with_home(epp_config(kind.removesuffix("+home"), t), True)
+    if kind.endswith("+fixed-lru"):
+        return _with_producer_parameter(epp_config(kind.removesuffix("+fixed-lru"), t), "autoTune", False)
+    if kind.endswith("+4cpt"):
+        return _with_producer_parameter(epp_config(kind.removesuffix("+4cpt"), t), "charsPerToken", 4.0)
     if kind.endswith("+scrape-only"):
         return _scrape_only(epp_config(kind.removesuffix("+scrape-only"), t))
     if kind == "random":
@@ -315,6 +324,12 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
       for pipeline in ("approx", "precise")
       for pickers, workers, pods in _PICKER_SHAPES
       for suffix, on in (("no-home", "false"), ("home", "true")) if pickers or suffix == "no-home"),
+    Contender("epp-approx-fixed-lru", "epp", "approx+fixed-lru",
+              "epp-approx with autoTune: false (its LRU at lruCapacityPerServer, never full here: a tree that never "
+              "forgets)", default=False),
+    Contender("epp-approx-4cpt", "epp", "approx+4cpt",
+              "epp-approx sizing its LRU at GIE's 4 characters a token (charsPerToken: 4; ~1.8x the replicas' caches "
+              "on the simulator's text)", default=False),
     Contender("epp-approx-pods4-home", "epp", "approx+home", "epp-approx-pods4 with rendezvousHome: true",
               default=False, pods=4),
     Contender("vllm-router-rr", "vllm-router", "round_robin", "vllm-router --policy round_robin"),

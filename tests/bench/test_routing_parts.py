@@ -152,3 +152,18 @@ def test_no_home_contenders_turn_the_rendezvous_home_off_in_the_config_they_run(
     # The pods contenders run the same configuration as their one-picker row, N times.
     assert CONTENDERS["epp-approx-pods2"].variant == CONTENDERS["epp-approx"].variant
     assert CONTENDERS["epp-approx-pods4"].pods == 4 and CONTENDERS["epp-approx-w4"].workers == 4
+
+
+def test_lru_sizing_contenders_change_only_the_approximate_producers_sizing():
+    import yaml
+
+    from bench.routing.contenders import CONTENDERS, Tuning, epp_config
+
+    tuning = Tuning(tokenizer_dir="/tok", block_size=16, prefill_s_per_token=0.0, mean_prompt_tokens=0)
+    base = yaml.safe_load(epp_config(CONTENDERS["epp-approx"].variant, tuning))
+    for name, parameters in (("epp-approx-fixed-lru", {"autoTune": False}), ("epp-approx-4cpt", {"charsPerToken": 4.0})):
+        doc = yaml.safe_load(epp_config(CONTENDERS[name].variant, tuning))
+        [producer] = [p for p in doc["plugins"] if p["type"] == "approx-prefix-cache-producer"]
+        assert producer["parameters"] == parameters, name
+        assert [p for p in doc["plugins"] if p is not producer] == base["plugins"]
+        assert doc["schedulingProfiles"] == base["schedulingProfiles"]
