@@ -236,8 +236,8 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
             return False
         # An average that starts at GIE's 4.0 and forgets it over ~60 responses. A ratio of sums
         # taking the first response whole was tried and taken back (bench/README.md, "The learned
-        # characters per token"): no better on shared-prefix; on multi-turn one picker lost 1.2-2.3 hit
-        # points against this average in two comparisons of five runs each.
+        # characters per token"): no better on shared-prefix, and 1.2-2.3 hit points below this average
+        # on multi-turn in two comparisons, about as much as this code itself varied between runs.
         self.chars_per_token += _LEARNING_STEP * (characters / tokens - self.chars_per_token)
         return True
 
