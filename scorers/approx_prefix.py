@@ -232,13 +232,14 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
 
     def _count_prompt_tokens(self, characters: int, tokens: int) -> bool:
         """Move the characters per token toward this prompt's; False when its ratio is nonsense."""
-        if tokens <= 0 or not 0.5 <= characters / tokens <= 64:  # a prompt of token ids, a wrong usage
+        ratio = characters / tokens if tokens > 0 else 0.0
+        if not 0.5 <= ratio <= 64:  # a prompt of token ids, a wrong usage
             return False
         # An average that starts at GIE's 4.0 and forgets it over ~60 responses. A ratio of sums
         # taking the first response whole was tried and taken back (bench/README.md, "The learned
         # characters per token"): no better on shared-prefix, and 1.2-2.3 hit points below this average
         # on multi-turn in two comparisons, about as much as this code itself varied between runs.
-        self.chars_per_token += _LEARNING_STEP * (characters / tokens - self.chars_per_token)
+        self.chars_per_token += _LEARNING_STEP * (ratio - self.chars_per_token)
         return True
 
     def _capacity_for(self, ep: Endpoint) -> int:

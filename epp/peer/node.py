@@ -55,6 +55,8 @@ _CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1), ("grpc.initial_reconn
 # request's path (one tuple per decision, shared by every subscriber's outbox).
 _Pending = tuple[int, Any, Any, Any]  # (kind, a, b, c)
 _ROUTED, _BOOKED, _RELEASED, _CLAIMED, _COUNTED = 0, 1, 2, 3, 4
+# The `Decision.kind` cases, as the protocol names them (the received counter's label values).
+_DECISION_KINDS = tuple(field.name for field in pb.Decision.DESCRIPTOR.oneofs_by_name["kind"].fields)
 
 
 def _decision(pending: _Pending) -> pb.Decision:
@@ -91,8 +93,7 @@ class PeerMetrics:
         self.received = Counter("epp_peer_decisions_received", "Peers' decisions applied, by kind.", ["kind"],
                                 registry=r)
         self.received_by_kind = {kind: self.received.labels(kind)
-                                 for kind in ("prefix_routed", "booked", "released", "prefix_claimed",
-                                              "prompt_tokens_counted")}
+                                 for kind in _DECISION_KINDS}
         self.dropped = Counter("epp_peer_decisions_dropped",
                                "Decisions dropped for a subscriber that fell behind (oldest first).", registry=r)
         self.lost = Counter("epp_peer_decisions_lost", "Gaps seen in a peer's decision sequence.", registry=r)

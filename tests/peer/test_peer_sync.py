@@ -58,10 +58,14 @@ class RoutingPicker:
         return destination
 
     @property
-    def index(self):
+    def producer(self) -> ApproxPrefixCacheProducer:
         assert self.server.director is not None
         [producer] = self.server.director.pipeline.plugins_of(ApproxPrefixCacheProducer)
-        return producer.index
+        return producer
+
+    @property
+    def index(self):
+        return self.producer.index
 
     def homes(self) -> dict[str, set[int]]:
         """Per endpoint, the block hashes this picker believes it holds."""
@@ -297,10 +301,6 @@ async def test_every_linked_picker_learns_the_characters_per_token_from_every_re
     a = await RoutingPicker.start(port_a, (port_b,), config=learning)
     b = await RoutingPicker.start(port_b, (port_a,), config=learning)
 
-    def chars_per_token(picker: RoutingPicker) -> float:
-        [producer] = picker.server.director.pipeline.plugins_of(ApproxPrefixCacheProducer)
-        return producer.chars_per_token
-
     try:
         await wait_until(lambda: a.metric("epp_peer_following") == 1 and b.metric("epp_peer_following") == 1,
                          "the pickers to follow each other", 10)
@@ -308,10 +308,10 @@ async def test_every_linked_picker_learns_the_characters_per_token_from_every_re
         for _ in range(20):  # responses A saw complete: ~2.26 characters a token
             booking = ledger.pick("10.0.0.1:8000", prompt_tokens=2_600, prompt_characters=10_400)
             ledger.complete(booking, ResponseInfo(usage={"prompt_tokens": 4_600}))
-        assert chars_per_token(a) < 3.2  # moved from GIE's 4.0 toward 2.26
+        assert a.producer.chars_per_token < 3.2  # moved from GIE's 4.0 toward 2.26
         await wait_until(lambda: b.metric("epp_peer_decisions_received_total", {"kind": "prompt_tokens_counted"}) == 20,
                          "B to receive A's twenty counts", 5)
-        assert chars_per_token(b) == pytest.approx(chars_per_token(a))
+        assert b.producer.chars_per_token == pytest.approx(a.producer.chars_per_token)
     finally:
         await a.stop()
         await b.stop()

@@ -87,13 +87,9 @@ class Picker:
         """Per endpoint, how many leading blocks of this prompt the picker's index says it holds."""
         return {ep: len(tiers) for ep, tiers in (await self.held_tiers(model, prompt, endpoints)).items()}
 
-    def metric_ages(self) -> dict[str, float]:
-        """Seconds since each endpoint's `/metrics` was last scraped (infinite when never)."""
-        return {ep.name: ep.metrics.age() for ep in self.server.endpoints.snapshot()}
-
     def metrics_fresh(self, within_s: float = 0.25) -> bool:
         """Whether every endpoint was scraped lately: the picker leaves out those it has not heard from."""
-        return all(age <= within_s for age in self.metric_ages().values())
+        return all(ep.metrics.age() <= within_s for ep in self.server.endpoints.snapshot())
 
     def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
         """A sample of the picker's own Prometheus registry (0 when absent)."""
