@@ -11,7 +11,9 @@ not depend on what else runs on the machine. Three servers in the same run:
                working picker sends in GIE's full-duplex body mode (the empty floor drops the body)
   epp serve    `epp serve` (default config: queue + kv-cache + approximate prefix)
 Optional rows: `--sync-floor` adds the same empty servicer on grpc's sync server (thread pool),
-`--before DIR` adds `epp serve` run from another checkout (e.g. `git worktree add DIR <commit>`).
+`--before DIR` adds `epp serve` run from another checkout (e.g. `git worktree add DIR <commit>`),
+`--epp-config FILE` (repeatable) adds `epp serve --config-file FILE`: with a config of only
+`random-picker`, the row is the framework around any pipeline (transport, parsing, booking, metrics).
 With `--repeat N` every row is measured N times, rows taking turns, and the minimum is shown
 (other tenants of a shared machine only ever add CPU time). `--sse-chunks N` answers the
 all-phases requests as a streamed completion of N token chunks (each an ext_proc message in and
@@ -21,6 +23,7 @@ out, as through Envoy): the difference to a run without it, divided by N, is the
     python bench/extproc_cpu.py --requests 2000 --repeat 3 --modes full,headers
     python bench/extproc_cpu.py --requests 2000 --repeat 3 --sync-floor --before /tmp/epp-before
     python bench/extproc_cpu.py --requests 300 --repeat 3 --sse-chunks 64
+    python bench/extproc_cpu.py --requests 2000 --repeat 3 --modes headers --epp-config random.yaml
 """
 
 from __future__ import annotations
@@ -167,6 +170,11 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+# One event loop for every measurement: grpc.aio's poller keeps calling into the loop it first met,
+# and a closed one makes it print tracebacks.
+_LOOP = asyncio.new_event_loop()
+
+
 def _measure(argv: list[str], port: int, n: int, concurrency: int, mode: str, cwd: Path = REPO,
              sse_chunks: int = 0) -> dict:
     proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -174,14 +182,14 @@ def _measure(argv: list[str], port: int, n: int, concurrency: int, mode: str, cw
         deadline = time.monotonic() + 30
         while True:
             try:
-                asyncio.run(_drive(port, 50, 4, mode, sse_chunks))  # warm-up, and proof the server is up
+                _LOOP.run_until_complete(_drive(port, 50, 4, mode, sse_chunks))  # warm-up; the server is up
                 break
             except grpc.aio.AioRpcError:
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or proc.poll() is not None:
                     raise
                 time.sleep(0.2)
         before = _cpu_seconds(proc.pid)
-        rps = asyncio.run(_drive(port, n, concurrency, mode, sse_chunks))
+        rps = _LOOP.run_until_complete(_drive(port, n, concurrency, mode, sse_chunks))
         cpu = _cpu_seconds(proc.pid) - before
         return {"cpu_us_per_request": cpu / n * 1e6, "requests_per_cpu_second": n / cpu, "rps_here": rps}
     finally:
@@ -196,6 +204,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="measure every row this many times; show the minimum")
     parser.add_argument("--sync-floor", action="store_true", help="also measure the floor on grpc's sync server")
     parser.add_argument("--before", type=Path, help="also measure `epp serve` run from this checkout")
+    parser.add_argument("--epp-config", type=Path, action="append", default=[],
+                        help="also measure `epp serve --config-file FILE` (repeatable)")
     parser.add_argument("--sse-chunks", type=int, default=0,
                         help="all phases: answer as a stream of this many SSE token chunks (one ext_proc message each)")
     parser.add_argument("--modes", default="full,none",
@@ -224,6 +234,9 @@ def main() -> None:
         if args.before is not None:
             rows.append((f"epp serve from {args.before}, {phases}", epp, mode, args.before.resolve()))
         rows.append((f"epp serve, {phases}", epp, mode, REPO))
+        for config in args.epp_config:
+            rows.append((f"epp serve --config-file {config.name}, {phases}",
+                         epp + ["--config-file", str(config.resolve())], mode, REPO))
     cpu: dict[str, list[float]] = {label: [] for label, *_ in rows}
     for round_ in range(args.repeat):
         for label, argv, mode, cwd in rows:

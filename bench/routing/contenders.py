@@ -306,6 +306,8 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
     Contender("epp-approx-pods4", "epp", "approx", "epp-approx as 4 pods (as -pods2)", default=False, pods=4),
     Contender("epp-precise-pods2", "epp", "precise", "epp-precise as 2 pods (as epp-approx-pods2)",
               default=False, pods=2),
+    Contender("epp-precise-pods4", "epp", "precise", "epp-precise as 4 pods (as epp-approx-pods2)",
+              default=False, pods=4),
     Contender("epp-approx-repeat", "epp", "approx",
               "epp-approx again in the same run: how far two runs of one configuration differ", default=False),
     Contender("epp-approx-no-tie-break", "epp", "approx+no-tie-break",

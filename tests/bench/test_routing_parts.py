@@ -152,6 +152,7 @@ def test_no_home_contenders_turn_the_rendezvous_home_off_in_the_config_they_run(
     # The pods contenders run the same configuration as their one-picker row, N times.
     assert CONTENDERS["epp-approx-pods2"].variant == CONTENDERS["epp-approx"].variant
     assert CONTENDERS["epp-approx-pods4"].pods == 4 and CONTENDERS["epp-approx-w4"].workers == 4
+    assert CONTENDERS["epp-precise-pods4"].pods == 4 and CONTENDERS["epp-precise-pods4"].variant == CONTENDERS["epp-precise"].variant
 
 
 def test_lru_sizing_contenders_change_only_the_approximate_producers_sizing():
