@@ -5,6 +5,27 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+# Who holds a hash: one endpoint's name, or a tuple of names when several do. Neither is a
+# container the garbage collector keeps tracking (a tuple of strings is untracked at its first
+# collection); a set per hash was, and every full collection walked all of them
+# (bench/gc_pauses.py, bench/README.md).
+Holders = str | tuple[str, ...]
+
+
+def _with_holder(holders: Holders | None, endpoint: str) -> Holders:
+    if holders is None:
+        return endpoint
+    if type(holders) is str:
+        return holders if holders == endpoint else (holders, endpoint)
+    return holders if endpoint in holders else (*holders, endpoint)
+
+
+def _without_holder(holders: Holders, endpoint: str) -> Holders | None:
+    if type(holders) is str:
+        return None if holders == endpoint else holders
+    rest = tuple(ep for ep in holders if ep != endpoint)
+    return rest[0] if len(rest) == 1 else rest
+
 
 class PrefixIndex:
     """`hash → endpoints` plus one LRU of hashes per endpoint; LRU eviction drops the endpoint from the hash.
@@ -19,7 +40,7 @@ class PrefixIndex:
 
     def __init__(self, chain_aware: bool = False) -> None:
         self.chain_aware = chain_aware
-        self._hash_to_endpoints: dict[int, set[str]] = {}
+        self._hash_to_endpoints: dict[int, Holders] = {}
         self._lrus: dict[str, OrderedDict[int, None]] = {}
         self._capacity: dict[str, int] = {}
         self._size = 0
@@ -57,8 +78,11 @@ class PrefixIndex:
         lookup = self._hash_to_endpoints
         for h in hashes:
             holders = lookup.get(h)
-            if not holders:
+            if holders is None:
                 break
+            if type(holders) is str:
+                matched[holders] = matched.get(holders, 0) + 1
+                continue
             for ep in holders:
                 matched[ep] = matched.get(ep, 0) + 1
         return matched
@@ -66,20 +90,32 @@ class PrefixIndex:
     def _match_contiguous(self, hashes: Sequence[int]) -> dict[str, int]:
         """Per endpoint, the length of the run of blocks it holds from the chain's first block."""
         lookup = self._hash_to_endpoints
-        holders = lookup.get(hashes[0]) if hashes else None
-        if not holders:
+        first = lookup.get(hashes[0]) if hashes else None
+        if first is None:
             return {}
-        alive = set(holders)
+        alive = [first] if type(first) is str else list(first)  # holding every block so far
         matched: dict[str, int] = {}
         depth = 1
         for h in hashes[1:]:
             holders = lookup.get(h)
-            if holders is None or not alive <= holders:
-                for ep in alive - holders if holders else alive:
+            if holders is None:
+                break
+            if type(holders) is str:
+                if len(alive) == 1 and alive[0] == holders:  # the common case: one holder all along
+                    depth += 1
+                    continue
+                still = [holders] if holders in alive else []
+            else:
+                still = [ep for ep in alive if ep in holders]
+                if len(still) == len(alive):
+                    depth += 1
+                    continue
+            for ep in alive:
+                if ep not in still:
                     matched[ep] = depth
-                alive = alive & holders if holders else set()
-                if not alive:
-                    return matched
+            alive = still
+            if not alive:
+                return matched
             depth += 1
         for ep in alive:
             matched[ep] = depth
@@ -98,11 +134,7 @@ class PrefixIndex:
                 lru.move_to_end(h)
                 continue
             lru[h] = None
-            holders = lookup.get(h)
-            if holders is None:
-                lookup[h] = {endpoint}
-            else:
-                holders.add(endpoint)
+            lookup[h] = _with_holder(lookup.get(h), endpoint)
             self._size += 1
         while len(lru) > capacity:
             old, _ = lru.popitem(last=False)
@@ -121,6 +153,8 @@ class PrefixIndex:
         self._size -= 1
         holders = self._hash_to_endpoints.get(h)
         if holders is not None:
-            holders.discard(endpoint)
-            if not holders:
+            rest = _without_holder(holders, endpoint)
+            if rest is None:
                 del self._hash_to_endpoints[h]
+            else:
+                self._hash_to_endpoints[h] = rest
