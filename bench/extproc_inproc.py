@@ -8,6 +8,7 @@ over batches: other tenants of a shared machine only ever add time) and the shar
 phase. What `bench/extproc_cpu.py` shows above this is gRPC's, the kernel's and contention's.
 
     python bench/extproc_inproc.py --requests 5000
+    python bench/extproc_inproc.py --requests 5000 --epp-config bench/random-picker.yaml   # the framework alone
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ from epp.server.runner import EppServer, ServeOptions  # noqa: E402
 BATCHES = 20
 
 
-async def measure(n: int, mode: str) -> tuple[float, dict[str, float]]:
+async def measure(n: int, mode: str, config_file: str | None = None) -> tuple[float, dict[str, float]]:
     """CPU µs per request (minimum over batches) and the share of each phase."""
     options = ServeOptions(grpc_port=0, grpc_health_port=0, metrics_port=0, bind_address="127.0.0.1",
                            endpoints=parse_endpoint_list(",".join(f"127.0.0.1:{8000 + i}" for i in range(16))),
-                           scrape_metrics=False)
+                           scrape_metrics=False, config_file=config_file)
     server = EppServer(options)
     await server.start()
     try:
@@ -71,12 +72,14 @@ async def measure(n: int, mode: str) -> tuple[float, dict[str, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=5000)
+    parser.add_argument("--epp-config", help="the picker's config file (default: GIE's default pipeline)")
     args = parser.parse_args()
-    print(f"\n{args.requests} requests in {BATCHES} batches, 16 endpoints, 4 KB prompts, no gRPC\n")
+    print(f"\n{args.requests} requests in {BATCHES} batches, 16 endpoints, 4 KB prompts, no gRPC, "
+          f"config: {args.epp_config or 'default'}\n")
     print("| mode | Python CPU µs / request (min batch) | share by phase |")
     print("|---|---|---|")
     for mode, label in MODES.items():
-        us, shares = asyncio.run(measure(args.requests, mode))
+        us, shares = asyncio.run(measure(args.requests, mode, args.epp_config))
         split = ", ".join(f"{kind} {share * 100:.0f} %" for kind, share in shares.items())
         print(f"| {label} | {us:.0f} | {split} |")
 
