@@ -23,7 +23,7 @@ out, as through Envoy): the difference to a run without it, divided by N, is the
     python bench/extproc_cpu.py --requests 2000 --repeat 3 --modes full,headers
     python bench/extproc_cpu.py --requests 2000 --repeat 3 --sync-floor --before /tmp/epp-before
     python bench/extproc_cpu.py --requests 300 --repeat 3 --sse-chunks 64
-    python bench/extproc_cpu.py --requests 2000 --repeat 3 --modes headers --epp-config random.yaml
+    python bench/extproc_cpu.py --requests 2000 --repeat 3 --modes headers --epp-config bench/random-picker.yaml
 """
 
 from __future__ import annotations
@@ -170,26 +170,21 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-# One event loop for every measurement: grpc.aio's poller keeps calling into the loop it first met,
-# and a closed one makes it print tracebacks.
-_LOOP = asyncio.new_event_loop()
-
-
-def _measure(argv: list[str], port: int, n: int, concurrency: int, mode: str, cwd: Path = REPO,
-             sse_chunks: int = 0) -> dict:
+def _measure(loop: asyncio.AbstractEventLoop, argv: list[str], port: int, n: int, concurrency: int, mode: str,
+             cwd: Path = REPO, sse_chunks: int = 0) -> dict:
     proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30
         while True:
             try:
-                _LOOP.run_until_complete(_drive(port, 50, 4, mode, sse_chunks))  # warm-up; the server is up
+                loop.run_until_complete(_drive(port, 50, 4, mode, sse_chunks))  # warm-up; the server is up
                 break
             except grpc.aio.AioRpcError:
                 if time.monotonic() > deadline or proc.poll() is not None:
                     raise
                 time.sleep(0.2)
         before = _cpu_seconds(proc.pid)
-        rps = _LOOP.run_until_complete(_drive(port, n, concurrency, mode, sse_chunks))
+        rps = loop.run_until_complete(_drive(port, n, concurrency, mode, sse_chunks))
         cpu = _cpu_seconds(proc.pid) - before
         return {"cpu_us_per_request": cpu / n * 1e6, "requests_per_cpu_second": n / cpu, "rps_here": rps}
     finally:
@@ -238,10 +233,13 @@ def main() -> None:
             rows.append((f"epp serve --config-file {config.name}, {phases}",
                          epp + ["--config-file", str(config.resolve())], mode, REPO))
     cpu: dict[str, list[float]] = {label: [] for label, *_ in rows}
+    # One event loop for every measurement: grpc.aio's poller keeps calling into the loop it first
+    # met, and one that asyncio.run closed makes it print tracebacks.
+    loop = asyncio.new_event_loop()
     for round_ in range(args.repeat):
         for label, argv, mode, cwd in rows:
             print(f"measuring {label} ({round_ + 1}/{args.repeat}) ...", file=sys.stderr, flush=True)
-            cpu[label].append(_measure(argv, port, args.requests, args.concurrency, mode, cwd,
+            cpu[label].append(_measure(loop, argv, port, args.requests, args.concurrency, mode, cwd,
                                        args.sse_chunks)["cpu_us_per_request"])
     print(f"\n{args.requests} requests at concurrency {args.concurrency}, 16 endpoints, 4 KB prompts"
           f"{f', minimum of {args.repeat} runs' if args.repeat > 1 else ''}\n")
