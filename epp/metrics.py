@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -108,6 +109,10 @@ class EppMetrics:
         self.messages_by_phase = {phase: self.messages.labels(phase) for phase in (
             "request_headers", "request_body", "request_trailers", "response_headers", "response_body",
             "response_trailers")}
+        self.gc_pauses = Histogram(
+            "epp_gc_pause_seconds",
+            "Garbage collections of the picker's process, by generation: the event loop stands still meanwhile.",
+            ["generation"], buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0), registry=r)
         self._plugin_children: dict[tuple[str, int], Histogram] = {}
 
     def label_value(self, value: str) -> str:
@@ -156,3 +161,17 @@ class EppMetrics:
                                                 plugin.name)
             self._plugin_children[key] = child
         child.observe(seconds)
+
+
+class GcPauseRecorder:
+    """A `gc.callbacks` entry timing each collection into `EppMetrics.gc_pauses`."""
+
+    def __init__(self, metrics: EppMetrics) -> None:
+        self._by_generation = [metrics.gc_pauses.labels(str(generation)) for generation in range(3)]
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self._by_generation[info["generation"]].observe(time.perf_counter() - self._started)

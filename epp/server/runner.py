@@ -23,7 +23,7 @@ from epp.director import Director
 from epp.framework.plugin import PluginContext, ResponseCompleteHook
 from epp.limits import Limits
 from epp.load_metrics import register_ledger_metrics
-from epp.metrics import EppMetrics
+from epp.metrics import EppMetrics, GcPauseRecorder
 from epp.request.parsing import RequestParser
 from epp.server.extproc import DEFAULT_MAX_BODY_BYTES, ExtProcService
 from epp.server.health import HealthService
@@ -102,6 +102,7 @@ class EppServer:
         self.objectives = ObjectivePriorities()
         self.leader: Any = None
         self.peer: Any = None
+        self._gc_pauses = GcPauseRecorder(self.metrics)
 
     def is_ready(self) -> bool:
         """Ready once discovery produced endpoints (and, with leader election, while leader), until shutdown."""
@@ -177,6 +178,7 @@ class EppServer:
             raise BindError(f"cannot listen on {opts.bind_address}:{opts.metrics_port} (--metrics-port): "
                             f"{exc.strerror or exc}") from None
         self.metrics_port = self._metrics_http.server_port
+        gc.callbacks.append(self._gc_pauses)
         self.metrics.ready_endpoints.set_function(
             lambda: sum(1 for ep in self.endpoints.snapshot() if ep.healthy))
         log.info("epp serving ext_proc on :%d, health on :%d, metrics on :%d, %d endpoint(s)",
@@ -219,6 +221,8 @@ class EppServer:
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
+        if self._gc_pauses in gc.callbacks:
+            gc.callbacks.remove(self._gc_pauses)
 
     async def wait(self) -> None:
         if self._grpc is not None:
