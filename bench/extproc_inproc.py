@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -31,15 +33,23 @@ from epp.server.runner import EppServer, ServeOptions  # noqa: E402
 BATCHES = 20
 
 
-async def measure(n: int, mode: str, config_file: str | None = None) -> tuple[float, dict[str, float]]:
-    """CPU µs per request (minimum over batches) and the share of each phase."""
+@contextlib.asynccontextmanager
+async def picker_service(config_file: str | None = None) -> AsyncIterator[tuple[EppServer, ExtProcService]]:
+    """The picker started in-process (16 endpoints, no scraping) and an ext_proc service on it; stopped on exit."""
     options = ServeOptions(grpc_port=0, grpc_health_port=0, metrics_port=0, bind_address="127.0.0.1",
                            endpoints=parse_endpoint_list(",".join(f"127.0.0.1:{8000 + i}" for i in range(16))),
                            scrape_metrics=False, config_file=config_file)
     server = EppServer(options)
     await server.start()
     try:
-        service = ExtProcService(server.director, RequestParser(), server.metrics)
+        yield server, ExtProcService(server.director, RequestParser(), server.metrics)
+    finally:
+        await server.stop(0)
+
+
+async def measure(n: int, mode: str, config_file: str | None = None) -> tuple[float, dict[str, float]]:
+    """CPU µs per request (minimum over batches) and the share of each phase."""
+    async with picker_service(config_file) as (_server, service):
         request, response = _messages(mode)
         sequence = [(req.WhichOneof("request"), req) for req in request + response]
         spent = dict.fromkeys([kind for kind, _ in sequence], 0.0)
@@ -65,8 +75,6 @@ async def measure(n: int, mode: str, config_file: str | None = None) -> tuple[fl
             best = min(best, clock() - t0)
         total = sum(spent.values()) or 1.0
         return best / max(1, n // BATCHES) * 1e6, {kind: s / total for kind, s in spent.items()}
-    finally:
-        await server.stop(0)
 
 
 def main() -> None:

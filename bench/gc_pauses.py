@@ -30,11 +30,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from extproc_cpu import _messages  # noqa: E402
+from extproc_inproc import picker_service  # noqa: E402
 
-from epp.datalayer.registry import parse_endpoint_list  # noqa: E402
-from epp.request.parsing import RequestParser  # noqa: E402
-from epp.server.extproc import ExtProcService, _Stream  # noqa: E402
-from epp.server.runner import EppServer, ServeOptions, freeze_startup_heap  # noqa: E402
+from epp.server.extproc import _Stream  # noqa: E402
+from epp.server.runner import freeze_startup_heap  # noqa: E402
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
@@ -69,13 +68,7 @@ def _prompt_body(rng: random.Random) -> bytes:
 
 
 async def run(requests: int, window: int, config_file: str | None) -> None:
-    options = ServeOptions(grpc_port=0, grpc_health_port=0, metrics_port=0, bind_address="127.0.0.1",
-                           endpoints=parse_endpoint_list(",".join(f"127.0.0.1:{8000 + i}" for i in range(16))),
-                           scrape_metrics=False, config_file=config_file)
-    server = EppServer(options)
-    await server.start()
-    try:
-        service = ExtProcService(server.director, RequestParser(), server.metrics)
+    async with picker_service(config_file) as (server, service):
         (headers, _body), response = _messages("headers")
         rng = random.Random(7)
         freeze_startup_heap()
@@ -108,8 +101,6 @@ async def run(requests: int, window: int, config_file: str | None) -> None:
         gc.collect()
         forced = time.perf_counter() - started
         print(f"\nlongest full collection: {longest_full * 1e3:.1f} ms; one forced at the end: {forced * 1e3:.1f} ms")
-    finally:
-        await server.stop(0)
 
 
 def main() -> None:
