@@ -320,7 +320,7 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
                 f"before: epp-{pipeline}{pickers} with max-score-picker's ties broken at random (GIE), not by the "
                 "most free prefix cache", default=False, workers=workers, pods=pods)
       for pipeline in ("approx", "precise")
-      for pickers, workers, pods in _PICKER_SHAPES),
+      for pickers, workers, pods in (*_PICKER_SHAPES, ("-pods4", 1, 4))),
     *(Contender(f"epp-{pipeline}{pickers}-{suffix}", "epp", f"{pipeline}+{suffix}",
                 f"epp-{pipeline}{pickers} with rendezvousHome: {on}", default=False, workers=workers, pods=pods)
       for pipeline in ("approx", "precise")

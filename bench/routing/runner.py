@@ -266,8 +266,11 @@ _ROUTER_SERIES = ("kv_placement_lookups_total", "kv_routing_inputs_total", "pref
                   "epp_kv_index_events_applied_total", "epp_kv_events_sequence_gaps_total",
                   "epp_ttft_calibration{", "epp_peer_decision_staleness_seconds_count",
                   "epp_peer_decision_staleness_seconds_sum", 'epp_peer_decision_staleness_seconds_bucket{le="0.01"}',
+                  'epp_peer_decision_staleness_seconds_bucket{le="0.002"}', 'epp_peer_decision_staleness_seconds_bucket{le="0.005"}',
                   'epp_peer_decision_staleness_seconds_bucket{le="0.1"}',
-                  "epp_worker_requests{")  # how the streams spread over `--workers` processes
+                  "epp_worker_requests{",  # how the streams spread over `--workers` processes
+                  "inference_extension_scheduler_e2e_duration_seconds_sum",  # the picker's own time per pick
+                  "inference_extension_scheduler_e2e_duration_seconds_count")
 
 
 async def _router_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
