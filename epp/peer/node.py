@@ -4,9 +4,10 @@ Full mesh over the protocol in `proto/epp/peer/v1/peer.proto`: every picker serv
 `PickerPeers` and subscribes to each peer it is told of, so no picker is special and any may die.
 Publishing costs the hot path one tuple appended per subscriber; a sender task per subscriber
 batches them into messages. Staleness is bounded by the event loop and the network: decisions are
-sent as soon as the loop runs the sender (after `flush_interval_s`, 1 ms, to batch them), and a
-subscriber that cannot keep up loses the oldest (`epp_peer_decisions_dropped_total`; it sees the
-gap in sequence numbers), never blocking the publisher or growing its memory. Each batch carries
+sent as soon as the loop runs the sender, at most one batch per `flush_interval_s` (1 ms) so a burst
+is batched while a decision after a quiet interval is not held back; a subscriber that cannot keep
+up loses the oldest (`epp_peer_decisions_dropped_total`; it sees the gap in sequence numbers),
+never blocking the publisher or growing its memory. Each batch carries
 when its oldest decision was made, and the receiver records how old it was on arrival
 (`epp_peer_decision_staleness_seconds`): the measured bound on how far a peer's view lags. A
 picker that starts late subscribes first, then asks one peer for a snapshot, applies it, then the
@@ -75,13 +76,14 @@ def _decision(pending: _Pending) -> pb.Decision:
 class _Outbox:
     """One subscriber's queue of decisions: bounded, oldest dropped first."""
 
-    __slots__ = ("items", "wake", "dropped", "subscriber")
+    __slots__ = ("items", "wake", "dropped", "subscriber", "last_sent")
 
     def __init__(self, limit: int, subscriber: str) -> None:
         self.items: deque[tuple[int, _Pending, int]] = deque(maxlen=limit)  # (sequence, decision, made at ns)
         self.wake = asyncio.Event()
         self.dropped = 0
         self.subscriber = subscriber
+        self.last_sent = float("-inf")  # loop time of the last batch sent
 
 
 class PeerMetrics:
@@ -234,13 +236,21 @@ class PeerNode(DecisionSharing, pb_grpc.PickerPeersServicer):
             # An empty first batch tells the subscriber it is subscribed (it may ask for a snapshot now).
             yield pb.DecisionBatch(protocol_version=PROTOCOL_VERSION, picker_id=self.picker_id,
                                    first_sequence=0)
+            loop = asyncio.get_running_loop()
             while True:
                 await box.wake.wait()
-                if self.flush_interval_s > 0:
-                    await asyncio.sleep(self.flush_interval_s)
+                # A decision after a quiet interval goes out at once (the peers' view lags by the loop
+                # and the network only); within a burst, one batch per interval carries the rest.
+                hold = box.last_sent + self.flush_interval_s - loop.time()
+                if hold > 0:
+                    await asyncio.sleep(hold)
                 box.wake.clear()
-                while box.items:
-                    count = min(_BATCH, len(box.items))
+                box.last_sent = loop.time()
+                # Only what is queued now: decisions made while these are written wait for the next turn.
+                due = len(box.items)
+                while due > 0 and box.items:
+                    count = min(_BATCH, due, len(box.items))
+                    due -= count
                     first, _, oldest = box.items[0]
                     decisions = [_decision(box.items.popleft()[1]) for _ in range(count)]
                     self.metrics.sent.inc(count)

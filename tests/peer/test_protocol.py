@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import filecmp
 import subprocess
 import sys
@@ -68,6 +69,35 @@ async def test_a_subscriber_that_falls_behind_loses_the_oldest_decisions_and_see
             assert [d.prefix_routed.endpoint for d in batch.decisions] == [f"10.0.0.{i}:8000" for i in range(6, 10)]
             assert list(batch.decisions[-1].prefix_routed.block_hashes) == [9, 10]
             assert registry.get_sample_value("epp_peer_decisions_dropped_total") == 6
+            call.cancel()
+    finally:
+        await publisher.stop()
+
+
+async def test_a_decision_after_a_quiet_interval_is_sent_at_once_and_a_burst_waits_for_one_batch():
+    [port] = free_ports(1)
+    publisher = PeerNode(host="127.0.0.1", port=port, peers=[], flush_interval_s=1.0)
+    await publisher.start()
+    loop = asyncio.get_running_loop()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = pb_grpc.PickerPeersStub(channel).Subscribe(
+                pb.SubscribeRequest(protocol_version=PROTOCOL_VERSION, subscriber_id="peer"))
+            await call.read()
+            published = loop.time()
+            publisher.publish_prefix("10.0.0.1:8000", [1], 100)
+            first = await call.read()
+            sent_first = loop.time()
+            # Not held for the flush interval: the link was quiet.
+            assert [d.prefix_routed.endpoint for d in first.decisions] == ["10.0.0.1:8000"]
+            assert sent_first - published < 0.5
+            # Two more within the interval travel together, one interval after the first batch.
+            publisher.publish_prefix("10.0.0.2:8000", [2], 100)
+            await asyncio.sleep(0.1)
+            publisher.publish_prefix("10.0.0.3:8000", [3], 100)
+            burst = await call.read()
+            assert [d.prefix_routed.endpoint for d in burst.decisions] == ["10.0.0.2:8000", "10.0.0.3:8000"]
+            assert loop.time() - sent_first >= 0.9
             call.cancel()
     finally:
         await publisher.stop()
