@@ -109,6 +109,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-worker-peer-link", action="store_true",
                    help="with --workers N: the workers do not share their decisions (each knows only its own "
                         "prefix homes and in-flight requests; cheaper per request, worse routing)")
+    p.add_argument("--no-shared-scrapes", action="store_true",
+                   help="with peers (--peers or --workers N): every picker scrapes every endpoint itself, instead "
+                        "of one picker per endpoint sharing what it read (N times the scrapes on each replica)")
     p.add_argument("--workers", default="1",
                    help="picker processes sharing the ports (SO_REUSEPORT; one metrics page for all; a worker "
                         "that exits is restarted): a number, or 'auto' for one per CPU (default 1)")
@@ -219,7 +222,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         disable_endpoint_subset_filter=args.disable_endpoint_subset_filter, limits=limits,
         token_accounting_tenant=args.token_accounting_tenant,
         prefill_capacity_tokens_per_s=args.prefill_capacity_tokens_per_second,
-        peer_port=args.peer_port, peers=peers, worker_peer_link=not args.no_worker_peer_link, **k8s)
+        peer_port=args.peer_port, peers=peers, worker_peer_link=not args.no_worker_peer_link,
+        shared_scrapes=not args.no_shared_scrapes, **k8s)
     from epp.datalayer.kubernetes import KubernetesDiscoveryError
     from epp.server.workers import WorkerStartError, supervise_forever, worker_count
 

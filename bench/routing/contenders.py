@@ -308,6 +308,10 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
               default=False, pods=2),
     Contender("epp-precise-pods4", "epp", "precise", "epp-precise as 4 pods (as epp-approx-pods2)",
               default=False, pods=4),
+    *(Contender(f"epp-{pipeline}-{shape}-all-scrape", "epp", pipeline,
+                f"before: epp-{pipeline}-{shape} with every picker scraping every replica (`--no-shared-scrapes`)",
+                default=False, workers=workers, pods=pods, serve_args=("--no-shared-scrapes",))
+      for pipeline in ("approx", "precise") for shape, workers, pods in (("w4", 4, 1), ("pods4", 1, 4))),
     Contender("epp-approx-repeat", "epp", "approx",
               "epp-approx again in the same run: how far two runs of one configuration differ", default=False),
     Contender("epp-approx-no-tie-break", "epp", "approx+no-tie-break",

@@ -269,6 +269,7 @@ _ROUTER_SERIES = ("kv_placement_lookups_total", "kv_routing_inputs_total", "pref
                   'epp_peer_decision_staleness_seconds_bucket{le="0.002"}', 'epp_peer_decision_staleness_seconds_bucket{le="0.005"}',
                   'epp_peer_decision_staleness_seconds_bucket{le="0.1"}',
                   "epp_worker_requests{",  # how the streams spread over `--workers` processes
+                  "epp_metrics_scrapes_total{", "epp_metrics_peer_scrapes_total{",  # shared scraping
                   "inference_extension_scheduler_e2e_duration_seconds_sum",  # the picker's own time per pick
                   "inference_extension_scheduler_e2e_duration_seconds_count")
 

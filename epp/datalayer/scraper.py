@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import random
@@ -17,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from epp.datalayer.http_get import FetchFailure, KeepAliveGetter
 from epp.datalayer.promparse import VllmMetrics, parse_vllm_metrics
 from epp.datalayer.registry import EndpointRegistry
+from epp.framework.sharing import DecisionSharing
 from epp.framework.types import Endpoint, EndpointMetrics
 
 log = logging.getLogger(__name__)
@@ -24,6 +26,9 @@ log = logging.getLogger(__name__)
 _SCRAPE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 _UNSUPPORTED_PROBE_INTERVAL_S = 30.0
 FAILURE_REASONS = ("connect", "timeout", "http_status", "too_large", "no_metrics", "protocol", "internal")
+# With peers, an endpoint another picker scrapes is scraped here too once nothing fresher than this
+# many intervals came from it (the peer died, cannot reach the endpoint, or sees other peers).
+_FALLBACK_INTERVALS = 3.0
 
 
 class ScrapeFailure(FetchFailure):
@@ -66,6 +71,9 @@ class MetricsScraper:
     into the registry. After `failure_threshold` consecutive failures an endpoint is marked
     unhealthy; the next successful scrape marks it healthy again. Tasks follow the registry:
     they start when endpoints are added and are cancelled when endpoints are removed.
+
+    With `sharing` (the peer link), each endpoint is scraped by one picker of the pool, which
+    publishes what it read; the others apply that and scrape only when it stops coming.
     """
 
     def __init__(
@@ -84,6 +92,7 @@ class MetricsScraper:
         max_scrapes_per_second: float | None = 2000.0,
         session: aiohttp.ClientSession | None = None,
         sleep_probe_interval: float = 1.0,
+        sharing: DecisionSharing | None = None,
     ) -> None:
         if interval <= 0 or timeout <= 0 or failure_threshold < 1 or staleness_threshold <= 0:
             raise ValueError("interval, timeout and staleness_threshold must be > 0, failure_threshold >= 1")
@@ -118,6 +127,7 @@ class MetricsScraper:
         if sleep_probe_interval <= 0:
             raise ValueError("sleep_probe_interval must be > 0")
         self.sleep_probe_interval = sleep_probe_interval
+        self.sharing = sharing
         self._sleep_probes: dict[str, _SleepProbe] = {}
         self._session = session
         self._owns_session = session is None
@@ -142,6 +152,12 @@ class MetricsScraper:
             "Interval between two scrapes of one endpoint (stretched when over the scrape budget).",
             registry=metrics_registry)
         self.interval_gauge.set_function(self.effective_interval)
+        self.scrapes = Counter(
+            "epp_metrics_scrapes", "Scrapes started, by why this picker scraped: own (its share of the pool, or "
+            "no peers) or fallback (a peer's share that sent nothing fresh).", ["reason"], registry=metrics_registry)
+        self.peer_scrapes = Counter(
+            "epp_metrics_peer_scrapes", "Peers' scrapes received, by outcome: applied, older (than what this "
+            "picker holds) or unknown_endpoint.", ["outcome"], registry=metrics_registry)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -156,6 +172,8 @@ class MetricsScraper:
                 headers={"Accept-Encoding": "identity"},
             )
         self._running = True
+        if self.sharing is not None:
+            self.sharing.share_loads(self._apply_peer_scrape)
         self.registry.add_listener(self._on_endpoints_changed)
         for endpoint in self.registry.snapshot():
             self._start_task(endpoint.name)
@@ -256,11 +274,14 @@ class MetricsScraper:
             endpoint = self.registry.get(name)
             if endpoint is None:
                 return
-            try:
-                await self.scrape_once(endpoint)
-            except Exception as exc:  # a bug must not end this endpoint's polling for good
-                log.exception("scrape of %s failed unexpectedly", name)
-                self._record_failure(endpoint, ScrapeFailure("internal", repr(exc)))
+            reason = self._scrape_reason(endpoint)
+            if reason is not None:
+                self.scrapes.labels(reason).inc()
+                try:
+                    await self.scrape_once(endpoint)
+                except Exception as exc:  # a bug must not end this endpoint's polling for good
+                    log.exception("scrape of %s failed unexpectedly", name)
+                    self._record_failure(endpoint, ScrapeFailure("internal", repr(exc)))
             # A random phase after the first scrape keeps many endpoints from polling in lockstep.
             interval = self.effective_interval()
             if first:
@@ -269,6 +290,33 @@ class MetricsScraper:
             else:
                 delay = max(0.0, started + interval - loop.time())
             await asyncio.sleep(delay)
+
+    def _scrape_reason(self, endpoint: Endpoint) -> str | None:
+        """Why this picker scrapes `endpoint` now; None when a peer's scrape of it is fresh enough."""
+        if self.sharing is None or self.sharing.scrapes(endpoint.name):
+            return "own"
+        if endpoint.metrics.age() > _FALLBACK_INTERVALS * self.effective_interval():
+            return "fallback"
+        return None
+
+    def _apply_peer_scrape(self, name: str, metrics: EndpointMetrics, age: float) -> None:
+        """A peer's scrape: kept when newer than what this picker holds."""
+        current = self.registry.get(name)
+        if current is None:
+            self.peer_scrapes.labels("unknown_endpoint").inc()
+            return
+        read_at = time.monotonic() - age
+        if read_at <= current.metrics.update_time:
+            self.peer_scrapes.labels("older").inc()
+            return
+        self.peer_scrapes.labels("applied").inc()
+        # The endpoint answers the peer; where this picker's own scrapes are the share, they judge health.
+        shared_out = self.sharing is not None and not self.sharing.scrapes(name)
+        healthy = True if not current.healthy and shared_out else None
+        if healthy:
+            self._failures[name] = 0
+            log.info("endpoint %s answers a peer's scrapes again: healthy", name)
+        self.registry.update(name, metrics=dataclasses.replace(metrics, update_time=read_at), healthy=healthy)
 
     async def scrape_once(self, endpoint: Endpoint) -> bool:
         """Scrape one endpoint now and record the outcome; True on success."""
@@ -289,8 +337,10 @@ class MetricsScraper:
         healthy = True if current is not None and not current.healthy else None
         if healthy:
             log.info("endpoint %s answers /metrics again: healthy", endpoint.name)
-        self.registry.update(endpoint.name, metrics=to_endpoint_metrics(values, time.monotonic(), sleeping),
-                             healthy=healthy)
+        metrics = to_endpoint_metrics(values, time.monotonic(), sleeping)
+        self.registry.update(endpoint.name, metrics=metrics, healthy=healthy)
+        if self.sharing is not None:
+            self.sharing.publish_load(endpoint.name, metrics)
         return True
 
     async def _probe_sleeping(self, endpoint: Endpoint) -> bool:

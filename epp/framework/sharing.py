@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
+from epp.framework.types import EndpointMetrics
+
 #: Applies a peer's route: (endpoint, block hashes first block first, LRU capacity in blocks).
 PrefixLearner = Callable[[str, Sequence[int], int], None]
 #: Lists what this picker knows, for a peer that starts late: (endpoint, hashes oldest first, capacity).
@@ -19,6 +21,8 @@ PrefixSnapshotter = Callable[[], Iterable[tuple[str, Sequence[int], int]]]
 ClaimLearner = Callable[[str, Sequence[int]], None]
 #: Applies a prompt a peer saw counted: (characters, prompt tokens the model server counted).
 PromptTokensLearner = Callable[[int, int], None]
+#: Applies a peer's scrape of an endpoint: (endpoint, its metrics, seconds since the page was read).
+LoadLearner = Callable[[str, EndpointMetrics, float], None]
 
 
 class DecisionSharing:
@@ -41,6 +45,16 @@ class DecisionSharing:
 
     def share_prompt_tokens(self, learner: PromptTokensLearner) -> None:
         """Register how to apply the prompt token counts the peers saw."""
+
+    def scrapes(self, endpoint: str) -> bool:
+        """Whether this picker scrapes `endpoint` itself (with peers, one of them does and shares it)."""
+        return True
+
+    def publish_load(self, endpoint: str, metrics: EndpointMetrics) -> None:
+        """Tell the peers what this picker's scrape of `endpoint` read."""
+
+    def share_loads(self, learner: LoadLearner) -> None:
+        """Register how to apply the peers' scrapes."""
 
     @property
     def has_peers(self) -> bool:

@@ -27,15 +27,18 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
+import xxhash
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from epp.framework.sharing import (
     ClaimLearner,
     DecisionSharing,
+    LoadLearner,
     PrefixLearner,
     PrefixSnapshotter,
     PromptTokensLearner,
 )
+from epp.framework.types import EndpointMetrics
 from epp.peer.ledger import SharedInflightLedger
 from epp.peer.v1 import peer_pb2 as pb
 from epp.peer.v1 import peer_pb2_grpc as pb_grpc
@@ -55,7 +58,7 @@ _CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1), ("grpc.initial_reconn
 # A decision as the hot path records it: its protobuf message is built by the sender task, off the
 # request's path (one tuple per decision, shared by every subscriber's outbox).
 _Pending = tuple[int, Any, Any, Any]  # (kind, a, b, c)
-_ROUTED, _BOOKED, _RELEASED, _CLAIMED, _COUNTED = 0, 1, 2, 3, 4
+_ROUTED, _BOOKED, _RELEASED, _CLAIMED, _COUNTED, _LOADED = 0, 1, 2, 3, 4, 5
 # The `Decision.kind` cases, as the protocol names them (the received counter's label values).
 _DECISION_KINDS = tuple(field.name for field in pb.Decision.DESCRIPTOR.oneofs_by_name["kind"].fields)
 
@@ -70,7 +73,27 @@ def _decision(pending: _Pending) -> pb.Decision:
         return pb.Decision(prefix_claimed=pb.PrefixClaimed(endpoint=a, block_keys=b))
     if kind == _COUNTED:
         return pb.Decision(prompt_tokens_counted=pb.PromptTokensCounted(characters=a, tokens=b))
+    if kind == _LOADED:
+        m: EndpointMetrics = b
+        return pb.Decision(endpoint_load=pb.EndpointLoad(
+            endpoint=a, scraped_unix_nanos=c, waiting_requests=m.waiting_queue_size,
+            running_requests=m.running_requests_size, kv_cache_usage=m.kv_cache_usage,
+            active_models=sorted(m.active_models), waiting_models=sorted(m.waiting_models),
+            max_active_models=m.max_active_models, cache_block_size=m.cache_block_size,
+            cache_num_blocks=m.cache_num_blocks, prefix_cache_queries=m.prefix_cache_queries,
+            prefix_cache_hits=m.prefix_cache_hits, sleeping=m.sleeping))
     return pb.Decision(released=pb.Released(ticket=a, prefill_only=b))
+
+
+def _endpoint_metrics(load: pb.EndpointLoad) -> EndpointMetrics:
+    """A peer's scrape as this picker's snapshot; `update_time` is set by whoever applies it."""
+    return EndpointMetrics(
+        waiting_queue_size=load.waiting_requests, running_requests_size=load.running_requests,
+        kv_cache_usage=load.kv_cache_usage, active_models=frozenset(load.active_models),
+        waiting_models=frozenset(load.waiting_models), max_active_models=load.max_active_models,
+        cache_block_size=load.cache_block_size, cache_num_blocks=load.cache_num_blocks,
+        prefix_cache_queries=load.prefix_cache_queries, prefix_cache_hits=load.prefix_cache_hits,
+        sleeping=load.sleeping)
 
 
 class _Outbox:
@@ -134,6 +157,8 @@ class PeerNode(DecisionSharing, pb_grpc.PickerPeersServicer):
         self._snapshotter: PrefixSnapshotter | None = None
         self._claim_learner: ClaimLearner | None = None
         self._tokens_learner: PromptTokensLearner | None = None
+        self._load_learner: LoadLearner | None = None
+        self._following: dict[str, str] = {}  # peer address -> its picker id, while its stream is up
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._pending: deque[tuple[str, pb.Decision]] = deque(maxlen=outbox_limit)
@@ -170,6 +195,22 @@ class PeerNode(DecisionSharing, pb_grpc.PickerPeersServicer):
     def publish_prompt_tokens(self, characters: int, tokens: int) -> None:
         if self._outboxes:
             self._publish((_COUNTED, characters, tokens, None))
+
+    def scrapes(self, endpoint: str) -> bool:
+        # Rendezvous over the pickers this one hears from: a picker that dies or is cut off drops out
+        # of every view it was in, and its endpoints move to the next highest rank.
+        def rank(picker: str) -> tuple[int, str]:
+            return xxhash.xxh64_intdigest(f"{picker}\0{endpoint}".encode()), picker
+
+        own = rank(self.picker_id)
+        return all(rank(peer) < own for peer in self._following.values())
+
+    def publish_load(self, endpoint: str, metrics: EndpointMetrics) -> None:
+        if self._outboxes:
+            self._publish((_LOADED, endpoint, metrics, time.time_ns()))
+
+    def share_loads(self, learner: LoadLearner) -> None:
+        self._load_learner = learner
 
     def publish_booked(self, ticket: int, endpoint: str, uncached_tokens: int) -> None:
         """The own ledger booked a pick (SharedInflightLedger calls this)."""
@@ -292,6 +333,7 @@ class PeerNode(DecisionSharing, pb_grpc.PickerPeersServicer):
                     async for batch in call:
                         if not following:
                             following = True
+                            self._following[address] = batch.picker_id
                             self._subscribed[address].set()
                             backoff = 0.1
                             self.metrics.following.inc()
@@ -303,6 +345,7 @@ class PeerNode(DecisionSharing, pb_grpc.PickerPeersServicer):
             except Exception:  # a bad message or a bug must not end the link for good
                 log.exception("following peer %s failed; reconnecting", address)
             finally:
+                self._following.pop(address, None)
                 if following:
                     self.metrics.following.dec()
                 if publisher and self.ledger is not None:
@@ -347,6 +390,10 @@ class PeerNode(DecisionSharing, pb_grpc.PickerPeersServicer):
             elif kind == "prompt_tokens_counted" and self._tokens_learner is not None:
                 counted = decision.prompt_tokens_counted
                 self._tokens_learner(counted.characters, counted.tokens)
+            elif kind == "endpoint_load" and self._load_learner is not None:
+                load = decision.endpoint_load
+                self._load_learner(load.endpoint, _endpoint_metrics(load),
+                                   max(0, time.time_ns() - load.scraped_unix_nanos) / 1e9)
 
     async def _catch_up(self) -> None:
         """Apply one peer's snapshot (the first that answers), then what arrived meanwhile."""

@@ -7,6 +7,7 @@ from typing import Any, Protocol
 from epp.datalayer.discovery import Discovery, FileDiscovery, StaticDiscovery
 from epp.datalayer.registry import EndpointRegistry
 from epp.datalayer.scraper import MetricsScraper
+from epp.framework.sharing import DecisionSharing
 from epp.metrics import EppMetrics
 
 
@@ -15,8 +16,8 @@ class Stoppable(Protocol):
 
 
 async def start_data_layer(options: Any, registry: EndpointRegistry, metrics: EppMetrics,
-                           objectives: Any = None) -> list[Stoppable]:
-    """Start discovery and metrics scraping; returns what must be stopped on shutdown."""
+                           objectives: Any = None, sharing: DecisionSharing | None = None) -> list[Stoppable]:
+    """Start discovery and metrics scraping (shared with the peers through `sharing`); returns what to stop."""
     discovery: Discovery
     if getattr(options, "pool_name", None) or getattr(options, "endpoint_selector", None):
         from epp.datalayer.kubernetes import KubernetesDiscovery
@@ -34,7 +35,7 @@ async def start_data_layer(options: Any, registry: EndpointRegistry, metrics: Ep
     running: list[Stoppable] = [discovery]
     if options.scrape_metrics:
         scraper = MetricsScraper(registry, interval=options.refresh_metrics_interval_s,
-                                 metrics_registry=metrics.registry)
+                                 metrics_registry=metrics.registry, sharing=sharing)
         await scraper.start()
         running.append(scraper)
     return running

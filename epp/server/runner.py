@@ -77,6 +77,8 @@ class ServeOptions:
     peers: list[str] = field(default_factory=list)
     # With --workers N: whether the workers share their decisions over loopback peer links.
     worker_peer_link: bool = True
+    # With peers: each endpoint is scraped by one picker, which shares the page (False: all scrape all).
+    shared_scrapes: bool = True
 
 
 class EppServer:
@@ -200,7 +202,9 @@ class EppServer:
     async def _start_discovery(self) -> None:
         from epp.server.pipeline import start_data_layer
 
-        self._background.extend(await start_data_layer(self.options, self.endpoints, self.metrics, self.objectives))
+        sharing = self.peer if self.peer is not None and self.options.shared_scrapes else None
+        self._background.extend(await start_data_layer(self.options, self.endpoints, self.metrics, self.objectives,
+                                                       sharing=sharing))
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop taking new streams, let in-flight ones finish within `grace` seconds, then stop all."""

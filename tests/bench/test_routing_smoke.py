@@ -19,7 +19,8 @@ from bench.routing.report import write_report
 from bench.routing.runner import ContenderResult, run_contender, run_scenario
 from bench.routing.scenarios import get_scenario
 
-pytestmark = [pytest.mark.envoy, pytest.mark.slow]
+# The module fixture runs every contender once (~4 s each) inside the first test: its limit grows with the list.
+pytestmark = [pytest.mark.envoy, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _peers_installed() -> bool:

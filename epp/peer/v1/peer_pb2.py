@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x65pp/peer/v1/peer.proto\x12\x0b\x65pp.peer.v1\"C\n\x10SubscribeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x15\n\rsubscriber_id\x18\x02 \x01(\t\"\xa2\x01\n\rDecisionBatch\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tpicker_id\x18\x02 \x01(\t\x12\x16\n\x0e\x66irst_sequence\x18\x03 \x01(\x04\x12(\n\tdecisions\x18\x04 \x03(\x0b\x32\x15.epp.peer.v1.Decision\x12\"\n\x1aoldest_decision_unix_nanos\x18\x05 \x01(\x03\"\x91\x02\n\x08\x44\x65\x63ision\x12\x32\n\rprefix_routed\x18\x01 \x01(\x0b\x32\x19.epp.peer.v1.PrefixRoutedH\x00\x12%\n\x06\x62ooked\x18\x02 \x01(\x0b\x32\x13.epp.peer.v1.BookedH\x00\x12)\n\x08released\x18\x03 \x01(\x0b\x32\x15.epp.peer.v1.ReleasedH\x00\x12\x34\n\x0eprefix_claimed\x18\x04 \x01(\x0b\x32\x1a.epp.peer.v1.PrefixClaimedH\x00\x12\x41\n\x15prompt_tokens_counted\x18\x05 \x01(\x0b\x32 .epp.peer.v1.PromptTokensCountedH\x00\x42\x06\n\x04kind\"L\n\x0cPrefixRouted\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x18\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\x42\x02\x10\x01\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\x04\"9\n\x13PromptTokensCounted\x12\x12\n\ncharacters\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\"9\n\rPrefixClaimed\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x16\n\nblock_keys\x18\x02 \x03(\x04\x42\x02\x10\x01\"C\n\x06\x42ooked\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x17\n\x0funcached_tokens\x18\x03 \x01(\x04\"0\n\x08Released\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12\x14\n\x0cprefill_only\x18\x02 \x01(\x08\"+\n\x0fSnapshotRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\">\n\x0ePrefixSnapshot\x12,\n\tendpoints\x18\x01 \x03(\x0b\x32\x19.epp.peer.v1.PrefixRouted2\xa0\x01\n\x0bPickerPeers\x12H\n\tSubscribe\x12\x1d.epp.peer.v1.SubscribeRequest\x1a\x1a.epp.peer.v1.DecisionBatch0\x01\x12G\n\x08Snapshot\x12\x1c.epp.peer.v1.SnapshotRequest\x1a\x1b.epp.peer.v1.PrefixSnapshot0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x65pp/peer/v1/peer.proto\x12\x0b\x65pp.peer.v1\"C\n\x10SubscribeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x15\n\rsubscriber_id\x18\x02 \x01(\t\"\xa2\x01\n\rDecisionBatch\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tpicker_id\x18\x02 \x01(\t\x12\x16\n\x0e\x66irst_sequence\x18\x03 \x01(\x04\x12(\n\tdecisions\x18\x04 \x03(\x0b\x32\x15.epp.peer.v1.Decision\x12\"\n\x1aoldest_decision_unix_nanos\x18\x05 \x01(\x03\"\xc5\x02\n\x08\x44\x65\x63ision\x12\x32\n\rprefix_routed\x18\x01 \x01(\x0b\x32\x19.epp.peer.v1.PrefixRoutedH\x00\x12%\n\x06\x62ooked\x18\x02 \x01(\x0b\x32\x13.epp.peer.v1.BookedH\x00\x12)\n\x08released\x18\x03 \x01(\x0b\x32\x15.epp.peer.v1.ReleasedH\x00\x12\x34\n\x0eprefix_claimed\x18\x04 \x01(\x0b\x32\x1a.epp.peer.v1.PrefixClaimedH\x00\x12\x41\n\x15prompt_tokens_counted\x18\x05 \x01(\x0b\x32 .epp.peer.v1.PromptTokensCountedH\x00\x12\x32\n\rendpoint_load\x18\x06 \x01(\x0b\x32\x19.epp.peer.v1.EndpointLoadH\x00\x42\x06\n\x04kind\"L\n\x0cPrefixRouted\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x18\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\x42\x02\x10\x01\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\x04\"9\n\x13PromptTokensCounted\x12\x12\n\ncharacters\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\"9\n\rPrefixClaimed\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x16\n\nblock_keys\x18\x02 \x03(\x04\x42\x02\x10\x01\"C\n\x06\x42ooked\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x17\n\x0funcached_tokens\x18\x03 \x01(\x04\"0\n\x08Released\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12\x14\n\x0cprefill_only\x18\x02 \x01(\x08\"\xd1\x02\n\x0c\x45ndpointLoad\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x1a\n\x12scraped_unix_nanos\x18\x02 \x01(\x03\x12\x18\n\x10waiting_requests\x18\x03 \x01(\r\x12\x18\n\x10running_requests\x18\x04 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x01\x12\x15\n\ractive_models\x18\x06 \x03(\t\x12\x16\n\x0ewaiting_models\x18\x07 \x03(\t\x12\x19\n\x11max_active_models\x18\x08 \x01(\r\x12\x18\n\x10\x63\x61\x63he_block_size\x18\t \x01(\r\x12\x18\n\x10\x63\x61\x63he_num_blocks\x18\n \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x0b \x01(\x01\x12\x19\n\x11prefix_cache_hits\x18\x0c \x01(\x01\x12\x10\n\x08sleeping\x18\r \x01(\x08\"+\n\x0fSnapshotRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\">\n\x0ePrefixSnapshot\x12,\n\tendpoints\x18\x01 \x03(\x0b\x32\x19.epp.peer.v1.PrefixRouted2\xa0\x01\n\x0bPickerPeers\x12H\n\tSubscribe\x12\x1d.epp.peer.v1.SubscribeRequest\x1a\x1a.epp.peer.v1.DecisionBatch0\x01\x12G\n\x08Snapshot\x12\x1c.epp.peer.v1.SnapshotRequest\x1a\x1b.epp.peer.v1.PrefixSnapshot0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,21 +40,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECISIONBATCH']._serialized_start=109
   _globals['_DECISIONBATCH']._serialized_end=271
   _globals['_DECISION']._serialized_start=274
-  _globals['_DECISION']._serialized_end=547
-  _globals['_PREFIXROUTED']._serialized_start=549
-  _globals['_PREFIXROUTED']._serialized_end=625
-  _globals['_PROMPTTOKENSCOUNTED']._serialized_start=627
-  _globals['_PROMPTTOKENSCOUNTED']._serialized_end=684
-  _globals['_PREFIXCLAIMED']._serialized_start=686
-  _globals['_PREFIXCLAIMED']._serialized_end=743
-  _globals['_BOOKED']._serialized_start=745
-  _globals['_BOOKED']._serialized_end=812
-  _globals['_RELEASED']._serialized_start=814
-  _globals['_RELEASED']._serialized_end=862
-  _globals['_SNAPSHOTREQUEST']._serialized_start=864
-  _globals['_SNAPSHOTREQUEST']._serialized_end=907
-  _globals['_PREFIXSNAPSHOT']._serialized_start=909
-  _globals['_PREFIXSNAPSHOT']._serialized_end=971
-  _globals['_PICKERPEERS']._serialized_start=974
-  _globals['_PICKERPEERS']._serialized_end=1134
+  _globals['_DECISION']._serialized_end=599
+  _globals['_PREFIXROUTED']._serialized_start=601
+  _globals['_PREFIXROUTED']._serialized_end=677
+  _globals['_PROMPTTOKENSCOUNTED']._serialized_start=679
+  _globals['_PROMPTTOKENSCOUNTED']._serialized_end=736
+  _globals['_PREFIXCLAIMED']._serialized_start=738
+  _globals['_PREFIXCLAIMED']._serialized_end=795
+  _globals['_BOOKED']._serialized_start=797
+  _globals['_BOOKED']._serialized_end=864
+  _globals['_RELEASED']._serialized_start=866
+  _globals['_RELEASED']._serialized_end=914
+  _globals['_ENDPOINTLOAD']._serialized_start=917
+  _globals['_ENDPOINTLOAD']._serialized_end=1254
+  _globals['_SNAPSHOTREQUEST']._serialized_start=1256
+  _globals['_SNAPSHOTREQUEST']._serialized_end=1299
+  _globals['_PREFIXSNAPSHOT']._serialized_start=1301
+  _globals['_PREFIXSNAPSHOT']._serialized_end=1363
+  _globals['_PICKERPEERS']._serialized_start=1366
+  _globals['_PICKERPEERS']._serialized_end=1526
 # @@protoc_insertion_point(module_scope)
