@@ -8,7 +8,7 @@ import logging
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -28,6 +28,9 @@ from epp.request.parsing import RequestParser
 from epp.server.extproc import DEFAULT_MAX_BODY_BYTES, ExtProcService
 from epp.server.health import HealthService
 from epp.server.tls import server_credentials
+
+if TYPE_CHECKING:
+    from epp.datalayer.scraper import MetricsScraper
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +188,13 @@ class EppServer:
             lambda: sum(1 for ep in self.endpoints.snapshot() if ep.healthy))
         log.info("epp serving ext_proc on :%d, health on :%d, metrics on :%d, %d endpoint(s)",
                  self.grpc_port, self.health_port, self.metrics_port, len(self.endpoints))
+
+    @property
+    def scraper(self) -> MetricsScraper | None:
+        """The `/metrics` scraper this server started; None when it does not scrape."""
+        from epp.datalayer.scraper import MetricsScraper
+
+        return next((item for item in self._background if isinstance(item, MetricsScraper)), None)
 
     def _accounting(self) -> ResponseCompleteHook:
         """Token accounting and the pool's scaling gauges are on for every configuration."""

@@ -2,7 +2,8 @@
 
 Three of four replicas hold a long request that keeps about half their KV cache busy; the
 fourth is empty. The picker runs GIE's default pipeline (queue 2, kv-cache 2, approximate
-prefix 3) and scrapes every 50 ms. Eight unique prompts then arrive at once. From the scrape
+prefix 3) and stops scraping once it has seen the busy replicas, so the burst lands within one
+scrape interval however slowly the machine runs. Eight unique prompts then arrive at once. From the scrape
 alone the empty replica is the best choice for all eight (no queue anywhere, least KV in use),
 so scrape-only scoring (`useInflight: false`, GIE's behaviour) piles the burst onto it; with
 the picker's own in-flight accounting each pick counts on its replica at once and the burst
@@ -75,6 +76,9 @@ async def burst_spread(use_inflight: bool, seed: int) -> list[int]:
                                      parse_endpoint_list(",".join(fleet.endpoints)))
             await wait_until(lambda: all(ep.metrics.kv_cache_usage > 0.3 for ep in epp.endpoints.snapshot()
                                          if ep.name in busy), "the busy replicas' KV use to be scraped", 20)
+            # The burst must land within one scrape interval; on a loaded machine eight picks through
+            # Envoy can take longer than 50 ms, so the signals are frozen at this scrape instead.
+            await epp.scraper.stop()
             listen, admin = free_port(), free_port()
             envoy = EnvoyProcess(render_config(listen_port=listen, admin_port=admin, epp_port=epp.grpc_port),
                                  admin)
