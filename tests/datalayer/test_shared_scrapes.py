@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator
 
 from prometheus_client import CollectorRegistry
 
@@ -56,6 +57,23 @@ async def _hits_per_second(servers, seconds: float) -> float:
     return (sum(s.hits for s in servers) - before) / seconds
 
 
+@contextlib.asynccontextmanager
+async def linked_pickers(specs_a: list[EndpointSpec], specs_b: list[EndpointSpec], *, share_a: bool = True,
+                         share_b: bool = True) -> AsyncIterator[tuple[Picker, Picker]]:
+    """Two pickers subscribed to each other, yielded once each follows the other."""
+    port_a, port_b = free_ports(2)
+    a = await Picker(port_a, [port_b], specs_a, share=share_a).start()
+    try:
+        b = await Picker(port_b, [port_a], specs_b, share=share_b).start()
+        try:
+            await wait_until(lambda: a.following() == b.following() == 1)
+            yield a, b
+        finally:
+            await b.stop()
+    finally:
+        await a.stop()
+
+
 async def _pool(metrics_servers, endpoints: int):
     servers = [await metrics_servers(vllm_metrics_page(VllmState(waiting=i, kv_usage=i / 10)))
                for i in range(endpoints)]
@@ -65,11 +83,7 @@ async def _pool(metrics_servers, endpoints: int):
 
 async def test_two_linked_pickers_scrape_each_endpoint_once_and_both_see_every_endpoint(metrics_servers):
     servers, specs, names = await _pool(metrics_servers, 6)
-    port_a, port_b = free_ports(2)
-    a = await Picker(port_a, [port_b], specs).start()
-    b = await Picker(port_b, [port_a], specs).start()
-    try:
-        await wait_until(lambda: a.following() == b.following() == 1)
+    async with linked_pickers(specs, specs) as (a, b):
         # They agree who scrapes what, and share the pool between them.
         owners = {name: (a.node.scrapes(name), b.node.scrapes(name)) for name in names}
         assert all(mine != theirs for mine, theirs in owners.values()), owners
@@ -90,62 +104,36 @@ async def test_two_linked_pickers_scrape_each_endpoint_once_and_both_see_every_e
         name = next(n for n, (mine, _) in owners.items() if not mine)
         servers[names.index(name)].page = vllm_metrics_page(VllmState(waiting=42))
         await wait_until(lambda: a.registry.get(name).metrics.waiting_queue_size == 42, timeout=1.0)
-    finally:
-        await b.stop()
-        await a.stop()
 
 
 async def test_when_a_peer_stops_the_survivor_scrapes_its_endpoints_again(metrics_servers):
     servers, specs, names = await _pool(metrics_servers, 6)
-    port_a, port_b = free_ports(2)
-    a = await Picker(port_a, [port_b], specs).start()
-    b = await Picker(port_b, [port_a], specs).start()
-    try:
-        await wait_until(lambda: a.following() == 1)
-        theirs = [name for name in names if not a.node.scrapes(name)]
-        assert theirs
+    async with linked_pickers(specs, specs) as (a, b):
+        assert [name for name in names if not a.node.scrapes(name)]
         await b.stop()
         await wait_until(lambda: all(a.node.scrapes(name) for name in names))
         await asyncio.sleep(2 * INTERVAL)
         stopped_at = time.monotonic()
         await wait_until(lambda: all(a.registry.get(name).metrics.update_time > stopped_at for name in names))
         assert all(a.registry.get(name).healthy for name in names)
-    finally:
-        with contextlib.suppress(Exception):
-            await b.stop()
-        await a.stop()
 
 
 async def test_a_peer_that_publishes_nothing_for_its_endpoints_is_covered_by_fallback_scrapes(metrics_servers):
     servers, specs, names = await _pool(metrics_servers, 6)
-    port_a, port_b = free_ports(2)
-    a = await Picker(port_a, [port_b], specs).start()
     # b is linked but scrapes nothing and shares nothing (a peer whose scrapes cannot get through).
-    b = await Picker(port_b, [port_a], [], share=False).start()
-    try:
-        await wait_until(lambda: a.following() == 1)
+    async with linked_pickers(specs, [], share_b=False) as (a, _):
         theirs = [name for name in names if not a.node.scrapes(name)]
         assert theirs
         await asyncio.sleep(5 * INTERVAL)
         since = time.monotonic()
         await wait_until(lambda: all(a.registry.get(name).metrics.update_time > since for name in theirs))
         assert a.counter("epp_metrics_scrapes_total", reason="fallback") > 0
-    finally:
-        await b.stop()
-        await a.stop()
 
 
 async def test_with_shared_scrapes_off_every_picker_scrapes_every_endpoint(metrics_servers):
     servers, specs, names = await _pool(metrics_servers, 4)
-    port_a, port_b = free_ports(2)
-    a = await Picker(port_a, [port_b], specs, share=False).start()
-    b = await Picker(port_b, [port_a], specs, share=False).start()
-    try:
-        await wait_until(lambda: a.following() == 1)
+    async with linked_pickers(specs, specs, share_a=False, share_b=False) as (a, _):
         await asyncio.sleep(2 * INTERVAL)
         rate = await _hits_per_second(servers, 1.0)
         assert rate > 1.3 * len(names) / INTERVAL, rate
         assert a.counter("epp_metrics_peer_scrapes_total", outcome="applied") == 0
-    finally:
-        await b.stop()
-        await a.stop()
