@@ -35,7 +35,7 @@ LIMIT_FLAGS: tuple[tuple[str, type, float, str], ...] = (
     ("--max-request-headers", int, lim.DEFAULT_MAX_REQUEST_HEADERS, "request headers per request; more get 431"),
     ("--max-request-header-bytes", int, lim.DEFAULT_MAX_REQUEST_HEADER_BYTES,
      "bytes of request header names and values; more get 431"),
-    ("--max-json-depth", int, lim.DEFAULT_MAX_JSON_DEPTH, "nesting of a request's JSON body; deeper gets 400"),
+    ("--max-json-depth", int, lim.DEFAULT_MAX_JSON_DEPTH, "nesting of a request's JSON body (at most 512); deeper gets 400"),
     ("--max-label-value-length", int, lim.DEFAULT_MAX_LABEL_VALUE_LENGTH,
      "characters of a client-chosen metric label value; longer is cut"),
 )

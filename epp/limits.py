@@ -18,6 +18,9 @@ DEFAULT_MAX_REQUEST_HEADERS = 200
 DEFAULT_MAX_REQUEST_HEADER_BYTES = 128 * 1024
 # Nesting of a request's JSON body (objects and arrays); deeper is answered 400 BadRequest.
 DEFAULT_MAX_JSON_DEPTH = 128
+# The most the depth limit may be set to: the parser recurses once per level, and what runs inside
+# it (garbage-collector callbacks) needs stack left under the interpreter's limit of 1,000 frames.
+MAX_JSON_DEPTH_CEILING = 512
 # Characters of a client-chosen string used as a metric label value; longer ones are cut.
 DEFAULT_MAX_LABEL_VALUE_LENGTH = 128
 
@@ -38,5 +41,7 @@ class Limits:
                      "max_json_depth", "max_label_value_length"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_json_depth > MAX_JSON_DEPTH_CEILING:
+            raise ValueError(f"max_json_depth must be <= {MAX_JSON_DEPTH_CEILING}, got {self.max_json_depth}")
         if self.stream_idle_timeout_s <= 0:
             raise ValueError(f"stream_idle_timeout_s must be > 0, got {self.stream_idle_timeout_s}")

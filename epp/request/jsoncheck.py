@@ -1,30 +1,48 @@
-"""Checks on parsed JSON that json.loads does not make: nesting depth and lone UTF-16 surrogates.
+"""Checks on JSON that json.loads does not make: nesting depth (before parsing) and lone UTF-16 surrogates.
 
-Both walk the value with an explicit stack (no recursion), so hostile input cannot exhaust the
-interpreter's stack here, and both start with a byte-level pre-check that rules most bodies out.
+Neither recurses, so hostile input cannot exhaust the interpreter's stack here, and both start
+with a byte-level pre-check that rules most bodies out.
 """
 
 from __future__ import annotations
 
+import json
 import re
+from array import array
+from itertools import accumulate
 from typing import Any
 
+_NOT_BRACKET = bytes(sorted(set(range(256)) - set(b"[]{}")))
+# An opening bracket steps one level in, a closing one (read as a signed byte, -1) one level out.
+_DEPTH_STEP = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
 
-def exceeds_depth(body: bytes, value: Any, limit: int) -> bool:
-    """True when `value` (parsed from `body`) nests objects/arrays more than `limit` levels deep."""
+
+def _outside_strings(body: bytes) -> bytes:
+    """The UTF-8 JSON text `body` without its strings (an unterminated one runs to the end)."""
+    # Escaped backslashes first, so that in `\\"` the quote still ends its string. Every step is a
+    # C-speed scan: no byte of a multi-byte UTF-8 character is a quote or a backslash.
+    unescaped = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    return b"".join(unescaped.split(b'"')[::2])
+
+
+def nesting_exceeds(body: bytes, limit: int) -> bool:
+    """True when the JSON text `body` nests objects/arrays more than `limit` levels deep.
+
+    Read from the bytes before parsing, so that the parser never recurses deeper than `limit`: a
+    parser near the interpreter's recursion limit leaves no stack for what runs inside it (garbage
+    collector callbacks, finalizers), which then fail with RecursionError. For text that is not
+    valid JSON the answer is an upper bound of how deep the parser gets before its error.
+    """
     # Depth cannot exceed the number of opening brackets: most bodies are ruled out in C.
-    if not isinstance(value, (dict, list)) or body.count(b"[") + body.count(b"{") <= limit:
+    if body.count(b"[") + body.count(b"{") <= limit:
         return False
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if depth > limit:
-            return True
-        children = item.values() if isinstance(item, dict) else item
-        for child in children:
-            if isinstance(child, (dict, list)):
-                stack.append((child, depth + 1))
-    return False
+    # Strings are skipped in UTF-8 only: in UTF-16 or -32 (json.loads takes those too) a quote's byte
+    # can be part of another character, so every bracket is counted there.
+    text = _outside_strings(body) if json.detect_encoding(body).startswith("utf-8") else body
+    structure = text.translate(_DEPTH_STEP, _NOT_BRACKET)
+    if structure.count(1) <= limit:
+        return False
+    return max(accumulate(array("b", structure))) > limit
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

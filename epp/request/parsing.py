@@ -9,7 +9,7 @@ from typing import Any
 from epp.framework.errors import ErrorCode, InferenceError
 from epp.framework.types import ApiKind, InferenceRequest
 from epp.limits import DEFAULT_MAX_JSON_DEPTH
-from epp.request.jsoncheck import exceeds_depth, has_lone_surrogate
+from epp.request.jsoncheck import has_lone_surrogate, nesting_exceeds
 
 HEADER_OBJECTIVE = "x-gateway-inference-objective"
 HEADER_MODEL_REWRITE = "x-gateway-model-name-rewrite"
@@ -104,17 +104,14 @@ class RequestParser:
     def parse(self, *, request_id: str, headers: Mapping[str, str], body: bytes,
               subset_hint: tuple[str, ...] | None) -> tuple[InferenceRequest, bytes]:
         """Parse and validate; returns the request and the body to forward (rewritten if needed)."""
-        too_deep = _bad(f"request body nests objects/arrays deeper than {self.max_json_depth} levels")
+        if nesting_exceeds(body, self.max_json_depth):
+            raise _bad(f"request body nests objects/arrays deeper than {self.max_json_depth} levels")
         try:
             parsed = json.loads(body)
-        except RecursionError:  # far deeper than the limit: the parser itself ran out of stack
-            raise too_deep from None
         except (ValueError, UnicodeDecodeError) as exc:
             raise _bad(f"error unmarshaling request bodyMap: {exc}") from None
         if not isinstance(parsed, dict):
             raise _bad("error unmarshaling request bodyMap: request body must be a JSON object")
-        if exceeds_depth(body, parsed, self.max_json_depth):
-            raise too_deep
         if has_lone_surrogate(body, parsed):
             raise _bad("request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its pair), "
                        "which is not valid Unicode")

@@ -5,22 +5,27 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from epp.limits import DEFAULT_MAX_JSON_DEPTH
+from epp.request.jsoncheck import nesting_exceeds
+
+# Nesting of a model server's JSON response the picker reads (an OpenAI response is under 10 deep).
+MAX_RESPONSE_JSON_DEPTH = DEFAULT_MAX_JSON_DEPTH
+
 
 class UnreadableBody(ValueError):
-    """A response body the picker cannot read (JSON nested deeper than the parser's stack allows)."""
+    """A response body the picker does not read: JSON nested deeper than `MAX_RESPONSE_JSON_DEPTH`."""
 
 
 def _loads(data: bytes) -> Any:
-    try:
-        return json.loads(data)
-    except RecursionError:
-        raise UnreadableBody("JSON nested too deep to parse") from None
+    if nesting_exceeds(data, MAX_RESPONSE_JSON_DEPTH):
+        raise UnreadableBody(f"JSON nested deeper than {MAX_RESPONSE_JSON_DEPTH} levels")
+    return json.loads(data)
 
 
 def parse_usage(body: bytes, *, sse: bool) -> dict[str, Any] | None:
     """The `usage` object of a JSON response, or of the first SSE event that carries one.
 
-    Raises `UnreadableBody` when the body is valid but too deep to parse; the caller passes it on as is.
+    Raises `UnreadableBody` when the body nests deeper than `MAX_RESPONSE_JSON_DEPTH`; the caller passes it on as is.
     """
     if not sse:
         try:

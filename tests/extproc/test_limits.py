@@ -115,6 +115,8 @@ async def test_label_value_length_limit_cuts_model_labels():
 def test_limits_reject_nonsense_values():
     with pytest.raises(ValueError, match="max_json_depth"):
         Limits(max_json_depth=0)
+    with pytest.raises(ValueError, match="max_json_depth must be <= 512"):
+        Limits(max_json_depth=513)  # the parser would recurse too close to the interpreter's limit
     with pytest.raises(ValueError, match="stream_idle_timeout_s"):
         Limits(stream_idle_timeout_s=0)
 
