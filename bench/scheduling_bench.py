@@ -25,7 +25,6 @@ from types import MappingProxyType
 
 from epp.config import load_default_config
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
-from epp.director import Director
 from epp.framework import (
     ApiKind,
     CycleState,
@@ -36,6 +35,7 @@ from epp.framework import (
     ResponseInfo,
 )
 from epp.metrics import EppMetrics
+from epp.requestcontrol.director import Director
 from epp.scorers.prefix_hashing import block_hashes, chain_seed
 from epp.scorers.prompt_text import user_input_bytes
 

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib
 import logging
 import sys
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from epp import limits as lim
 from epp.envoy import RESPONSE_MODES
@@ -224,7 +223,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         prefill_capacity_tokens_per_s=args.prefill_capacity_tokens_per_second,
         peer_port=args.peer_port, peers=peers, worker_peer_link=not args.no_worker_peer_link,
         shared_scrapes=not args.no_shared_scrapes, **k8s)
-    from epp.datalayer.kubernetes import KubernetesDiscoveryError
+    from epp.kube.client import KubernetesError
+    from epp.server.event_loop import run_event_loop
     from epp.server.workers import WorkerStartError, supervise_forever, worker_count
 
     try:
@@ -234,14 +234,14 @@ def _run_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         if workers == 1:
-            _run_loop(serve_forever(options, on_started=_start_line(options)))
+            run_event_loop(serve_forever(options, on_started=_start_line(options)))
         else:
-            _run_loop(supervise_forever(options, workers, log_level=logging.getLogger().level,
+            run_event_loop(supervise_forever(options, workers, log_level=logging.getLogger().level,
                                         on_started=_start_line(options)))
     except ConfigError as exc:
         print(f"epp serve: invalid configuration: {exc}", file=sys.stderr)
         return 2
-    except (BindError, KubernetesDiscoveryError, WorkerStartError) as exc:
+    except (BindError, KubernetesError, WorkerStartError) as exc:
         print(f"epp serve: {exc}", file=sys.stderr)
         return 2
     return 0
@@ -261,7 +261,7 @@ def _kubernetes_options(args: argparse.Namespace) -> dict:
     """ServeOptions fields for Kubernetes discovery; ValueError names the flag that is wrong."""
     import os
 
-    from epp.datalayer.kubernetes import parse_selector, parse_target_ports
+    from epp.datalayer.inference_pool import parse_selector, parse_target_ports
 
     if args.pool_name and args.endpoint_selector:
         raise ValueError("--pool-name and --endpoint-selector exclude each other (pool or standalone mode)")
@@ -280,16 +280,6 @@ def _kubernetes_options(args: argparse.Namespace) -> dict:
         options["endpoint_selector"] = parse_selector(args.endpoint_selector)
         options["endpoint_target_ports"] = parse_target_ports(args.endpoint_target_ports)
     return options
-
-
-def _run_loop(coro: Coroutine[Any, Any, None]) -> None:
-    """Run on uvloop when it is installed (cheaper I/O on the hot path), else plain asyncio."""
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(coro)
-    else:
-        uvloop.run(coro)
 
 
 def _run_envoy_config(args: argparse.Namespace) -> int:

@@ -44,7 +44,7 @@ def saturation_detector(document: Document, plugins: PluginSet,
 
 def add_shedding_admitter(plugins: PluginSet, detector: SaturationDetector) -> None:
     """GIE's default admission: the admitter that sheds sheddable requests while `detector` says saturated."""
-    from epp.admission import TYPE_NAME, SaturationAdmitter
+    from epp.requestcontrol.admission import TYPE_NAME, SaturationAdmitter
 
     name = plugins.free_name(TYPE_NAME)
     plugins.append(PluginEntry(name, TYPE_NAME, SaturationAdmitter(name, detector, plugins.context), {},

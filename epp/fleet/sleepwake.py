@@ -33,7 +33,6 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from epp.director import match_subset
 from epp.fleet.control import ControlError, ReplicaControl
 from epp.framework import PluginParams
 from epp.framework.errors import ConfigError, ErrorCode, InferenceError
@@ -46,6 +45,7 @@ from epp.framework.plugin import (
     SchedulingResult,
 )
 from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
+from epp.requestcontrol.director import match_subset
 
 log = logging.getLogger(__name__)
 

@@ -22,13 +22,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf.message import DecodeError
 
-from epp.director import Director
 from epp.framework.errors import ErrorCode, InferenceError
 from epp.limits import Limits
 from epp.logutil import Throttled, log_failure
 from epp.metrics import EppMetrics
 from epp.request.parsing import RequestParser
 from epp.request.response import ResponseRewriter, UnreadableBody, parse_usage
+from epp.requestcontrol.director import Director
+from epp.requestcontrol.lifecycle import RequestAccounting, RequestLifecycle
 from epp.server import messages
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ class _Stream:
 
     def __init__(self, service: ExtProcService) -> None:
         self.service = service
-        self.life = service.director.open_request()
+        self.life = RequestLifecycle(service.director, service.accounting)
         self.headers: dict[str, str] = {}
         self.body_parts: list[bytes] = []
         self.body_size = 0
@@ -259,6 +260,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
     def __init__(self, director: Director, parser: RequestParser, metrics: EppMetrics, *,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, limits: Limits | None = None) -> None:
         self.director = director
+        # Request and token metrics of every stream; label children cached across requests.
+        self.accounting = RequestAccounting(metrics)
         self.parser = parser
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes

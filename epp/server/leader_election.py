@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 from prometheus_client import CollectorRegistry, Gauge
 
-from epp.datalayer.kubernetes import load_api_client
+from epp.kube.client import load_api_client
 
 log = logging.getLogger(__name__)
 

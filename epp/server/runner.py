@@ -17,14 +17,14 @@ from prometheus_client import start_http_server
 
 from epp.config import LoadedConfig, load_config_or_default
 from epp.datalayer.freshness import freshness_window
-from epp.datalayer.kubernetes import ObjectivePriorities
+from epp.datalayer.objectives import ObjectivePriorities
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
-from epp.director import Director
 from epp.framework.plugin import PluginContext, ResponseCompleteHook
 from epp.limits import Limits
 from epp.load_metrics import register_ledger_metrics
 from epp.metrics import EppMetrics, GcPauseRecorder
 from epp.request.parsing import RequestParser
+from epp.requestcontrol.director import Director
 from epp.server.extproc import DEFAULT_MAX_BODY_BYTES, ExtProcService
 from epp.server.health import HealthService
 from epp.server.tls import server_credentials

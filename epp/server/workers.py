@@ -28,6 +28,7 @@ import grpc
 from aiohttp import web
 from grpc_health.v1 import health_pb2_grpc
 
+from epp.server.event_loop import run_event_loop
 from epp.server.health import HealthService
 from epp.server.metrics_merge import merge_pages
 from epp.server.runner import BindError, ServeOptions, freeze_startup_heap, probe_port, start_server
@@ -64,10 +65,8 @@ def _worker_main(options: ServeOptions, conn: Connection, log_level: int) -> Non
     """Entry point of one worker process (spawned: nothing of the supervisor's gRPC state is inherited)."""
     logging.basicConfig(level=log_level,
                         format=f"%(asctime)s %(levelname)s worker{options.worker_index} %(name)s: %(message)s")
-    from epp.cli import _run_loop
-
     try:
-        _run_loop(_worker_serve(options, conn))
+        run_event_loop(_worker_serve(options, conn))
     except Exception as exc:  # reported to the supervisor, which decides whether that is fatal
         from epp.framework.errors import ConfigError
 

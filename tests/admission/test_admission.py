@@ -8,10 +8,8 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from epp.admission import SHED_MESSAGE, SaturationAdmitter
 from epp.config import load_config_text
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
-from epp.director import Director
 from epp.framework import (
     ApiKind,
     ConfigError,
@@ -27,6 +25,8 @@ from epp.framework import (
     SaturationDetector,
 )
 from epp.metrics import EppMetrics
+from epp.requestcontrol.admission import SHED_MESSAGE, SaturationAdmitter
+from epp.requestcontrol.director import Director
 from epp.scorers import register_builtin_plugins
 from epp.scorers.saturation import UtilizationDetector
 from tests.configs import endpoint_picker_config

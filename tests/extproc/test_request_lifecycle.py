@@ -1,4 +1,4 @@
-"""The request accounting the Director owns (`RequestLifecycle`), driven without the ext_proc transport."""
+"""One request's lifecycle and its accounting (`RequestLifecycle` over a `Director`), driven without the ext_proc transport."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ import time
 
 import pytest
 
-import epp.director as director_module
+import epp.requestcontrol.director as director_module
 from epp.datalayer.registry import EndpointRegistry, parse_endpoint_list
-from epp.director import Director
 from epp.framework.errors import ErrorCode, InferenceError
 from epp.framework.plugin import DataProducer
 from epp.framework.types import ApiKind, InferenceRequest
 from epp.metrics import EppMetrics
+from epp.requestcontrol.director import Director
+from epp.requestcontrol.lifecycle import RequestAccounting, RequestLifecycle
 from tests.extproc_support import simple_pipeline
 
 
@@ -23,6 +24,10 @@ def _director(endpoints: str = "10.0.0.1:8000,10.0.0.2:8000") -> Director:
     if endpoints:
         registry.set_endpoints(parse_endpoint_list(endpoints))
     return Director(simple_pipeline(), registry, EppMetrics())
+
+
+def _open(director: Director) -> RequestLifecycle:
+    return RequestLifecycle(director, RequestAccounting(director.metrics))
 
 
 def _request(model: str = "m", target: str = "m-v2", priority: int = 0) -> InferenceRequest:
@@ -37,7 +42,7 @@ def _value(director: Director, name: str, **labels: str) -> float:
 
 async def test_a_routed_request_is_counted_once_and_leaves_no_request_running():
     director = _director()
-    life = director.open_request()
+    life = _open(director)
     result = await life.schedule(_request(priority=2), size_bytes=512)
     assert life.target is result.targets[0]
     labels = {"model_name": "m", "target_model_name": "m-v2"}
@@ -57,7 +62,7 @@ async def test_a_routed_request_is_counted_once_and_leaves_no_request_running():
 
 async def test_an_aborted_stream_ends_the_request_without_a_duration():
     director = _director()
-    life = director.open_request()
+    life = _open(director)
     await life.schedule(_request(), size_bytes=10)
     life.complete(aborted=True)
     labels = {"model_name": "m", "target_model_name": "m-v2"}
@@ -67,7 +72,7 @@ async def test_an_aborted_stream_ends_the_request_without_a_duration():
 
 async def test_a_request_that_cannot_be_scheduled_is_counted_as_an_error_and_never_running():
     director = _director(endpoints="")
-    life = director.open_request()
+    life = _open(director)
     with pytest.raises(InferenceError) as err:
         await life.schedule(_request(), size_bytes=10)
     life.failed(err.value.code)
@@ -82,7 +87,7 @@ async def test_a_request_that_cannot_be_scheduled_is_counted_as_an_error_and_nev
 
 async def test_implausible_token_counts_are_not_observed():
     director = _director()
-    life = director.open_request()
+    life = _open(director)
     await life.schedule(_request(), size_bytes=10)
     life.response.usage = {"prompt_tokens": True, "completion_tokens": -3, "prompt_tokens_details": "x"}
     life.complete()
@@ -94,7 +99,7 @@ async def test_implausible_token_counts_are_not_observed():
 
 def test_a_request_failed_before_parsing_is_counted_without_model_labels():
     director = _director()
-    life = director.open_request()
+    life = _open(director)
     life.failed(ErrorCode.BAD_REQUEST)
     assert _value(director, "inference_objective_request_error_total", model_name="", target_model_name="",
                   error_code=ErrorCode.BAD_REQUEST.label) == 1
@@ -126,7 +131,7 @@ async def test_a_producer_past_the_deadline_is_cut_off_and_the_request_still_sch
     pipeline = dataclasses.replace(simple_pipeline(), data_producers=(fast, slow, late))
     registry = EndpointRegistry()
     registry.set_endpoints(parse_endpoint_list("10.0.0.1:8000"))
-    life = Director(pipeline, registry, EppMetrics()).open_request()
+    life = _open(Director(pipeline, registry, EppMetrics()))
     started = time.monotonic()
     result = await life.schedule(_request(), size_bytes=10)
     assert time.monotonic() - started < 5  # cut off at the deadline, not after the producer's 30 s

@@ -9,16 +9,11 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from epp.datalayer.kubernetes import (
-    KubernetesDiscovery,
-    KubernetesDiscoveryError,
-    ObjectivePriorities,
-    PoolSpecError,
-    parse_selector,
-    parse_target_ports,
-    pool_view_of,
-)
+from epp.datalayer.inference_pool import PoolSpecError, parse_selector, parse_target_ports, pool_view_of
+from epp.datalayer.kubernetes import KubernetesDiscovery
+from epp.datalayer.objectives import ObjectivePriorities
 from epp.datalayer.registry import EndpointRegistry
+from epp.kube.client import KubernetesError
 from tests.kubernetes.apiserver import (
     PODS,
     FakeApiServer,
@@ -274,12 +269,12 @@ def test_flag_parsing_errors_name_the_flag():
     assert parse_selector("app=x, tier==y") == {"app": "x", "tier": "y"}
     assert parse_target_ports("8000,8001") == (8000, 8001)
     for bad in ("app", "app!=x", ""):
-        with pytest.raises(KubernetesDiscoveryError, match="--endpoint-selector"):
+        with pytest.raises(KubernetesError, match="--endpoint-selector"):
             parse_selector(bad)
     for bad in ("http", "8000,8000", "0", ",".join(str(8000 + i) for i in range(9))):
-        with pytest.raises(KubernetesDiscoveryError, match="--endpoint-target-ports"):
+        with pytest.raises(KubernetesError, match="--endpoint-target-ports"):
             parse_target_ports(bad)
-    with pytest.raises(KubernetesDiscoveryError, match="--endpoint-target-ports"):
+    with pytest.raises(KubernetesError, match="--endpoint-target-ports"):
         KubernetesDiscovery(EndpointRegistry(), namespace="d", selector={"app": "x"})
 
 

@@ -10,7 +10,6 @@ from prometheus_client import CollectorRegistry
 
 from epp.config import LoadedConfig, load_config_text, load_default_config
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
-from epp.director import Director
 from epp.framework import (
     ApiKind,
     CycleState,
@@ -24,6 +23,7 @@ from epp.framework import (
 )
 from epp.framework.registry import default_registry
 from epp.metrics import EppMetrics
+from epp.requestcontrol.director import Director
 
 
 def endpoint(idx: int, queue: int = 0, kv: float = 0.0, active: Sequence[str] = (), waiting: Sequence[str] = (),

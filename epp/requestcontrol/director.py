@@ -18,7 +18,6 @@ from epp.framework.plugin import Admitter, CycleState, ResponseCompleteHook, Sch
 from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 from epp.logutil import log_failure
 from epp.metrics import EppMetrics
-from epp.request_lifecycle import RequestAccounting, RequestLifecycle
 
 if TYPE_CHECKING:
     from epp.config import LoadedConfig
@@ -29,7 +28,7 @@ log = logging.getLogger(__name__)
 # GIE bounds all data producers of one request by this deadline; a slow producer is skipped.
 PREPARE_DATA_TIMEOUT_S = 0.4
 # Where the director keeps a request's in-flight booking in its CycleState.
-BOOKING_STATE_KEY = "epp.director/inflight-booking"
+BOOKING_STATE_KEY = "epp.requestcontrol/inflight-booking"
 
 
 def match_subset(endpoints: Sequence[Endpoint], hint: Sequence[str]) -> list[Endpoint]:
@@ -68,11 +67,6 @@ class Director:
         self.use_subset_hint = use_subset_hint
         # With scraping on: endpoints without fresh metrics are left out while others have them.
         self.metrics_freshness_s = metrics_freshness_s
-        self.request_accounting = RequestAccounting(metrics)
-
-    def open_request(self) -> RequestLifecycle:
-        """A new request's lifecycle: scheduling, response hooks and the request's accounting."""
-        return RequestLifecycle(self, self.request_accounting)
 
     def candidates(self, request: InferenceRequest) -> list[Endpoint]:
         """Healthy, awake pool endpoints, narrowed by the request's subset hint, known load preferred.

@@ -1,6 +1,6 @@
 """One request's course through the director, with its accounting (GIE request and token metrics).
 
-The ext_proc transport turns Envoy messages into calls on a `RequestLifecycle` and its results
+The ext_proc transport opens a `RequestLifecycle` per stream, turns Envoy messages into calls on it and its results
 into replies; counting requests, sizes, in-flight requests, durations, tokens and errors happens
 here, on the director's side, so the transport holds no bookkeeping of its own.
 """
@@ -10,16 +10,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from epp.framework.errors import ErrorCode
 from epp.framework.plugin import CycleState, SchedulingResult
 from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 from epp.logutil import log_failure
 from epp.metrics import EppMetrics
-
-if TYPE_CHECKING:
-    from epp.director import Director
+from epp.requestcontrol.director import Director
 
 log = logging.getLogger(__name__)
 

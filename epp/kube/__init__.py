@@ -1,0 +1,1 @@
+"""Kubernetes API access shared by discovery and leader election."""

@@ -1,0 +1,1 @@
+"""Request control: admission, the director that schedules a parsed request, and one request's lifecycle."""
