@@ -1,7 +1,29 @@
-"""Request headers with a meaning between the picker, its plugins and the model-server side."""
+"""Request headers with a meaning between the picker, its plugins and the model-server side.
+
+Control headers carry llm-d's names (`x-llm-d-*`); the older GIE names (`x-gateway-*`, `x-slo-*`)
+stay accepted as aliases, and where a request sends both, the new name wins (as llm-d reads them).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 # `ip:port` of the prefill endpoint chosen for a disaggregated request (llm-d's name). The decode
 # pod's sidecar sends the prefill there, so only the picker may set it: a client's copy is removed.
 PREFILLER_HOST_PORT_HEADER = "x-prefiller-host-port"
+
+# Each control header: its current name first, then the aliases still accepted.
+OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", "x-gateway-inference-objective")
+FAIRNESS_ID_HEADERS = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
+MODEL_REWRITE_HEADERS = ("x-llm-d-model-name-rewrite", "x-gateway-model-name-rewrite")
+SLO_TTFT_MS_HEADERS = ("x-llm-d-slo-ttft-ms", "x-slo-ttft-ms")
+SLO_TPOT_MS_HEADERS = ("x-llm-d-slo-tpot-ms", "x-slo-tpot-ms")
+
+
+def header_value(headers: Mapping[str, str], names: tuple[str, ...]) -> str | None:
+    """The first non-empty value among `names` (a header's current name, then its aliases), else None."""
+    for name in names:
+        value = headers.get(name)
+        if value:
+            return value
+    return None

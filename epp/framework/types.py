@@ -102,6 +102,9 @@ class InferenceRequest:
     fairness_id: str = "default-flow"
     subset_hint: tuple[str, ...] | None = None
     path: str = "/v1/completions"
+    # Latency objectives of this request in milliseconds (`x-llm-d-slo-ttft-ms`, `-tpot-ms`), if any.
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
     @property
     def prompt(self) -> Any:

@@ -7,14 +7,21 @@ from collections.abc import Mapping
 from typing import Any
 
 from epp.framework.errors import ErrorCode, InferenceError
+from epp.framework.headers import (
+    FAIRNESS_ID_HEADERS,
+    MODEL_REWRITE_HEADERS,
+    OBJECTIVE_HEADERS,
+    SLO_TPOT_MS_HEADERS,
+    SLO_TTFT_MS_HEADERS,
+    header_value,
+)
 from epp.framework.types import ApiKind, InferenceRequest
 from epp.limits import DEFAULT_MAX_JSON_DEPTH
 from epp.request.jsoncheck import has_lone_surrogate, nesting_exceeds
 
-HEADER_OBJECTIVE = "x-gateway-inference-objective"
-HEADER_MODEL_REWRITE = "x-gateway-model-name-rewrite"
-HEADER_FAIRNESS_ID = "x-gateway-inference-fairness-id"
 DEFAULT_FAIRNESS_ID = "default-flow"
+# An SLO header past this (about 11.6 days) is not a latency objective; it is refused.
+MAX_SLO_MS = 1e9
 
 # Matched in this order, as the GIE parser does (a `/chat/completions` path also ends in `/completions`).
 _SUFFIXES: tuple[tuple[str, ApiKind], ...] = (
@@ -87,6 +94,21 @@ def _validate_api_fields(api: ApiKind, body: Mapping[str, Any]) -> None:
             raise _bad("invalid embeddings request: must have input field")
 
 
+def slo_ms(headers: Mapping[str, str], names: tuple[str, ...]) -> float | None:
+    """A latency objective in milliseconds from a header (current name, then aliases); 400 when malformed."""
+    text = header_value(headers, names)
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= MAX_SLO_MS:  # also refuses nan and inf
+        raise _bad(f"header {names[0]}: {text[:40]!r} is not a latency objective in milliseconds "
+                   f"(a number in (0, {MAX_SLO_MS:.0f}])")
+    return value
+
+
 def go_json(value: Any) -> bytes:
     """Serialise like Go's json.Marshal of a map: compact, keys sorted, HTML characters escaped."""
     text = json.dumps(value, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
@@ -122,12 +144,12 @@ class RequestParser:
         model = parsed.get("model")
         if not isinstance(model, str) or not model:
             raise _bad("model not found in request body")
-        target_model = headers.get(HEADER_MODEL_REWRITE) or model
+        target_model = header_value(headers, MODEL_REWRITE_HEADERS) or model
         forwarded = body
         if target_model != model:
             parsed["model"] = target_model
             forwarded = go_json(parsed)
-        objective = headers.get(HEADER_OBJECTIVE) or None
+        objective = header_value(headers, OBJECTIVE_HEADERS)
         salt = parsed.get("cache_salt")
         request = InferenceRequest(
             request_id=request_id,
@@ -140,8 +162,10 @@ class RequestParser:
             cache_salt=salt if isinstance(salt, str) and salt else None,
             priority=self.objective_priorities.get(objective, 0) if objective else 0,
             objective=objective,
-            fairness_id=headers.get(HEADER_FAIRNESS_ID) or DEFAULT_FAIRNESS_ID,
+            fairness_id=header_value(headers, FAIRNESS_ID_HEADERS) or DEFAULT_FAIRNESS_ID,
             subset_hint=subset_hint,
             path=path,
+            slo_ttft_ms=slo_ms(headers, SLO_TTFT_MS_HEADERS),
+            slo_tpot_ms=slo_ms(headers, SLO_TPOT_MS_HEADERS),
         )
         return request, forwarded
