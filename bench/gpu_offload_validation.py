@@ -15,7 +15,7 @@ Phases (one replica each, started by our launcher, `epp.engine.vllm.launcher`):
    growing each turn), all conversations in flight, once on the offload replica and once on a
    replica without offload but the same GPU KV cap: output tokens/s each.
 Compared with the seeds' figures: 12.8x faster TTFT from the CPU tier at ~65K tokens, 1.85x
-tokens/s with offload. The table goes to stdout and, with --readme, into bench/README.md.
+tokens/s with offload. The table goes to stdout and, with --note, into a dated note under bench/notes/.
 3. P/D (`--phases pd`, or `offload,pd`): two vLLM processes on the one GPU, a prefiller and a
    decoder, both with vLLM's NixlConnector (launcher `--pd-role`, each a share of GPU memory), and
    `epp engine pd-sidecar` in front of the decoder (needs this repo importable: `pip install -e .`).
@@ -577,7 +577,8 @@ def parse_args(argv):
     p.add_argument("--pd-requests", type=int, default=6, help="P/D run: prompts timed each way")
     p.add_argument("--pd-gpu-share", type=float, default=0.4, help="P/D run: GPU memory share of each process")
     p.add_argument("--out", type=Path, default=None, help="write results JSON here")
-    p.add_argument("--readme", action="store_true", help="append the table to bench/README.md")
+    p.add_argument("--note", action="store_true",
+                   help="write the table and the results into bench/notes/<date>-gpu-offload.md")
     p.add_argument("--dry-run", action="store_true", help="print the plan and commands, start nothing")
     p.add_argument("--check", action="store_true", help="run only the preflight: what this machine lacks for a run")
     return p.parse_args(argv)
@@ -637,9 +638,12 @@ def main(argv=None) -> int:
         print(json.dumps(results, indent=1, default=str))
         if a.out:
             a.out.write_text(json.dumps(results, indent=1, default=str))
-        if a.readme:
-            with open(REPO / "bench" / "README.md", "a") as fh:
-                fh.write(f"\n## GPU offload validation ({time.strftime('%Y-%m-%d')})\n\n{text}\n")
+        if a.note:
+            note = REPO / "bench" / "notes" / f"{time.strftime('%Y-%m-%d')}-gpu-offload.md"
+            note.write_text(f"# GPU offload validation ({time.strftime('%Y-%m-%d')})\n\n"
+                            f"`python bench/gpu_offload_validation.py {' '.join(argv or sys.argv[1:])}`\n\n{text}\n\n"
+                            f"```json\n{json.dumps(results, indent=1, default=str)}\n```\n")
+            print(f"wrote {note}; add its standing row in bench/standing.py")
         shutil.rmtree(workdir, ignore_errors=True)
     return 0
 

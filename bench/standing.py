@@ -536,11 +536,11 @@ ROWS: list[Row] = [
         ("pd",),
         verdict="shown (the prefill pool must be the larger one)"),
     Row(PD, "the same on a GPU: prefiller and decoder with NIXL (#17)",
-        "not run: no session had a GPU with vLLM",
-        verdict="not run",
-        command="python bench/gpu_offload_validation.py --dry-run --phases pd",
-        date="2026-12-01",
-        notes=("2026-12-pd-issue17.md#pd-disaggregation",)),
+        "not run: the one GPU lent so far (an H200) has no vLLM and reaches no registry",
+        verdict="not run (blocked by the machine)",
+        command="python bench/gpu_offload_validation.py --check --phases pd",
+        date="2026-12-04",
+        notes=("2026-12-gpu-preflight.md", "2026-12-pd-issue17.md#pd-disaggregation")),
     # --- economics -----------------------------------------------------------------------------------------------
     Row(ECON, "two models on four GPUs: sleep/wake against all awake with half the KV each (#16)",
         "sleep/wake served {sum(int(r[4]) for r in load(F)['setups'][0]['rows'])} requests, "
@@ -679,11 +679,11 @@ ROWS: list[Row] = [
         date="2026-11-29",
         notes=("2026-11-scheduling-index-scraping-sim.md#simulator-throughput",)),
     Row(RELIABILITY, "KV offload tiers on a GPU: 64K-token TTFT cold, from CPU, from disk (#7)",
-        "not run: no session had a GPU with vLLM",
-        verdict="not run",
-        command="python bench/gpu_offload_validation.py --dry-run",
-        date="2026-11-29",
-        notes=("2026-11-scheduling-index-scraping-sim.md#gpu-offload-validation",)),
+        "not run: the one GPU lent so far (an H200) has no vLLM and reaches no registry",
+        verdict="not run (blocked by the machine)",
+        command="python bench/gpu_offload_validation.py --check",
+        date="2026-12-04",
+        notes=("2026-12-gpu-preflight.md", "2026-11-scheduling-index-scraping-sim.md#gpu-offload-validation")),
 ]
 
 
