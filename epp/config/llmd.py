@@ -34,12 +34,14 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
     "precise-prefix-cache-producer": LlmdType(
         "prefix match per endpoint from the replicas' vLLM KV events (GPU, CPU and disk tiers)",
         "one KV-event subscription per pool endpoint (not per pod label); the index counts entries, not "
-        "bytes; matched blocks are weighted by tier (kvCacheBackendConfigs -> tierWeights)"),
+        "bytes; matched blocks are weighted by tier (kvCacheBackendConfigs -> tierWeights); tokens only from a "
+        "token-producer with real tokens (vllm or local backend) or our `tokenizers`"),
     "token-producer": LlmdType(
         "the prompt's token ids, for the precise producer and context-length-aware",
-        "backends: vllm (POST /v1/*/render or /tokenize over HTTP, bounded, with a timeout and a cache), "
-        "local (our tokenizer files) and estimate; endpointDiscovery, multimodal estimation and mTLS are "
-        "refused"),
+        "backends: vllm (render API, or /tokenize where vLLM refuses it), local (our tokenizer files, "
+        "`tokenizers`) and estimate; the data producers of a request have 400 ms in all here, so a slower "
+        "render leaves it without tokens; vllm.endpointDiscovery, messagesRenderMode other than auto and the "
+        "estimate backend's multimodal settings are refused"),
     "inflight-load-producer": LlmdType("requests and estimated tokens this picker has in flight per endpoint"),
     # Scorers
     "prefix-cache-scorer": LlmdType(
@@ -63,7 +65,9 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
     "active-request-scorer": LlmdType(
         "1 at or under idleThreshold requests in flight, else (max - n) / max x maxBusyScore",
         "requestTimeout (ignored by llm-d) bounds how long a request without an answer counts"),
-    "no-hit-lru-scorer": LlmdType("a request no endpoint holds goes to the least recently cold-picked endpoint"),
+    "no-hit-lru-scorer": LlmdType("a request no endpoint holds goes to the least recently cold-picked endpoint",
+                                  "prefixPluginType and prefixPluginName have no effect: the match info is read "
+                                  "from the prefix producer (prefixMatchInfoProducerName)"),
     "session-affinity-scorer": LlmdType(
         "1 for the endpoint the session names (x-session-token, or a session id's last pick), else 0",
         "not gated behind --allow-experimental-plugins (alpha in llm-d); session ids from request attributes "

@@ -320,3 +320,13 @@ def test_describe_lists_notes_last():
     notes = text[text.index("Notes:"):]
     assert f"apiVersion: {DEPRECATION}" in notes
     assert "featureGates[0]: enableLegacyMetrics: no effect" in notes
+
+
+def test_the_compatibility_page_lists_every_mapped_and_refused_type():
+    from pathlib import Path
+
+    from epp.config.llmd import ALIASES, LLMD_TYPES, REFUSED_TYPES
+
+    page = (Path(__file__).parents[2] / "docs" / "llm-d-compatibility.md").read_text()
+    missing = [t for t in (*LLMD_TYPES, *REFUSED_TYPES, *ALIASES) if f"`{t}`" not in page]
+    assert not missing, f"add these llm-d types to docs/llm-d-compatibility.md: {missing}"
