@@ -14,6 +14,8 @@ PREFIX_TIER_MATCH = "prefix-cache-tier-match"
 PREFIX_CACHE_FREE_BLOCKS = "prefix-cache-free-blocks"
 # Per endpoint: InflightLoad. Written by inflight-load-producer.
 INFLIGHT_LOAD = "inflight-load"
+# Request-wide (`CycleState.put`/`get` under this key): PromptTokens. Written by token-producer.
+PROMPT_TOKENS = "prompt-tokens"
 # Per endpoint: 1.0 on the rendezvous home of a prefix no endpoint holds (see epp.framework.rendezvous).
 # Written by the prefix producers when several pickers route one pool.
 PREFIX_HOME = "prefix-home"
@@ -52,3 +54,11 @@ class InflightLoad:
 
     requests: int
     tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class PromptTokens:
+    """The prompt's token ids; `exact` when they are the engine's own (its renderer or tokenizer), not estimated."""
+
+    token_ids: tuple[int, ...]
+    exact: bool
