@@ -88,14 +88,26 @@ def test_custom_resources_match_their_api_fields(rendered, overlay):
             pytest.fail(f"{overlay}: {obj['kind']}/{obj['metadata']['name']}: {exc.message} at {list(exc.path)}")
 
 
-def test_the_crd_schemas_reject_wrong_fields():
+def test_the_crd_schemas_take_v1_6_pools_and_reject_wrong_fields():
     pool = {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool", "metadata": {"name": "p"},
             "spec": {"selector": {"matchLabels": {"app": "x"}}, "targetPorts": [{"number": 8000}],
                      "endpointPickerRef": {"name": "epp", "port": {"number": 9002}}}}
     schema = CUSTOM_RESOURCE_SCHEMAS[("inference.networking.k8s.io/v1", "InferencePool")]
     jsonschema.validate(pool, schema)
+    no_ref = {k: v for k, v in pool["spec"].items() if k != "endpointPickerRef"}
+    for valid in (no_ref,  # optional since v1.6
+                  {**no_ref, "targetPorts": [{"number": 8000 + i} for i in range(8)], "appProtocol": "kubernetes.io/h2c"},
+                  {**no_ref, "endpointPickerRef": {"name": "epp", "port": {"number": 9002}, "failureMode": "FailOpen"}},
+                  {**no_ref, "endpointPickerRef": {"group": "example.io", "kind": "Backend", "name": "epp"}}):
+        jsonschema.validate({**pool, "spec": valid}, schema)
     for broken in ({"targetPortNumber": 8000}, {"targetPorts": []}, {"selector": {"app": "x"}},
-                   {"endpointPickerRef": {"name": "epp", "portNumber": 9002}}):
+                   {"targetPorts": [{"number": 8000 + i} for i in range(9)]},
+                   {"targetPorts": [{"number": 8000}, {"number": 8000}]},
+                   {"selector": {"matchLabels": {f"l{i}": "v" for i in range(65)}}},
+                   {"appProtocol": "h2c"},
+                   {"endpointPickerRef": {"name": "epp", "portNumber": 9002}},
+                   {"endpointPickerRef": {"name": "epp"}},  # a Service needs its port
+                   {"endpointPickerRef": {"name": "epp", "port": {"number": 9002}, "failureMode": "Open"}}):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate({**pool, "spec": {**pool["spec"], **broken}}, schema)
 
