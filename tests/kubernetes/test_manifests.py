@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from epp.config.loader import load_config_text
+from epp.datalayer.inference_pool import envoy_options, pool_view_of
 from epp.envoy import envoy_binary, render_config
 from tests.kubernetes.crd_schemas import CUSTOM_RESOURCE_SCHEMAS
 
@@ -231,10 +232,14 @@ def test_production_scales_and_keeps_two_pickers_one_ready_by_leader_election(re
 @pytest.mark.envoy
 def test_the_envoy_overlay_runs_our_ext_proc_config_and_envoy_accepts_it(rendered, tmp_path):
     bootstrap = (DEPLOY / "overlays" / "envoy" / "envoy-bootstrap.yaml").read_text()
-    assert bootstrap == render_config(listen_address="0.0.0.0", epp_tls=True,
-                                      epp_host=f"epp.{NAMESPACE}.svc.cluster.local"), \
+    # What the pool asks of its gateway (the picker's Service and port, FailClose, HTTP/1.1).
+    pool = one(rendered["envoy"], "InferencePool")
+    options = envoy_options(pool_view_of(pool), pool["metadata"]["namespace"])
+    assert options == {"upstream_protocol": "http", "failure_mode_allow": False,
+                       "epp_host": f"epp.{NAMESPACE}.svc.cluster.local", "epp_port": 9002}
+    assert bootstrap == render_config(listen_address="0.0.0.0", epp_tls=True, **options), \
         "regenerate with: epp envoy-config --listen-address 0.0.0.0 --epp-tls " \
-        "--epp-host epp.llm-serving.svc.cluster.local"
+        "--inference-pool <(kubectl kustomize deploy/kubernetes/overlays/envoy)"
     config_map = next(o for o in rendered["envoy"] if o["kind"] == "ConfigMap"
                       and o["metadata"]["name"].startswith("envoy-config"))
     assert config_map["data"]["envoy.yaml"] == bootstrap
