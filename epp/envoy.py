@@ -229,7 +229,7 @@ _ROUND_ROBIN_CLUSTER = """\
     type: STATIC
     lb_policy: ROUND_ROBIN
     connect_timeout: 5s
-    load_assignment:
+{protocol}    load_assignment:
       cluster_name: backends
       endpoints:
       - lb_endpoints:
@@ -269,7 +269,7 @@ def render_config(*, listen_port: int = 8081, admin_port: int = 19000, epp_port:
         lines = "".join(
             f"        - endpoint: {{ address: {{ socket_address: {{ address: {hp.rpartition(':')[0]}, "
             f"port_value: {hp.rpartition(':')[2]} }} }} }}\n" for hp in round_robin_backends)
-        filters, clusters = "", _ROUND_ROBIN_CLUSTER.format(endpoints=lines)
+        filters, clusters = "", _ROUND_ROBIN_CLUSTER.format(endpoints=lines, protocol=protocol)
         routes = _ROUTE.format(match="", cluster="backends", extra="")
     else:
         served = responses != "none"  # only a picker that sees responses can use the served endpoint
@@ -290,11 +290,10 @@ def render_config(*, listen_port: int = 8081, admin_port: int = 19000, epp_port:
             dns="    dns_lookup_family: V4_PREFERRED\n" if dns else "",
             ejection=_EPP_EJECTION if failure_mode_allow else "")
         clusters += "".join(_EPP_EXTRA_ENDPOINT.format(epp_host=epp_host, epp_port=port) for port in extra_epp_ports)
-        picked = _ROUTE.format(cluster="original_destination_cluster",
+        routes = _ROUTE.format(cluster="original_destination_cluster",
                                extra=_SERVED_ROUTE_HEADER if served else "",
                                match=", headers: [{ name: x-gateway-destination-endpoint, present_match: true }]"
                                if fail_open_endpoints else "")
-        routes = picked
         if fail_open_endpoints:
             # Only a request the picker did not answer lacks the header (clients' copies are stripped).
             routes += _ROUTE.format(match="", cluster="fail_open", extra="")

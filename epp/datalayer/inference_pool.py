@@ -228,8 +228,6 @@ def pod_endpoints(pod: Mapping[str, Any], view: PoolView) -> tuple[EndpointSpec,
     return tuple(specs)
 
 
-
-
 def envoy_options(view: PoolView, namespace: str | None = None,
                   cluster_domain: str = "cluster.local") -> dict[str, Any]:
     """What the pool asks of the Envoy in front of it, as `epp.envoy.render_config` arguments:

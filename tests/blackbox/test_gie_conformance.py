@@ -176,10 +176,8 @@ async def gateway(api: FakeApiServer, kubeconfig: str, pool: dict[str, Any], sec
         yield gw
     finally:
         await envoy.stop()
-        if gw is None:
-            await epp.stop(0)
-        elif gw.picker_up:
-            await gw.epp.stop(0)
+        if gw is None or gw.picker_up:
+            await (gw.epp if gw else epp).stop(0)
 
 
 def envoy_stat(envoy: EnvoyProcess, name: str) -> int:
@@ -189,9 +187,10 @@ def envoy_stat(envoy: EnvoyProcess, name: str) -> int:
     return int(text.partition(": ")[2] or 0)
 
 
-def apply_pods(api: FakeApiServer, names_and_ips: Iterable[tuple[str, str]], app: str = "vllm") -> None:
+def apply_pods(api: FakeApiServer, names_and_ips: Iterable[tuple[str, str]]) -> None:
+    """Ready pods labelled app=vllm (the pools' selector) at these IPs."""
     for name, ip in names_and_ips:
-        api.apply(pod(name, ip, labels={"app": app}))
+        api.apply(pod(name, ip))
 
 
 def pool_of(ports: Sequence[int], **spec: Any) -> dict[str, Any]:
