@@ -153,15 +153,15 @@ class Gateway:
 
 @contextlib.asynccontextmanager
 async def gateway(api: FakeApiServer, kubeconfig: str, pool: dict[str, Any], secure: bool = False,
-                  **envoy_overrides: Any) -> AsyncIterator[Gateway]:
-    """Apply `pool`, serve it with the picker (over TLS if `secure`), and put Envoy in front as the
-    pool asks (plus `envoy_overrides`)."""
+                  scrape: bool = False, **envoy_overrides: Any) -> AsyncIterator[Gateway]:
+    """Apply `pool`, serve it with the picker (over TLS if `secure`, scraping `/metrics` if
+    `scrape`), and put Envoy in front as the pool asks (plus `envoy_overrides`)."""
     api.apply(pool)
     epp = EppServer(ServeOptions(
         grpc_port=0, grpc_health_port=0, metrics_port=0, bind_address="127.0.0.1",
         pool_name=pool["metadata"]["name"], pool_namespace=pool["metadata"]["namespace"],
-        kubeconfig=kubeconfig, config_text=CONFORMANCE_CONFIG, scrape_metrics=False, grace_period_s=1,
-        secure_serving=secure))
+        kubeconfig=kubeconfig, config_text=CONFORMANCE_CONFIG, scrape_metrics=scrape,
+        grace_period_s=1, secure_serving=secure))
     await epp.start()
     options = envoy_options(pool_view_of(pool), pool["metadata"]["namespace"])
     # The picker listens on loopback here, not at the Service the ref names.
@@ -328,9 +328,11 @@ async def test_the_pool_app_protocol_is_what_the_model_server_sees(api, kubeconf
         spec = {} if app_protocol is None else {"appProtocol": app_protocol}
         pool = pool_of([port], **spec)
         try:
-            async with gateway(api, kubeconfig, pool) as gw, aiohttp.ClientSession() as session:
-                ours = gw.epp.endpoints.get(f"{ip}:{port}")
-                assert ours is not None
+            async with gateway(api, kubeconfig, pool, scrape=True) as gw, aiohttp.ClientSession() as session:
+                def scraped() -> bool:
+                    endpoint = gw.epp.endpoints.get(f"{ip}:{port}")
+                    return endpoint is not None and endpoint.healthy and endpoint.metrics.update_time > 0
+                await wait_until(scraped, "the picker to scrape the model server through its h2c-capable port")
                 body = {"model": "sim-model", "prompt": "Describe San Francisco in one sentence.", "max_tokens": 4}
                 async with session.post(gw.url, json=body, headers={SELECTION: f"{ip}:{port}"}) as r:
                     assert r.status == 200, await r.text()
