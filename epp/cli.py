@@ -11,7 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
 from epp import limits as lim
-from epp.envoy import RESPONSE_MODES
+from epp.envoy import RESPONSE_MODES, UPSTREAM_PROTOCOLS
 from epp.server.extproc import DEFAULT_MAX_BODY_BYTES
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -285,12 +285,48 @@ def _kubernetes_options(args: argparse.Namespace) -> dict:
 def _run_envoy_config(args: argparse.Namespace) -> int:
     from epp.envoy import render_config
 
-    sys.stdout.write(render_config(listen_port=args.listen_port, admin_port=args.admin_port,
-                                   epp_port=args.epp_port, epp_host=args.epp_host,
-                                   listen_address=args.listen_address,
-                                   failure_mode_allow=args.failure_mode_allow, epp_tls=args.epp_tls,
-                                   responses="none" if args.request_only else args.responses))
+    try:
+        # The pool's own fields first (appProtocol, endpointPickerRef), then explicit flags over them.
+        options = _pool_envoy_options(args.inference_pool) if args.inference_pool else {}
+        if args.failure_mode_allow:
+            options["failure_mode_allow"] = True
+        if args.upstream_protocol:
+            options["upstream_protocol"] = args.upstream_protocol
+        if args.epp_host is not None:
+            options["epp_host"] = args.epp_host
+        if args.epp_port is not None:
+            options["epp_port"] = args.epp_port
+        fail_open_to = [e.strip() for e in (args.fail_open_endpoints or "").split(",") if e.strip()]
+        config = render_config(listen_port=args.listen_port, admin_port=args.admin_port,
+                               listen_address=args.listen_address, epp_tls=args.epp_tls,
+                               responses="none" if args.request_only else args.responses,
+                               fail_open_endpoints=fail_open_to, **options)
+    except (OSError, ValueError) as exc:
+        print(f"epp envoy-config: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(config)
     return 0
+
+
+def _pool_envoy_options(path: str) -> dict:
+    """`render_config` arguments from the one InferencePool in a YAML file."""
+    from pathlib import Path
+
+    import yaml
+
+    from epp.datalayer.inference_pool import envoy_options, pool_view_of
+
+    try:
+        documents = list(yaml.safe_load_all(Path(path).read_text()))
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--inference-pool {path}: not YAML: {exc}") from None
+    pools = [d for d in documents if isinstance(d, dict) and d.get("kind") == "InferencePool"]
+    if len(pools) != 1:
+        raise ValueError(f"--inference-pool {path}: expected one InferencePool, found {len(pools)}")
+    try:
+        return envoy_options(pool_view_of(pools[0]), (pools[0].get("metadata") or {}).get("namespace"))
+    except ValueError as exc:
+        raise ValueError(f"--inference-pool {path}: {exc}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -318,11 +354,21 @@ def build_parser() -> argparse.ArgumentParser:
     envoy.add_argument("--listen-address", default="127.0.0.1",
                        help="address the listener binds (default 127.0.0.1)")
     envoy.add_argument("--admin-port", type=int, default=19000, help="Envoy admin port (default 19000)")
-    envoy.add_argument("--epp-host", default="127.0.0.1", help="host of the picker's ext_proc (default 127.0.0.1)")
-    envoy.add_argument("--epp-port", type=int, default=9002, help="the picker's ext_proc port (default 9002)")
+    envoy.add_argument("--epp-host", help="host of the picker's ext_proc (default 127.0.0.1, or the Service "
+                                           "of --inference-pool's endpointPickerRef)")
+    envoy.add_argument("--epp-port", type=int, help="the picker's ext_proc port (default 9002, or the "
+                                                    "endpointPickerRef's port)")
+    envoy.add_argument("--inference-pool", metavar="FILE",
+                       help="an InferencePool YAML: its appProtocol sets the upstream protocol, its "
+                            "endpointPickerRef the picker's address and failure mode (flags override)")
+    envoy.add_argument("--upstream-protocol", choices=UPSTREAM_PROTOCOLS,
+                       help="HTTP/1.1 (http, the default) or HTTP/2 cleartext (h2c) to the model servers")
     envoy.add_argument("--failure-mode-allow", action="store_true",
-                       help="route requests on when the picker cannot be reached (only body-less requests: "
-                            "Envoy fails closed for streamed bodies)")
+                       help="FailOpen: route requests on while the picker is down (once Envoy has ejected "
+                            "it: the request that finds it down is refused); see --fail-open-endpoints")
+    envoy.add_argument("--fail-open-endpoints", metavar="HOST:PORT,...",
+                       help="where FailOpen sends requests while the picker is down, round-robin (e.g. a "
+                            "headless Service of the pool's pods); without it they get 503")
     envoy.add_argument("--epp-tls", action="store_true", help="reach the picker over TLS (epp serve --secure-serving)")
     envoy.add_argument("--responses", choices=RESPONSE_MODES, default="full",
                        help="how much of each response the picker sees: full (GIE's contract: headers and "

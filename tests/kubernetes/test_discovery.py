@@ -9,7 +9,14 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from epp.datalayer.inference_pool import PoolSpecError, parse_selector, parse_target_ports, pool_view_of
+from epp.datalayer.inference_pool import (
+    EndpointPickerRef,
+    PoolSpecError,
+    envoy_options,
+    parse_selector,
+    parse_target_ports,
+    pool_view_of,
+)
 from epp.datalayer.kubernetes import KubernetesDiscovery
 from epp.datalayer.objectives import ObjectivePriorities
 from epp.datalayer.registry import EndpointRegistry
@@ -340,15 +347,35 @@ async def test_a_thousand_pods_churning_end_in_exactly_the_ready_set(api, rig):
 
 async def test_a_pool_with_an_unsupported_app_protocol_is_not_served(api, rig):
     pool = inference_pool("pool", {"app": "vllm"}, [8000])
-    pool["spec"]["appProtocol"] = "kubernetes.io/h2c"
+    pool["spec"]["appProtocol"] = "kubernetes.io/ws"
     api.apply(pool)
     api.apply(pod("a", "10.1.0.1"))
     r = rig()
     assert await r.discovery.start(1.0) is False
-    assert "appProtocol 'kubernetes.io/h2c' is not supported" in r.discovery.pool_error
+    assert "appProtocol 'kubernetes.io/ws' is not supported" in r.discovery.pool_error
     pool["spec"]["appProtocol"] = "http"
     api.apply(pool)
     await wait_for(lambda: names(r.registry) == {"10.1.0.1:8000"}, 3.0, "pool served once it speaks http")
+
+
+async def test_h2c_pools_and_pools_without_a_picker_ref_are_served(api, rig):
+    """GIE v1.6: `appProtocol: kubernetes.io/h2c` only changes what the gateway speaks upstream, and
+    `endpointPickerRef` is optional; discovery serves both pools as any other."""
+    pool = inference_pool("pool", {"app": "vllm"}, [8000, 8001])
+    pool["spec"]["appProtocol"] = "kubernetes.io/h2c"
+    del pool["spec"]["endpointPickerRef"]
+    api.apply(pool)
+    api.apply(pod("a", "10.1.0.1"))
+    r = rig()
+    assert await r.discovery.start(5.0)
+    assert names(r.registry) == {"10.1.0.1:8000", "10.1.0.1:8001"}
+    assert r.discovery.pool_error is None
+    assert (r.discovery.view.app_protocol, r.discovery.view.endpoint_picker) == ("kubernetes.io/h2c", None)
+    pool["spec"]["endpointPickerRef"] = {"name": "epp", "port": {"number": 9002}, "failureMode": "FailOpen"}
+    api.apply(pool)
+    await wait_for(lambda: r.discovery.view.endpoint_picker is not None, 2.0, "the ref to be read")
+    assert r.discovery.view.endpoint_picker == EndpointPickerRef("epp", port=9002, failure_mode="FailOpen")
+    assert names(r.registry) == {"10.1.0.1:8000", "10.1.0.1:8001"}
 
 
 async def test_v1alpha2_pools_are_read_with_pool_group_x_k8s(api, rig):
@@ -365,13 +392,57 @@ async def test_v1alpha2_pools_are_read_with_pool_group_x_k8s(api, rig):
 
 
 def test_pool_specs_that_cannot_be_used_name_the_field():
+    base = {"selector": {"matchLabels": {"a": "b"}}, "targetPorts": [{"number": 8000}]}
+    ref = {"name": "epp", "port": {"number": 9002}}
     for spec, field in (({"targetPorts": [{"number": 8000}]}, "spec.selector"),
                         ({"selector": {"matchLabels": {"a": "b"}}}, "spec.targetPorts"),
-                        ({"selector": {"matchLabels": {"a": "b"}}, "targetPorts": [{"number": 0}]}, "spec.targetPorts"),
-                        ({"selector": {"matchLabels": {"a": "b"}},
-                          "targetPorts": [{"number": 8000}, {"number": 8000}]}, "spec.targetPorts")):
-        with pytest.raises(PoolSpecError, match=field):
+                        ({**base, "targetPorts": [{"number": 0}]}, "spec.targetPorts"),
+                        ({**base, "targetPorts": [{"number": 8000}, {"number": 8000}]}, "spec.targetPorts"),
+                        ({**base, "targetPorts": [{"number": 8000 + i} for i in range(9)]}, "spec.targetPorts"),
+                        ({**base, "selector": {"matchLabels": {f"l{i}": "v" for i in range(65)}}},
+                         "spec.selector.matchLabels"),
+                        ({**base, "appProtocol": 2}, "spec.appProtocol"),
+                        ({**base, "endpointPickerRef": "epp"}, "spec.endpointPickerRef"),
+                        ({**base, "endpointPickerRef": {"port": {"number": 9002}}}, "spec.endpointPickerRef.name"),
+                        ({**base, "endpointPickerRef": {"name": "epp"}}, "spec.endpointPickerRef.port.number"),
+                        ({**base, "endpointPickerRef": {**ref, "port": {"number": 70000}}},
+                         "spec.endpointPickerRef.port.number"),
+                        ({**base, "endpointPickerRef": {**ref, "failureMode": "failopen"}},
+                         "spec.endpointPickerRef.failureMode"),
+                        ({**base, "endpointPickerRef": {**ref, "kind": "Not A Kind"}}, "spec.endpointPickerRef.kind"),
+                        ({**base, "endpointPickerRef": {**ref, "group": "Upper.Case"}},
+                         "spec.endpointPickerRef.group"),
+                        ({**base, "extensionRef": {"name": "epp", "portNumber": "9002"}}, "spec.extensionRef.portNumber")):
+        with pytest.raises(PoolSpecError, match=field.replace(".", r"\.")):
             pool_view_of({"spec": spec})
+
+
+def test_the_endpoint_picker_ref_and_its_defaults():
+    base = {"selector": {"matchLabels": {"a": "b"}}, "targetPorts": [{"number": 8000}]}
+    view = pool_view_of({"spec": {**base, "endpointPickerRef": {"name": "epp", "port": {"number": 9002}}}})
+    assert view.endpoint_picker == EndpointPickerRef("epp", group="", kind="Service", port=9002,
+                                                     failure_mode="FailClose")
+    assert view.app_protocol == "http" and not view.endpoint_picker.fail_open
+    # Another kind needs no port (the gateway derives it from the referent).
+    other = pool_view_of({"spec": {**base, "endpointPickerRef": {"name": "x", "kind": "Backend",
+                                                                 "group": "gateway.example.io"}}})
+    assert other.endpoint_picker == EndpointPickerRef("x", "gateway.example.io", "Backend", None, "FailClose")
+    # v1alpha2 `extensionRef`: `portNumber`, 9002 when unset for a Service.
+    old = pool_view_of({"spec": {"selector": {"a": "b"}, "targetPortNumber": 8000,
+                                 "extensionRef": {"name": "epp", "failureMode": "FailOpen"}}})
+    assert old.endpoint_picker == EndpointPickerRef("epp", port=9002, failure_mode="FailOpen")
+
+
+def test_what_a_pool_asks_of_envoy():
+    base = {"selector": {"matchLabels": {"a": "b"}}, "targetPorts": [{"number": 8000}]}
+    h2c_open = pool_view_of({"spec": {**base, "appProtocol": "kubernetes.io/h2c", "endpointPickerRef": {
+        "name": "epp", "port": {"number": 9102}, "failureMode": "FailOpen"}}})
+    assert envoy_options(h2c_open, "llm") == {"upstream_protocol": "h2c", "failure_mode_allow": True,
+                                              "epp_host": "epp.llm.svc.cluster.local", "epp_port": 9102}
+    assert envoy_options(h2c_open)["epp_host"] == "epp"  # no namespace known: the Service's short name
+    assert envoy_options(pool_view_of({"spec": base})) == {"upstream_protocol": "http", "failure_mode_allow": False}
+    with pytest.raises(PoolSpecError, match="spec.appProtocol: 'kubernetes.io/ws' is not supported"):
+        envoy_options(pool_view_of({"spec": {**base, "appProtocol": "kubernetes.io/ws"}}))
 
 
 async def test_an_expired_continue_token_restarts_the_list(api, rig):
