@@ -8,6 +8,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 from epp.framework import (
+    PREFIX_MATCH_INFO,
     CycleState,
     Endpoint,
     InferenceRequest,
@@ -19,7 +20,6 @@ from epp.framework import (
     SchedulingResult,
     Scorer,
 )
-from epp.framework.datakeys import PREFIX_MATCH_INFO
 
 SESSION_HEADER = "x-session-token"
 PREFILL_PROFILE = "prefill"

@@ -5,8 +5,17 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from epp.framework import CycleState, Endpoint, InferenceRequest, PluginContext, PluginParams, Scorer
-from epp.framework.datakeys import PREFIX_HOME, PREFIX_MATCH_INFO, PrefixMatchInfo
+from epp.framework import (
+    PREFIX_HOME,
+    PREFIX_MATCH_INFO,
+    CycleState,
+    Endpoint,
+    InferenceRequest,
+    PluginContext,
+    PluginParams,
+    PrefixMatchInfo,
+    Scorer,
+)
 
 # Hashing parameters that GIE v1.x configs put on the scorer; they now belong to the producer.
 LEGACY_PRODUCER_PARAMETERS = ("autoTune", "blockSize", "blockSizeTokens", "hashBlockSize",

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from epp.config.pipeline import PluginEntry
 from epp.config.schema import PLUGIN_FIELDS, Document
 from epp.framework.errors import ConfigError
 from epp.framework.plugin import Plugin, PluginContext
 from epp.framework.registry import PluginRegistry, did_you_mean
+from epp.requestcontrol.pipeline import PluginEntry
 
 
 class PluginSet:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from epp.config.pipeline import DataSourceConfig
 from epp.config.plugins import PluginSet
 from epp.config.schema import (
                                DATA_SOURCE_TYPES,
@@ -16,6 +15,7 @@ from epp.config.schema import (
                                Document,
 )
 from epp.framework.plugin import Plugin
+from epp.requestcontrol.pipeline import DataSourceConfig
 
 
 def feature_gates(document: Document, doc: Mapping[str, Any]) -> frozenset[str]:
