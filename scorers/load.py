@@ -177,7 +177,9 @@ class LoadAwareScorer(Scorer):
 
     def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
         super().__init__(name)
-        self.threshold = params.int("threshold", 128, minimum=1)
+        # As in llm-d, a threshold of 0 or less means the default.
+        threshold = params.int("threshold", 128)
+        self.threshold = threshold if threshold > 0 else 128
         self.loads = _LoadReader(params, context)
 
     def describe(self) -> str:

@@ -13,9 +13,11 @@ from epp.framework.datakeys import (
     PREFIX_HOME,
     PREFIX_MATCH_INFO,
     PREFIX_TIER_MATCH,
+    PROMPT_TOKENS,
     DataKey,
     InflightLoad,
     PrefixMatchInfo,
+    PromptTokens,
     TierMatch,
 )
 from epp.framework.durations import parse_duration
@@ -68,8 +70,8 @@ __all__ = [
     "DecisionSharing", "Endpoint", "EndpointListener", "EndpointLoad", "EndpointMetrics", "EndpointSource",
     "ErrorCode", "Filter", "INFLIGHT_LOAD", "InferenceError", "InferenceRequest", "InflightLedger", "InflightLoad",
     "NO_LOAD", "PREFILLER_HOST_PORT_HEADER", "PREFIX_CACHE_FREE_BLOCKS", "PREFIX_HOME", "PREFIX_MATCH_INFO",
-    "PREFIX_TIER_MATCH", "Picker", "Plugin", "PluginContext", "PluginParams", "PluginRegistry", "PluginSpec",
-    "PreRequestHook", "PrefixMatchInfo", "ProfileHandler", "ProfileRunResult", "ResponseCompleteHook",
+    "PREFIX_TIER_MATCH", "PROMPT_TOKENS", "Picker", "Plugin", "PluginContext", "PluginParams", "PluginRegistry", "PluginSpec",
+    "PreRequestHook", "PrefixMatchInfo", "PromptTokens", "ProfileHandler", "ProfileRunResult", "ResponseCompleteHook",
     "ResponseHeadersHook", "ResponseInfo", "SaturationDetector", "SchedulingResult", "ScoredEndpoint", "Scorer",
     "TierMatch", "clamp_score", "default_registry", "estimate_prompt_tokens", "once_per_registry", "parse_duration",
     "prompt_characters", "publish_home",

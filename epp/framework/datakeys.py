@@ -55,6 +55,14 @@ class InflightLoad:
     tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class PromptTokens:
+    """The prompt's token ids; `exact` when they are the engine's own (its renderer or tokenizer), not estimated."""
+
+    token_ids: tuple[int, ...]
+    exact: bool
+
+
 # Per endpoint. Written by approx-prefix-cache-producer or precise-prefix-cache-producer.
 PREFIX_MATCH_INFO: DataKey[PrefixMatchInfo] = DataKey("prefix-cache-match-info")
 # Per endpoint. Written by precise-prefix-cache-producer only.
@@ -65,6 +73,8 @@ PREFIX_TIER_MATCH: DataKey[TierMatch] = DataKey("prefix-cache-tier-match")
 PREFIX_CACHE_FREE_BLOCKS: DataKey[int] = DataKey("prefix-cache-free-blocks")
 # Per endpoint. Written by inflight-load-producer.
 INFLIGHT_LOAD: DataKey[InflightLoad] = DataKey("inflight-load")
+# Request-wide (`CycleState.put`/`get` under this key). Written by token-producer.
+PROMPT_TOKENS: DataKey[PromptTokens] = DataKey("prompt-tokens")
 # Per endpoint: 1.0 on the rendezvous home of a prefix no endpoint holds (see epp.framework.rendezvous).
 # Written by the prefix producers when several pickers route one pool.
 PREFIX_HOME: DataKey[float] = DataKey("prefix-home")

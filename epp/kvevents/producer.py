@@ -55,7 +55,9 @@ from epp.framework.datakeys import (
     PREFIX_CACHE_FREE_BLOCKS,
     PREFIX_MATCH_INFO,
     PREFIX_TIER_MATCH,
+    PROMPT_TOKENS,
     PrefixMatchInfo,
+    PromptTokens,
     TierMatch,
 )
 from epp.framework.rendezvous import publish_home
@@ -124,6 +126,10 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
             # vLLM publishes on topic "" by default, which names no model; with one model
             # configured, that is the model of every event.
             config.default_model = str(next(iter(tokenizer_dirs)))
+        # The tokens of a token-producer (llm-d's shape) instead of our own tokenizer files.
+        self.use_token_producer = params.bool("useTokenProducer", False)
+        if self.use_token_producer and tokenizer_dirs:
+            raise ConfigError(f"plugin {name!r}: useTokenProducer and tokenizers both give the tokens; set one")
         cache_tokens = params.int("tokenizationCacheTokens", 4_000_000, minimum=0)
         offload_chars = params.int("offloadTokenizationChars", 4096, minimum=0)
 
@@ -176,6 +182,9 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
     def produces(self) -> frozenset[str]:
         return frozenset({PREFIX_MATCH_INFO, PREFIX_TIER_MATCH, PREFIX_CACHE_FREE_BLOCKS})
 
+    def consumes(self) -> frozenset[str]:
+        return frozenset({PROMPT_TOKENS}) if self.use_token_producer else frozenset()
+
     async def prompt_tokens(self, request: InferenceRequest) -> list[int] | None:
         """The prompt's token ids as vLLM will see them, or None when they cannot be known."""
         if self.tokenizers is not None:
@@ -184,7 +193,13 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
 
     async def prepare(self, state: CycleState, request: InferenceRequest,
                       endpoints: Sequence[Endpoint]) -> None:
-        tokens = await self.prompt_tokens(request)
+        tokens: Sequence[int] | None
+        if self.use_token_producer:
+            produced: PromptTokens | None = state.get(PROMPT_TOKENS)
+            # Estimated ids are no engine's: keyed, they would never match an event.
+            tokens = produced.token_ids if produced is not None and produced.exact else None
+        else:
+            tokens = await self.prompt_tokens(request)
         if tokens is None:
             return
         bs = self.block_size

@@ -42,6 +42,9 @@ class PluginEntry:
     plugin: Plugin
     parameters: Mapping[str, Any]
     auto_created: str | None = None  # why the loader added it, or None when configured
+    # For an llm-d plugin type: what it maps to here, the parameters taken and the differences.
+    mapping: str | None = None
+    path: str = ""  # where the config defines it (`plugins[2]`), or what made the loader add it
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,33 @@ class DataSourceConfig:
 
     source: Plugin
     extractors: tuple[Plugin, ...]
+
+
+@dataclass(frozen=True)
+class ScrapeSettings:
+    """How model-server metrics are scraped: the `metrics-data-source` of the `dataLayer` section."""
+
+    scheme: str = "http"
+    path: str = "/metrics"
+    # llm-d's default: pods serve self-signed certificates, so https is not verified unless asked.
+    insecure_skip_verify: bool = True
+    ca_cert_path: str | None = None
+    client_cert_path: str | None = None
+    client_key_path: str | None = None
+    interval_s: float | None = None  # None: every --refresh-metrics-interval
+    families: frozenset[str] | None = None  # the metric families kept (None: all this picker reads)
+
+    def describe(self) -> str:
+        """One line for `epp check-config`."""
+        text = f"{self.scheme}://<endpoint>{self.path}"
+        if self.scheme == "https":
+            text += (" (certificate not verified: insecureSkipVerify)" if self.insecure_skip_verify
+                     else f" (verified against {self.ca_cert_path or 'the system CAs'})")
+            if self.client_cert_path:
+                text += f", client certificate {self.client_cert_path}"
+        if self.interval_s is not None:
+            text += f", every {self.interval_s:g}s"
+        return text
 
 
 @dataclass(frozen=True)
@@ -73,12 +103,21 @@ class LoadedConfig:
     objectives: Mapping[str, int]
     plugins: tuple[PluginEntry, ...]
     data_sources: tuple[DataSourceConfig, ...] = ()
-    parser: Plugin | None = None
+    # How endpoints' metrics are scraped; None: no metrics source (`dataLayer.injectDefaults: false`).
+    scrape: ScrapeSettings | None = ScrapeSettings()
+    parsers: tuple[Plugin, ...] = ()
     # The `flowControl` section, validated even when the feature gate is off; used only with the gate.
     flow_control_section: FlowControlConfig | None = None
     capacity_gates: tuple[CapacityGate, ...] = ()
     # With the `flowControl` gate: queues requests while the pool is saturated (replaces shedding, as in GIE).
     flow_controller: FlowController | None = None
+    # Deprecations, fields accepted with no effect here, differences from llm-d (`epp check-config`).
+    notes: tuple[str, ...] = ()
+
+    @property
+    def parser(self) -> Plugin | None:
+        """The first configured request parser (`requestHandler.parsers`), if any."""
+        return self.parsers[0] if self.parsers else None
 
     @property
     def flow_control(self) -> FlowControlConfig | None:

@@ -133,7 +133,8 @@ class EppServer:
         objectives = dict(pipeline.objectives)
         # Static objectives from the config; Kubernetes discovery layers InferenceObjectives over them.
         self.objectives = ObjectivePriorities(objectives)
-        freshness = freshness_window(opts.refresh_metrics_interval_s) if opts.scrape_metrics else None
+        scraping = opts.scrape_metrics and pipeline.scrape is not None
+        freshness = freshness_window(opts.refresh_metrics_interval_s) if scraping else None
         self.director = Director(pipeline, self.endpoints, self.metrics, server_hooks=(self._accounting(),),
                                  use_subset_hint=not opts.disable_endpoint_subset_filter,
                                  metrics_freshness_s=freshness, ledger=self.context.load)
@@ -213,8 +214,9 @@ class EppServer:
         from epp.server.datalayer_startup import start_data_layer
 
         sharing = self.peer if self.peer is not None and self.options.shared_scrapes else None
+        scrape = self.pipeline.scrape if self.pipeline is not None else None
         self._background.extend(await start_data_layer(self.options, self.endpoints, self.metrics, self.objectives,
-                                                       sharing=sharing))
+                                                       sharing=sharing, scrape=scrape))
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop taking new streams, let in-flight ones finish within `grace` seconds, then stop all."""
