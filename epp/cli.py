@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from epp import limits as lim
 from epp.envoy import RESPONSE_MODES, UPSTREAM_PROTOCOLS
+from epp.extras import MissingExtra, require_extra
 from epp.server.extproc import DEFAULT_MAX_BODY_BYTES
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -201,7 +202,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         # The loader reads --config-file itself, so its errors name the file (and a missing file is one).
         k8s = _kubernetes_options(args)
         _check_tenant_source(args.token_accounting_tenant)
-    except (UsageError, ValueError) as exc:
+    except (UsageError, ValueError, MissingExtra) as exc:
         print(f"epp serve: {exc}", file=sys.stderr)
         return 2
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
@@ -258,7 +259,8 @@ def _check_tenant_source(value: str) -> None:
 
 
 def _kubernetes_options(args: argparse.Namespace) -> dict:
-    """ServeOptions fields for Kubernetes discovery; ValueError names the flag that is wrong."""
+    """ServeOptions fields for Kubernetes discovery; ValueError names the flag that is wrong, MissingExtra
+    says the client is not installed."""
     import os
 
     from epp.datalayer.inference_pool import parse_selector, parse_target_ports
@@ -271,6 +273,8 @@ def _kubernetes_options(args: argparse.Namespace) -> dict:
         raise ValueError("Kubernetes discovery excludes --endpoints and --endpoints-file")
     if args.ha_enable_leader_election and not args.pool_name:
         raise ValueError("--ha-enable-leader-election needs --pool-name (the lease is the pool's)")
+    if args.pool_name or args.endpoint_selector:
+        require_extra("kubernetes", "Kubernetes discovery (--pool-name, --endpoint-selector)")
     options: dict = {"pool_name": args.pool_name, "pool_group": args.pool_group, "kubeconfig": args.kubeconfig,
                      "ha_enable_leader_election": args.ha_enable_leader_election,
                      "pool_namespace": args.pool_namespace or os.environ.get("NAMESPACE") or "default"}
@@ -419,6 +423,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return calibration_main(args.metrics_url)
     if args.command == "demo":
+        try:
+            require_extra("demo", "epp demo")
+        except MissingExtra as exc:
+            print(exc, file=sys.stderr)
+            return 2
         from epp.demo import run_demo
 
         return run_demo(replicas=args.replicas, requests=args.requests, concurrency=args.concurrency,

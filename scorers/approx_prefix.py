@@ -29,26 +29,27 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
-from epp.framework.datakeys import (
+from epp.framework import (
     PREFIX_CACHE_FREE_BLOCKS,
     PREFIX_MATCH_INFO,
     PREFIX_TIER_MATCH,
-    PrefixMatchInfo,
-    TierMatch,
-)
-from epp.framework.errors import ConfigError
-from epp.framework.load import Booking, prompt_characters
-from epp.framework.metrics import once_per_registry
-from epp.framework.plugin import (
+    Booking,
+    ConfigError,
     CycleState,
     DataProducer,
+    Endpoint,
+    InferenceRequest,
     PluginContext,
+    PluginParams,
+    PrefixMatchInfo,
     PreRequestHook,
+    ResponseInfo,
     SchedulingResult,
+    TierMatch,
+    once_per_registry,
+    prompt_characters,
+    publish_home,
 )
-from epp.framework.registry import PluginParams
-from epp.framework.rendezvous import publish_home
-from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 from epp.scorers.prefix_hashing import AVERAGE_CHARACTERS_PER_TOKEN, block_hashes, chain_seed
 from epp.scorers.prefix_index import PrefixIndex
 from epp.scorers.prompt_text import user_input_bytes

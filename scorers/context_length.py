@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from epp.framework import (
+    PROMPT_TOKENS,
     ConfigError,
     CycleState,
     Endpoint,
@@ -20,9 +21,9 @@ from epp.framework import (
     InferenceRequest,
     PluginContext,
     PluginParams,
+    PromptTokens,
     Scorer,
 )
-from epp.framework.datakeys import PROMPT_TOKENS, PromptTokens
 from epp.scorers.prompt_text import user_input_length
 
 DEFAULT_LABEL = "llm-d.ai/context-length-range"

@@ -17,6 +17,9 @@ from typing import Any
 
 from epp.framework import (
     PREFILLER_HOST_PORT_HEADER,
+    PREFIX_MATCH_INFO,
+    PREFIX_TIER_MATCH,
+    PROMPT_TOKENS,
     ConfigError,
     CycleState,
     Endpoint,
@@ -24,17 +27,12 @@ from epp.framework import (
     Plugin,
     PluginContext,
     PluginParams,
+    PrefixMatchInfo,
     PreRequestHook,
     ProfileHandler,
     ProfileRunResult,
-    SchedulingResult,
-)
-from epp.framework.datakeys import (
-    PREFIX_MATCH_INFO,
-    PREFIX_TIER_MATCH,
-    PROMPT_TOKENS,
-    PrefixMatchInfo,
     PromptTokens,
+    SchedulingResult,
     TierMatch,
 )
 from epp.scorers.pd import DECODE_ONLY, NO_PREFILLER, PREFILL_DECODE, _decisions_counter

@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from epp.framework import (
+    INFLIGHT_LOAD,
     ConfigError,
     CycleState,
     DataProducer,
     Endpoint,
     InferenceRequest,
+    InflightLoad,
     Plugin,
     PluginContext,
     PluginParams,
@@ -19,7 +21,6 @@ from epp.framework import (
     SchedulingResult,
     Scorer,
 )
-from epp.framework.datakeys import INFLIGHT_LOAD, InflightLoad
 from epp.scorers.inflight_tracker import InflightTracker, tracked_requests_gauge
 from epp.scorers.prompt_text import user_input_length
 

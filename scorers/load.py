@@ -12,17 +12,18 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from epp.framework import (
+    INFLIGHT_LOAD,
+    NO_LOAD,
     CycleState,
     Endpoint,
     EndpointLoad,
     InferenceRequest,
     InflightLedger,
+    InflightLoad,
     PluginContext,
     PluginParams,
     Scorer,
 )
-from epp.framework.datakeys import INFLIGHT_LOAD, InflightLoad
-from epp.framework.load import NO_LOAD
 
 # Where one cycle's endpoint loads are kept in its CycleState (per ledger), shared by the load scorers.
 _LOADS_STATE_KEY = "scorers.load/endpoint-loads"

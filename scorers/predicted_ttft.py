@@ -54,6 +54,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from epp.framework import (
+    PREFIX_TIER_MATCH,
     Booking,
     CycleState,
     Endpoint,
@@ -64,10 +65,10 @@ from epp.framework import (
     PluginRegistry,
     ResponseInfo,
     Scorer,
+    TierMatch,
     estimate_prompt_tokens,
     once_per_registry,
 )
-from epp.framework.datakeys import PREFIX_TIER_MATCH, TierMatch
 from epp.scorers.ttft_calibration import TERMS, TTFTCalibrator, features
 
 DEFAULTS = {"baseSeconds": 0.01, "prefillSecondsPerToken": 2e-4, "secondsPerRunningRequest": 0.005,

@@ -7,6 +7,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from epp.framework import (
+    PREFIX_HOME,
+    PREFIX_MATCH_INFO,
     ConfigError,
     CycleState,
     DataProducer,
@@ -15,9 +17,9 @@ from epp.framework import (
     Plugin,
     PluginContext,
     PluginParams,
+    PrefixMatchInfo,
     Scorer,
 )
-from epp.framework.datakeys import PREFIX_HOME, PREFIX_MATCH_INFO, PrefixMatchInfo
 
 # Hashing parameters that GIE v1.x configs put on the scorer; they now belong to the producer.
 LEGACY_PRODUCER_PARAMETERS = ("autoTune", "blockSize", "blockSizeTokens", "hashBlockSize",

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from epp.config.defaults import DEFAULT_PARSER_TYPE
-from epp.config.pipeline import LoadedConfig, PluginEntry, plugin_kinds
 from epp.config.yaml_reading import yaml_value
 from epp.flowcontrol.config import FEATURE_GATE as FLOW_CONTROL_GATE
 from epp.framework.plugin import Plugin
+from epp.requestcontrol.pipeline import LoadedConfig, PluginEntry, plugin_kinds
 
 
 def _plugin_line(entry: PluginEntry) -> str:

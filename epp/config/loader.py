@@ -17,7 +17,6 @@ from typing import Any
 
 from epp.config.compose import DEFAULT_CONFIG_YAML
 from epp.config.defaults import DEFAULT_SATURATION_DETECTOR_TYPE
-from epp.config.pipeline import LoadedConfig
 from epp.config.plugins import PluginSet
 from epp.config.producers import ProducerWiring
 from epp.config.profiles import ProfileBuilder
@@ -39,6 +38,7 @@ from epp.framework.plugin import (
 )
 from epp.framework.registry import PluginRegistry, default_registry
 from epp.framework.scheduler import Scheduler
+from epp.requestcontrol.pipeline import LoadedConfig
 
 log = logging.getLogger(__name__)
 

@@ -7,11 +7,11 @@ from typing import Any
 
 from epp.config.llmd import ALIASES, mapping_line, refused
 from epp.config.llmd_precise import is_llmd_shape, precise_parameters
-from epp.config.pipeline import PluginEntry
 from epp.config.schema import PLUGIN_FIELDS, Document
 from epp.framework.errors import ConfigError
 from epp.framework.plugin import Plugin, PluginContext
 from epp.framework.registry import PluginRegistry, did_you_mean
+from epp.requestcontrol.pipeline import PluginEntry
 
 PRECISE_PRODUCER_TYPE = "precise-prefix-cache-producer"
 PRECISE_WRAPPER_TYPE = "precise-prefix-cache-scorer"

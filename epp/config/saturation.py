@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from epp.config.defaults import DEFAULT_SATURATION_DETECTOR_TYPE
-from epp.config.pipeline import PluginEntry
 from epp.config.plugins import PluginSet
 from epp.config.schema import Document
 from epp.flowcontrol.config import FlowControlConfig
 from epp.framework.errors import ConfigError
 from epp.framework.plugin import SaturationDetector
+from epp.requestcontrol.pipeline import PluginEntry
 
 if TYPE_CHECKING:
     from epp.flowcontrol.controller import FlowController

@@ -9,18 +9,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from epp.config.pipeline import DataSourceConfig, PluginEntry, ScrapeSettings
 from epp.config.plugins import PluginSet
 from epp.config.schema import (
-                               DATA_SOURCE_TYPES,
-                               EXTRACTOR_TYPES,
-                               KNOWN_FEATURE_GATES,
-                               METRICS_SOURCE_TYPE,
-                               OBJECTIVE_FIELDS,
-                               PARSER_TYPES,
-                               Document,
+    DATA_SOURCE_TYPES,
+    EXTRACTOR_TYPES,
+    KNOWN_FEATURE_GATES,
+    METRICS_SOURCE_TYPE,
+    OBJECTIVE_FIELDS,
+    PARSER_TYPES,
+    Document,
 )
 from epp.framework.plugin import Plugin
+from epp.requestcontrol.pipeline import DataSourceConfig, PluginEntry, ScrapeSettings
 
 # Gates whose feature is always on here: accepted, with a note.
 ALWAYS_ON_GATES = {

@@ -18,9 +18,9 @@ from epp.framework.plugin import Admitter, CycleState, ResponseCompleteHook, Sch
 from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 from epp.logutil import log_failure
 from epp.metrics import EppMetrics
+from epp.requestcontrol.pipeline import LoadedConfig
 
 if TYPE_CHECKING:
-    from epp.config import LoadedConfig
     from epp.flowcontrol.controller import Dispatch
 
 log = logging.getLogger(__name__)

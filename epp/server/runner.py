@@ -211,7 +211,7 @@ class EppServer:
         return self.accounting
 
     async def _start_discovery(self) -> None:
-        from epp.server.pipeline import start_data_layer
+        from epp.server.datalayer_startup import start_data_layer
 
         sharing = self.peer if self.peer is not None and self.options.shared_scrapes else None
         scrape = self.pipeline.scrape if self.pipeline is not None else None

@@ -1,4 +1,4 @@
-"""The runtime pipeline: what the loader builds from a config and the director runs, with its plugins' lifecycle."""
+"""The runtime pipeline the director runs, with its plugins' lifecycle; `epp.config` builds it from a config."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from epp.framework.sharing import DecisionSharing
 from epp.metrics import EppMetrics
 
 if TYPE_CHECKING:
-    from epp.config.pipeline import ScrapeSettings
+    from epp.requestcontrol.pipeline import ScrapeSettings
 
 
 class Stoppable(Protocol):
