@@ -15,9 +15,10 @@ from epp.datalayer.scraper import MetricsScraper
 from epp.framework.errors import InferenceError
 from epp.framework.plugin import CycleState
 from epp.framework.types import ApiKind, EndpointMetrics, InferenceRequest
-from tests.blackbox.pods import start_picker, wait_until
-from tests.conftest import free_port
 from tests.fleet.support import config, spec, start_fleet
+from tests.support.pods import start_picker
+from tests.support.ports import free_port
+from tests.support.wait import wait_until
 
 SLEEP_PAGE = """# TYPE vllm:engine_sleep_state gauge
 vllm:engine_sleep_state{{engine="0",model_name="m",sleep_state="awake"}} {awake}

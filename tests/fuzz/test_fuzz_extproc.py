@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import logging
 
+from bench.support.fuzz_harness import Fuzzer, Target
 from epp.limits import Limits
 from epp.server.runner import EppServer
-from tests.extproc.test_hostile_input import PREFIX_CONFIG
-from tests.extproc_support import options
-from tests.fuzz.harness import Fuzzer, Target
+from tests.support.configs import PREFIX_CONFIG
+from tests.support.extproc import options
 
 POOL = ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000")
 STREAMS = 2500

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import pytest_asyncio
 
-from tests.kubernetes.apiserver import FakeApiServer
+from bench.support.k8s_apiserver import FakeApiServer
 
 
 @pytest_asyncio.fixture

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from epp.engine.vllm.process import VllmProcess
-from epp.engine.vllm.testing import free_ports, require_vllm_python
+from epp.netutil import free_ports
+from tests.support.vllm import require_vllm_python
 
 
 @dataclass
