@@ -121,6 +121,7 @@ async def test_two_workers_share_one_port_and_all_answer(two_workers):
     assert len(set(pids.values())) == 2 and proc.pid not in pids.values()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("two_workers", ["approximate"], indirect=True)
 async def test_a_killed_worker_is_replaced_while_the_other_keeps_serving(two_workers):
     _proc, grpc_port, health_port, metrics_port = two_workers
@@ -161,6 +162,7 @@ async def test_a_killed_worker_is_replaced_while_the_other_keeps_serving(two_wor
     assert metric_samples(metrics_port)['epp_worker_requests{worker="0"}'] > taken_before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("two_workers", ["approximate"], indirect=True)
 async def test_workers_share_prefix_homes_so_a_group_stays_on_one_endpoint(two_workers):
     _proc, grpc_port, _health_port, metrics_port = two_workers

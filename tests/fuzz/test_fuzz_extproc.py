@@ -1,16 +1,18 @@
 """Fuzz the ext_proc server over real gRPC: a few thousand seeded random streams, every invariant held.
 
-bench/fuzz.py runs the same harness for 100,000+ streams against an `epp serve` process.
+bench/fuzz.py runs the same harness (bench/support/fuzz_harness.py) for 100,000+ streams against an
+`epp serve` process.
 """
 
 from __future__ import annotations
 
 import logging
 
-from bench.support.fuzz_harness import Fuzzer, Target
+import pytest
+
+from bench.support.fuzz_harness import PREFIX_CONFIG, Fuzzer, Target
 from epp.limits import Limits
 from epp.server.runner import EppServer
-from tests.support.configs import PREFIX_CONFIG
 from tests.support.extproc import options
 
 POOL = ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000")
@@ -18,6 +20,7 @@ STREAMS = 2500
 SEED = 18
 
 
+@pytest.mark.slow
 async def test_seeded_random_streams_keep_every_invariant(caplog):
     caplog.set_level(logging.WARNING)
     limits = Limits(stream_idle_timeout_s=1.0)

@@ -88,6 +88,7 @@ async def test_pod_turning_ready_is_routable_within_two_seconds(api, rig):
     await wait_until(lambda: "10.1.0.2:8000" in names(r.registry), "pod b routable", 2.0)
 
 
+@pytest.mark.slow
 async def test_deleted_or_unready_pod_is_dropped_at_once_and_never_comes_back(api, rig):
     api.apply(inference_pool("pool", {"app": "vllm"}, [8000]))
     for i in range(3):

@@ -41,6 +41,7 @@ async def test_one_leader_at_a_time_and_a_fast_handover_on_release(api, kubeconf
         await b.stop()
 
 
+@pytest.mark.slow
 async def test_a_crashed_leader_is_replaced_after_the_lease_duration(api, kubeconfig):
     a = elector(kubeconfig, "a")
     await a.start()
@@ -61,6 +62,7 @@ async def test_a_crashed_leader_is_replaced_after_the_lease_duration(api, kubeco
         await b.stop()
 
 
+@pytest.mark.slow
 async def test_only_the_leader_picker_is_ready(api, kubeconfig):
     api.apply(inference_pool("pool", {"app": "vllm"}, [8000]))
     api.apply(pod("p0", "10.1.0.1"))

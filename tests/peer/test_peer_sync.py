@@ -228,6 +228,7 @@ async def test_a_picker_that_starts_late_catches_up_from_a_peer_snapshot_and_the
                 await picker.stop()
 
 
+@pytest.mark.slow
 async def test_a_picker_whose_peers_are_all_down_starts_alone_within_the_catch_up_timeout():
     port_a, port_gone = free_ports(2)
     a = await RoutingPicker.start(port_a, (port_gone,))
