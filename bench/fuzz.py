@@ -5,10 +5,10 @@
 
 The picker runs as its own process (so its RSS is its own), with the prefix producers and
 scorers configured, scraping four loopback `/metrics` pages shaped like vLLM's. The streams are
-the CI fuzz test's (tests/fuzz, the same bench/support/fuzz_harness.py): valid and invalid phase orders, bodies split at random bytes,
-hostile headers, non-UTF-8, deep nesting, huge numbers and strings, wrong field types,
-cancellations, idle streams, garbage protobuf and hostile response bodies, every invariant
-checked per stream. Prints a markdown table of outcome counts and the server's RSS and open
+the CI fuzz test's (tests/fuzz; both run bench/support/fuzz_harness.py): valid and invalid phase
+orders, bodies split at random bytes, hostile headers, non-UTF-8, deep nesting, huge numbers and
+strings, wrong field types, cancellations, idle streams, garbage protobuf and hostile response
+bodies, every invariant checked per stream. Prints a markdown table of outcome counts and the server's RSS and open
 file descriptors after start, after a warm-up and at the end; exits 1 on any violation.
 """
 

@@ -1,6 +1,6 @@
 """Cost of Kubernetes discovery with a large pool: CPU, memory, and time from pod Ready to routable.
 
-A child process runs the local API server (tests/kubernetes/apiserver.py: the list/watch wire
+A child process runs the local API server (bench/support/k8s_apiserver.py: the list/watch wire
 protocol) holding one InferencePool and `--pods` pods, and later flips pods between Ready and
 not Ready at `--rate` changes per second, stamping each change with the system-wide monotonic
 clock. This process runs only KubernetesDiscovery (the real kubernetes_asyncio client) feeding an

@@ -1,4 +1,4 @@
-"""Fixtures: a local API server (tests/kubernetes/apiserver.py) and a kubeconfig pointing at it."""
+"""Fixtures: a local API server (bench/support/k8s_apiserver.py) and a kubeconfig pointing at it."""
 
 from __future__ import annotations
 

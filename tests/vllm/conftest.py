@@ -34,7 +34,7 @@ class CliServer:
 
 @pytest.fixture(scope="session")
 def vllm_python() -> Path:
-    """The vLLM venv's python (skip locally when missing; fail under CI=true)."""
+    """The vLLM venv's python (skip locally when missing; fail under EPP_CI)."""
     return require_vllm_python()
 
 
