@@ -275,7 +275,8 @@ async def test_inference_objectives_set_priorities_over_the_static_fallback(api,
     assert dict(r.objectives) == {"static-objective": 7, "critical": 10, "batch": -1, "no-priority": 0}
     api.apply(inference_objective("critical", 20, "pool"))
     api.apply(inference_objective("static-objective", 1, "pool"))
-    await wait_until(lambda: r.objectives.get("critical") == 20 and r.objectives.get("static-objective") == 1, "objectives modified", 2.0)
+    await wait_until(lambda: r.objectives.get("critical") == 20 and r.objectives.get("static-objective") == 1,
+                     "objectives modified", 2.0)
     api.delete(inference_objective("static-objective", 1, "pool"))
     api.delete(inference_objective("batch", -1, "pool"))
     await wait_until(lambda: "batch" not in r.objectives, "objective deleted", 2.0)
