@@ -183,6 +183,7 @@ async def test_workers_share_prefix_homes_so_a_group_stays_on_one_endpoint(two_w
     assert all(len(homes) == 1 for homes in placed.values()), placed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("two_workers", ["nolink"], indirect=True)
 async def test_workers_without_the_peer_link_share_nothing(two_workers):
     _proc, grpc_port, _health_port, metrics_port = two_workers
@@ -193,6 +194,7 @@ async def test_workers_without_the_peer_link_share_nothing(two_workers):
     assert not any(key.startswith("epp_peer_") for key in samples)
 
 
+@pytest.mark.slow
 def test_sigterm_stops_every_worker(two_workers):
     proc, _grpc_port, _health_port, metrics_port = two_workers
     pids = worker_pids(metrics_port)
@@ -221,6 +223,7 @@ def test_merged_page_sums_counters_and_histograms_and_labels_gauges_by_worker():
     assert sum(line.startswith("# TYPE reqs_total") for line in merged.splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_a_config_no_worker_can_load_stops_the_supervisor_with_the_reason():
     proc = subprocess.run([sys.executable, "-m", "epp.cli", "serve", "--workers", "2", "--config-text", "kind: Nope",
                            "--grpc-port", "0", "--grpc-health-port", "0", "--metrics-port", "0",
@@ -230,6 +233,7 @@ def test_a_config_no_worker_can_load_stops_the_supervisor_with_the_reason():
     assert "invalid configuration" in proc.stderr
 
 
+@pytest.mark.slow
 def test_workers_serve_tls_with_one_self_signed_certificate():
     grpc_port, health_port, metrics_port = free_ports(3)
     proc = subprocess.Popen(

@@ -63,6 +63,7 @@ async def test_scraper_sees_a_simulated_replica_fall_asleep_and_wake_within_two_
         await fleet.stop()
 
 
+@pytest.mark.slow
 async def test_without_the_sleep_series_the_scraper_asks_is_sleeping():
     """A server whose /metrics lacks vllm:engine_sleep_state is asked GET /is_sleeping instead."""
     state = {"sleeping": False, "probes": 0}

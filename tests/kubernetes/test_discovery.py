@@ -178,6 +178,7 @@ async def test_410_gone_relists_with_no_endpoint_lost_or_duplicated(api, rig):
     await wait_until(lambda: "10.1.0.100:8000" in names(r.registry), "watch after relist", 2.0)
 
 
+@pytest.mark.slow
 async def test_api_errors_back_off_and_recover(api, rig):
     api.apply(inference_pool("pool", {"app": "vllm"}, [8000]))
     api.apply(pod("a", "10.1.0.1"))
