@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.configs import endpoint_picker_config, objectives, plugin
+from tests.support.configs import endpoint_picker_config, objectives, plugin
 
 EPP = Path(sys.executable).with_name("epp")
 

@@ -4,7 +4,7 @@ GIE's suite (`conformance/tests/*.go`) runs against a gateway in a cluster, with
 picker. Here the gateway is a real Envoy rendered from the InferencePool object the way
 `epp envoy-config --inference-pool` does it, the picker is ours with the test plugins GIE's picker
 has (`header-based-testing-filter`, `destination-endpoint-served-verifier`), the cluster is the
-local API server (tests/kubernetes/apiserver.py) and the pods are real HTTP servers on loopback
+local API server (bench/support/k8s_apiserver.py) and the pods are real HTTP servers on loopback
 addresses. Each test's docstring names the suite test it mirrors; docs/inferencepool.md maps them.
 """
 
@@ -23,6 +23,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from bench.support.k8s_apiserver import FakeApiServer, inference_pool, pod
 from epp.config.compose import endpoint_picker_config
 from epp.datalayer.inference_pool import envoy_options, pool_view_of
 from epp.engine.sim import FleetConfig, SimFleet
@@ -30,8 +31,8 @@ from epp.engine.sim.fleet import default_tokenizer_dir
 from epp.envoy import EnvoyProcess, render_config
 from epp.netutil import free_ports
 from epp.server.runner import EppServer, ServeOptions
-from tests.blackbox.pods import common_free_port, pod_address, wait_until
-from tests.kubernetes.apiserver import FakeApiServer, inference_pool, pod
+from tests.support.pods import common_free_port, pod_address
+from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.envoy]
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.blackbox.calls import gie_body, immediate, route
-from tests.blackbox.pods import start_picker, start_pods, wait_for_scraped, wait_until
-from tests.configs import endpoint_picker_config, objectives, plugin
-from tests.extproc_support import ExtProcClient, request_body, request_headers
+from tests.support.configs import endpoint_picker_config, objectives, plugin
+from tests.support.extproc import ExtProcClient, gie_body, immediate, request_body, request_headers, route
+from tests.support.pods import start_picker, start_pods, wait_for_scraped
+from tests.support.wait import wait_until
 
 # Staleness is widened from GIE's 200 ms to 1 s so that a busy test machine (the scraper shares
 # the event loop with the gRPC server) cannot make a healthy pool look saturated.

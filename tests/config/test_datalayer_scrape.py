@@ -19,9 +19,9 @@ from cryptography.x509.oid import NameOID
 
 from epp.datalayer.registry import EndpointSpec
 from epp.server.tls import self_signed_pair
-from tests.blackbox.pods import start_picker
-from tests.configs import endpoint_picker_config, plugin
-from tests.datalayer.vllm_page import VllmState, vllm_metrics_page
+from tests.support.configs import endpoint_picker_config, plugin
+from tests.support.pods import start_picker
+from tests.support.vllm_metrics import VllmState, vllm_metrics_page
 
 PATH = "/custom/metrics"
 

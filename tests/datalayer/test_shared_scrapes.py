@@ -13,9 +13,8 @@ from epp.datalayer.registry import EndpointRegistry, EndpointSpec
 from epp.datalayer.scraper import MetricsScraper
 from epp.netutil import free_ports
 from epp.peer.node import PeerNode
-
-from .test_scraper import wait_until
-from .vllm_page import VllmState, vllm_metrics_page
+from tests.support.vllm_metrics import VllmState, vllm_metrics_page
+from tests.support.wait import wait_until
 
 INTERVAL = 0.05
 

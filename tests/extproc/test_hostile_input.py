@@ -10,9 +10,9 @@ import urllib.request
 import grpc
 import pytest
 
-from epp.config.compose import endpoint_picker_config
 from epp.server.runner import EppServer
-from tests.extproc_support import (
+from tests.support.configs import PREFIX_CONFIG
+from tests.support.extproc import (
     headers_of,
     options,
     request_body,
@@ -22,10 +22,6 @@ from tests.extproc_support import (
     serving,
     simple_pipeline,
 )
-
-PREFIX_SCORERS = ("prefix-home-scorer", "queue-scorer", "kv-cache-utilization-scorer", "max-score-picker")
-PREFIX_CONFIG = endpoint_picker_config(["approx-prefix-cache-producer", "prefix-cache-scorer", *PREFIX_SCORERS],
-                                       {"prefix-cache-scorer": 3, **dict.fromkeys(PREFIX_SCORERS)})
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import pytest
 
 from epp.limits import Limits
 from epp.server.runner import EppServer
-from tests.extproc_support import (
+from tests.support.extproc import (
     ExtProcClient,
     no_reply_within,
     options,

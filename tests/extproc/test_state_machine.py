@@ -12,7 +12,7 @@ from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import Proces
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epp.framework.plugin import ResponseCompleteHook, ResponseHeadersHook
-from tests.extproc_support import (
+from tests.support.extproc import (
     ExtProcClient,
     headers_of,
     no_reply_within,

@@ -17,10 +17,11 @@ import pytest
 
 from epp.config.compose import endpoint_picker_config, plugin
 from epp.server.runner import EppServer
-from tests.blackbox.pods import FakeVllmPod, wait_until
-from tests.configs import objectives
-from tests.conftest import free_port
-from tests.extproc_support import ExtProcClient, no_reply_within, options, request_body, request_headers
+from tests.support.configs import objectives
+from tests.support.extproc import ExtProcClient, no_reply_within, options, request_body, request_headers
+from tests.support.pods import FakeVllmPod
+from tests.support.ports import free_port
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 

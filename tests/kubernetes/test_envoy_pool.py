@@ -17,13 +17,13 @@ import pytest
 from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.support.k8s_apiserver import inference_objective, inference_pool, pod
 from epp.config.compose import endpoint_picker_config
 from epp.envoy import EnvoyProcess, render_config
 from epp.netutil import free_ports
 from epp.server.runner import EppServer, ServeOptions
-from tests.configs import objectives
-from tests.conftest import free_port
-from tests.kubernetes.apiserver import inference_objective, inference_pool, pod
+from tests.support.configs import objectives
+from tests.support.ports import free_port
 
 pytestmark = [pytest.mark.envoy]
 

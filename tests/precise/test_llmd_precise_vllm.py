@@ -14,12 +14,14 @@ import urllib.request
 
 import pytest
 
+from bench.support.metrics_server import MetricsServer
 from epp.datalayer.registry import EndpointSpec
-from epp.engine.vllm.testing import free_ports, require_vllm_python, tiny_vllm_server
-from tests.configs import endpoint_picker_config, plugin
-from tests.datalayer.metrics_server import MetricsServer
-from tests.datalayer.vllm_page import VllmState, vllm_metrics_page
-from tests.precise.support import Picker, completion_body, prompt_of, wait_until
+from epp.netutil import free_ports
+from tests.support.configs import endpoint_picker_config, plugin
+from tests.support.precise import Picker, completion_body, prompt_of
+from tests.support.vllm import require_vllm_python, tiny_vllm_server
+from tests.support.vllm_metrics import VllmState, vllm_metrics_page
+from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -54,12 +56,17 @@ async def test_llm_d_precise_config_routes_to_the_replica_holding_the_prefix(tmp
                                                  headers={"Content-Type": "application/json"})
                 await asyncio.to_thread(lambda: json.loads(urllib.request.urlopen(request, timeout=60).read()))
 
-                async def routes_to_a() -> bool:
+                async def route_fresh(prompt: str) -> str:
+                    # A replica whose scrape lags is left out of the candidates (the freshness
+                    # filter), which on a loaded machine would route away from the holder.
                     await wait_until(picker.metrics_fresh, "both endpoints' metrics", 20)
-                    return await picker.route("tiny", prefix + " Question?") == ep_a
+                    return await picker.route("tiny", prompt)
+
+                async def routes_to_a() -> bool:
+                    return await route_fresh(prefix + " Question?") == ep_a
 
                 await wait_until(routes_to_a, "A's KV events to reach the index", 30)
-                assert {await picker.route("tiny", prefix + " Question?") for _ in range(5)} == {ep_a}
+                assert {await route_fresh(prefix + " Question?") for _ in range(5)} == {ep_a}
                 tokenized = picker.metric("epp_token_producer_requests_total", {
                     "plugin": "token-producer", "backend": "vllm", "outcome": "tokenized"})
                 assert tokenized >= 1  # the tokens came from vLLM's /tokenize

@@ -26,9 +26,9 @@ from epp.engine.sim.fleet import default_tokenizer_dir
 from epp.envoy import EnvoyProcess, render_config
 from epp.netutil import free_ports
 from epp.server.runner import EppServer, ServeOptions
-from tests.configs import endpoint_picker_config, plugin
-from tests.precise.support import fleet_specs
 from tests.reliability.test_faults import Backend, eventually_zero_running
+from tests.support.configs import endpoint_picker_config, plugin
+from tests.support.precise import fleet_specs
 
 pytestmark = [pytest.mark.envoy, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ from epp.framework import ApiKind, ConfigError, CycleState, PluginContext, Profi
 from epp.framework.datakeys import PREFIX_CACHE_FREE_BLOCKS, PREFIX_MATCH_INFO
 from epp.scorers.prefix_index import PrefixIndex
 from epp.scorers.prompt_text import user_input_bytes
-from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
+from tests.support.scheduling import endpoint, make_plugin, request
 
 
 def reference_chain(data: bytes, block: int, model: str, salt: str = "") -> list[int]:

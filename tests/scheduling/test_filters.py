@@ -3,7 +3,7 @@
 import pytest
 
 from epp.framework import ConfigError, CycleState, ResponseInfo
-from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
+from tests.support.scheduling import endpoint, make_plugin, request
 
 
 def kept(flt, endpoints, req=None):

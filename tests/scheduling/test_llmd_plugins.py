@@ -10,7 +10,7 @@ import pytest
 
 from epp.framework import PREFILLER_HOST_PORT_HEADER, CycleState
 from epp.framework.datakeys import PREFIX_MATCH_INFO, PrefixMatchInfo
-from tests.scheduling.sched_fixtures import DirectorHarness, endpoint, make_plugin, request
+from tests.support.scheduling import DirectorHarness, endpoint, make_plugin, request
 
 HEADER = "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n"
 ROLE = "llm-d.ai/role"

@@ -4,7 +4,7 @@ import pytest
 
 from epp.framework import ConfigError, CycleState
 from epp.framework.datakeys import INFLIGHT_LOAD, InflightLoad
-from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
+from tests.support.scheduling import endpoint, make_plugin, request
 
 
 def scores(type_name, endpoints, params=None, req=None, state=None):

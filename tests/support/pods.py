@@ -7,17 +7,15 @@ each bind works without any setup.
 
 from __future__ import annotations
 
-import asyncio
 import socket
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from aiohttp import web
-
+from bench.support.metrics_server import MetricsServer
 from epp.datalayer.registry import EndpointSpec
 from epp.framework.types import Endpoint
 from epp.server.runner import EppServer, ServeOptions
-from tests.datalayer.vllm_page import VllmState, vllm_metrics_page
+from tests.support.vllm_metrics import VllmState, vllm_metrics_page
+from tests.support.wait import wait_until
 
 # vLLM keeps one `lora_requests_info` series per adapter set it ever had; the value is the
 # set's creation time and the newest one is the truth. Every pod also carries an older series
@@ -53,19 +51,13 @@ def common_free_port(hosts: Sequence[str], attempts: int = 50) -> int:
     raise RuntimeError(f"no common free port on {hosts}")
 
 
-class FakeVllmPod:
-    """One pod: a `/metrics` page shaped like vLLM's, built from queue / KV / LoRA values set by the test."""
+class FakeVllmPod(MetricsServer):
+    """One pod: vLLM's `/metrics` page with the queue / KV / LoRA values set by the test."""
 
     def __init__(self, host: str, port: int, *, block_size: int = 16, num_gpu_blocks: int = 100_000) -> None:
-        self.host = host
-        self.port = port
+        super().__init__(host=host, port=port)
         self.state = VllmState(block_size=block_size, num_gpu_blocks=num_gpu_blocks)
         self.set()
-        self._runner: web.AppRunner | None = None
-
-    @property
-    def hostport(self) -> str:
-        return f"{self.host}:{self.port}"
 
     @property
     def spec(self) -> EndpointSpec:
@@ -84,23 +76,9 @@ class FakeVllmPod:
         ]
         return self
 
-    async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(text=vllm_metrics_page(self.state), content_type="text/plain", charset="utf-8")
-
-    async def start(self) -> FakeVllmPod:
-        """Listen on host:port (again after a stop(): the address is reused)."""
-        app = web.Application()
-        app.router.add_get("/metrics", self._metrics)
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, self.host, self.port, reuse_address=True).start()
-        return self
-
-    async def stop(self) -> None:
-        """Stop answering: connections are refused until the next start()."""
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+    def render(self) -> str:
+        """The page from the pod's current state (a test may also change `state` directly)."""
+        return vllm_metrics_page(self.state)
 
 
 async def start_pods(count: int) -> list[FakeVllmPod]:
@@ -118,15 +96,6 @@ async def start_picker(config_text: str | None, endpoints: Sequence[EndpointSpec
         refresh_metrics_interval_s=0.05, grace_period_s=1))
     await server.start()
     return server
-
-
-async def wait_until(condition: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
-    """Poll `condition` every 10 ms; fail the test naming `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 def reports(endpoint: Endpoint | None, pod: FakeVllmPod) -> bool:

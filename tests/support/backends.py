@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from tests.conftest import free_port
+from tests.support.ports import free_port
 
 
 class EchoBackend:

@@ -1,4 +1,8 @@
-"""Builds `/metrics` pages shaped like vLLM's (prometheus_client exposition) for tests and benches."""
+"""Synthetic `/metrics` pages shaped like vLLM's (prometheus_client exposition) for benchmarks.
+
+Fixed content (every counter 42, every histogram alike), so page sizes and parse costs compare
+across checkouts and with recorded results. Tests use tests/support/vllm_metrics.py instead,
+built on a page a real vLLM served."""
 
 from __future__ import annotations
 

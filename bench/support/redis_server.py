@@ -1,4 +1,4 @@
-"""A local `redis-server` process for tests, benchmarks and demos (loopback, temp dir, no persistence)."""
+"""A local `redis-server` process for benchmarks and tests (loopback, temp dir, no persistence)."""
 
 from __future__ import annotations
 

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
@@ -17,9 +15,8 @@ from epp.framework.types import ApiKind, InferenceRequest
 from epp.kvevents.decoding import Tier
 from epp.kvevents.producer import PrecisePrefixCacheProducer
 from epp.server.runner import EppServer
-from tests.blackbox.calls import route
-from tests.blackbox.pods import start_picker
-from tests.extproc_support import ExtProcClient
+from tests.support.extproc import ExtProcClient, route
+from tests.support.pods import start_picker
 
 VOCABULARY = ("the a of to and in is it you that was for on are with as they be at one have this from or had by "
               "word but what some we can out other were all there when use your how said each which do their time "
@@ -95,20 +92,6 @@ class Picker:
         """A sample of the picker's own Prometheus registry (0 when absent)."""
         value = self.server.metrics.registry.get_sample_value(name, labels or {})
         return 0.0 if value is None else value
-
-
-async def wait_until(condition: Callable[[], object], what: str, timeout: float) -> None:
-    """Poll `condition` (sync or async) every 50 ms; fail naming `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 def fleet_specs(info: Sequence[dict]) -> list[EndpointSpec]:

@@ -1,4 +1,4 @@
-"""A local Kubernetes API server for tests: the list/watch wire protocol over HTTP, nothing more.
+"""A local Kubernetes API server for tests and benchmarks: the list/watch wire protocol over HTTP, nothing more.
 
 It serves the real paths (`/api/v1/namespaces/{ns}/pods`,
 `/apis/{group}/{version}/namespaces/{ns}/{plural}`) as kube-apiserver does:
@@ -31,7 +31,7 @@ from typing import Any
 
 from aiohttp import web
 
-from tests.conftest import free_port
+from epp.netutil import free_ports
 
 POOLS = ("inference.networking.k8s.io", "v1", "inferencepools", "InferencePool")
 POOLS_ALPHA = ("inference.networking.x-k8s.io", "v1alpha2", "inferencepools", "InferencePool")
@@ -105,7 +105,7 @@ class FakeApiServer:
         self.token = token
         self.resources = {(g, v, p): (g, v, p, k) for g, v, p, k in resources}
         self.bookmark_interval = bookmark_interval
-        self.port = free_port()
+        self.port = free_ports(1)[0]
         self.rv = 1000
         self.compacted_rv = 0
         self.objects: dict[tuple[str, str], dict[tuple[str, str], dict]] = {}

@@ -1,9 +1,12 @@
-"""Builders of ext_proc `ProcessingRequest` sequences and a started picker for state-machine tests."""
+"""ext_proc for tests: `ProcessingRequest` builders, a started picker and a real gRPC client of it,
+one request as GIE's integration tests send it, and the picker's own `/metrics` page as samples."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import urllib.request
 from collections.abc import AsyncIterator, Iterable, Sequence
 
 import grpc
@@ -16,7 +19,7 @@ from epp.config import LoadedConfig, load_config_text
 from epp.datalayer.registry import parse_endpoint_list
 from epp.framework import Picker, Plugin, PluginRegistry, PluginSpec, ProfileHandler, ProfileRunResult, SchedulingResult
 from epp.server.runner import EppServer, ServeOptions
-from tests.configs import endpoint_picker_config
+from tests.support.configs import endpoint_picker_config
 
 
 class FirstByNamePicker(Picker):
@@ -167,3 +170,46 @@ async def no_reply_within(call, seconds: float) -> asyncio.Future:
     done, _ = await asyncio.wait({pending}, timeout=seconds)
     assert not done, f"unexpected reply: {pending.result()}"
     return pending
+
+
+def gie_body(model: str, prompt: str = "test1") -> bytes:
+    """GIE's request builder body: compact JSON with sorted keys."""
+    return json.dumps({"max_tokens": 100, "model": model, "prompt": prompt, "temperature": 0},
+                      separators=(",", ":"), sort_keys=True).encode()
+
+
+async def route(client: ExtProcClient, body: bytes, extra: Iterable[tuple[str, str]] = (),
+                metadata=None) -> tuple[str, str, bytes]:
+    """One buffered request that must be routed; returns (destination header, `envoy.lb` endpoint, body sent on)."""
+    replies = await client.exchange([request_headers(extra=extra, metadata=metadata),
+                                     request_body(body, metadata=metadata)], expect=2)
+    assert replies[0].WhichOneof("response") == "request_headers", replies[0]
+    common = replies[0].request_headers.response
+    assert common.clear_route_cache is True
+    headers = headers_of(common.header_mutation)
+    assert headers["x-request-id"] == "test-request-id"
+    lb = replies[0].dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    streamed = replies[1].request_body.response.body_mutation.streamed_response
+    assert streamed.end_of_stream is True
+    assert headers["Content-Length"] == str(len(streamed.body))
+    return headers["x-gateway-destination-endpoint"], lb["x-gateway-destination-endpoint"].string_value, \
+        streamed.body
+
+
+async def immediate(client: ExtProcClient, requests: Sequence[pb.ProcessingRequest]) -> tuple[int, bytes]:
+    """A request the picker must answer itself; returns (HTTP status, body)."""
+    [reply] = await client.exchange(requests, expect=1)
+    assert reply.WhichOneof("response") == "immediate_response", reply
+    return reply.immediate_response.status.code, reply.immediate_response.body
+
+
+def metric_samples(port: int) -> dict[str, float]:
+    """A picker's `/metrics` page on this port as {'name{labels}': value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        page = resp.read().decode()
+    samples = {}
+    for line in page.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            samples[key] = float(value)
+    return samples
