@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.docs.markdown import DOC_FILES, ROOT, anchors, headings, inline_code, links, prose_lines
+from tests.docs.markdown import DOC_FILES, ROOT, anchors, fences, headings, inline_code, links, prose_lines
 
 # Pages other branches are writing; linked from the index now. A test below fails once one exists: then
 # remove it from here, and the links to it are checked like any other.
@@ -64,14 +64,19 @@ def test_pending_pages_are_only_those_not_written_yet():
     assert written == [], f"now written, so remove from PENDING_PAGES (their links get checked): {written}"
 
 
+_REPO_PATH = re.compile(rf"(?<![\w/.-])(?:{'|'.join(map(re.escape, TOP_FOLDERS))})/[\w./-]*[\w/]")
+
+
 def named_paths() -> list[tuple[str, str]]:
-    """(where, path) for every repository path the docs name in inline code, such as `epp/server/extproc.py`."""
+    """(where, path) for every repository path the docs name in inline code (`epp/server/extproc.py`) or in
+    code blocks (commands, the request-path picture)."""
     named = []
     for source in DOC_FILES:
+        name = source.relative_to(ROOT)
         for number, line in prose_lines(source):
-            for code in inline_code(line):
-                if re.fullmatch(rf"(?:{'|'.join(map(re.escape, TOP_FOLDERS))})/[\w./-]*", code):
-                    named.append((f"{source.relative_to(ROOT)}:{number}", code))
+            named += [(f"{name}:{number}", code) for code in inline_code(line) if _REPO_PATH.fullmatch(code)]
+        for fence in fences(source):
+            named += [(f"{name}:{fence.line}", m.group(0)) for m in _REPO_PATH.finditer(fence.text)]
     return named
 
 
