@@ -23,16 +23,19 @@ COMMAND_ENDS = {"|", "||", "&&", ";", ">", ">>", "<", "2>", "&"}
 WITH_TOOLS = ("engine", "sim")
 
 
-def _joined(text: str) -> list[str]:
-    """Shell lines with backslash continuations joined and trailing ` # comments` dropped."""
-    out: list[str] = []
-    pending = ""
-    for line in text.splitlines():
+def _joined(text: str) -> list[tuple[int, str]]:
+    """Shell lines (numbered from 0 by where they start) with backslash continuations joined and
+    ` # comments` dropped."""
+    out: list[tuple[int, str]] = []
+    pending, start = "", 0
+    for number, line in enumerate(text.splitlines()):
         line = re.sub(r"(^|\s)#\s.*$", "", line) if not line.lstrip().startswith("#") else ""
+        if not pending:
+            start = number
         if line.rstrip().endswith("\\"):
             pending += line.rstrip()[:-1] + " "
             continue
-        out.append(pending + line)
+        out.append((start, pending + line))
         pending = ""
     return out
 
@@ -62,7 +65,7 @@ def shown_commands() -> list[tuple[str, list[str]]]:
         name = path.relative_to(ROOT)
         for fence in fences(path):
             if fence.lang in SHELL_LANGS:
-                for offset, line in enumerate(_joined(fence.text)):
+                for offset, line in _joined(fence.text):
                     shown += [(f"{name}:{fence.line + 1 + offset}", words) for words in _commands(line)]
         for number, line in prose_lines(path):
             for code in inline_code(line):
@@ -75,16 +78,15 @@ SHOWN = shown_commands()
 
 
 @functools.cache
-def help_text(*path: str) -> str:
-    """`epp PATH --help` as printed, or AssertionError when PATH is not a command."""
+def help_text(*path: str) -> tuple[bool, str]:
+    """`epp PATH --help`: (True, the help printed), or (False, the complaint) when PATH is not a command."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             code = main([*path, "--help"])
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 1
-    assert code == 0, f"`epp {' '.join(path)}` is not a command: {err.getvalue().strip()}"
-    return out.getvalue()
+    return (True, out.getvalue()) if code == 0 else (False, err.getvalue().strip())
 
 
 def command_path(words: list[str]) -> tuple[str, ...]:
@@ -110,10 +112,9 @@ def problems(words: list[str]) -> list[str]:
         return [f"`epp {path[0]}` is not a command (commands: {', '.join(commands)})"]
     if path[:1] == ("engine",) and (len(path) < 2 or path[1] not in ENGINE_TOOLS):
         return [f"`epp engine` needs a tool: {', '.join(ENGINE_TOOLS)}"]
-    try:
-        usage = help_text(*path)
-    except AssertionError as exc:
-        return [str(exc)]
+    known, usage = help_text(*path)
+    if not known:
+        return [f"`epp {' '.join(path)}` is not a command: {usage}"]
     found = []
     for word in words[len(path):]:
         flag = word.strip("[]").split("=")[0]
@@ -138,8 +139,8 @@ def test_a_wrong_command_line_is_caught(line, wrong):
 def test_command_lines_are_cut_at_shell_operators_and_continuations_joined():
     lines = _joined("epp envoy-config --epp-port 9002 > envoy.yaml && .venv/bin/envoy -c envoy.yaml  # Envoy\n"
                     "epp engine serve --model m \\\n  --dry-run\n")
-    assert [_commands(line) for line in lines] == [[["envoy-config", "--epp-port", "9002"]],
-                                                   [["engine", "serve", "--model", "m", "--dry-run"]]]
+    assert [(start, _commands(line)) for start, line in lines] == [
+        (0, [["envoy-config", "--epp-port", "9002"]]), (1, [["engine", "serve", "--model", "m", "--dry-run"]])]
 
 
 @pytest.mark.parametrize("where, words", SHOWN, ids=[f"{w} epp {' '.join(c)[:60]}" for w, c in SHOWN])

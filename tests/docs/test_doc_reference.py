@@ -26,8 +26,9 @@ def section_rows(path: Path, heading: str) -> list[list[str]]:
             inside = line[3:].strip() == heading
         elif inside and line.startswith("|") and not re.match(r"^\|[-| ]+\|$", line):
             rows.append([cell.strip() for cell in line.strip().strip("|").split(" | ")])
+    rows = [row for row in rows if row[0] not in ("flag", "type")]  # header rows
     assert rows, f"{path.relative_to(ROOT)} has no table under '## {heading}'"
-    return rows[1:] if rows[0][0] in ("flag", "type") else [r for r in rows if r[0] not in ("flag", "type")]
+    return rows
 
 
 def subcommand(name: str) -> argparse.ArgumentParser:
