@@ -1,4 +1,4 @@
-"""The picker's limits on hostile or runaway input, with their defaults (README "Limits").
+"""The picker's limits on hostile or runaway input, with their defaults (docs/operations.md#limits).
 
 Each limit reached gives a defined answer; the answers are listed next to the defaults.
 """

@@ -237,9 +237,10 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
         if not 0.5 <= ratio <= 64:  # a prompt of token ids, a wrong usage
             return False
         # An average that starts at GIE's 4.0 and forgets it over ~60 responses. A ratio of sums
-        # taking the first response whole was tried and taken back (bench/README.md, "The learned
-        # characters per token"): no better on shared-prefix, and 1.2-2.3 hit points below this average
-        # on multi-turn in two comparisons, about as much as this code itself varied between runs.
+        # taking the first response whole was tried and taken back: no better on shared-prefix, and
+        # 1.2-2.3 hit points below this average on multi-turn in two comparisons, about as much as this
+        # code itself varied between runs
+        # (bench/notes/2026-12-pickers-and-cost-issue14-round2-s7-s13.md, "The learned characters per token").
         self.chars_per_token += _LEARNING_STEP * (ratio - self.chars_per_token)
         return True
 

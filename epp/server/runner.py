@@ -317,7 +317,8 @@ def freeze_startup_heap() -> None:
     """Keep what start-up allocated (modules, config, plugins, indexes) out of every later garbage collection.
 
     It lives as long as the process; without this each full collection walks all of it again
-    (1-12 % of the CPU per routed request in bench/extproc_cpu.py, bench/README.md). Only for
+    (1-12 % of the CPU per routed request in bench/extproc_cpu.py:
+    bench/notes/2026-12-cost-and-pickers-issue14-round2-s4-s6.md, "A quiet machine"). Only for
     processes that serve until they exit: a reference cycle among frozen objects is never collected.
     """
     gc.collect()

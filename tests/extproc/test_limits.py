@@ -1,4 +1,4 @@
-"""Each limit of epp/limits.py reached gives its defined answer (README "Limits")."""
+"""Each limit of epp/limits.py reached gives its defined answer (docs/operations.md#limits)."""
 
 from __future__ import annotations
 

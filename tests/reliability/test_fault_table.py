@@ -1,5 +1,6 @@
-"""The fault table (bench/README.md "Fault table"): each fault under load through real Envoy, its outcome, and
-how many requests fail. Only requests in flight on the part that died may fail."""
+"""The fault table (bench/notes/2026-12-hostile-input-faults-soak-issue18.md#fault-table): each fault under
+load through real Envoy, its outcome, and how many requests fail. Only requests in flight on the part that
+died may fail."""
 
 from __future__ import annotations
 
