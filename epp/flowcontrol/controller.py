@@ -28,7 +28,7 @@ from epp.flowcontrol.config import FlowControlConfig
 from epp.flowcontrol.metrics import FlowControlMetrics
 from epp.flowcontrol.ordering import QueuedRequest
 from epp.flowcontrol.queues import PriorityBand
-from epp.framework.errors import ErrorCode, InferenceError
+from epp.framework.errors import DropReason, ErrorCode, InferenceError
 from epp.framework.load import InflightLedger
 from epp.framework.types import Endpoint, InferenceRequest
 
@@ -100,7 +100,7 @@ class FlowController:
         labels = (request.priority, request.fairness_id)
         if not self._has_capacity(band, size_bytes):
             self.metrics.finished(request.priority, "rejected", None)
-            raise InferenceError(ErrorCode.RESOURCE_EXHAUSTED, CAPACITY_MESSAGE)
+            raise InferenceError(ErrorCode.RESOURCE_EXHAUSTED, CAPACITY_MESSAGE, drop_reason=DropReason.SATURATED)
         now = self.clock()
         loop = asyncio.get_running_loop()
         item = QueuedRequest(request.request_id, request.fairness_id, request.priority, size_bytes, now,
@@ -163,7 +163,8 @@ class FlowController:
         if item.removed or item.waiter.done():
             return
         self._leave(band, item, "expired")
-        item.waiter.set_exception(InferenceError(ErrorCode.SERVICE_UNAVAILABLE, TTL_MESSAGE))
+        item.waiter.set_exception(InferenceError(ErrorCode.SERVICE_UNAVAILABLE, TTL_MESSAGE,
+                                                  drop_reason=DropReason.TTL_EXPIRED))
 
     # -- dispatch -------------------------------------------------------------------------------
 
