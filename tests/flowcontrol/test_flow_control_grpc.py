@@ -175,3 +175,17 @@ async def test_without_the_feature_gate_requests_go_on_to_a_saturated_replica(re
         assert reply.HasField("request_headers")
         call.cancel()
 
+
+
+async def test_a_picker_shutting_down_answers_its_queued_requests_at_once(replica):
+    async with picker(replica, {"defaultRequestTTL": "30s"}) as (server, client):
+        queued = [await send(client), await send(client, "interactive")]
+        reads = [asyncio.ensure_future(await no_reply_within(call, 0.2)) for call in queued]
+        stopping = asyncio.ensure_future(server.stop(10))  # a long drain: the answers must not wait for it
+        async with asyncio.timeout(3):
+            replies = await asyncio.gather(*reads)
+        for reply in replies:
+            assert error_of(reply) == (503, b"inference error: ServiceUnavailable - the endpoint picker is shutting "
+                                             b"down")
+            assert drop_reason_of(reply) == "rejected-shutting-down"
+        await stopping
