@@ -9,14 +9,20 @@ import json
 
 import pytest
 
+from epp.config.compose import endpoint_picker_config, plugin
+from epp.server.runner import EppServer
+from tests.support.configs import PREFIX_CONFIG
 from tests.support.extproc import (
     ExtProcClient,
     drop_reason_of,
     headers_of,
+    options,
     request_body,
     request_headers,
     response_body,
     response_headers,
+    route,
+    serving,
     started,
     subset_metadata,
 )
@@ -140,3 +146,35 @@ async def test_bodies_on_paths_no_parser_reads_are_routed_unchanged(picker, path
     headers = headers_of(replies[0].request_headers.response.header_mutation)
     assert headers["x-gateway-destination-endpoint"].startswith("10.0.0.")
     assert replies[1].request_body.response.body_mutation.streamed_response.body == body
+
+
+def messages_body(system: str, question: str) -> bytes:
+    return json.dumps({"model": "claude-ish", "max_tokens": 16, "system": [{"type": "text", "text": system}],
+                       "messages": [{"role": "user", "content": [{"type": "text", "text": question}]}]}).encode()
+
+
+async def test_messages_sharing_a_long_system_prompt_go_where_it_is_cached():
+    server = EppServer(options(config_text=PREFIX_CONFIG))
+    async with serving(server) as client:
+        homes = set()
+        for i in range(3):
+            system = f"agent {i}: you review pull requests for the parser team. " * 40
+            first = (await route(client, messages_body(system, "first question"), path="/v1/messages"))[0]
+            again = (await route(client, messages_body(system, "another question"), path="/v1/messages"))[0]
+            assert again == first
+            homes.add(first)
+        assert len(homes) > 1  # different prompts are not all sent to one endpoint
+
+
+async def test_filters_that_leave_no_endpoint_answer_429_rejected_no_endpoints():
+    config = endpoint_picker_config(
+        [plugin("label-selector-filter", matchLabels={"pool": "nowhere"}), "random-picker"],
+        ["label-selector-filter", "random-picker"])
+    server = EppServer(options(config_text=config))
+    async with serving(server) as client:
+        [reply] = await client.exchange([request_headers("/v1/messages"), request_body(MESSAGES)], expect=1)
+    assert reply.immediate_response.status.code == 429
+    assert json.loads(reply.immediate_response.body)["error"] == {
+        "type": "rate_limit_error", "message": "inference error: ResourceExhausted - failed to find target endpoint: "
+                                               "no endpoints available for the given request"}
+    assert drop_reason_of(reply) == "rejected-no-endpoints"

@@ -179,9 +179,9 @@ def gie_body(model: str, prompt: str = "test1") -> bytes:
 
 
 async def route(client: ExtProcClient, body: bytes, extra: Iterable[tuple[str, str]] = (),
-                metadata=None) -> tuple[str, str, bytes]:
+                metadata=None, path: str = "/v1/completions") -> tuple[str, str, bytes]:
     """One buffered request that must be routed; returns (destination header, `envoy.lb` endpoint, body sent on)."""
-    replies = await client.exchange([request_headers(extra=extra, metadata=metadata),
+    replies = await client.exchange([request_headers(path, extra=extra, metadata=metadata),
                                      request_body(body, metadata=metadata)], expect=2)
     assert replies[0].WhichOneof("response") == "request_headers", replies[0]
     common = replies[0].request_headers.response
