@@ -77,7 +77,7 @@ def _count(value: Any) -> int:
 
 
 def _from_anthropic(usage: dict[str, Any]) -> dict[str, Any]:
-    """Anthropic usage with OpenAI's names added: its `input_tokens` leave out the tokens read from or written to cache."""
+    """Anthropic usage with OpenAI's names added (`input_tokens` leave out the tokens read from or written to cache)."""
     cached = _count(usage.get("cache_read_input_tokens"))
     out = dict(usage)
     if "input_tokens" in usage:

@@ -136,7 +136,8 @@ async def test_a_dropped_messages_request_says_why_in_anthropics_shape(picker, p
 
 
 @pytest.mark.parametrize("path, body", [
-    ("/v1/audio/transcriptions", b'--xyz\r\nContent-Disposition: form-data; name="model"\r\n\r\nwhisper\r\n--xyz--\r\n'),
+    ("/v1/audio/transcriptions",
+     b'--xyz\r\nContent-Disposition: form-data; name="model"\r\n\r\nwhisper\r\n--xyz--\r\n'),
     ("/v1/score", b'{"model":"m","text_1":"a","text_2":"b"}'),
     ("/inference/v1/generate", b'{"token_ids":[1,2,3]}'),
 ])

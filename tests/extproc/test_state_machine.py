@@ -133,7 +133,8 @@ async def test_body_over_the_cap_gets_413_without_buffering_the_rest():
         await call.write(request_body(b"x" * 600, False))
         await call.write(request_body(b"x" * 600, False))
         reply = await asyncio.wait_for(call.read(), 5)
-        assert error_of(reply) == (413, b"inference error: PayloadTooLarge - request body exceeds the limit of 1000 bytes")
+        assert error_of(reply) == (
+            413, b"inference error: PayloadTooLarge - request body exceeds the limit of 1000 bytes")
         await call.write(request_body(b"x" * 600, True))  # the rest is dropped, not answered
         await no_reply_within(call, 0.3)
         call.cancel()

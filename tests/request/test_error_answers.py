@@ -22,7 +22,8 @@ def test_a_429_or_503_without_a_reason_gets_its_codes_default(code, drop_reason)
 
 
 def test_a_raisers_reason_wins_and_must_be_an_llm_d_word():
-    err = InferenceError(ErrorCode.SERVICE_UNAVAILABLE, "request timed out in queue", drop_reason=DropReason.TTL_EXPIRED)
+    err = InferenceError(ErrorCode.SERVICE_UNAVAILABLE, "request timed out in queue",
+                         drop_reason=DropReason.TTL_EXPIRED)
     assert err.drop_reason == "rejected-ttl-expired"
     assert InferenceError(ErrorCode.RESOURCE_EXHAUSTED, "x", drop_reason="rejected-slo-headroom").drop_reason == \
         "rejected-slo-headroom"

@@ -120,7 +120,8 @@ async def test_a_messages_request_is_tokenized_through_the_chat_template(pool):
     chat = {"model": "tiny", "messages": [{"role": "system", "content": "Answer in one word."},
                                           {"role": "user", "content": "the cache block"}]}
     tokens = await pool.tokenize(InferenceRequest("a", ApiKind.MESSAGES, "tiny", "tiny", body))
-    assert tokens and tokens == await pool.tokenize(InferenceRequest("b", ApiKind.CHAT_COMPLETIONS, "tiny", "tiny", chat))
+    assert tokens
+    assert tokens == await pool.tokenize(InferenceRequest("b", ApiKind.CHAT_COMPLETIONS, "tiny", "tiny", chat))
 
 
 async def test_a_template_that_refuses_inline_system_messages_gets_them_merged(tmp_path):

@@ -37,7 +37,8 @@ BODIES = {
         "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2; cch=77;"},
                    {"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}},
                    {"type": "text", "text": " Be kind."}],
-        "messages": [{"role": "user", "content": [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]},
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "first"},
+                                                  {"type": "text", "text": "second"}]},
                      {"role": "assistant", "content": "third"},
                      {"role": "user", "content": [{"type": "text", "text": "fourth"}]}]},
     "tools": {
