@@ -117,8 +117,8 @@ async def test_anthropic_sdk_reads_anthropic_error_bodies(gateway):
     err = caught.value
     message = "inference error: BadRequest - invalid messages request: must have valid messages field"
     assert err.body == {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
-    assert message in str(err) and err.status_code == 400
-    assert err.type == "invalid_request_error"
+    assert str(err) == f"400 {message} (path: /v1/messages, type: invalid_request_error)"
+    assert (err.status_code, err.type) == (400, "invalid_request_error")
 
     with pytest.raises(anthropic.BadRequestError) as caught:
         await client.messages.create(model="m", max_tokens=8, messages=[{"role": "robot", "content": "hi"}])
