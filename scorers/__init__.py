@@ -32,7 +32,8 @@ def register_builtin_plugins(registry: PluginRegistry) -> None:
         context_length.ContextLengthAware, disagg.DisaggProfileHandler, disagg.PrefixBasedPDDecider,
         disagg.AlwaysDisaggPDDecider, disagg.DataParallelProfileHandler,
         datalayer_compat.MetricsDataSource, datalayer_compat.CoreMetricsExtractor,
-        datalayer_compat.EndpointNotificationSource, datalayer_compat.OpenAIParser, datalayer_compat.PassthroughParser,
+        datalayer_compat.EndpointNotificationSource, datalayer_compat.OpenAIParser, datalayer_compat.AnthropicParser,
+        datalayer_compat.PassthroughParser,
     ):
         registry.register_class(cls)
     registry.register_class(approx_prefix.ApproxPrefixCacheProducer, default_producer_for=[PREFIX_MATCH_INFO])

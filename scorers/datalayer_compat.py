@@ -125,6 +125,12 @@ class OpenAIParser(Plugin):
     type_name = "openai-parser"
 
 
+class AnthropicParser(Plugin):
+    """The Anthropic Messages parser (`/v1/messages`: system, messages of content blocks; always on)."""
+
+    type_name = "anthropic-parser"
+
+
 class PassthroughParser(Plugin):
     """Requests on paths no parser reads pass through to any endpoint (always on)."""
 

@@ -120,7 +120,10 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
                                        "vLLM series only: engineConfigs and engineLabelKey are refused"),
     "endpoint-notification-source": LlmdType("endpoint add/remove events to producers",
                                              "always on: producers follow the pool's endpoints"),
-    "openai-parser": LlmdType("OpenAI completions, chat, responses, conversations and embeddings by path"),
+    "openai-parser": LlmdType("OpenAI completions, chat, responses, conversations and embeddings by path; "
+                              "vLLM's rerank too"),
+    "anthropic-parser": LlmdType("Anthropic Messages (/v1/messages): system, messages of content blocks",
+                                 "always on, like openai-parser"),
     "passthrough-parser": LlmdType("requests on other paths pass through to any endpoint (always on here)"),
     "destination-endpoint-served-verifier": LlmdType("echoes the served endpoint in x-conformance-test-served-endpoint"),
 }
@@ -174,7 +177,6 @@ REFUSED_TYPES: Mapping[str, str] = {
     "dcgm-extractor": "alpha in llm-d; GPU telemetry is not read",
     "request-attribute-reporter": "not implemented (CEL over usage into dynamic metadata)",
     "agent-identity": "alpha in llm-d, not implemented",
-    "anthropic-parser": "not registered in this build",
     "vllmhttp-parser": "not implemented; vLLM's /v1 OpenAI paths go through openai-parser",
     "vllmgrpc-parser": "no gRPC model servers (HTTP only)",
     "vertexai-parser": "not implemented",

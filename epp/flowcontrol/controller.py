@@ -28,7 +28,7 @@ from epp.flowcontrol.config import FlowControlConfig
 from epp.flowcontrol.metrics import FlowControlMetrics
 from epp.flowcontrol.ordering import QueuedRequest
 from epp.flowcontrol.queues import PriorityBand
-from epp.framework.errors import ErrorCode, InferenceError
+from epp.framework.errors import DropReason, ErrorCode, InferenceError
 from epp.framework.load import InflightLedger
 from epp.framework.types import Endpoint, InferenceRequest
 
@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 CAPACITY_MESSAGE = "request rejected by flow control: queue capacity exceeded"
 TTL_MESSAGE = "request timed out in queue"
+SHUTDOWN_MESSAGE = "the endpoint picker is shutting down"
 # Envoy's own deadline for the request (set from the route timeout): the EDF ordering uses it.
 ENVOY_TIMEOUT_HEADER = "x-envoy-expected-rq-timeout-ms"
 
@@ -88,6 +89,7 @@ class FlowController:
         self.queued_requests = 0
         self.queued_bytes = 0
         self._unplaced = 0  # let through, not yet placed by the scheduler
+        self.closed = False  # shutting down: nothing is queued any more
         self._sequence = itertools.count()
         self._wake_scheduled = False
         self._in_cycle = False
@@ -98,9 +100,12 @@ class FlowController:
         """Wait for room; raise InferenceError 429 (over capacity) or 503 (TTL). Cancel = leave the queue."""
         band = self._band(request.priority)
         labels = (request.priority, request.fairness_id)
+        if self.closed:
+            self.metrics.finished(request.priority, "rejected", None)
+            raise InferenceError(ErrorCode.SERVICE_UNAVAILABLE, SHUTDOWN_MESSAGE, drop_reason=DropReason.SHUTTING_DOWN)
         if not self._has_capacity(band, size_bytes):
             self.metrics.finished(request.priority, "rejected", None)
-            raise InferenceError(ErrorCode.RESOURCE_EXHAUSTED, CAPACITY_MESSAGE)
+            raise InferenceError(ErrorCode.RESOURCE_EXHAUSTED, CAPACITY_MESSAGE, drop_reason=DropReason.SATURATED)
         now = self.clock()
         loop = asyncio.get_running_loop()
         item = QueuedRequest(request.request_id, request.fairness_id, request.priority, size_bytes, now,
@@ -163,7 +168,8 @@ class FlowController:
         if item.removed or item.waiter.done():
             return
         self._leave(band, item, "expired")
-        item.waiter.set_exception(InferenceError(ErrorCode.SERVICE_UNAVAILABLE, TTL_MESSAGE))
+        item.waiter.set_exception(InferenceError(ErrorCode.SERVICE_UNAVAILABLE, TTL_MESSAGE,
+                                                  drop_reason=DropReason.TTL_EXPIRED))
 
     # -- dispatch -------------------------------------------------------------------------------
 
@@ -241,3 +247,21 @@ class FlowController:
     def on_endpoints_changed(self, added: Sequence[Endpoint], removed: Sequence[Endpoint]) -> None:
         """The set of endpoints changed: run a cycle (new endpoints mean room)."""
         self.wake()
+
+    def close(self) -> None:
+        """The picker is shutting down: answer every queued request, and each new one, 503 at once.
+
+        Their clients can go to another picker now instead of waiting out the drain and losing the
+        stream at its end.
+        """
+        self.closed = True
+        for band in self._bands.values():
+            while (flow := band.next_flow()) is not None:
+                item = band.pop(flow)
+                item.removed = True  # a cancellation racing this answer must not leave the queue twice
+                self.queued_requests -= 1
+                self.queued_bytes -= item.size_bytes
+                self.metrics.queued(item.priority, item.fairness_id, item.size_bytes, -1)
+                self.metrics.finished(item.priority, "rejected", self.clock() - item.enqueued)
+                item.waiter.set_exception(InferenceError(ErrorCode.SERVICE_UNAVAILABLE, SHUTDOWN_MESSAGE,
+                                                         drop_reason=DropReason.SHUTTING_DOWN))

@@ -416,6 +416,10 @@ class InflightLedger:
             del self._books[booking.endpoint]
 
 
+# The body fields that hold prompt text: OpenAI's, Anthropic's `system`, rerank's `query` and `documents`.
+_PROMPT_FIELDS = ("system", "prompt", "messages", "input", "instructions", "items", "query", "documents")
+
+
 def _text_length(value: Any, budget: int, depth: int = 0) -> int:
     """Characters of the strings inside `value` (at most `budget`, nesting at most 8 deep)."""
     if isinstance(value, str):
@@ -435,9 +439,9 @@ def _text_length(value: Any, budget: int, depth: int = 0) -> int:
 
 
 def prompt_characters(request: InferenceRequest, limit: int = 1 << 22) -> int:
-    """Characters of the request's prompt text (strings of prompt/messages/input; a token id counts 4)."""
+    """Characters of the request's prompt text (strings of its prompt fields, any API; a token id counts 4)."""
     body = request.body
-    parts = [body.get(key) for key in ("prompt", "messages", "input", "instructions", "items") if key in body]
+    parts = [body.get(key) for key in _PROMPT_FIELDS if key in body]
     return _text_length(parts, limit)
 
 

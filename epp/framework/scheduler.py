@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from epp.framework.errors import ErrorCode, InferenceError
+from epp.framework.errors import DropReason, ErrorCode, InferenceError
 from epp.framework.plugin import (
     CycleState,
     Filter,
@@ -87,7 +87,8 @@ class Scheduler:
         """One scheduling cycle; raises `InferenceError` (429) when no endpoint can be chosen."""
         if not candidates:
             raise InferenceError(ErrorCode.SERVICE_UNAVAILABLE,
-                                 "failed to find endpoint candidates for serving the request")
+                                 "failed to find endpoint candidates for serving the request",
+                                 drop_reason=DropReason.NO_ENDPOINTS)
         results: dict[str, ProfileRunResult | None] = {}
         # A handler that never stops would hang the request; profiles can run at most once each.
         for _ in range(len(self.profiles) + 1):
@@ -104,5 +105,6 @@ class Scheduler:
         timer("ProcessProfilesResults", self.handler, time.perf_counter() - t0)
         if not outcome.targets:
             raise InferenceError(ErrorCode.RESOURCE_EXHAUSTED,
-                                 "failed to find target endpoint: no endpoints available for the given request")
+                                 "failed to find target endpoint: no endpoints available for the given request",
+                                 drop_reason=DropReason.NO_ENDPOINTS)
         return outcome

@@ -76,13 +76,19 @@ class Endpoint:
 
 
 class ApiKind(enum.Enum):
-    """The OpenAI-style API a request uses, chosen from the request path."""
+    """The API a request uses, chosen from the request path."""
 
     COMPLETIONS = "completions"
     CHAT_COMPLETIONS = "chat/completions"
     RESPONSES = "responses"
     CONVERSATIONS = "conversations"
     EMBEDDINGS = "embeddings"
+    # Anthropic's Messages API (`/v1/messages`): `system`, then `messages` of content blocks.
+    MESSAGES = "messages"
+    # vLLM's rerank API (`/rerank`, `/v1/rerank`, `/v2/rerank`): a `query` and its `documents`.
+    RERANK = "rerank"
+    # A path no parser reads: the body is passed on unread, to an endpoint chosen without its prompt.
+    PASSTHROUGH = "passthrough"
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from epp.datalayer.freshness import prefer_fresh
 from epp.datalayer.registry import EndpointRegistry
 from epp.framework.datakeys import PREFIX_MATCH_INFO, PREFIX_TIER_MATCH, PrefixMatchInfo, TierMatch
-from epp.framework.errors import ErrorCode, InferenceError
+from epp.framework.errors import DropReason, ErrorCode, InferenceError
 from epp.framework.load import CHARACTERS_PER_TOKEN, Booking, InflightLedger, prompt_characters
 from epp.framework.plugin import Admitter, CycleState, ResponseCompleteHook, SchedulingResult
 from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
@@ -91,7 +91,8 @@ class Director:
             endpoints = match_subset(endpoints, subset_hint)
             if not endpoints:
                 raise InferenceError(ErrorCode.SERVICE_UNAVAILABLE,
-                                     "failed to find endpoint candidates for serving the request")
+                                     "failed to find endpoint candidates for serving the request",
+                                     drop_reason=DropReason.NO_ENDPOINTS)
         if self.metrics_freshness_s is not None:
             endpoints = prefer_fresh(endpoints, self.metrics_freshness_s)
         return random.choice(endpoints)
@@ -120,7 +121,8 @@ class Director:
             self._admit(self._admitters_before_data, state, request, candidates)
             if not candidates:
                 raise InferenceError(ErrorCode.SERVICE_UNAVAILABLE,
-                                     "failed to find endpoint candidates for serving the request")
+                                     "failed to find endpoint candidates for serving the request",
+                                     drop_reason=DropReason.NO_ENDPOINTS)
             if self.pipeline.data_producers:
                 await self._prepare_data(state, request, candidates)
             self._admit(self._admitters_after_data, state, request, candidates)

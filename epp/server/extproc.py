@@ -22,12 +22,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf.message import DecodeError
 
-from epp.framework.errors import ErrorCode, InferenceError
+from epp.framework.errors import DropReason, ErrorCode, InferenceError
 from epp.limits import Limits
 from epp.logutil import Throttled, log_failure
 from epp.metrics import EppMetrics
 from epp.request.parsing import RequestParser
-from epp.request.response import ResponseRewriter, UnreadableBody, parse_usage
+from epp.request.response import ResponseRewriter, UnreadableBody, only_anthropic_preamble, parse_usage
 from epp.requestcontrol.director import Director
 from epp.requestcontrol.lifecycle import RequestAccounting, RequestLifecycle
 from epp.server import messages
@@ -76,8 +76,9 @@ def carries_token(chunk: bytes) -> bool:
 
     vLLM's first chat chunk carries `"role":"assistant","content":""`; it is sent with the first
     token, but a server may send it earlier, so the first token is timed from the next chunk.
+    Anthropic streams open with `message_start` and `content_block_start` events: not output either.
     """
-    if not chunk.strip():
+    if not chunk.strip() or only_anthropic_preamble(chunk):
         return False
     return not (b'"role"' in chunk and b'"content":""' in chunk and chunk.count(b"data:") <= 1)
 
@@ -319,7 +320,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                 except InferenceError as err:
                     stream.rejected = True
                     stream.life.failed(err.code)
-                    replies = [messages.immediate_response(err.code.http_status, err.body)]
+                    replies = [messages.error_response(err, stream.headers.get(":path"))]
                 except Exception as exc:
                     replies = self._on_failure(stream, req, exc)
                 for reply in replies:
@@ -329,7 +330,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
             if not stream.rejected:
                 err = InferenceError(ErrorCode.REQUEST_TIMEOUT,
                                      f"no request data for {self.limits.stream_idle_timeout_s:g} s")
-                await context.write(messages.immediate_response(err.code.http_status, err.body))
+                await context.write(messages.error_response(err, stream.headers.get(":path")))
         except DecodeError:
             # A message that is not a ProcessingRequest: one log line (throttled), no traceback.
             metrics.stream_errors.labels("bad_message").inc()
@@ -351,8 +352,10 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
         if first is grpc.aio.EOF:
             return
         err = InferenceError(ErrorCode.RESOURCE_EXHAUSTED,
-                             f"too many concurrent requests (limit {self.limits.max_concurrent_streams})")
-        await context.write(messages.immediate_response(err.code.http_status, err.body))
+                             f"too many concurrent requests (limit {self.limits.max_concurrent_streams})",
+                             drop_reason=DropReason.SATURATED)
+        path = _header_map(first.request_headers.headers).get(":path") if first.HasField("request_headers") else None
+        await context.write(messages.error_response(err, path))
 
     def _on_failure(self, stream: _Stream, req: pb.ProcessingRequest, exc: Exception) -> list[pb.ProcessingResponse]:
         """An unexpected error: a request gets 500; a response is passed through, never replaced."""
@@ -365,8 +368,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
         log_failure(log, logging.ERROR, "ext_proc stream failed (request id %s)", exc, stream.request_id)
         self.metrics.stream_errors.labels("internal").inc()
         stream.rejected = True
-        return [messages.immediate_response(
-            500, InferenceError(ErrorCode.INTERNAL, "internal error while processing request").body)]
+        return [messages.error_response(InferenceError(ErrorCode.INTERNAL, "internal error while processing request"),
+                                        stream.headers.get(":path"))]
 
     async def _dispatch(self, stream: _Stream, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         kind = req.WhichOneof("request")

@@ -224,6 +224,8 @@ class EppServer:
     async def stop(self, grace: float | None = None) -> None:
         """Stop taking new streams, let in-flight ones finish within `grace` seconds, then stop all."""
         self.draining = True
+        if self.pipeline is not None and self.pipeline.flow_controller is not None:
+            self.pipeline.flow_controller.close()  # queued requests are answered now, not cut off after the drain
         if self.leader is not None:  # hand the lease over first: a standby becomes ready meanwhile
             await self.leader.stop()
         grace = self.options.grace_period_s if grace is None else grace

@@ -4,7 +4,7 @@
   token-id prompts are used as they are; a list of prompts routes by its first one.
 - Chat: messages are rendered with the model's chat template (`add_generation_prompt` true by
   default) and tokenized without adding special tokens (vLLM's chat default), since the template
-  writes them itself.
+  writes them itself. Anthropic Messages bodies are mapped onto chat messages as vLLM does first.
 - Prompts longer than `offload_chars` are rendered and tokenized in a worker thread (the
   `tokenizers` batch call releases the GIL), so the event loop never stalls on a 256 KB prompt.
 A model directory holds `tokenizer.json` and `tokenizer_config.json` (chat template, special
@@ -32,10 +32,12 @@ from tokenizers import Tokenizer
 
 from epp.framework.metrics import once_per_registry
 from epp.framework.types import ApiKind, InferenceRequest
-from epp.tokenization.chat_template import ChatTemplate
+from epp.tokenization.chat_template import ChatTemplate, anthropic_chat_body
 from epp.tokenization.prefix_cache import TokenizationCache
 
 log = logging.getLogger(__name__)
+# APIs whose prompt is rendered by the chat template.
+_CHAT_APIS = frozenset({ApiKind.CHAT_COMPLETIONS, ApiKind.MESSAGES})
 
 class TokenizationMetrics:
     """Cache outcomes, reused tokens, tokens held, and tokenizations by where they ran."""
@@ -193,10 +195,14 @@ class TokenizerPool:
             unavailable = self._dir_for(request.target_model) is not None
             self.metrics.failures.labels("tokenizer_unavailable" if unavailable else "no_tokenizer").inc()
             return None
-        if request.api is ApiKind.CHAT_COMPLETIONS:
-            if tok.chat_template is None:
+        if request.api in _CHAT_APIS:
+            template = tok.chat_template
+            if template is None:
                 self.metrics.failures.labels("no_chat_template").inc()
                 return None
+            if request.api is ApiKind.MESSAGES:
+                return tok.encode_chat(anthropic_chat_body(
+                    request.body, merge_inline_system=not template.accepts_inline_system))
             return tok.encode_chat(request.body)
         prompt = request.prompt
         if isinstance(prompt, list) and prompt:
@@ -211,7 +217,7 @@ class TokenizerPool:
         direct = token_ids_of(request)
         if direct is not None:
             return direct
-        if request.api not in (ApiKind.COMPLETIONS, ApiKind.CHAT_COMPLETIONS):
+        if request.api is not ApiKind.COMPLETIONS and request.api not in _CHAT_APIS:
             return None
         size = _prompt_chars(request)
         loaded = self._dir_for(request.target_model)
@@ -246,7 +252,7 @@ def token_ids_of(request: InferenceRequest) -> list[int] | None:
 
 
 def _prompt_chars(request: InferenceRequest) -> int:
-    if request.api is ApiKind.CHAT_COMPLETIONS:
+    if request.api in _CHAT_APIS:
         total = 0
         for message in request.messages or ():
             content = message.get("content") if isinstance(message, Mapping) else None

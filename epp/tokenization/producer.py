@@ -2,9 +2,10 @@
 
 Backends, as llm-d selects them:
 - `vllm` (a `vllm` section, or `modelName`): the model server renders the prompt over HTTP, as it
-  will when serving it: `POST /v1/completions/render`, `/v1/chat/completions/render` or
-  `/v1/responses/render` with the request's JSON body. A vLLM that does not serve those (they need
-  `--enable-scale-out`) is asked `POST /tokenize` instead: at start-up `modelName` is rendered once,
+  will when serving it: `POST /v1/completions/render`, `/v1/chat/completions/render`,
+  `/v1/responses/render` or `/v1/messages/render` with the request's JSON body. A vLLM that does
+  not serve those (they need `--enable-scale-out`) is asked `POST /tokenize` instead (a Messages
+  body mapped onto chat messages as vLLM does): at start-up `modelName` is rendered once,
   and a 403, 404 or 405 answer switches to `/tokenize`. Each call is bounded (`maxConcurrency` at
   once, a timeout: `vllm.timeout`, `vllm.mmTimeout` for chat) and answers are cached by body
   (`cacheTokens` tokens, least recently used out). A failure or timeout leaves the request
@@ -42,12 +43,13 @@ from epp.framework import (
 )
 from epp.framework.datakeys import PROMPT_TOKENS, PromptTokens
 from epp.framework.types import ApiKind
+from epp.tokenization.chat_template import anthropic_chat_body
 from epp.tokenization.pool import TokenizerPool
 
 log = logging.getLogger(__name__)
 
 RENDER_PATHS = {ApiKind.COMPLETIONS: "/v1/completions/render", ApiKind.CHAT_COMPLETIONS: "/v1/chat/completions/render",
-                ApiKind.RESPONSES: "/v1/responses/render"}
+                ApiKind.RESPONSES: "/v1/responses/render", ApiKind.MESSAGES: "/v1/messages/render"}
 TOKENIZE_PATH = "/tokenize"
 # The chat fields vLLM's /tokenize takes besides the messages.
 _TOKENIZE_CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
@@ -264,6 +266,11 @@ class TokenProducer(DataProducer):
             if request.api is ApiKind.CHAT_COMPLETIONS and request.messages is not None:
                 out = {"model": request.target_model, "messages": request.messages}
                 out.update({k: body[k] for k in _TOKENIZE_CHAT_FIELDS if k in body})
+                return TOKENIZE_PATH, out
+            if request.api is ApiKind.MESSAGES:
+                # The model's template is not known here: inline system messages are sent as they are.
+                out = anthropic_chat_body(body)
+                out["model"] = request.target_model
                 return TOKENIZE_PATH, out
             return None, {}
         path = RENDER_PATHS.get(request.api)

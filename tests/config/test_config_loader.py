@@ -270,7 +270,7 @@ INVALID = [
      "epp.yaml: saturationDetector.pluginRef: unknown plugin 'detector'; defined plugins: queue-scorer"),
     (HEADER + P + "parser: {pluginRef: queue-scorer}\n",
      "epp.yaml: parser.pluginRef: plugin 'queue-scorer' has type queue-scorer; allowed types: openai-parser, "
-     "passthrough-parser"),
+     "anthropic-parser, passthrough-parser"),
     (HEADER + P + "dataLayer:\n  sources:\n  - pluginRef: queue-scorer\n",
      "epp.yaml: dataLayer.sources[0].pluginRef: plugin 'queue-scorer' has type queue-scorer; allowed types: "
      "metrics-data-source"),

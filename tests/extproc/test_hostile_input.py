@@ -13,6 +13,7 @@ import pytest
 from epp.server.runner import EppServer
 from tests.support.configs import PREFIX_CONFIG
 from tests.support.extproc import (
+    error_of,
     headers_of,
     options,
     request_body,
@@ -42,8 +43,8 @@ def nested(depth: int, leaf: str = "1") -> str:
 
 async def rejected(client, body: bytes, path: str = "/v1/completions", extra=()) -> tuple[int, str]:
     [reply] = await client.exchange([request_headers(path, extra), request_body(body)], expect=1)
-    assert reply.HasField("immediate_response"), reply
-    return reply.immediate_response.status.code, reply.immediate_response.body.decode()
+    status, message = error_of(reply)
+    return status, message.decode()
 
 
 def streamed_bodies(replies) -> bytes:

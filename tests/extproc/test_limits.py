@@ -13,6 +13,8 @@ from epp.limits import Limits
 from epp.server.runner import EppServer
 from tests.support.extproc import (
     ExtProcClient,
+    drop_reason_of,
+    error_of,
     no_reply_within,
     options,
     request_body,
@@ -33,8 +35,8 @@ async def with_limits(**limits) -> AsyncIterator[tuple[EppServer, ExtProcClient]
 
 
 def immediate(reply) -> tuple[int, str]:
-    assert reply.HasField("immediate_response"), reply
-    return reply.immediate_response.status.code, reply.immediate_response.body.decode()
+    status, message = error_of(reply)
+    return status, message.decode()
 
 
 async def test_a_stream_over_the_concurrency_limit_gets_429_and_the_slot_comes_back():
@@ -46,6 +48,7 @@ async def test_a_stream_over_the_concurrency_limit_gets_429_and_the_slot_comes_b
         replies = await client.exchange([request_headers(), request_body(BODY)], expect=1)
         assert immediate(replies[0]) == (429, "inference error: ResourceExhausted - too many concurrent requests "
                                               "(limit 2)")
+        assert drop_reason_of(replies[0]) == "rejected-saturated"
         for call in held:
             await call.write(request_body(BODY))
             assert (await asyncio.wait_for(call.read(), 5)).HasField("request_headers")

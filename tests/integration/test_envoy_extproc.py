@@ -102,11 +102,14 @@ async def test_sse_arrives_chunk_by_chunk(stack):
 
 
 async def test_malformed_body_gets_the_400_body(stack):
-    status, _, body = await post(stack.url + "/v1/completions", b"no healthy upstream")
-    assert status == 400
-    assert body.startswith(b"inference error: BadRequest - error unmarshaling request bodyMap")
+    status, headers, body = await post(stack.url + "/v1/completions", b"no healthy upstream")
+    assert (status, headers["Content-Type"]) == (400, "application/json")
+    assert json.loads(body)["error"]["message"].startswith(
+        "inference error: BadRequest - error unmarshaling request bodyMap")
     status, _, body = await post(stack.url + "/v1/completions", {"prompt": "hello world"})
-    assert (status, body) == (400, b"inference error: BadRequest - model not found in request body")
+    assert (status, json.loads(body)) == (400, {"error": {
+        "message": "inference error: BadRequest - model not found in request body", "type": "invalid_request_error",
+        "param": None, "code": "BadRequest"}})
 
 
 async def test_subset_hint_header_is_obeyed(stack):
@@ -115,9 +118,10 @@ async def test_subset_hint_header_is_obeyed(stack):
         status, headers, _ = await post(stack.url + "/v1/completions", {"model": "m", "prompt": f"s{i}"},
                                         {"x-gateway-destination-endpoint-subset": target.hostport})
         assert status == 200 and headers["x-backend"] == target.name
-    status, _, body = await post(stack.url + "/v1/completions", {"model": "m", "prompt": "x"},
-                                 {"x-gateway-destination-endpoint-subset": "127.0.0.1:1"})
+    status, headers, body = await post(stack.url + "/v1/completions", {"model": "m", "prompt": "x"},
+                                       {"x-gateway-destination-endpoint-subset": "127.0.0.1:1"})
     assert status == 503 and b"failed to find endpoint candidates" in body
+    assert headers["x-llm-d-request-dropped-reason"] == "rejected-no-endpoints"
 
 
 async def test_header_only_request_is_routed(stack):

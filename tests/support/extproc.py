@@ -179,9 +179,9 @@ def gie_body(model: str, prompt: str = "test1") -> bytes:
 
 
 async def route(client: ExtProcClient, body: bytes, extra: Iterable[tuple[str, str]] = (),
-                metadata=None) -> tuple[str, str, bytes]:
+                metadata=None, path: str = "/v1/completions") -> tuple[str, str, bytes]:
     """One buffered request that must be routed; returns (destination header, `envoy.lb` endpoint, body sent on)."""
-    replies = await client.exchange([request_headers(extra=extra, metadata=metadata),
+    replies = await client.exchange([request_headers(path, extra=extra, metadata=metadata),
                                      request_body(body, metadata=metadata)], expect=2)
     assert replies[0].WhichOneof("response") == "request_headers", replies[0]
     common = replies[0].request_headers.response
@@ -196,11 +196,26 @@ async def route(client: ExtProcClient, body: bytes, extra: Iterable[tuple[str, s
         streamed.body
 
 
-async def immediate(client: ExtProcClient, requests: Sequence[pb.ProcessingRequest]) -> tuple[int, bytes]:
-    """A request the picker must answer itself; returns (HTTP status, body)."""
-    [reply] = await client.exchange(requests, expect=1)
+def error_of(reply: pb.ProcessingResponse) -> tuple[int, bytes]:
+    """(HTTP status, error message) of the picker's own answer, checked to be OpenAI's JSON error shape."""
     assert reply.WhichOneof("response") == "immediate_response", reply
-    return reply.immediate_response.status.code, reply.immediate_response.body
+    answer = reply.immediate_response
+    assert headers_of(answer.headers)["content-type"] == "application/json"
+    error = json.loads(answer.body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"].startswith(f"inference error: {error['code']} - ")
+    return answer.status.code, error["message"].encode()
+
+
+def drop_reason_of(reply: pb.ProcessingResponse) -> str | None:
+    """The `x-llm-d-request-dropped-reason` of the picker's own answer, if any."""
+    return headers_of(reply.immediate_response.headers).get("x-llm-d-request-dropped-reason")
+
+
+async def immediate(client: ExtProcClient, requests: Sequence[pb.ProcessingRequest]) -> tuple[int, bytes]:
+    """A request the picker must answer itself; returns (HTTP status, error message)."""
+    [reply] = await client.exchange(requests, expect=1)
+    return error_of(reply)
 
 
 def metric_samples(port: int) -> dict[str, float]:
