@@ -19,6 +19,7 @@ the group's previous request (from `x-sim-replica`), the stickiness measure of t
 
 from __future__ import annotations
 
+import math
 import random
 from collections import defaultdict
 from collections.abc import Sequence
@@ -89,7 +90,8 @@ class Goodput:
     rejected: int  # answered 429 or 503 (shed, over capacity, timed out in a queue)
     sensitive: int
     sensitive_good: int
-    sensitive_ttft_p90: float | None
+    sensitive_ttft_p90: float | None  # over the answered ones
+    ttft_p90_all: float  # over every request sent, an unanswered one counting as infinitely late
     tpot_checked: int  # requests with a TPOT objective and >= 2 output tokens
     tpot_good: int
     later_turns: int
@@ -149,6 +151,7 @@ def goodput(records: Sequence[RequestRecord], seconds: float) -> Goodput:
         rejected=sum(r.status in (429, 503) for r in records),
         sensitive=len(sensitive), sensitive_good=sum(is_good(r) for r in sensitive),
         sensitive_ttft_p90=percentile([r.ttft for r in sensitive if r.ok and r.ttft is not None], 90),
+        ttft_p90_all=percentile([r.ttft if r.ok and r.ttft is not None else math.inf for r in records], 90) or math.inf,
         tpot_checked=len(with_tpot),
         tpot_good=sum(r.slo_tpot_ms is not None and tpot * 1e3 <= r.slo_tpot_ms for r, tpot in with_tpot),
         later_turns=later, moved_turns=moved)

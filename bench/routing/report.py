@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import re
@@ -214,11 +215,12 @@ def goodput_lines(scenario: Scenario, results: list[ContenderResult]) -> list[st
         lines += [(f"TTFT floor of these requests (bench/routing/ttft_floor.py) at the costs `{source}` learned in this "
                    f"run ({prefill * 1e6:.1f} µs/token prefill, {base * 1e3:.1f} ms base): p90 {plain:.3f} s with every "
                    f"prefix cached and no queue, **{queued:.3f} s** with queueing on {scenario.fleet.replicas} replicas "
-                   "(least work left, every prefix everywhere: optimistic)."
+                   "(least work left, every prefix everywhere: optimistic). TTFT p90 here counts every request sent, "
+                   "a rejected or failed one as infinitely late, so shedding cannot improve it."
                    + (f" Best peer: `{peer[0]}` at {peer[1]:.3f} s; \"gap closed\": the share of its gap to the "
                       "queued floor that a row closes." if peer is not None else "")), ""]
     curve = " / ".join(f"{t:g}" for t in GOODPUT_CURVE_S)
-    lines += [f"| contender | good | goodput tok/s | 429/503 | TTFT p90 (s) | gap closed | sensitive TTFT p90 (s) "
+    lines += [f"| contender | good | goodput tok/s | 429/503 | TTFT p90 (s), unanswered = ∞ | gap closed | sensitive TTFT p90 (s) "
               f"| sensitive good | TPOT met | answered within {curve} s | later turns moved | hit rate |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
@@ -227,12 +229,13 @@ def goodput_lines(scenario: Scenario, results: list[ContenderResult]) -> list[st
             continue
         g = o.goodput
         gap = "-"
-        if floor is not None and peer is not None and o.ttft_p90 is not None and peer[1] > floor[4]:
-            gap = f"{(peer[1] - o.ttft_p90) / (peer[1] - floor[4]):.0%}"
+        if floor is not None and peer is not None and math.isfinite(g.ttft_p90_all) and peer[1] > floor[4]:
+            gap = f"{(peer[1] - g.ttft_p90_all) / (peer[1] - floor[4]):.0%}"
         tpot = f"{g.tpot_good}/{g.tpot_checked}" if g.tpot_checked else "-"
         moved = f"{g.moved_turns} of {g.later_turns}" if g.later_turns else "-"
         within = " / ".join(_pct(o.within.get(t)) for t in GOODPUT_CURVE_S)
-        lines.append(f"| {r.name} | {_pct(g.share)} | {g.good_tokens_per_s:.1f} | {g.rejected} | {_s(o.ttft_p90)} | "
+        lines.append(f"| {r.name} | {_pct(g.share)} | {g.good_tokens_per_s:.1f} | {g.rejected} | "
+                     f"{_s(g.ttft_p90_all) if math.isfinite(g.ttft_p90_all) else '∞'} | "
                      f"{gap} | {_s(g.sensitive_ttft_p90)} | {_pct(g.sensitive_share)} | {tpot} | {within} | "
                      f"{moved} | {_pct(o.hit_rate)} |")
     return [*lines, ""]
