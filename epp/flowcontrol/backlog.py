@@ -11,7 +11,7 @@ in the picker, where `slo-deadline-ordering-policy` orders it and each request i
 it leaves (late binding).
 
 Per endpoint: `backlog_s / maxBacklog`; the pool's saturation is the least of them (a pool is
-saturated only when no endpoint has room); unhealthy endpoints count as full; no endpoint: 1.0.
+saturated only when no endpoint has room) over the healthy endpoints; none healthy: 1.0.
 """
 
 from __future__ import annotations
@@ -66,5 +66,4 @@ class PrefillBacklogDetector(SaturationDetector):
 
     def saturation(self, endpoints: Sequence[Endpoint]) -> float:
         now = time.monotonic()
-        levels = [self.backlog_s(ep, now) / self.max_backlog_s if ep.healthy else 1.0 for ep in endpoints]
-        return min(levels, default=1.0)
+        return min((self.backlog_s(ep, now) / self.max_backlog_s for ep in endpoints if ep.healthy), default=1.0)
