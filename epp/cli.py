@@ -380,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "answers; no token usage, first-token timing or model-name rewrite back), none "
                             "(request phases only; the picker no longer sees requests end)")
     envoy.add_argument("--request-only", action="store_true", help="the same as --responses none")
-    calibration = sub.add_parser("calibration", help="show the predicted-TTFT costs a running picker has learned",
+    calibration = sub.add_parser("calibration", help="show the predicted-TTFT and TPOT costs a running picker has learned",
                                  description="Read a running picker's /metrics and print, per endpoint and model, "
                                              "the TTFT costs its predicted-ttft-scorer has learned.")
     calibration.add_argument("--metrics-url", default="http://127.0.0.1:9090/metrics",

@@ -178,8 +178,18 @@ def _with_random_ties(config: str) -> str:
     return yaml.safe_dump(doc, sort_keys=False)
 
 
+def _with_precise_producer(config: str, t: Tuning) -> str:
+    """`config` with its approximate prefix producer replaced by the precise one (KV events, the fleet's tokenizer)."""
+    doc = yaml.safe_load(config)
+    doc["plugins"] = [_precise_producer(t) if p.get("type") == "approx-prefix-cache-producer" else p
+                      for p in doc["plugins"]]
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
 def epp_config(kind: str, t: Tuning) -> str:
     """The EndpointPickerConfig of one `epp-*` contender."""
+    if kind.endswith("+precise"):
+        return _with_precise_producer(epp_config(kind.removesuffix("+precise"), t), t)
     if kind.endswith("+random-ties"):
         return _with_random_ties(epp_config(kind.removesuffix("+random-ties"), t))
     if kind.endswith("+no-tie-break"):
@@ -272,6 +282,11 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
     Contender("epp-precise-ttft", "epp", "precise-ttft",
               "our EPP: examples/configs/predicted-ttft.yaml (precise prefix tiers, self-calibrating "
               "predicted-TTFT 3, prefix 1, kv 1)"),
+    Contender("epp-slo", "epp", "sample:slo-aware",
+              "our EPP: examples/configs/slo-aware.yaml (flow control held at a prefill backlog, SLO-deadline ordering "
+              "with shedding, predicted-TTFT with stickiness, approximate prefix)", default=False),
+    Contender("epp-slo-precise", "epp", "sample:slo-aware+precise",
+              "epp-slo with the precise prefix producer (KV events) instead of the approximate one", default=False),
     Contender("epp-approx-ttft-head-first", "epp", "sample:approximate+head-first-index",
               "epp-approx-ttft with the approximate index as GIE keeps it (chainAware: false; a chain's head "
               "evicted first)", default=False),

@@ -13,7 +13,13 @@ from epp.datalayer.freshness import prefer_fresh
 from epp.datalayer.registry import EndpointRegistry
 from epp.framework.datakeys import PREFIX_MATCH_INFO, PREFIX_TIER_MATCH, PrefixMatchInfo, TierMatch
 from epp.framework.errors import DropReason, ErrorCode, InferenceError
-from epp.framework.load import CHARACTERS_PER_TOKEN, Booking, InflightLedger, prompt_characters
+from epp.framework.load import (
+    CHARACTERS_PER_TOKEN,
+    Booking,
+    InflightLedger,
+    estimate_prompt_tokens,
+    prompt_characters,
+)
 from epp.framework.plugin import Admitter, CycleState, ResponseCompleteHook, SchedulingResult
 from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 from epp.logutil import log_failure
@@ -21,7 +27,7 @@ from epp.metrics import EppMetrics
 from epp.requestcontrol.pipeline import LoadedConfig
 
 if TYPE_CHECKING:
-    from epp.flowcontrol.controller import Dispatch
+    from epp.flowcontrol.controller import Dispatch, PredictedLatency
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +73,9 @@ class Director:
         self.use_subset_hint = use_subset_hint
         # With scraping on: endpoints without fresh metrics are left out while others have them.
         self.metrics_freshness_s = metrics_freshness_s
+        # What predicts a request's latency before it queues (slo-deadline-ordering-policy): predicted-ttft-scorer.
+        self.latency_predictor = next((e.plugin for e in pipeline.plugins if hasattr(e.plugin, "predict_latency")),
+                                      None)
 
     def candidates(self, request: InferenceRequest) -> list[Endpoint]:
         """Healthy, awake pool endpoints, narrowed by the request's subset hint, known load preferred.
@@ -102,7 +111,9 @@ class Director:
         flow_control = self.pipeline.flow_controller
         if flow_control is None:
             return await self._schedule(state, request)
-        dispatch: Dispatch = await flow_control.admit(request, size_bytes)  # waits while the pool is saturated
+        predicted = await self._predict(request) if flow_control.wants_prediction(request) else None
+        # Waits while the pool is saturated; the endpoint is chosen after it (late binding, the view of then).
+        dispatch: Dispatch = await flow_control.admit(request, size_bytes, predicted)
         target = None
         try:
             result = await self._schedule(state, request)
@@ -110,6 +121,21 @@ class Director:
             return result
         finally:
             dispatch.placed(target)
+
+    async def _predict(self, request: InferenceRequest) -> PredictedLatency:
+        """The request's own prefill and best TTFT now, for the queue's order (a scratch state: scheduling redoes it)."""
+        from epp.flowcontrol.controller import PredictedLatency
+
+        candidates = self.candidates(request)
+        if self.latency_predictor is None or not candidates:
+            tokens = estimate_prompt_tokens(request)
+            return PredictedLatency(tokens * min((self.ledger.prefill_seconds_per_token(ep.name) for ep in candidates),
+                                                 default=self.ledger.prefill_seconds_per_token("")))
+        scratch = CycleState()
+        if self.pipeline.data_producers:
+            await self._prepare_data(scratch, request, candidates)
+        service_s, ttft_s = self.latency_predictor.predict_latency(scratch, request, candidates)
+        return PredictedLatency(service_s, ttft_s)
 
     async def _schedule(self, state: CycleState, request: InferenceRequest) -> SchedulingResult:
         started = time.perf_counter()
@@ -182,6 +208,8 @@ class Director:
         """The picked endpoint answered with its first token (`observed`) or a whole response."""
         booking: Booking | None = state.get(BOOKING_STATE_KEY)
         self.ledger.first_token(booking, observed=observed)
+        if self.pipeline.flow_controller is not None:
+            self.pipeline.flow_controller.wake()  # its prefill is done: a held request may fit now
 
     async def _prepare_data(self, state: CycleState, request: InferenceRequest,
                             candidates: Sequence[Endpoint]) -> None:
