@@ -19,7 +19,7 @@ from epp.framework.load import InflightLedger
 from epp.framework.types import ApiKind, Endpoint, EndpointMetrics, InferenceRequest
 from epp.scorers.saturation import UtilizationDetector
 from tests.flowcontrol.test_controller import Pool, place
-from tests.scheduling.sched_fixtures import DirectorHarness
+from tests.support.scheduling import DirectorHarness
 
 
 def slo_controller(pool: Pool, policy: SLODeadlineOrderingPolicy, section: str = "{}") -> FlowController:

@@ -10,7 +10,7 @@ import pytest
 from epp.framework import CycleState, PluginContext
 from epp.framework.datakeys import PREFIX_TIER_MATCH, TierMatch
 from epp.framework.types import ApiKind, Endpoint, EndpointMetrics, InferenceRequest
-from tests.scheduling.sched_fixtures import make_plugin
+from tests.support.scheduling import make_plugin
 
 HOME, OTHER = "10.0.0.1:8000", "10.0.0.2:8000"
 PREFILL = 1e-4  # seconds per token, configured (no learning in this table)

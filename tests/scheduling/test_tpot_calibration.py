@@ -13,7 +13,7 @@ from epp.framework import CycleState, PluginContext
 from epp.framework.load import InflightLedger
 from epp.framework.types import ApiKind, Endpoint, EndpointMetrics, InferenceRequest, ResponseInfo
 from epp.scorers.predicted_tpot import TPOT_PRIOR, TPOT_TERMS, TPOTCalibrator, TPOTLearner, tpot_features
-from tests.scheduling.sched_fixtures import make_plugin
+from tests.support.scheduling import make_plugin
 
 ENDPOINTS = [f"10.0.0.{i}:8000" for i in range(1, 5)]
 
