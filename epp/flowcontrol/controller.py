@@ -241,3 +241,13 @@ class FlowController:
     def on_endpoints_changed(self, added: Sequence[Endpoint], removed: Sequence[Endpoint]) -> None:
         """The set of endpoints changed: run a cycle (new endpoints mean room)."""
         self.wake()
+
+    def debug_state(self) -> dict[str, object]:
+        """Queue lengths and bounds per priority band, for `GET /debug/state` (no fairness ids: clients choose them)."""
+        bands = [self._bands[p] for p in self._priorities]
+        return {"queued_requests": self.queued_requests, "queued_bytes": self.queued_bytes,
+                "dispatched_unplaced": self._unplaced, "max_requests": self.config.max_requests,
+                "max_bytes": self.config.max_bytes,
+                "bands": [{"priority": band.priority, "requests": band.requests, "bytes": band.bytes,
+                           "flows": len(band.flows), "max_requests": band.max_requests, "max_bytes": band.max_bytes}
+                          for band in bands]}

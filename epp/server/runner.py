@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2_grpc
-from prometheus_client import start_http_server
 
 from epp.config import LoadedConfig, load_config_or_default
 from epp.datalayer.freshness import freshness_window
 from epp.datalayer.objectives import ObjectivePriorities
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
+from epp.debug.http import DebugRoutes, metrics_app, start_metrics_http
 from epp.framework.plugin import PluginContext, ResponseCompleteHook
 from epp.limits import Limits
 from epp.load_metrics import register_ledger_metrics
@@ -82,6 +82,10 @@ class ServeOptions:
     worker_peer_link: bool = True
     # With peers: each endpoint is scraped by one picker, which shares the page (False: all scrape all).
     shared_scrapes: bool = True
+    # The pick's scores in the headers reply's `envoy.lb` metadata: None (off), "totals" or "scorers".
+    emit_endpoint_scores: str | None = None
+    # GET /debug/state and POST /debug/explain on the metrics port (epp.debug).
+    enable_debug_endpoint: bool = False
 
 
 class EppServer:
@@ -108,6 +112,7 @@ class EppServer:
         self.leader: Any = None
         self.peer: Any = None
         self._gc_pauses = GcPauseRecorder(self.metrics)
+        self.parser: RequestParser | None = None
 
     def is_ready(self) -> bool:
         """Ready once discovery produced endpoints (and, with leader election, while leader), until shutdown."""
@@ -157,8 +162,11 @@ class EppServer:
         limits = opts.limits
         parser = RequestParser(objectives, max_json_depth=limits.max_json_depth)
         parser.objective_priorities = self.objectives  # a live view: InferenceObjectives change at run time
+        self.parser = parser
+        if opts.emit_endpoint_scores is not None:
+            pipeline.scheduler.record_scores(detailed=opts.emit_endpoint_scores == "scorers")
         service = ExtProcService(self.director, parser, self.metrics, max_body_bytes=opts.max_body_bytes,
-                                 limits=limits)
+                                 limits=limits, emit_endpoint_scores=opts.emit_endpoint_scores is not None)
         # Large bodies arrive in Envoy-sized pieces; the cap on whole messages only needs headroom.
         grpc_options = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
                         ("grpc.max_send_message_length", 64 * 1024 * 1024)]
@@ -177,9 +185,10 @@ class EppServer:
                                  "--grpc-health-port")
         await self._grpc.start()
         await self._health.start()
+        debug = self._debug_routes() if opts.enable_debug_endpoint else None
         try:
-            self._metrics_http, _thread = start_http_server(0 if worker else opts.metrics_port, private_host,
-                                                            registry=self.metrics.registry)
+            self._metrics_http = start_metrics_http(private_host, 0 if worker else opts.metrics_port,
+                                                    metrics_app(self.metrics.registry, debug))
         except OSError as exc:
             raise BindError(f"cannot listen on {opts.bind_address}:{opts.metrics_port} (--metrics-port): "
                             f"{exc.strerror or exc}") from None
@@ -189,6 +198,24 @@ class EppServer:
             lambda: sum(1 for ep in self.endpoints.snapshot() if ep.healthy))
         log.info("epp serving ext_proc on :%d, health on :%d, metrics on :%d, %d endpoint(s)",
                  self.grpc_port, self.health_port, self.metrics_port, len(self.endpoints))
+
+    def _debug_routes(self) -> DebugRoutes:
+        """The `/debug` routes, run on this server's event loop."""
+        from epp.debug.explain import ExplainInput, explain
+        from epp.debug.state import StateSnapshot, collect_state, server_summary
+
+        assert self.pipeline is not None and self.director is not None and self.parser is not None
+        pipeline, director, parser = self.pipeline, self.director, self.parser
+
+        async def state() -> StateSnapshot:
+            summary = server_summary(pipeline, ready=self.is_ready(), draining=self.draining)
+            return collect_state(pipeline, self.endpoints, director.ledger,
+                                 freshness_s=director.metrics_freshness_s, server=summary)
+
+        async def explained(given: ExplainInput) -> dict[str, Any]:
+            return await explain(director, parser, given)
+
+        return DebugRoutes(asyncio.get_running_loop(), state, explained)
 
     @property
     def scraper(self) -> MetricsScraper | None:
