@@ -2,7 +2,7 @@
 
 llm-d's router writes them under `envoy.lb` / `x-gateway-destination-endpoint-scores`; its value
 format is not documented, so ours is compact JSON in a string, one object per profile that ran,
-its endpoints best first:
+its endpoints best first (among equal scores, the picked one first):
 
     {"default":{"10.0.0.2:8000":4.5,"10.0.0.1:8000":2.25}}
 
@@ -35,9 +35,9 @@ _DIGITS = 4
 
 
 def _ranked(profile: ProfileTrace) -> list[Any]:
-    """The profile's scored endpoints to show, best first: the picked ones, then the best others."""
+    """The profile's scored endpoints to show, best first (of equals, the picked first): the picked, then the best others."""
     picked = {ep.name for ep in profile.picked}
-    ordered = sorted(profile.totals, key=lambda s: -s.score)
+    ordered = sorted(profile.totals, key=lambda s: (-s.score, s.endpoint.name not in picked))
     others = [s for s in ordered if s.endpoint.name not in picked][:max(0, MAX_ENDPOINTS - len(picked))]
     shown = {s.endpoint.name for s in others} | picked
     return [s for s in ordered if s.endpoint.name in shown]

@@ -54,6 +54,15 @@ async def test_a_filtered_endpoint_is_not_scored():
     assert json.loads(endpoint_scores_value(score_trace(state))) == {"default": {"192.168.1.1:8000": 1.0}}
 
 
+async def test_among_equal_scores_the_picked_endpoint_comes_first():
+    picker = DirectorHarness(endpoint_picker_config(["random-picker"], ["random-picker"]))
+    picker.loaded.scheduler.record_scores()
+    for _ in range(10):
+        result, state = await picker.cycle(request(), [endpoint(i) for i in range(4)])
+        shown = json.loads(endpoint_scores_value(score_trace(state)))["default"]
+        assert list(shown)[0] == result.targets[0].name and set(shown.values()) == {0.0}
+
+
 async def test_at_most_ten_endpoints_and_the_picked_one_always_among_them():
     # A random picker: the picked endpoint is often not among the ten best scored.
     picker = DirectorHarness(endpoint_picker_config(["queue-scorer", "random-picker"], ["queue-scorer", "random-picker"]))
