@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import threading
 from collections.abc import Awaitable, Callable, Iterable
@@ -29,6 +30,8 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from epp.debug.explain import ExplainInput, parse_explain_input
 from epp.debug.state import StateSnapshot, render_state
 from epp.framework.errors import InferenceError
+
+log = logging.getLogger(__name__)
 
 DEBUG_PREFIX = "/debug"
 OFF_MESSAGE = "the debug endpoint is off; start epp serve with --enable-debug-endpoint"
@@ -63,6 +66,10 @@ class _LoopUnavailable(Exception):
     """The event loop cannot run a debug request now (stopped, or too busy to answer in time)."""
 
 
+class _Failed(Exception):
+    """A debug request failed inside the picker (the error is logged)."""
+
+
 class _DebugApp:
     def __init__(self, routes: DebugRoutes) -> None:
         self.routes = routes
@@ -83,6 +90,11 @@ class _DebugApp:
         except TimeoutError:
             future.cancel()
             raise _LoopUnavailable(f"the picker's event loop did not answer within {LOOP_TIMEOUT_S:g}s") from None
+        except InferenceError:
+            raise
+        except Exception as exc:  # a bug, not the request: logged here, answered as a 500 naming its type
+            log.exception("debug request failed")
+            raise _Failed(f"the debug request failed: {type(exc).__name__} (logged)") from None
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
         path, method = environ.get("PATH_INFO", ""), environ.get("REQUEST_METHOD", "GET")
@@ -93,6 +105,8 @@ class _DebugApp:
                 snapshot = self._on_loop(self.routes.collect_state())
             except _LoopUnavailable as exc:
                 return _error(start_response, "503 Service Unavailable", str(exc))
+            except _Failed as exc:
+                return _error(start_response, "500 Internal Server Error", str(exc))
             return _json(start_response, "200 OK", render_state(snapshot))
         if path == "/debug/explain":
             if method != "POST":
@@ -122,6 +136,8 @@ class _DebugApp:
             return _json(start_response, f"{status} {HTTPStatus(status).phrase}", {"error": exc.body})
         except _LoopUnavailable as exc:
             return _error(start_response, "503 Service Unavailable", str(exc))
+        except _Failed as exc:
+            return _error(start_response, "500 Internal Server Error", str(exc))
         finally:
             self._explaining.release()
         return _json(start_response, "200 OK", answer)

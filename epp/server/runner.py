@@ -18,7 +18,9 @@ from epp.config import LoadedConfig, load_config_or_default
 from epp.datalayer.freshness import freshness_window
 from epp.datalayer.objectives import ObjectivePriorities
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
+from epp.debug.explain import ExplainInput, explain
 from epp.debug.http import DebugRoutes, metrics_app, start_metrics_http
+from epp.debug.state import StateSnapshot, collect_state, server_summary
 from epp.framework.plugin import PluginContext, ResponseCompleteHook
 from epp.limits import Limits
 from epp.load_metrics import register_ledger_metrics
@@ -201,9 +203,6 @@ class EppServer:
 
     def _debug_routes(self) -> DebugRoutes:
         """The `/debug` routes, run on this server's event loop."""
-        from epp.debug.explain import ExplainInput, explain
-        from epp.debug.state import StateSnapshot, collect_state, server_summary
-
         assert self.pipeline is not None and self.director is not None and self.parser is not None
         pipeline, director, parser = self.pipeline, self.director, self.parser
 
