@@ -131,6 +131,8 @@ def format_answer(answer: dict[str, Any]) -> str:
     lines.append("")
     lines += [f"note: {note}" for note in answer["notes"]]
     if answer["error"]:
+        if answer["picked"]:  # refused by an admitter: the scores show where it would have gone
+            lines.append(f"admitted, it would go to: {', '.join(answer['picked'])}")
         lines.append(f"the picker would answer: {answer['error']}")
     else:
         lines.append(f"the picker would route to: {', '.join(answer['picked'])}")
@@ -162,4 +164,4 @@ def explain_main(args: argparse.Namespace) -> int:
         print(f"epp explain: cannot reach {url}: {getattr(exc, 'reason', exc)}", file=sys.stderr)
         return 1
     sys.stdout.write(json.dumps(answer, indent=1) + "\n" if args.json else format_answer(answer))
-    return 0 if answer.get("picked") else 1
+    return 0 if answer.get("picked") and not answer.get("error") else 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -25,11 +26,14 @@ from epp.framework.errors import ErrorCode, InferenceError
 from epp.framework.plugin import CycleState, DataProducer, Plugin, clamp_score
 from epp.framework.scheduler import ProfileTrace, SchedulerProfile, ScheduleTrace
 from epp.framework.types import Endpoint, InferenceRequest
+from epp.logutil import log_failure
 from epp.requestcontrol.director import PREPARE_DATA_TIMEOUT_S
 
 if TYPE_CHECKING:
     from epp.request.parsing import RequestParser
     from epp.requestcontrol.director import Director
+
+log = logging.getLogger(__name__)
 
 EXPLAIN_REQUEST_ID = "epp-explain"
 
@@ -107,18 +111,22 @@ async def _run_producers(producers: Sequence[DataProducer], state: CycleState, r
 
 
 def _admission(director: Director, state: CycleState, request: InferenceRequest,
-               candidates: Sequence[Endpoint]) -> list[dict[str, Any]]:
-    outcomes = []
+               candidates: Sequence[Endpoint]) -> tuple[list[dict[str, Any]], str | None]:
+    """Each admitter's verdict (all of them run), and the answer of the first refusal, if any."""
+    outcomes, refusal = [], None
     for admitter in director.pipeline.admitters:
         try:
             admitter.admit(state, request, candidates)
             outcome = "admitted"
         except InferenceError as exc:
-            outcome = f"refused: {exc.body}"
-        except Exception as exc:
-            outcome = f"failed: {type(exc).__name__} (the picker denies the request)"
+            outcome, answer = f"refused: {exc.body}", exc.body
+        except Exception as exc:  # the director denies the request, as GIE does
+            outcome = f"failed: {type(exc).__name__}"
+            answer = InferenceError(ErrorCode.INTERNAL, "request cannot be admitted").body
         outcomes.append({**_named(admitter), "outcome": outcome})
-    return outcomes
+        if outcome != "admitted" and refusal is None:
+            refusal = answer
+    return outcomes, refusal
 
 
 def _profile(name: str, profile: SchedulerProfile, record: ProfileTrace | None, candidates: Sequence[Endpoint],
@@ -173,15 +181,19 @@ async def explain(director: Director, parser: RequestParser, given: ExplainInput
         answer["notes"].append("capacity gates: not run (they may wake sleeping replicas; those are no candidates here)")
     trace = ScheduleTrace(detailed=True)
     result = None
+    refusal = None
     if candidates:
         answer["producers"] = await _run_producers(pipeline.data_producers, state, request, candidates)
-        answer["admitters"] = _admission(director, state, request, candidates)
+        answer["admitters"], refusal = _admission(director, state, request, candidates)
     try:
         result = pipeline.scheduler.schedule(state, request, candidates, trace=trace)
     except InferenceError as exc:
         answer["error"] = exc.body
-    except Exception as exc:  # a plugin that raises fails the real request with a 500 too
+    except Exception as exc:  # a plugin that raises fails the real request too
+        log_failure(log, logging.ERROR, "explain: scheduling failed", exc)
         answer["error"] = InferenceError(ErrorCode.INTERNAL, f"scheduling failed: {type(exc).__name__}").body
+    # A refusal is the answer; the scores still show what the pick would have been.
+    answer["error"] = refusal or answer["error"]
     primary = result.primary_profile if result is not None else None
     answer["profiles"] = [_profile(name, profile, trace.profiles.get(name), candidates, primary)
                           for name, profile in pipeline.scheduler.profiles.items()]

@@ -118,7 +118,30 @@ async def test_an_admitters_refusal_is_shown_beside_the_scores():
     assert answer[0] == 200
     assert answer[1]["admitters"] == [{"name": "refuse-all", "type": "refuse-all",
                                        "outcome": "refused: inference error: ResourceExhausted - the pool is saturated"}]
-    assert answer[1]["picked"] == ["10.0.0.1:8000"]
+    assert answer[1]["error"] == "inference error: ResourceExhausted - the pool is saturated"
+    assert answer[1]["picked"] == ["10.0.0.1:8000"]  # where it would have gone, admitted
+    assert format_answer(answer[1]).splitlines()[-2:] == [
+        "admitted, it would go to: 10.0.0.1:8000",
+        "the picker would answer: inference error: ResourceExhausted - the pool is saturated"]
+
+
+class BrokenAdmitter(Admitter):
+    type_name = "broken-admitter"
+
+    def admit(self, state, request, endpoints):
+        raise RuntimeError("a bug")
+
+
+async def test_an_admitter_that_fails_denies_as_the_director_does():
+    server = await started(pipeline_of([BrokenAdmitter()]), enable_debug_endpoint=True)
+    try:
+        status, answer = await post_explain(server.metrics_port, {"body": {"model": "m", "prompt": "hi"}})
+    finally:
+        await server.stop(0)
+    assert status == 200
+    assert answer["admitters"] == [{"name": "broken-admitter", "type": "broken-admitter",
+                                    "outcome": "failed: RuntimeError"}]
+    assert answer["error"] == "inference error: Internal - request cannot be admitted"
 
 
 async def test_explain_reads_the_model_rewrite_and_objective_headers():
