@@ -74,9 +74,10 @@ def explain_document(args: argparse.Namespace) -> dict[str, Any]:
     path = args.path
     if path is None:
         try:
-            chat = "messages" in json.loads(text)
-        except (ValueError, TypeError):
-            chat = False  # the picker says what is wrong with the body
+            parsed = json.loads(text)
+        except ValueError:
+            parsed = None  # the picker says what is wrong with the body
+        chat = isinstance(parsed, dict) and "messages" in parsed
         path = "/v1/chat/completions" if chat else "/v1/completions"
     document: dict[str, Any] = {"body": text, "path": path, "headers": headers}
     if args.subset:

@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from epp.debug.explain import ExplainInput, parse_explain_input
 from epp.debug.state import StateSnapshot, render_state
 from epp.framework.errors import InferenceError
+from epp.logutil import log_failure
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +93,8 @@ class _DebugApp:
             raise _LoopUnavailable(f"the picker's event loop did not answer within {LOOP_TIMEOUT_S:g}s") from None
         except InferenceError:
             raise
-        except Exception as exc:  # a bug, not the request: logged here, answered as a 500 naming its type
-            log.exception("debug request failed")
+        except Exception as exc:  # a bug, not the request: logged (never its message: it may quote a prompt)
+            log_failure(log, logging.ERROR, "debug request failed", exc)
             raise _Failed(f"the debug request failed: {type(exc).__name__} (logged)") from None
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from epp.config.pipeline import plugin_kinds
 from epp.framework.load import EndpointLoad, InflightLedger
 from epp.framework.types import Endpoint
+from epp.logutil import log_failure
 
 if TYPE_CHECKING:
     from epp.config import LoadedConfig
@@ -67,7 +68,7 @@ def _plugin_state(entry_name: str, plugin: Any) -> dict[str, Any]:
     try:
         return {"state": json_ready(plugin.debug_state())}
     except Exception as exc:  # one broken plugin must not take the page down
-        log.exception("debug_state of plugin %s failed", entry_name)
+        log_failure(log, logging.ERROR, "debug_state of plugin %s failed", exc, entry_name)
         return {"error": f"debug_state failed: {type(exc).__name__}"}
 
 
