@@ -82,18 +82,23 @@ async def test_at_most_ten_endpoints_and_the_picked_one_always_among_them():
 
 
 async def test_the_value_stays_within_its_byte_cap_keeping_the_pick():
-    # Ten scorers with long names, detailed: ten endpoints would take ~6 KB.
+    # Ten scorers with long names, detailed: ten endpoints would take ~6 KB. A random picker: the
+    # picked endpoint is often not the best scored, and must stay while better ones are left out.
     names = [f"queue-scorer-with-a-rather-long-name-{i}" for i in range(10)]
-    config = endpoint_picker_config([plugin("queue-scorer", name=n) for n in names], dict.fromkeys(names, 1))
+    config = endpoint_picker_config([*(plugin("queue-scorer", name=n) for n in names), "random-picker"],
+                                    {**dict.fromkeys(names, 1), "random-picker": None})
     picker = DirectorHarness(config)
     picker.loaded.scheduler.record_scores(detailed=True)
-    pool = [endpoint(i, queue=i % 3) for i in range(12)]
-    result, state = await picker.cycle(request(), pool)
-    value = endpoint_scores_value(score_trace(state))
-    shown = json.loads(value)["default"]
-    assert len(value.encode()) <= MAX_VALUE_BYTES
-    assert result.targets[0].name in shown
-    assert 1 <= len(shown) < MAX_ENDPOINTS
+    pool = [endpoint(i, queue=i) for i in range(12)]
+    for _ in range(10):
+        result, state = await picker.cycle(request(), pool)
+        value = endpoint_scores_value(score_trace(state))
+        shown = json.loads(value)["default"]
+        assert len(value.encode()) <= MAX_VALUE_BYTES
+        assert result.targets[0].name in shown
+        assert 1 <= len(shown) < MAX_ENDPOINTS
+        totals = [entry["total"] for entry in shown.values()]
+        assert totals == sorted(totals, reverse=True)
 
 
 async def test_the_headers_reply_carries_the_scores_only_when_emitting():
