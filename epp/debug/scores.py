@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-from functools import lru_cache
 from operator import attrgetter
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -40,9 +39,10 @@ _DIGITS = 4
 _BY_SCORE = attrgetter("score")
 
 
-@lru_cache(maxsize=1024)
 def _quoted(name: str) -> str:
-    """A profile or scorer name as a JSON string (ASCII); config names are few, so cached."""
+    """A profile or scorer name as a JSON string, non-ASCII escaped (names are plain: quoted directly)."""
+    if name.isascii() and name.isprintable() and '"' not in name and "\\" not in name:
+        return f'"{name}"'
     return json.dumps(name)
 
 

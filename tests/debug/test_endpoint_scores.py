@@ -117,3 +117,14 @@ async def test_the_headers_reply_carries_the_scores_only_when_emitting():
                 "default": {"10.0.0.1:8000": 0.0, "10.0.0.2:8000": 0.0, "10.0.0.3:8000": 0.0}}
         else:
             assert ENDPOINT_SCORES_KEY not in lb
+
+
+async def test_names_that_need_quoting_still_make_ascii_json():
+    config = endpoint_picker_config([plugin("queue-scorer", name='file d"attente é'), "max-score-picker"],
+                                    {'file d"attente é': 1, "max-score-picker": None})
+    picker = DirectorHarness(config)
+    picker.loaded.scheduler.record_scores(detailed=True)
+    _, state = await picker.cycle(request(), POOL)
+    value = endpoint_scores_value(score_trace(state))
+    assert value.isascii()
+    assert json.loads(value)["default"]["192.168.1.1:8000"]["scorers"] == {'file d"attente é': 1.0}
