@@ -112,10 +112,30 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-shared-scrapes", action="store_true",
                    help="with peers (--peers or --workers N): every picker scrapes every endpoint itself, instead "
                         "of one picker per endpoint sharing what it read (N times the scrapes on each replica)")
+    p.add_argument("--emit-endpoint-scores", nargs="?", const="totals", default=None, type=_scores_mode,
+                   metavar="totals|scorers",
+                   help="put each pick's per-endpoint scores into Envoy dynamic metadata (envoy.lb, "
+                        "x-gateway-destination-endpoint-scores) as JSON: weighted totals, or with =scorers also "
+                        "each scorer's score; at most 10 endpoints per profile and 4 KiB (docs/operations-debugging.md)")
+    p.add_argument("--enable-debug-endpoint", action="store_true",
+                   help="serve GET /debug/state (plugins', endpoints' and in-flight state as JSON) and POST "
+                        "/debug/explain (for epp explain) on the metrics port; off by default")
     p.add_argument("--workers", default="1",
                    help="picker processes sharing the ports (SO_REUSEPORT; one metrics page for all; a worker "
                         "that exits is restarted): a number, or 'auto' for one per CPU (default 1)")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logs (-v info, -vv debug)")
+
+
+def _scores_mode(text: str) -> str | None:
+    """`--emit-endpoint-scores` value: totals, scorers, or llm-d's boolean spelling (true: totals, false: off)."""
+    value = text.strip().lower()
+    if value in ("totals", "true"):
+        return "totals"
+    if value == "scorers":
+        return "scorers"
+    if value == "false":
+        return None
+    raise argparse.ArgumentTypeError(f"{text!r}: expected totals or scorers (or true/false)")
 
 
 def check_endpoints(specs: Sequence[EndpointSpec], where: str) -> None:
@@ -223,7 +243,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         token_accounting_tenant=args.token_accounting_tenant,
         prefill_capacity_tokens_per_s=args.prefill_capacity_tokens_per_second,
         peer_port=args.peer_port, peers=peers, worker_peer_link=not args.no_worker_peer_link,
-        shared_scrapes=not args.no_shared_scrapes, **k8s)
+        shared_scrapes=not args.no_shared_scrapes, emit_endpoint_scores=args.emit_endpoint_scores,
+        enable_debug_endpoint=args.enable_debug_endpoint, **k8s)
     from epp.kube.client import KubernetesError
     from epp.server.event_loop import run_event_loop
     from epp.server.workers import WorkerStartError, supervise_forever, worker_count
@@ -385,6 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
                                              "the TTFT costs its predicted-ttft-scorer has learned.")
     calibration.add_argument("--metrics-url", default="http://127.0.0.1:9090/metrics",
                              help="the picker's Prometheus page (default http://127.0.0.1:9090/metrics)")
+    from epp.debug.cli import add_parser as add_explain_parser
+
+    add_explain_parser(sub)
     sub.add_parser("engine", help="model-server tools: `epp engine serve|disk-manager --help`", add_help=False)
     sub.add_parser("sim", help="the vLLM simulator: `epp sim fleet --help`", add_help=False)
     sub.add_parser("cost", help="what cached tokens saved over a window of the picker's counters: `epp cost --help`",
@@ -422,6 +446,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from epp.calibration_cli import calibration_main
 
         return calibration_main(args.metrics_url)
+    if args.command == "explain":
+        from epp.debug.cli import explain_main
+
+        return explain_main(args)
     if args.command == "demo":
         try:
             require_extra("demo", "epp demo")

@@ -56,10 +56,13 @@ _EXT_PROC_FILTER = """\
                 timeout: 10s
               failure_mode_allow: {failure_mode_allow}
               message_timeout: {message_timeout}
-              # The subset hint (and, where the data plane sets it, the served endpoint) reach the picker.
+              # The subset hint (and, where the data plane sets it, the served endpoint) reach the picker;
+              # the picker's envoy.lb metadata (picked endpoint, --emit-endpoint-scores) reaches access logs.
               metadata_options:
                 forwarding_namespaces:
                   untyped: ["envoy.lb.subset_hint", "envoy.lb"]
+                receiving_namespaces:
+                  untyped: ["envoy.lb"]
               processing_mode:
                 request_header_mode: SEND
                 response_header_mode: {response_header_mode}

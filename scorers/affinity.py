@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -82,6 +83,11 @@ class SessionAffinityScorer(Scorer, PreRequestHook, ResponseHeadersHook):
             return (f"strategy=session_id headers={list(self.id_headers)} evictionTtlSeconds={self.ttl_s:g} "
                     f"evictionSweepSeconds={self.sweep_s:g}")
         return f"strategy=encoded_endpoint_header header={self.header}"
+
+    def debug_state(self) -> Mapping[str, object]:
+        """How many sessions are bound (never their ids: clients choose them)."""
+        return {"strategy": self.strategy, "sessions": len(self._sessions), "max_sessions": MAX_SESSIONS,
+                "ttl_s": self.ttl_s}
 
     def _session_id(self, request: InferenceRequest) -> str | None:
         for header in self.id_headers:
@@ -196,6 +202,11 @@ class NoHitLRUScorer(Scorer, PreRequestHook):
 
     def consumes(self) -> frozenset[str]:
         return frozenset({PREFIX_MATCH_INFO})
+
+    def debug_state(self) -> Mapping[str, object]:
+        """Cold picks remembered; the first of them are the next cold requests' last choices."""
+        return {"lru_size": self.lru_size, "tracked": len(self._lru),
+                "most_recent_cold_picks": list(itertools.islice(reversed(self._lru), 16))}
 
     def plugin_refs(self) -> Mapping[str, str]:
         """The producer `prefixMatchInfoProducerName` names (resolved by the loader)."""

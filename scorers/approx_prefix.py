@@ -24,8 +24,9 @@ matching. GIE's algorithm, unchanged, is `gie-approx-prefix-cache-producer`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
@@ -148,6 +149,13 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
                 f"chainAware={str(self.index.chain_aware).lower()} "
                 f"publishTierMatch={str(self.publish_tier_match).lower()} "
                 f"rendezvousHome={str(self.rendezvous_home).lower()}")
+
+    def debug_state(self) -> Mapping[str, Any]:
+        index = self.index
+        return {"entries": index.size, "chain_aware": index.chain_aware,
+                "chars_per_token": round(self.chars_per_token, 3),
+                "bytes_per_character": round(self.bytes_per_character, 3),
+                "endpoints": {ep: {"held": index.held(ep), "capacity": index.capacity(ep)} for ep in index.endpoints()}}
 
     def produces(self) -> frozenset[str]:
         keys = {PREFIX_MATCH_INFO, PREFIX_CACHE_FREE_BLOCKS}

@@ -65,6 +65,9 @@ class ActiveRequestScorer(Scorer, PreRequestHook, ResponseCompleteHook):
     def consumes(self) -> frozenset[str]:
         return frozenset({INFLIGHT_LOAD}) if self.refs else frozenset()
 
+    def debug_state(self) -> Mapping[str, object]:
+        return self.tracker.debug_state()
+
     def plugin_refs(self) -> Mapping[str, str]:
         """The producer `inFlightLoadProducerName` names (resolved by the loader)."""
         return self.refs
@@ -117,6 +120,9 @@ class InflightLoadProducer(DataProducer, PreRequestHook, ResponseCompleteHook):
 
     def produces(self) -> frozenset[str]:
         return frozenset({INFLIGHT_LOAD})
+
+    def debug_state(self) -> Mapping[str, object]:
+        return self.tracker.debug_state()
 
     async def prepare(self, state: CycleState, request: InferenceRequest,
                       endpoints: Sequence[Endpoint]) -> None:

@@ -86,6 +86,8 @@ from epp.scorers.ttft_calibration import TERMS, TTFTCalibrator, features
 
 DEFAULTS = {"baseSeconds": 0.01, "prefillSecondsPerToken": 2e-4, "secondsPerRunningRequest": 0.005,
             "cpuLoadSecondsPerToken": 2e-5, "diskLoadSecondsPerToken": 1e-4, "queueSecondsPerWaitingRequest": 0.1}
+# Fits `debug_state` lists (the calibrator keeps up to 1,024; the metrics page has them all).
+DEBUG_FITS = 32
 # Parameter names in TERMS order.
 TERM_PARAMS = ("baseSeconds", "prefillSecondsPerToken", "secondsPerRunningRequest",
                "cpuLoadSecondsPerToken", "diskLoadSecondsPerToken", "queueSecondsPerWaitingRequest")
@@ -127,6 +129,15 @@ class PredictedTTFTScorer(Scorer):
 
     def consumes(self) -> frozenset[str]:
         return frozenset({PREFIX_TIER_MATCH})
+
+    def debug_state(self) -> Mapping[str, Any]:
+        """The learned fits, most recently updated first (at most `DEBUG_FITS`)."""
+        fits = self.calibrator.fits()
+        return {"calibrate": self.calibrate, "fits": len(fits), "evicted": self.calibrator.evicted,
+                "recent": [{"endpoint": ep, "model": model, "observations": fit.observations,
+                            "residual_s": fit.residual_scale_s, "resets": fit.resets,
+                            "coefficients": dict(zip(TERMS, fit.coefficients()))}
+                           for ep, model, fit in reversed(fits[-DEBUG_FITS:])]}
 
     # -- prediction ---------------------------------------------------------------------------
 

@@ -345,3 +345,13 @@ class FlowController:
                 self.metrics.finished(item.priority, "rejected", self.clock() - item.enqueued)
                 item.waiter.set_exception(InferenceError(ErrorCode.SERVICE_UNAVAILABLE, SHUTDOWN_MESSAGE,
                                                          drop_reason=DropReason.SHUTTING_DOWN))
+
+    def debug_state(self) -> dict[str, object]:
+        """Queue lengths and bounds per priority band, for `GET /debug/state` (no fairness ids: clients choose them)."""
+        bands = [self._bands[p] for p in self._priorities]
+        return {"queued_requests": self.queued_requests, "queued_bytes": self.queued_bytes,
+                "dispatched_unplaced": self._unplaced, "max_requests": self.config.max_requests,
+                "max_bytes": self.config.max_bytes,
+                "bands": [{"priority": band.priority, "requests": band.requests, "bytes": band.bytes,
+                           "flows": len(band.flows), "max_requests": band.max_requests, "max_bytes": band.max_bytes}
+                          for band in bands]}

@@ -290,6 +290,13 @@ class InflightLedger:
         """Endpoints with work in flight."""
         return list(self._books)
 
+    def debug_state(self) -> dict[str, Any]:
+        """Counts, bounds and the learned prefill speeds, for `GET /debug/state` (per-endpoint loads: `load`)."""
+        return {"bookings": len(self._all), "prefilling": len(self._prefilling), "capacity": self.capacity,
+                "dropped": self.dropped, "request_timeout_s": self.request_timeout_s,
+                "prefill_timeout_s": self.prefill_timeout_s,
+                "learned_prefill_s_per_token": dict(self._s_per_token)}
+
     # -- writing ----------------------------------------------------------------------------
 
     def add_observer(self, observer: Observer) -> None:

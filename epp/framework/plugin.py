@@ -160,6 +160,15 @@ class Plugin:
         """The resolved settings on one line for `epp check-config`; empty: the configured parameters."""
         return ""
 
+    def debug_state(self) -> Mapping[str, Any]:
+        """A small JSON-ready summary of this plugin's state for `GET /debug/state`; default: none.
+
+        Sizes, capacities, counts and learned values only, never request content (prompts,
+        session ids, headers). It is called on the event loop only when an operator asks, so it
+        may read the plugin's structures directly, but must stay bounded: no walk over an index.
+        """
+        return {}
+
     async def start(self) -> None:
         """Start background work (called once the server runs); default: nothing."""
 

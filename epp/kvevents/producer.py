@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from epp.framework import (
@@ -177,6 +177,10 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
         await self.index.stop()
         if self.tokenizers is not None:
             self.tokenizers.close()
+
+    def debug_state(self) -> Mapping[str, Any]:
+        return {"index_backend": type(self.index).__name__, "block_size_tokens": self.block_size,
+                "engine_blocks": {ep: self.index.engine_blocks(ep) for ep in self.index.endpoints()}}
 
     # ---- producing -----------------------------------------------------------------------------
     def produces(self) -> frozenset[str]:

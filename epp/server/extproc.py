@@ -22,6 +22,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf.message import DecodeError
 
+from epp.debug.scores import ENDPOINT_SCORES_KEY, endpoint_scores_of
 from epp.framework.errors import DropReason, ErrorCode, InferenceError
 from epp.limits import Limits
 from epp.logutil import Throttled, log_failure
@@ -162,6 +163,8 @@ class _Stream:
         set_headers.extend((k, v) for k, v in life.state.request_headers().items()
                            if k not in (messages.DESTINATION_ENDPOINT_HEADER, REQUEST_ID_HEADER))
         replies = [messages.request_headers_response(set_headers, destination=destination)]
+        if self.service.emit_endpoint_scores and (scores := endpoint_scores_of(life.state)) is not None:
+            messages.set_lb_metadata(replies[0], ENDPOINT_SCORES_KEY, scores)
         replies.extend(messages.request_body_response(piece, eos)
                        for piece, eos in messages.streamed_body_chunks(forwarded, end_of_stream=end_of_stream))
         self.rewriter = ResponseRewriter(request.model, request.target_model)
@@ -259,8 +262,11 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
     """`envoy.service.ext_proc.v3.ExternalProcessor` implemented as the GIE endpoint picker."""
 
     def __init__(self, director: Director, parser: RequestParser, metrics: EppMetrics, *,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, limits: Limits | None = None) -> None:
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, limits: Limits | None = None,
+                 emit_endpoint_scores: bool = False) -> None:
         self.director = director
+        # The pick's scores in the headers reply's `envoy.lb` metadata (the scheduler records them).
+        self.emit_endpoint_scores = emit_endpoint_scores
         # Request and token metrics of every stream; label children cached across requests.
         self.accounting = RequestAccounting(metrics)
         self.parser = parser

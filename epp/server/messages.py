@@ -63,6 +63,11 @@ def request_headers_response(set_headers: Iterable[tuple[str, str]], *,
     return response
 
 
+def set_lb_metadata(response: pb.ProcessingResponse, key: str, value: str) -> None:
+    """Add a string under `envoy.lb` to a reply's dynamic metadata (`--emit-endpoint-scores`)."""
+    response.dynamic_metadata.fields[LB_METADATA_NAMESPACE].struct_value.fields[key].string_value = value
+
+
 def streamed_body_chunks(body: bytes, *, end_of_stream: bool = True,
                          limit: int = BODY_CHUNK_LIMIT) -> Iterator[tuple[bytes, bool]]:
     """Split a body into pieces of at most `limit` bytes; an empty body still yields one piece."""

@@ -6,22 +6,21 @@ import asyncio
 import gc
 import logging
 import socket
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2_grpc
-from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from epp.config import LoadedConfig, load_config_or_default
 from epp.datalayer.freshness import freshness_window
 from epp.datalayer.objectives import ObjectivePriorities
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
+from epp.debug.explain import ExplainInput, explain
+from epp.debug.http import DebugRoutes, metrics_app, start_metrics_http
+from epp.debug.state import StateSnapshot, collect_state, server_summary
 from epp.framework.plugin import PluginContext, ResponseCompleteHook
 from epp.limits import Limits
 from epp.load_metrics import register_ledger_metrics
@@ -85,6 +84,10 @@ class ServeOptions:
     worker_peer_link: bool = True
     # With peers: each endpoint is scraped by one picker, which shares the page (False: all scrape all).
     shared_scrapes: bool = True
+    # The pick's scores in the headers reply's `envoy.lb` metadata: None (off), "totals" or "scorers".
+    emit_endpoint_scores: str | None = None
+    # GET /debug/state and POST /debug/explain on the metrics port (epp.debug).
+    enable_debug_endpoint: bool = False
 
 
 class EppServer:
@@ -111,6 +114,7 @@ class EppServer:
         self.leader: Any = None
         self.peer: Any = None
         self._gc_pauses = GcPauseRecorder(self.metrics)
+        self.parser: RequestParser | None = None
 
     def is_ready(self) -> bool:
         """Ready once discovery produced endpoints (and, with leader election, while leader), until shutdown."""
@@ -160,8 +164,11 @@ class EppServer:
         limits = opts.limits
         parser = RequestParser(objectives, max_json_depth=limits.max_json_depth)
         parser.objective_priorities = self.objectives  # a live view: InferenceObjectives change at run time
+        self.parser = parser
+        if opts.emit_endpoint_scores is not None:
+            pipeline.scheduler.record_scores(detailed=opts.emit_endpoint_scores == "scorers")
         service = ExtProcService(self.director, parser, self.metrics, max_body_bytes=opts.max_body_bytes,
-                                 limits=limits)
+                                 limits=limits, emit_endpoint_scores=opts.emit_endpoint_scores is not None)
         # Large bodies arrive in Envoy-sized pieces; the cap on whole messages only needs headroom.
         grpc_options = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
                         ("grpc.max_send_message_length", 64 * 1024 * 1024)]
@@ -180,9 +187,10 @@ class EppServer:
                                  "--grpc-health-port")
         await self._grpc.start()
         await self._health.start()
+        debug = self._debug_routes() if opts.enable_debug_endpoint else None
         try:
             self._metrics_http = start_metrics_http(private_host, 0 if worker else opts.metrics_port,
-                                                    self.metrics.registry)
+                                                    metrics_app(self.metrics.registry, debug))
         except OSError as exc:
             raise BindError(f"cannot listen on {opts.bind_address}:{opts.metrics_port} (--metrics-port): "
                             f"{exc.strerror or exc}") from None
@@ -192,6 +200,21 @@ class EppServer:
             lambda: sum(1 for ep in self.endpoints.snapshot() if ep.healthy))
         log.info("epp serving ext_proc on :%d, health on :%d, metrics on :%d, %d endpoint(s)",
                  self.grpc_port, self.health_port, self.metrics_port, len(self.endpoints))
+
+    def _debug_routes(self) -> DebugRoutes:
+        """The `/debug` routes, run on this server's event loop."""
+        assert self.pipeline is not None and self.director is not None and self.parser is not None
+        pipeline, director, parser = self.pipeline, self.director, self.parser
+
+        async def state() -> StateSnapshot:
+            summary = server_summary(pipeline, ready=self.is_ready(), draining=self.draining)
+            return collect_state(pipeline, self.endpoints, director.ledger,
+                                 freshness_s=director.metrics_freshness_s, server=summary)
+
+        async def explained(given: ExplainInput) -> dict[str, Any]:
+            return await explain(director, parser, given)
+
+        return DebugRoutes(asyncio.get_running_loop(), state, explained)
 
     @property
     def scraper(self) -> MetricsScraper | None:
@@ -248,30 +271,6 @@ class EppServer:
     async def wait(self) -> None:
         if self._grpc is not None:
             await self._grpc.wait_for_termination()
-
-
-class _MetricsHTTPServer(ThreadingMixIn, WSGIServer):
-    daemon_threads = True  # a scrape in progress does not hold up the process's exit
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        """Log nothing: a scrape is not news."""
-
-
-# How often the metrics thread looks for a shutdown request: stop() waits up to this long for it.
-METRICS_HTTP_POLL_S = 0.05
-
-
-def start_metrics_http(host: str, port: int, registry: CollectorRegistry) -> WSGIServer:
-    """Serve `registry` at http://host:port/metrics from a daemon thread, as prometheus_client's
-    start_http_server does, but polled every 50 ms: its 0.5 s poll held each stop() that long."""
-    server_class = type("MetricsHTTPServer", (_MetricsHTTPServer,),
-                        {"address_family": socket.AF_INET6 if ":" in host else socket.AF_INET})
-    httpd = make_server(host, port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler)
-    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": METRICS_HTTP_POLL_S},
-                     name="epp-metrics-http", daemon=True).start()
-    return httpd
 
 
 def probe_port(host: str, port: int, flag: str) -> None:
