@@ -18,14 +18,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from epp.config.pipeline import plugin_kinds
 from epp.framework.load import EndpointLoad, InflightLedger
 from epp.framework.types import Endpoint
 from epp.logutil import log_failure
+from epp.requestcontrol.pipeline import plugin_kinds
 
 if TYPE_CHECKING:
-    from epp.config import LoadedConfig
     from epp.datalayer.registry import EndpointRegistry
+    from epp.requestcontrol.pipeline import LoadedConfig
 
 log = logging.getLogger(__name__)
 
