@@ -9,9 +9,9 @@ import pytest
 
 from epp.debug.state import MAX_PLUGIN_STATE_BYTES
 from epp.framework import Scorer
-from tests.blackbox.pods import wait_until
-from tests.configs import endpoint_picker_config, plugin
-from tests.extproc_support import ExtProcClient, options, pipeline_of, request_body, request_headers, started
+from tests.support.configs import endpoint_picker_config, plugin
+from tests.support.extproc import ExtProcClient, options, pipeline_of, request_body, request_headers, started
+from tests.support.wait import wait_until
 
 SESSION = "session-of-alice-7f3a"
 PROMPT = "a secret prompt the debug page must never show " * 8

@@ -17,9 +17,9 @@ from epp.datalayer.registry import parse_endpoint_list
 from epp.debug.scores import ENDPOINT_SCORES_KEY
 from epp.envoy import EnvoyProcess, render_config
 from epp.server.runner import EppServer, ServeOptions
-from tests.backends import EchoBackend
-from tests.configs import endpoint_picker_config
-from tests.conftest import free_port
+from tests.support.backends import EchoBackend
+from tests.support.configs import endpoint_picker_config
+from tests.support.ports import free_port
 
 pytestmark = [pytest.mark.envoy, pytest.mark.timeout(60)]
 

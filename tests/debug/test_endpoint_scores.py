@@ -6,9 +6,9 @@ import json
 
 from epp.debug.scores import ENDPOINT_SCORES_KEY, MAX_ENDPOINTS, MAX_VALUE_BYTES, endpoint_scores_value
 from epp.framework.scheduler import SCORE_TRACE_STATE_KEY, score_trace
-from tests.configs import endpoint_picker_config, plugin
-from tests.extproc_support import ExtProcClient, request_body, request_headers, started
-from tests.scheduling.sched_fixtures import DirectorHarness, endpoint, request
+from tests.support.configs import endpoint_picker_config, plugin
+from tests.support.extproc import ExtProcClient, request_body, request_headers, started
+from tests.support.scheduling import DirectorHarness, endpoint, request
 
 QUEUE_AND_KV = endpoint_picker_config(["queue-scorer", "kv-cache-utilization-scorer"],
                                       {"queue-scorer": 2, "kv-cache-utilization-scorer": 1})

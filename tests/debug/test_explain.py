@@ -13,10 +13,10 @@ from epp.debug.cli import format_answer
 from epp.debug.explain import ExplainInput, explain, parse_explain_input
 from epp.framework import Admitter, DataProducer, ErrorCode, InferenceError
 from epp.request.parsing import RequestParser
-from tests.blackbox.pods import wait_until
-from tests.configs import endpoint_picker_config, plugin
-from tests.extproc_support import pipeline_of, started
-from tests.scheduling.sched_fixtures import DirectorHarness, endpoint, request
+from tests.support.configs import endpoint_picker_config, plugin
+from tests.support.extproc import pipeline_of, started
+from tests.support.scheduling import DirectorHarness, endpoint, request
+from tests.support.wait import wait_until
 
 CONFIG = endpoint_picker_config(
     [plugin("approx-prefix-cache-producer", autoTune=False), "prefix-cache-scorer", "queue-scorer",

@@ -19,8 +19,8 @@ from epp.engine.sim.fleet import default_tokenizer_dir
 from epp.engine.sim.server import REPLICA_HEADER
 from epp.envoy import EnvoyProcess, render_config
 from epp.netutil import free_ports
-from tests.configs import endpoint_picker_config, plugin
-from tests.precise.support import prompt_of
+from tests.support.configs import endpoint_picker_config, plugin
+from tests.support.precise import prompt_of
 
 pytestmark = [pytest.mark.envoy, pytest.mark.timeout(120)]
 

@@ -12,7 +12,7 @@ from epp.kvevents import producer as precise_prefix
 from epp.kvevents.decoding import decode_batch
 from epp.scorers.ttft_calibration import TERMS
 from tests.kvevents import wire
-from tests.scheduling.sched_fixtures import DirectorHarness, endpoint, make_plugin, request
+from tests.support.scheduling import DirectorHarness, endpoint, make_plugin, request
 
 SECRET = "a prompt the debug state must never contain"
 A, B = endpoint(0), endpoint(1)
