@@ -34,6 +34,7 @@ class KVIndexBase(ABC):
         self._claims = SpeculativeClaims(speculative_capacity)
         self._spec = self._claims.by_key  # read directly by the hot paths
         self._pools: dict[str, str] = {}
+        self.metrics.bind_speculative(lambda: len(self._claims))
 
     # ---- the engine map's holder changes (engine_map.Holders) ------------------------------------
     @abstractmethod
@@ -88,7 +89,9 @@ class KVIndexBase(ABC):
         for key in self._unheld(endpoint, keys):
             self._claims.claim(endpoint, key, expiry)
             claimed += 1
-        self._claims.trim()
+        evicted = self._claims.trim()
+        if evicted:
+            self.metrics.speculative_evictions.inc(evicted)
         return claimed
 
     def _unheld(self, endpoint: str, keys: Sequence[int]) -> Iterable[int]:

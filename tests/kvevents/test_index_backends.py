@@ -109,6 +109,22 @@ async def test_the_engine_map_bound_trims_the_oldest_blocks_a_batch_at_a_time_on
         await index.stop()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_speculative_claims_are_bounded_oldest_first_and_counted_on_both_backends(backend, request):
+    registry = CollectorRegistry()
+    index = await make_index(backend, request, registry, speculative_capacity=4)
+    try:
+        keys = index.keyer.request_keys(T[:24], MODEL)
+        assert index.add_speculative(A, keys) == 6  # 6 claims > 4: the two oldest go
+        assert index.speculative_entries() == 4
+        assert registry.get_sample_value("epp_kv_index_speculative_entries") == 4
+        assert registry.get_sample_value("epp_kv_index_speculative_evictions_total") == 2
+        assert await matched(index, T[:24]) == {}  # the prompt's first blocks are no longer claimed
+        assert await index.lookup_async(keys[2:]) == {A: [Tier.GPU] * 4}
+    finally:
+        await index.stop()
+
+
 def random_stream(seed: int, n_batches: int = 150) -> tuple[dict[str, Any], list[tuple[str, list[Any]]], list]:
     """Index options and batches (endpoint, events) of vLLM-like events from three engines of
     different block sizes storing, offloading, evicting and clearing chains of a few shared
