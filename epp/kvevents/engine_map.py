@@ -33,6 +33,7 @@ Policies (documented because they are choices):
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
@@ -68,12 +69,15 @@ def trim_target(capacity: int) -> int:
 class Holders(Protocol):
     """Where an engine map's holder changes go: the in-memory entries, or writes queued for Redis."""
 
+    @abstractmethod
     def hold(self, endpoint: str, keys: Sequence[int], bits: int) -> None:
         """`endpoint` holds each of `keys` in the tiers of `bits` too (touched; confirms its claims)."""
 
+    @abstractmethod
     def release(self, endpoint: str, keys: Iterable[int], bits: int) -> None:
         """`endpoint` no longer holds `keys` in the tiers of `bits`."""
 
+    @abstractmethod
     def release_endpoint(self, endpoint: str, keys: Iterable[int]) -> int:
         """`endpoint` holds nothing any more (`keys`: all its map knew, claims too); entries released."""
 

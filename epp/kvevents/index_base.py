@@ -7,10 +7,9 @@ A backend (`index.KVBlockIndex` in memory, `redis_index.RedisKVIndex` on Redis) 
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 
-from epp.kvevents.engine_map import EngineMap
+from epp.kvevents.engine_map import EngineMap, Holders
 from epp.kvevents.keys import BlockKeyer
 from epp.kvevents.metrics import KVIndexMetrics
 from epp.kvevents.speculative import SpeculativeClaims
@@ -18,8 +17,9 @@ from epp.kvevents.speculative import SpeculativeClaims
 DEFAULT_POOL = "both"  # an endpoint with no P/D role prefills and decodes: the aggregated pool
 
 
-class KVIndexBase(ABC):
-    """Request keys, the engine map feeding this backend's entries, speculative claims and pools."""
+class KVIndexBase(Holders):
+    """Request keys, the engine map feeding this backend's entries (the `Holders` a backend
+    implements: `hold`, `release`, `release_endpoint`), speculative claims and pools."""
 
     def __init__(self, block_size: int, *, engine_capacity_per_endpoint: int, offload_chunk_blocks: int,
                  speculative_ttl_s: float, speculative_capacity: int, metrics: KVIndexMetrics | None,
@@ -35,19 +35,6 @@ class KVIndexBase(ABC):
         self._spec = self._claims.by_key  # read directly by the hot paths
         self._pools: dict[str, str] = {}
         self.metrics.bind_speculative(lambda: len(self._claims))
-
-    # ---- the engine map's holder changes (engine_map.Holders) ------------------------------------
-    @abstractmethod
-    def hold(self, endpoint: str, keys: Sequence[int], bits: int) -> None:
-        """`endpoint` holds each of `keys` in the tiers of `bits` too (touched; confirms its claims)."""
-
-    @abstractmethod
-    def release(self, endpoint: str, keys: Iterable[int], bits: int) -> None:
-        """`endpoint` no longer holds `keys` in the tiers of `bits`."""
-
-    @abstractmethod
-    def release_endpoint(self, endpoint: str, keys: Iterable[int]) -> int:
-        """`endpoint` holds nothing any more (`keys`: all its map knew, claims too); entries released."""
 
     # ---- endpoints -------------------------------------------------------------------------------
     def endpoints(self) -> list[str]:
