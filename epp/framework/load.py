@@ -427,18 +427,35 @@ def _text_length(value: Any, budget: int, depth: int = 0) -> int:
     for item in items:
         if total >= budget:
             break
-        if isinstance(item, int) and not isinstance(item, bool):
+        # Strings and token ids counted in place: a chat's messages hold hundreds of them.
+        cls = type(item)
+        if cls is str:
+            total += min(len(item), budget - total)
+        elif cls is int:
             total += CHARACTERS_PER_TOKEN  # a token id
+        elif isinstance(item, int) and not isinstance(item, bool):
+            total += CHARACTERS_PER_TOKEN
         else:
             total += _text_length(item, budget - total, depth + 1)
     return total
 
 
-def prompt_characters(request: InferenceRequest, limit: int = 1 << 22) -> int:
-    """Characters of the request's prompt text (strings of prompt/messages/input; a token id counts 4)."""
-    body = request.body
+def body_prompt_characters(body: Mapping[str, Any], limit: int = 1 << 22) -> int:
+    """Characters of a request body's prompt text (strings of prompt/messages/input; a token id counts 4)."""
     parts = [body.get(key) for key in ("prompt", "messages", "input", "instructions", "items") if key in body]
     return _text_length(parts, limit)
+
+
+def prompt_characters(request: InferenceRequest, limit: int = 1 << 22) -> int:
+    """Characters of the request's prompt text (strings of prompt/messages/input; a token id counts 4).
+
+    Counted once per request when the parser did (`request.prompt_chars`): a count below `limit`
+    is what the walk up to `limit` gives too, so only a prompt as long as the limit is walked again.
+    """
+    counted = request.prompt_chars
+    if counted is not None and counted < limit:
+        return counted
+    return body_prompt_characters(request.body, limit)
 
 
 def estimate_prompt_tokens(request: InferenceRequest, limit_tokens: int = 1 << 20) -> int:
