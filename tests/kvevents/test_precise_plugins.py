@@ -160,7 +160,7 @@ async def test_string_prompts_are_tokenized_with_the_models_tokenizer(tmp_path):
         req = InferenceRequest("r", ApiKind.COMPLETIONS, "tiny", "tiny", {"prompt": "the cache block " * 20})
         tokens = await prod.prompt_tokens(req)
         assert tokens and tokens[0] == prod.tokenizers.load("tiny").special_prefix[0]
-        prod.index.apply_batch(A.name, decode_batch(wire.encode_batch([wire.stored([1], tokens[:BS])])), "tiny")
+        prod.index.apply_batch(A.name, decode_batch(wire.encode_batch([wire.stored([1], list(tokens[:BS]))])), "tiny")
         state = CycleState()
         await prod.prepare(state, req, [A])
         assert state.endpoint_data(PREFIX_MATCH_INFO, A.name).matched_blocks == 1
