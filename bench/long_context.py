@@ -10,8 +10,16 @@ index after each pick (outside the timing), so that each turn's lookup walks a r
 Reported per pipeline: the mean of the last `--tail` turns against the mean of fresh 2 KB
 prompts (a new conversation each) measured in the same run, interleaved.
 
+With `--grpc` the same conversation goes over gRPC to `epp serve` (its own process) as Envoy
+would send it, and a row for `bench/minimal_picker.py` (random pick, bodies re-emitted: what any
+Python ext_proc picker pays to receive and re-send a body) shows the transport's own ratio.
+Timed there: from the first request message sent to the routing reply and the re-emitted body
+received, at the client; CPU: the picker process's, from /proc, over the same turns. No KV
+events reach that picker: the precise pipeline's matches are its own claims (speculativeTTL).
+
     python bench/long_context.py                                  # default, approximate, precise
     python bench/long_context.py --pipelines precise --profile /tmp/precise.prof
+    python bench/long_context.py --grpc --pipelines minimal,default,approximate,precise
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import cProfile
 import json
 import random
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -216,6 +225,107 @@ async def measure(pipeline: str, kb: int, tail: int, fresh: int, profile: str | 
     return result
 
 
+async def measure_grpc(pipeline: str, kb: int, tail: int, fresh: int) -> dict:
+    """The same conversation over gRPC to `epp serve` (or the minimal picker) in its own process."""
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    from epp.netutil import free_ports
+
+    port, health, metrics = free_ports(3)
+    endpoints = ",".join(f"127.0.0.1:{9100 + i}" for i in range(ENDPOINTS))
+    if pipeline == "minimal":
+        argv = [sys.executable, str(Path(__file__).with_name("minimal_picker.py")), str(port), endpoints]
+    else:
+        config = Path(f"/tmp/long-context-{pipeline}-{port}.yaml")
+        config.write_text(pipeline_config(pipeline, default_tokenizer_dir()))
+        argv = [sys.executable, "-m", "epp.cli", "serve", "--grpc-port", str(port), "--grpc-health-port", str(health),
+                "--metrics-port", str(metrics), "--bind-address", "127.0.0.1", "--endpoints", endpoints,
+                "--refresh-metrics-interval", "3600", "--config-file", str(config)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[
+                ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]) as channel:
+            stub = pb_grpc.ExternalProcessorStub(channel)
+
+            async def one(body: bytes) -> float:
+                msgs = messages_for(body)
+                requests = [m for m in msgs if m.WhichOneof("request") in ("request_headers", "request_body")]
+                responses = msgs[len(requests):]
+                call = stub.Process()
+                t0 = time.perf_counter()
+                for m in requests:
+                    await call.write(m)
+                replies = 1 + (len(body) + 61_999) // 62_000  # the routing reply, then the body's pieces
+                for _ in range(replies):
+                    await call.read()
+                wall = time.perf_counter() - t0
+                for m in responses:
+                    await call.write(m)
+                    await call.read()
+                await call.done_writing()
+                return wall
+
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    await one(Conversation(0).ask())
+                    break
+                except grpc.aio.AioRpcError:
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.3)
+            fresh_rng = random.Random(2)
+            for _ in range(20):
+                await one(Conversation(fresh_rng.randrange(1 << 30)).ask())
+            convo = Conversation(seed=1)
+            long_walls: list[float] = []
+            fresh_walls: list[float] = []
+            long_cpu = fresh_cpu = 0.0
+            every = max(1, kb // fresh)
+            turn = 0
+            while True:
+                body = convo.ask()
+                last = len(body) >= kb * 1024
+                in_tail = len(body) >= (kb - tail) * 1024
+                c0 = _process_cpu_s(proc.pid)
+                wall = await one(body)
+                if in_tail:
+                    long_walls.append(wall)
+                    long_cpu += _process_cpu_s(proc.pid) - c0
+                convo.answered()
+                turn += 1
+                if turn % every == 0 or last:
+                    other = Conversation(fresh_rng.randrange(1 << 30), system_bytes=1600)
+                    c0 = _process_cpu_s(proc.pid)
+                    fresh_walls.append(await one(other.ask()))
+                    fresh_cpu += _process_cpu_s(proc.pid) - c0
+                if last:
+                    break
+    finally:
+        proc.terminate()
+        proc.wait(15)
+    result = {"pipeline": pipeline, "turns": turn, "last_body_bytes": len(body),
+              "long_wall_ms": statistics.median(long_walls) * 1e3,
+              "long_cpu_ms": long_cpu / len(long_walls) * 1e3,
+              "fresh_wall_ms": statistics.median(fresh_walls) * 1e3,
+              "fresh_cpu_ms": fresh_cpu / len(fresh_walls) * 1e3}
+    result["ratio_wall"] = result["long_wall_ms"] / result["fresh_wall_ms"]
+    result["ratio_cpu"] = result["long_cpu_ms"] / max(result["fresh_cpu_ms"], 1e-9)
+    return result
+
+
+def _process_cpu_s(pid: int) -> float:
+    """CPU seconds of a process's live threads in nanoseconds' resolution (/proc/<pid>/task/*/schedstat)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that just ended
+    return total / 1e9
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pipelines", default="default,approximate,precise")
@@ -223,13 +333,19 @@ def main() -> None:
     parser.add_argument("--tail", type=int, default=20, help="turns averaged at the end (default 20)")
     parser.add_argument("--fresh", type=int, default=40, help="fresh 2 KB prompts interleaved (default 40)")
     parser.add_argument("--profile", help="write a cProfile of the last turns here (one pipeline)")
+    parser.add_argument("--grpc", action="store_true", help="over gRPC to `epp serve` in its own process")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     results = []
     for name in args.pipelines.split(","):
-        results.append(asyncio.run(measure(name, args.kb, args.tail, args.fresh, args.profile)))
-    print(f"\nconversation to {args.kb} KB (~1 KB a turn), mean of the last {args.tail} turns against fresh "
-          f"~2 KB prompts in the same run; {ENDPOINTS} endpoints, in-process, no gRPC\n")
+        if args.grpc:
+            results.append(asyncio.run(measure_grpc(name, args.kb, args.tail, args.fresh)))
+        else:
+            results.append(asyncio.run(measure(name, args.kb, args.tail, args.fresh, args.profile)))
+    how = ("over gRPC, wall: median, CPU: the picker process's mean" if args.grpc
+           else "in-process, no gRPC, means")
+    print(f"\nconversation to {args.kb} KB (~1 KB a turn), the last {args.tail} turns against fresh "
+          f"~2 KB prompts in the same run; {ENDPOINTS} endpoints, {how}\n")
     print("| pipeline | turns | last body (KB) | long turn wall / CPU (ms) | fresh 2 KB wall / CPU (ms) | "
           "ratio wall / CPU |")
     print("|---|---:|---:|---:|---:|---:|")

@@ -70,8 +70,9 @@ class BlockKeyer:
         return self.chain(self.root(model, cache_salt), tokens)
 
 
-# Keys of about 40 conversations of 200 KB (50k tokens: 200 KB of token ids and 25 KB of keys each).
-DEFAULT_KEY_CACHE_BYTES = 8 * 1024 * 1024
+# 4.5 bytes a token (its id, and a key per 16): the prompts of about as many tokens as the
+# tokenization cache holds by default (4M), e.g. 80 conversations of 200 KB.
+DEFAULT_KEY_CACHE_BYTES = 32 * 1024 * 1024
 
 
 class BlockKeyCache:
