@@ -20,7 +20,8 @@ its own claims (speculativeTTL), which it renews in full at each pick.
 
     python bench/sustained_qps.py --sizes 2 --rates 50,100,200,400,800 --out bench/results/pick-cost-2k
     python bench/sustained_qps.py --sizes 200 --rates 10,20,40,80,160 --out bench/results/pick-cost-200k
-    python bench/sustained_qps.py --pipelines default --sizes 2 --rates 100 --lean --peers --out bench/results/pick-cost-peers
+    python bench/sustained_qps.py --pipelines default --sizes 2,50 --rates 50,200 --deployments default,lean --peers \
+        --out bench/results/pick-cost-peers
 """
 
 from __future__ import annotations
@@ -373,10 +374,12 @@ async def run_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         try:
             for size in args.sizes:
                 plans: list[tuple[str, Any]] = []
-                for pipeline in args.pipelines:
-                    for workers in [1, *args.workers]:
-                        plans.append((f"epp {pipeline}" + (f" --workers {workers}" if workers > 1 else ""),
-                                      (pipeline, workers)))
+                for deployment in args.deployments:
+                    for pipeline in args.pipelines:
+                        for workers in [1, *args.workers]:
+                            label = f"epp {pipeline}" + (f" --workers {workers}" if workers > 1 else "") + (
+                                " (lean)" if deployment == "lean" else "")
+                            plans.append((label, (pipeline, workers, deployment == "lean")))
                 if args.peers:
                     plans += [(kind, kind) for kind in ("vllm-router", "sglang-router")]
                 for label, plan in plans:
@@ -393,19 +396,20 @@ async def run_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 async def run_row(args: argparse.Namespace, label: str, plan: Any, size_kb: int, endpoints: list[str], direct: Router,
                   workdir: Path, tokenizer_dir: str) -> dict[str, Any]:
     print(f"-- {label}, {size_kb} KB", file=sys.stderr, flush=True)
+    lean = False
     if isinstance(plan, tuple):
-        pipeline, workers = plan
-        serve_args = ["--refresh-metrics-interval", "0.5"] if args.lean else []
-        router = await start_epp(f"{pipeline}-w{workers}-{size_kb}k", pipeline_config(pipeline, tokenizer_dir),
-                                 endpoints, workdir, workers=workers, responses="headers" if args.lean else "full",
-                                 serve_args=serve_args)
+        pipeline, workers, lean = plan
+        serve_args = ["--refresh-metrics-interval", "0.5"] if lean else []
+        router = await start_epp(f"{pipeline}-w{workers}-{size_kb}k{'-lean' if lean else ''}",
+                                 pipeline_config(pipeline, tokenizer_dir), endpoints, workdir, workers=workers,
+                                 responses="headers" if lean else "full", serve_args=serve_args)
     else:
         router = await start_peer(plan, endpoints, workdir)
     client = Client(size_kb * 1024, seed=size_kb)
     try:
         await client.run(router.url, args.warmup_rate, CONVERSATIONS / args.warmup_rate * 2)  # every conversation seen
         await client.run(direct.url, args.warmup_rate, 2)
-        for rate in args.rates:
+        for rate in (args.peer_rates or args.rates) if not isinstance(plan, tuple) else args.rates:
             result = await step(client, router, direct, rate, args.seconds, args.bound_ms)
             router.steps.append(result)
             print(f"   {rate:>6g}/s  answered {result['answered']}/{result['sent']}  picker {result['picker_cpu_us']:.0f} "
@@ -417,22 +421,23 @@ async def run_row(args: argparse.Namespace, label: str, plan: Any, size_kb: int,
         client.close()
         await router.stop()
     held = [s["rate"] for s in router.steps if s["held"]]
-    return {"router": label, "size_kb": size_kb, "lean": args.lean, "bound_ms": args.bound_ms,
+    return {"router": label, "size_kb": size_kb, "lean": lean, "bound_ms": args.bound_ms,
             "highest_rate_held": max(held) if held else 0, "steps": router.steps, "notes": router.notes}
 
 
 # ---- report -----------------------------------------------------------------------------------------
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    mode = ("lean: --responses headers, scraping every 0.5 s" if args.lean
-            else "default: --responses full, scraping every 50 ms")
-    lines = [f"# Sustained QPS ({mode})", "",
+    lines = ["# Sustained QPS through Envoy", "",
+             "Deployments: default = `--responses full`, scraping every 50 ms; lean = `--responses headers`, "
+             "scraping every 0.5 s (README). Router CPU = the picker's process(es) + its Envoy; the Rust peers "
+             "are HTTP proxies (no Envoy).", "",
              f"Command: `python bench/sustained_qps.py {' '.join(sys.argv[1:])}`", "",
              f"{REPLICAS} fake replicas, {CONVERSATIONS} multi-turn conversations per size, open-loop Poisson "
              f"arrivals, {args.seconds:g} s per rate and path, bound: p99 added <= {args.bound_ms:g} ms. "
              f"Machine: {os.cpu_count()} CPUs, shared with the client, Envoys and replicas.", "",
              "| router | prompt | highest rate held (req/s) | picker CPU µs/req at that rate | "
-             "requests per picker CPU-second | Envoy CPU µs/req |", "|---|---:|---:|---:|---:|---:|"]
+             "requests per picker CPU-second | Envoy CPU µs/req | router CPU µs/req |", "|---|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         steps = {s["rate"]: s for s in row["steps"]}
         at = steps.get(row["highest_rate_held"]) or (row["steps"][0] if row["steps"] else None)
@@ -440,7 +445,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
             continue
         lines.append(f"| {row['router']} | {row['size_kb']} KB | {row['highest_rate_held']:g} | "
                      f"{at['picker_cpu_us']:,.0f} | {1e6 / max(at['picker_cpu_us'], 1):,.0f} | "
-                     f"{at['envoy_cpu_us']:,.0f} |")
+                     f"{at['envoy_cpu_us']:,.0f} | {at['picker_cpu_us'] + at['envoy_cpu_us']:,.0f} |")
     lines += ["", "Per rate:", "", "| router | prompt | rate | answered/sent | picker CPU µs/req | picker cores | "
               "p50 / p99 direct (ms) | added p50 / p99 (ms) | held |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for row in rows:
@@ -488,9 +493,14 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=6.0, help="seconds per rate and path (default 6)")
     parser.add_argument("--bound-ms", type=float, default=10.0, help="p99 added latency a held rate stays under")
     parser.add_argument("--warmup-rate", type=float, default=20.0)
-    parser.add_argument("--lean", action="store_true",
-                        help="the lean deployment: `--responses headers` and scraping every 0.5 s")
+    parser.add_argument("--deployments", default="default", type=lambda s: [d for d in s.split(",") if d],
+                        help="default (`--responses full`, scraping every 50 ms) and/or lean (`--responses "
+                             "headers`, scraping every 0.5 s)")
+    parser.add_argument("--lean", dest="deployments", action="store_const", const=["lean"],
+                        help="the same as --deployments lean")
     parser.add_argument("--peers", action="store_true", help="also run vllm-router and sglang-router (cache_aware)")
+    parser.add_argument("--peer-rates", type=lambda s: [float(x) for x in s.split(",") if x],
+                        help="the peers' rates (default: --rates)")
     parser.add_argument("--out", type=Path, required=True, help="result folder (report.md, results.json, plots)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

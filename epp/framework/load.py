@@ -424,17 +424,29 @@ def _text_length(value: Any, budget: int, depth: int = 0) -> int:
         return 0
     total = 0
     items: Iterable[Any] = value.values() if isinstance(value, Mapping) else value if isinstance(value, list) else ()
+    # Strings and token ids are counted in place, and so is one level of plain dicts: a chat's
+    # messages are hundreds of dicts of strings (a call per value tripled the cost of a long chat).
     for item in items:
         if total >= budget:
             break
-        # Strings and token ids counted in place: a chat's messages hold hundreds of them.
         cls = type(item)
         if cls is str:
-            total += min(len(item), budget - total)
-        elif cls is int:
+            rest = budget - total
+            total += len(item) if len(item) < rest else rest
+        elif cls is dict and depth < 7:
+            for child in item.values():
+                if total >= budget:
+                    break
+                kind = type(child)
+                if kind is str:
+                    rest = budget - total
+                    total += len(child) if len(child) < rest else rest
+                elif kind is int or (isinstance(child, int) and not isinstance(child, bool)):
+                    total += CHARACTERS_PER_TOKEN  # a token id
+                else:
+                    total += _text_length(child, budget - total, depth + 2)
+        elif cls is int or (isinstance(item, int) and not isinstance(item, bool)):
             total += CHARACTERS_PER_TOKEN  # a token id
-        elif isinstance(item, int) and not isinstance(item, bool):
-            total += CHARACTERS_PER_TOKEN
         else:
             total += _text_length(item, budget - total, depth + 1)
     return total

@@ -88,3 +88,31 @@ def test_a_prompt_at_the_limit_passes_and_one_past_it_is_413():
         parse(b'{"model":"m","prompt":"0123456789a"}', {":path": "/v1/completions"}, parser)
     assert err.value.code.http_status == 413
     assert "prompt exceeds the limit of 10 characters" in str(err.value)
+
+
+def _reference_text_length(value, budget: int, depth: int = 0) -> int:
+    """The prompt count as first written (one call per value): what the faster walk must equal."""
+    if isinstance(value, str):
+        return min(len(value), budget)
+    if depth >= 8:
+        return 0
+    total = 0
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    for item in items:
+        if total >= budget:
+            break
+        if isinstance(item, int) and not isinstance(item, bool):
+            total += 4
+        else:
+            total += _reference_text_length(item, budget - total, depth + 1)
+    return total
+
+
+def test_the_prompt_count_equals_the_one_call_per_value_walk_at_any_depth_and_budget():
+    rng = random.Random(21)
+    for _ in range(3000):
+        value = _random_json(rng, rng.randint(1, 12))
+        body = {"messages": [value, {"role": "user", "content": "abc", "n": [1, True, 2.5, None]}]}
+        for budget in (0, 1, 5, 40, 1 << 22):
+            parts = [body["messages"]]
+            assert body_prompt_characters(body, budget) == _reference_text_length(parts, budget)
