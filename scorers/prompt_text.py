@@ -7,7 +7,6 @@ from typing import Any
 
 from epp.framework import ApiKind, InferenceRequest
 
-
 # One encoder for every call: json.dumps with options builds a new one each time (3 µs a message).
 _encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
