@@ -218,7 +218,6 @@ async def measure(pipeline: str, kb: int, tail: int, fresh: int, profile: str | 
         "fresh_wall_ms": statistics.mean(t[0] for t in fresh_times[-tail:]) * 1e3,
         "fresh_cpu_ms": statistics.mean(t[1] for t in fresh_times[-tail:]) * 1e3,
         "fresh_body_bytes": len(Conversation(0, system_bytes=1600).ask()),
-        "per_turn": [{"body_bytes": b, "wall_ms": w * 1e3, "cpu_ms": c * 1e3} for b, w, c in turns],
     }
     result["ratio_wall"] = result["long_wall_ms"] / result["fresh_wall_ms"]
     result["ratio_cpu"] = result["long_cpu_ms"] / result["fresh_cpu_ms"]

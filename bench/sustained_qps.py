@@ -360,7 +360,7 @@ async def step(client: Client, router: Router, direct: Router, rate: float, seco
 # ---- rows -------------------------------------------------------------------------------------------
 
 async def run_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
-    workdir = args.out / "logs"
+    workdir = args.out / "raw"  # configs and logs (git-ignored)
     workdir.mkdir(parents=True, exist_ok=True)
     ports = free_ports(REPLICAS)
     endpoints = [f"127.0.0.1:{p}" for p in ports]
