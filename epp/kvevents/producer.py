@@ -18,8 +18,9 @@ and the lookup its match, walking only the new blocks (`matchMemoBytes`, for at 
 `matchReuseSeconds` after a full walk; in-memory index only; epp.kvevents.match_memo).
 As a pre-request hook it claims the request's blocks on each profile's chosen endpoint for
 `speculativeTTL` (those past the run the endpoint holds confirmed already), so a burst of
-same-prefix requests does not scatter before events arrive; with peer pickers (`--workers`, `--peers`) each claim goes over the peer link too, and each picker
-claims its peers' picks for its own TTL.
+same-prefix requests does not scatter before events arrive; with peer pickers (`--workers`,
+`--peers`) each claim goes over the peer link too, and each picker claims its peers' picks for
+its own TTL.
 With `rendezvousHome: true` (default false), when no endpoint holds any block of the prompt, it
 names the prefix's rendezvous home (`epp.framework.rendezvous`), the same in every picker of a pool.
 Topics: vLLM publishes on topic `""` unless `--kv-events-config` sets one. `mode: per-endpoint`
