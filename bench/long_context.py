@@ -255,9 +255,10 @@ async def measure_grpc(pipeline: str, kb: int, tail: int, fresh: int) -> dict:
                 t0 = time.perf_counter()
                 for m in requests:
                     await call.write(m)
-                replies = 1 + (len(body) + 61_999) // 62_000  # the routing reply, then the body's pieces
-                for _ in range(replies):
-                    await call.read()
+                while True:  # the routing reply, then the re-emitted body's pieces up to its last
+                    reply = await call.read()
+                    if reply.request_body.response.body_mutation.streamed_response.end_of_stream:
+                        break
                 wall = time.perf_counter() - t0
                 for m in responses:
                     await call.write(m)
