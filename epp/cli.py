@@ -38,6 +38,8 @@ LIMIT_FLAGS: tuple[tuple[str, type, float, str], ...] = (
     ("--max-json-depth", int, lim.DEFAULT_MAX_JSON_DEPTH, "nesting of a request's JSON body (at most 512); deeper gets 400"),
     ("--max-label-value-length", int, lim.DEFAULT_MAX_LABEL_VALUE_LENGTH,
      "characters of a client-chosen metric label value; longer is cut"),
+    ("--max-prompt-chars", int, lim.DEFAULT_MAX_PROMPT_CHARS,
+     "characters of a request's prompt text; more get 413 before any tokenization"),
 )
 
 
@@ -218,7 +220,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         limits = lim.Limits(
             max_concurrent_streams=args.max_concurrent_streams, stream_idle_timeout_s=args.stream_idle_timeout,
             max_request_headers=args.max_request_headers, max_request_header_bytes=args.max_request_header_bytes,
-            max_json_depth=args.max_json_depth, max_label_value_length=args.max_label_value_length)
+            max_json_depth=args.max_json_depth, max_label_value_length=args.max_label_value_length,
+            max_prompt_chars=args.max_prompt_chars)
         # The loader reads --config-file itself, so its errors name the file (and a missing file is one).
         k8s = _kubernetes_options(args)
         _check_tenant_source(args.token_accounting_tenant)

@@ -15,11 +15,13 @@ from epp.framework import ApiKind, InferenceRequest
 ANTHROPIC_BILLING_HEADER = "x-anthropic-billing-header"
 # Anthropic content blocks whose `source` (base64 data, a URL, a file id) stands for the content.
 _SOURCE_BLOCKS = frozenset({"image", "document"})
+# One encoder for every call: json.dumps with options builds a new one each time (3 µs a message).
+_encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
 
 def _compact(value: Any) -> bytes:
     # surrogatepass: a lone surrogate must not make hashing fail (the parser rejects such bodies anyway).
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass")
+    return _encode(value).encode("utf-8", "surrogatepass")
 
 
 def _prompt_text(prompt: Any) -> str:

@@ -435,21 +435,50 @@ def _text_length(value: Any, budget: int, depth: int = 0) -> int:
         return 0
     total = 0
     items: Iterable[Any] = value.values() if isinstance(value, Mapping) else value if isinstance(value, list) else ()
+    # Strings and token ids are counted in place, and so is one level of plain dicts: a chat's
+    # messages are hundreds of dicts of strings (a call per value tripled the cost of a long chat).
     for item in items:
         if total >= budget:
             break
-        if isinstance(item, int) and not isinstance(item, bool):
+        cls = type(item)
+        if cls is str:
+            rest = budget - total
+            total += len(item) if len(item) < rest else rest
+        elif cls is dict and depth < 7:
+            for child in item.values():
+                if total >= budget:
+                    break
+                kind = type(child)
+                if kind is str:
+                    rest = budget - total
+                    total += len(child) if len(child) < rest else rest
+                elif kind is int or (isinstance(child, int) and not isinstance(child, bool)):
+                    total += CHARACTERS_PER_TOKEN  # a token id
+                else:
+                    total += _text_length(child, budget - total, depth + 2)
+        elif cls is int or (isinstance(item, int) and not isinstance(item, bool)):
             total += CHARACTERS_PER_TOKEN  # a token id
         else:
             total += _text_length(item, budget - total, depth + 1)
     return total
 
 
-def prompt_characters(request: InferenceRequest, limit: int = 1 << 22) -> int:
-    """Characters of the request's prompt text (strings of its prompt fields, any API; a token id counts 4)."""
-    body = request.body
+def body_prompt_characters(body: Mapping[str, Any], limit: int = 1 << 22) -> int:
+    """Characters of a request body's prompt text (strings of its prompt fields, any API; a token id counts 4)."""
     parts = [body.get(key) for key in _PROMPT_FIELDS if key in body]
     return _text_length(parts, limit)
+
+
+def prompt_characters(request: InferenceRequest, limit: int = 1 << 22) -> int:
+    """Characters of the request's prompt text (strings of its prompt fields, any API; a token id counts 4).
+
+    Counted once per request when the parser did (`request.prompt_chars`): a count below `limit`
+    is what the walk up to `limit` gives too, so only a prompt as long as the limit is walked again.
+    """
+    counted = request.prompt_chars
+    if counted is not None and counted < limit:
+        return counted
+    return body_prompt_characters(request.body, limit)
 
 
 def estimate_prompt_tokens(request: InferenceRequest, limit_tokens: int = 1 << 20) -> int:

@@ -111,6 +111,9 @@ class InferenceRequest:
     # Latency objectives of this request in milliseconds (`x-llm-d-slo-ttft-ms`, `-tpot-ms`), if any.
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    # Characters of the prompt text as `epp.framework.load.prompt_characters` counts them, when the
+    # parser measured them already (None: counted on demand); read by every plugin that needs them.
+    prompt_chars: int | None = None
 
     @property
     def prompt(self) -> Any:

@@ -162,7 +162,8 @@ class EppServer:
             except OSError as exc:
                 raise BindError(str(exc)) from None
         limits = opts.limits
-        parser = RequestParser(objectives, max_json_depth=limits.max_json_depth)
+        parser = RequestParser(objectives, max_json_depth=limits.max_json_depth,
+                               max_prompt_chars=limits.max_prompt_chars)
         parser.objective_priorities = self.objectives  # a live view: InferenceObjectives change at run time
         self.parser = parser
         if opts.emit_endpoint_scores is not None:
