@@ -111,6 +111,10 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
     "utilization-detector": LlmdType("mean over endpoints of max(queue/5, kv/0.8); >= 1 is saturated"),
     "fcfs-ordering-policy": LlmdType("first come, first served within a flow"),
     "edf-ordering-policy": LlmdType("earliest deadline first within a flow"),
+    "slo-deadline-ordering-policy": LlmdType(
+        "orders a flow by the requests' TTFT objectives (`x-llm-d-slo-ttft-ms`)",
+        "shortest predicted prefill first, a TTFT objective's latest start, bounded by agingWindow; it can shed "
+        "a request that can no longer meet its objective (docs/slo-dispatch.md)"),
     "global-strict-fairness-policy": LlmdType("one queue for every flow of a band"),
     "round-robin-fairness-policy": LlmdType("flows of a band take turns"),
     "static-usage-limit-policy": LlmdType("a fixed saturation ceiling per band"),
@@ -182,7 +186,6 @@ REFUSED_TYPES: Mapping[str, str] = {
     "vertexai-parser": "not implemented",
     "sglanghttp-parser": "SGLang is not supported (vLLM metrics and KV events only)",
     "program-aware-fairness": "not implemented; round-robin-fairness-policy shares a band between flows",
-    "slo-deadline-ordering-policy": "not registered in this build; edf-ordering-policy orders by deadline",
     "priority-holdback-policy": "alpha in llm-d, not implemented",
     "soft-reflective-ceiling-policy": "alpha in llm-d, not implemented",
     "sheddable-eviction-filter": "alpha in llm-d; no eviction of dispatched requests",
