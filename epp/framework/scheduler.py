@@ -24,7 +24,15 @@ from epp.framework.types import Endpoint, InferenceRequest
 PluginTimer = Callable[[str, Plugin, float], None]
 
 
+# Called with (profile name, its result) after each profile ran; tracing groups the profile's plugin calls by it.
+ProfileObserver = Callable[[str, ProfileRunResult | None], None]
+
+
 def _no_timer(_point: str, _plugin: Plugin, _seconds: float) -> None:
+    return None
+
+
+def _no_observer(_name: str, _result: ProfileRunResult | None) -> None:
     return None
 
 
@@ -83,7 +91,7 @@ class Scheduler:
         self.profiles = dict(profiles)
 
     def schedule(self, state: CycleState, request: InferenceRequest, candidates: Sequence[Endpoint],
-                 timer: PluginTimer = _no_timer) -> SchedulingResult:
+                 timer: PluginTimer = _no_timer, profile_done: ProfileObserver = _no_observer) -> SchedulingResult:
         """One scheduling cycle; raises `InferenceError` (429) when no endpoint can be chosen."""
         if not candidates:
             raise InferenceError(ErrorCode.SERVICE_UNAVAILABLE,
@@ -99,6 +107,7 @@ class Scheduler:
                 break
             for name in names:
                 results[name] = self.profiles[name].run(state, request, candidates, timer)
+                profile_done(name, results[name])
         t0 = time.perf_counter()
         outcome = self.handler.process_results(state, request, results)
         timer("ProcessProfilesResults", self.handler, time.perf_counter() - t0)

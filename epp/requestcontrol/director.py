@@ -9,12 +9,14 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from epp import tracing
 from epp.datalayer.freshness import prefer_fresh
 from epp.datalayer.registry import EndpointRegistry
 from epp.framework.datakeys import PREFIX_MATCH_INFO, PREFIX_TIER_MATCH, PrefixMatchInfo, TierMatch
 from epp.framework.errors import ErrorCode, InferenceError
 from epp.framework.load import CHARACTERS_PER_TOKEN, Booking, InflightLedger, prompt_characters
 from epp.framework.plugin import Admitter, CycleState, ResponseCompleteHook, SchedulingResult
+from epp.framework.scheduler import PluginTimer
 from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 from epp.logutil import log_failure
 from epp.metrics import EppMetrics
@@ -101,7 +103,8 @@ class Director:
         flow_control = self.pipeline.flow_controller
         if flow_control is None:
             return await self._schedule(state, request)
-        dispatch: Dispatch = await flow_control.admit(request, size_bytes)  # waits while the pool is saturated
+        with tracing.of(state).step("epp.flow_control"):
+            dispatch: Dispatch = await flow_control.admit(request, size_bytes)  # waits while the pool is saturated
         target = None
         try:
             result = await self._schedule(state, request)
@@ -112,19 +115,20 @@ class Director:
 
     async def _schedule(self, state: CycleState, request: InferenceRequest) -> SchedulingResult:
         started = time.perf_counter()
-        timer = self.metrics.observe_plugin
+        trace = tracing.of(state)
+        timer = trace.plugin_timer(self.metrics.observe_plugin)  # the metrics' timer itself when not traced
         try:
             candidates = self.candidates(request)
             for gate in self.pipeline.capacity_gates:
                 candidates = list(await gate.ensure_capacity(state, request, candidates))
-            self._admit(self._admitters_before_data, state, request, candidates)
+            self._admit(self._admitters_before_data, state, request, candidates, timer)
             if not candidates:
                 raise InferenceError(ErrorCode.SERVICE_UNAVAILABLE,
                                      "failed to find endpoint candidates for serving the request")
             if self.pipeline.data_producers:
-                await self._prepare_data(state, request, candidates)
-            self._admit(self._admitters_after_data, state, request, candidates)
-            result = self.pipeline.scheduler.schedule(state, request, candidates, timer)
+                await self._prepare_data(state, request, candidates, timer)
+            self._admit(self._admitters_after_data, state, request, candidates, timer)
+            result = self.pipeline.scheduler.schedule(state, request, candidates, timer, trace.profile_done)
         except InferenceError:
             self.metrics.scheduler_attempts.labels("failure").inc()
             raise
@@ -141,7 +145,7 @@ class Director:
         return result
 
     def _admit(self, admitters: Sequence[Admitter], state: CycleState, request: InferenceRequest,
-               candidates: Sequence[Endpoint]) -> None:
+               candidates: Sequence[Endpoint], timer: PluginTimer) -> None:
         for admitter in admitters:
             t0 = time.perf_counter()
             try:
@@ -152,7 +156,7 @@ class Director:
                 log_failure(log, logging.WARNING, "admitter %s failed", exc, admitter.name)
                 raise InferenceError(ErrorCode.INTERNAL, "request cannot be admitted") from exc
             finally:
-                self.metrics.observe_plugin("Admitter", admitter, time.perf_counter() - t0)
+                timer("Admitter", admitter, time.perf_counter() - t0)
 
     def _book(self, state: CycleState, request: InferenceRequest, result: SchedulingResult) -> None:
         """Book the pick in the ledger: prompt tokens, and those the prefix match says are uncached."""
@@ -182,7 +186,7 @@ class Director:
         self.ledger.first_token(booking, observed=observed)
 
     async def _prepare_data(self, state: CycleState, request: InferenceRequest,
-                            candidates: Sequence[Endpoint]) -> None:
+                            candidates: Sequence[Endpoint], timer: PluginTimer) -> None:
         deadline = time.monotonic() + PREPARE_DATA_TIMEOUT_S
         for producer in self.pipeline.data_producers:
             remaining = deadline - time.monotonic()
@@ -197,7 +201,7 @@ class Director:
             except Exception as exc:  # producers are best effort: scoring goes on without their data
                 # Never the message at this level: a UnicodeEncodeError's message quotes the prompt.
                 log_failure(log, logging.WARNING, "data producer %s failed", exc, producer.name)
-            self.metrics.observe_plugin("PrepareData", producer, time.perf_counter() - t0)
+            timer("PrepareData", producer, time.perf_counter() - t0)
 
     def response_headers(self, state: CycleState, request: InferenceRequest,
                          response: ResponseInfo, target: Endpoint | None) -> None:

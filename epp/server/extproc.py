@@ -31,6 +31,7 @@ from epp.request.response import ResponseRewriter, UnreadableBody, parse_usage
 from epp.requestcontrol.director import Director
 from epp.requestcontrol.lifecycle import RequestAccounting, RequestLifecycle
 from epp.server import messages
+from epp.tracing import NO_TRACE, NoTrace, RequestTrace, RequestTracing
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,8 @@ class _Stream:
     """
 
     __slots__ = ("service", "life", "headers", "body_parts", "body_size", "subset_hint", "request_id",
-                 "rewriter", "response_parts", "response_size", "passthrough", "rejected", "response_body_sent")
+                 "rewriter", "response_parts", "response_size", "passthrough", "rejected", "response_body_sent",
+                 "trace")
 
     def __init__(self, service: ExtProcService) -> None:
         self.service = service
@@ -107,6 +109,7 @@ class _Stream:
         self.rejected = False
         # Whether Envoy sends the response body (its first message says when it does not).
         self.response_body_sent = True
+        self.trace: RequestTrace | NoTrace = NO_TRACE
 
     @property
     def scheduled(self) -> bool:
@@ -118,11 +121,14 @@ class _Stream:
         self.service.check_request_headers(msg.headers)
         self.headers = _header_map(msg.headers)
         self.request_id = self.headers.get(REQUEST_ID_HEADER) or str(uuid.uuid4())
+        if self.service.tracing is not None:
+            self.trace = self.service.tracing.start(self.headers, self.life.state)
         if not msg.end_of_stream:
             return []  # held until the body has been scheduled
         target = self.life.route_without_body(self.subset_hint)
         return [messages.request_headers_response(
-            [(messages.DESTINATION_ENDPOINT_HEADER, target.hostport), (REQUEST_ID_HEADER, self.request_id)],
+            [(messages.DESTINATION_ENDPOINT_HEADER, target.hostport), (REQUEST_ID_HEADER, self.request_id),
+             *self.trace.routed((target,))],
             destination=target.hostport)]
 
     async def on_request_body(self, msg: pb.HttpBody) -> list[pb.ProcessingResponse]:
@@ -149,12 +155,17 @@ class _Stream:
     async def _schedule(self, *, end_of_stream: bool) -> list[pb.ProcessingResponse]:
         body = b"".join(self.body_parts)
         self.body_parts = []
-        request, forwarded = self.service.parser.parse(
-            request_id=self.request_id, headers=self.headers, body=body, subset_hint=self.subset_hint)
+        trace = self.trace
+        with trace.step("epp.parse"):
+            request, forwarded = self.service.parser.parse(
+                request_id=self.request_id, headers=self.headers, body=body, subset_hint=self.subset_hint)
+        trace.parsed(request)
         life = self.life
-        targets = (await life.schedule(request, len(body))).targets
+        result = await life.schedule(request, len(body))
+        targets = result.targets
         destination = ",".join(ep.hostport for ep in targets)
-        set_headers = [(messages.DESTINATION_ENDPOINT_HEADER, destination), (REQUEST_ID_HEADER, self.request_id)]
+        set_headers = [(messages.DESTINATION_ENDPOINT_HEADER, destination), (REQUEST_ID_HEADER, self.request_id),
+                       *trace.routed(targets, result.primary_profile)]
         if forwarded:
             set_headers.append(("Content-Length", str(len(forwarded))))
         # Headers the pre-request hooks set (the prefiller's ip:port, say); routing headers stay ours.
@@ -179,6 +190,7 @@ class _Stream:
         response.streaming = "text/event-stream" in headers.get("content-type", "") or bool(
             life.request and life.request.stream)
         body_sent = self.response_body_sent
+        self.trace.response_started(response.status)
         life.response_headers(first_token_follows=body_sent)
         # The body is rewritten (its length may change) only when the picker is shown it.
         remove = ["content-length"] if body_sent and self.rewriter is not None and self.rewriter.active else []
@@ -194,6 +206,7 @@ class _Stream:
         if response.streaming or self.passthrough:
             if life.awaiting_first_token and carries_token(chunk):
                 life.first_token()
+                self.trace.first_token()
             if self.rewriter is not None:
                 chunk = self.rewriter.rewrite(chunk)
             if response.streaming and response.usage is None and b"usage" in chunk:
@@ -258,8 +271,11 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
     """`envoy.service.ext_proc.v3.ExternalProcessor` implemented as the GIE endpoint picker."""
 
     def __init__(self, director: Director, parser: RequestParser, metrics: EppMetrics, *,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, limits: Limits | None = None) -> None:
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, limits: Limits | None = None,
+                 tracing: RequestTracing | None = None) -> None:
         self.director = director
+        # None: tracing is off, and every stream's trace is NO_TRACE (nothing is done per request).
+        self.tracing = tracing
         # Request and token metrics of every stream; label children cached across requests.
         self.accounting = RequestAccounting(metrics)
         self.parser = parser
@@ -319,6 +335,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                 except InferenceError as err:
                     stream.rejected = True
                     stream.life.failed(err.code)
+                    stream.trace.failed(err.code, err.message)
                     replies = [messages.immediate_response(err.code.http_status, err.body)]
                 except Exception as exc:
                     replies = self._on_failure(stream, req, exc)
@@ -329,6 +346,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
             if not stream.rejected:
                 err = InferenceError(ErrorCode.REQUEST_TIMEOUT,
                                      f"no request data for {self.limits.stream_idle_timeout_s:g} s")
+                stream.trace.failed(err.code, err.message)
                 await context.write(messages.immediate_response(err.code.http_status, err.body))
         except DecodeError:
             # A message that is not a ProcessingRequest: one log line (throttled), no traceback.
@@ -343,6 +361,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
             self.active_streams -= 1
             metrics.streams_active.dec()
             stream.life.complete(aborted=True)
+            stream.trace.end(stream.life.response)
 
     async def _refuse(self, context: grpc.aio.ServicerContext, stream: _Stream) -> None:
         """Answer a stream over the concurrency limit with 429 once its first message arrives."""
@@ -365,6 +384,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
         log_failure(log, logging.ERROR, "ext_proc stream failed (request id %s)", exc, stream.request_id)
         self.metrics.stream_errors.labels("internal").inc()
         stream.rejected = True
+        stream.trace.failed(ErrorCode.INTERNAL, "internal error while processing request")
         return [messages.immediate_response(
             500, InferenceError(ErrorCode.INTERNAL, "internal error while processing request").body)]
 
