@@ -324,7 +324,8 @@ def _run_envoy_config(args: argparse.Namespace) -> int:
         config = render_config(listen_port=args.listen_port, admin_port=args.admin_port,
                                listen_address=args.listen_address, epp_tls=args.epp_tls,
                                responses="none" if args.request_only else args.responses,
-                               fail_open_endpoints=fail_open_to, **options)
+                               fail_open_endpoints=fail_open_to, tracing_collector=args.tracing_collector,
+                               **options)
     except (OSError, ValueError) as exc:
         print(f"epp envoy-config: {exc}", file=sys.stderr)
         return 2
@@ -394,6 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="where FailOpen sends requests while the picker is down, round-robin (e.g. a "
                             "headless Service of the pool's pods); without it they get 503")
     envoy.add_argument("--epp-tls", action="store_true", help="reach the picker over TLS (epp serve --secure-serving)")
+    envoy.add_argument("--tracing-collector", metavar="HOST:PORT",
+                       help="Envoy traces each request (OpenTelemetry, OTLP/gRPC to HOST:PORT) and the picker's "
+                            "spans (epp serve --tracing) join its traces (docs/tracing.md)")
     envoy.add_argument("--responses", choices=RESPONSE_MODES, default="full",
                        help="how much of each response the picker sees: full (GIE's contract: headers and "
                             "every body chunk), headers (headers and the end: far less picker CPU for streamed "

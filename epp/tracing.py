@@ -42,6 +42,9 @@ TRACE_STATE_KEY = "epp.tracing/request-trace"
 
 # The plugin calls that happen inside one scheduling profile (their spans are children of its span).
 _PROFILE_POINTS = frozenset({"Filter", "Scorer", "Picker"})
+# The profile handler's bookkeeping (which profiles run, which result is primary) gets no span of its
+# own: what it decided shows in the profile spans and the request's `epp.profile`; spans cost CPU.
+_UNTRACED_POINTS = frozenset({"ProfilePicker", "ProcessProfilesResults"})
 # GenAI semantic conventions' operation names for the APIs that have one.
 _OPERATIONS = {ApiKind.CHAT_COMPLETIONS: "chat", ApiKind.COMPLETIONS: "text_completion",
                ApiKind.EMBEDDINGS: "embeddings"}
@@ -76,7 +79,7 @@ def exporter_names(environ: Mapping[str, str] = os.environ) -> list[str]:
         raise TracingSetupError(f"OTEL_EXPORTER_OTLP_PROTOCOL: {protocol!r} is not supported "
                                 f"(one of {', '.join(_OTLP_BY_PROTOCOL)})")
     # `otlp` is the gRPC exporter unless the protocol says otherwise (the SDK's own reading).
-    return [_OTLP_BY_PROTOCOL.get(protocol, name) if name == "otlp" else name for name in names]
+    return [_OTLP_BY_PROTOCOL[protocol or "grpc"] if name == "otlp" else name for name in names]
 
 
 def load_exporters(environ: Mapping[str, str] = os.environ) -> list[type[SpanExporter]]:
@@ -125,17 +128,22 @@ class RequestTracing:
         self.tracer = provider.get_tracer("epp")
         self._propagate = propagate
         self._trace = trace
+        # The header names the propagation format reads (OTEL_PROPAGATORS; by default traceparent, tracestate, baggage).
+        self._fields = frozenset(propagate.get_global_textmap().fields)
 
     @classmethod
     def from_environment(cls) -> RequestTracing:
         """Tracing as the OTEL_* environment configures it (raises TracingSetupError on what it cannot do)."""
         return cls(provider_from_environment())
 
-    def start(self, headers: Mapping[str, str], state: CycleState) -> RequestTrace | NoTrace:
-        """The trace of one request, continuing the trace context of its headers; NO_TRACE when sampled out."""
+    def start(self, headers: Mapping[str, str], state: CycleState,
+              grpc_metadata: Sequence[tuple[str, Any]] = ()) -> RequestTrace | NoTrace:
+        """The trace of one request, continuing the trace context of its ext_proc stream's gRPC metadata (a
+        tracing Envoy's span of the ext_proc call), else of its HTTP headers; NO_TRACE when sampled out."""
         from opentelemetry.trace import SpanKind
 
-        parent = self._propagate.extract(headers)
+        metadata = {key: value for key, value in grpc_metadata if isinstance(value, str)}
+        parent = self._propagate.extract(metadata if self._fields & metadata.keys() else headers)
         path = headers.get(":path", "")
         root = self.tracer.start_span("epp.request", context=parent, kind=SpanKind.SERVER, attributes={
             "http.request.method": headers.get(":method", ""), "url.path": path.split("?", 1)[0],
@@ -226,15 +234,15 @@ class RequestTrace:
         start = end - int(seconds * 1e9)
         if point in _PROFILE_POINTS:
             self._pending.append((point, plugin, start, end))
-        else:
+        elif point not in _UNTRACED_POINTS:
             self._plugin_span(point, plugin, start, end, self._root_context, None)
         if self._timer is not None:
             self._timer(point, plugin, seconds)
 
     def _plugin_span(self, point: str, plugin: Plugin, start: int, end: int, context: Any,
                      attributes: dict[str, Any] | None) -> Span:
-        attrs = {"epp.extension_point": point, "epp.plugin.type": plugin.type_name or type(plugin).__name__,
-                 "epp.plugin.name": plugin.name}
+        # The name says the extension point and the plugin's name; the type is the one attribute all have.
+        attrs = {"epp.plugin.type": plugin.type_name or type(plugin).__name__}
         if attributes:
             attrs.update(attributes)
         span = self.tracing.tracer.start_span(f"{point} {plugin.name}", context=context, start_time=start,

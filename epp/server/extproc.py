@@ -92,7 +92,7 @@ class _Stream:
 
     __slots__ = ("service", "life", "headers", "body_parts", "body_size", "subset_hint", "request_id",
                  "rewriter", "response_parts", "response_size", "passthrough", "rejected", "response_body_sent",
-                 "trace")
+                 "trace", "grpc_metadata")
 
     def __init__(self, service: ExtProcService) -> None:
         self.service = service
@@ -110,6 +110,8 @@ class _Stream:
         # Whether Envoy sends the response body (its first message says when it does not).
         self.response_body_sent = True
         self.trace: RequestTrace | NoTrace = NO_TRACE
+        # The stream's gRPC metadata, kept when tracing: a tracing Envoy puts its own trace context there.
+        self.grpc_metadata: tuple[tuple[str, Any], ...] = ()
 
     @property
     def scheduled(self) -> bool:
@@ -122,7 +124,7 @@ class _Stream:
         self.headers = _header_map(msg.headers)
         self.request_id = self.headers.get(REQUEST_ID_HEADER) or str(uuid.uuid4())
         if self.service.tracing is not None:
-            self.trace = self.service.tracing.start(self.headers, self.life.state)
+            self.trace = self.service.tracing.start(self.headers, self.life.state, self.grpc_metadata)
         if not msg.end_of_stream:
             return []  # held until the body has been scheduled
         target = self.life.route_without_body(self.subset_hint)
@@ -315,6 +317,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
 
     async def Process(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         stream = _Stream(self)
+        if self.tracing is not None:
+            stream.grpc_metadata = tuple(context.invocation_metadata() or ())
         metrics = self.metrics
         metrics.streams_active.inc()
         self.active_streams += 1

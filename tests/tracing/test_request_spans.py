@@ -113,11 +113,9 @@ async def test_a_routed_request_is_one_trace_from_parse_to_the_end_of_its_respon
     assert root.attributes["epp.request_id"] == "test-request-id"
     assert root.attributes["http.response.status_code"] == 200
     assert root.status.status_code is StatusCode.UNSET
-    # The profile handler is asked again after the profile ran (and says it is done).
     assert tree.child_names(root) == [
-        "epp.parse", "Admitter saturation-admitter", "PrepareData approx-prefix-cache-producer",
-        "ProfilePicker single-profile-handler", "epp.profile", "ProfilePicker single-profile-handler",
-        "ProcessProfilesResults single-profile-handler", "PreRequest approx-prefix-cache-producer", "epp.response"]
+        "epp.parse", "Admitter saturation-admitter", "PrepareData approx-prefix-cache-producer", "epp.profile",
+        "PreRequest approx-prefix-cache-producer", "epp.response"]
 
     profile = tree.one("epp.profile")
     assert profile.attributes["epp.profile"] == "default"
@@ -126,7 +124,6 @@ async def test_a_routed_request_is_one_trace_from_parse_to_the_end_of_its_respon
         "Scorer kv-cache-utilization-scorer", "Picker max-score-picker"]
     picker = tree.one("Picker max-score-picker")
     assert picker.attributes["epp.endpoint"] == destination
-    assert picker.attributes["epp.extension_point"] == "Picker"
     assert picker.attributes["epp.plugin.type"] == "max-score-picker"
     scorer = tree.one("Scorer queue-scorer")
     assert scorer.attributes["epp.profile"] == "default"
