@@ -7,7 +7,12 @@ exports through the SDK's batch processor into an exporter that encodes each bat
 protobuf and drops the bytes: the picker's CPU for spans and their encoding, not the network's.
 Process CPU time counts the batch processor's thread too.
 
-    python bench/tracing_overhead.py --requests 3000 --rounds 3 --out bench/results/tracing-overhead
+`--before DIR` also runs `bench/extproc_inproc.py` of another checkout (one without tracing, e.g.
+`git worktree add DIR <commit>`) and of this one as processes, alternately: what the hooks cost
+with tracing off.
+
+    python bench/tracing_overhead.py --requests 3000 --rounds 3 --before /tmp/epp-before \
+        --out bench/results/tracing-overhead
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import re
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,6 +60,28 @@ def tracing_with(sampler: Sampler) -> tuple[RequestTracing, EncodingExporter, Tr
     provider = TracerProvider(sampler=sampler)
     provider.add_span_processor(BatchSpanProcessor(exporter))
     return RequestTracing(provider), exporter, provider
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def inproc_us(checkout: Path, requests: int) -> dict[str, float]:
+    """CPU µs per request by response mode, from `bench/extproc_inproc.py` of `checkout` run as a process."""
+    out = subprocess.run([sys.executable, str(checkout / "bench" / "extproc_inproc.py"), "--requests", str(requests)],
+                         cwd=checkout, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}).stdout
+    by_label = {m.group(1): float(m.group(2)) for m in re.finditer(r"^\| ([^|]+?) \| (\d+) \|", out, re.M)}
+    return {mode: by_label[label] for mode, label in MODES.items()}
+
+
+def compare_before(before: Path, requests: int, rounds: int) -> dict[str, dict[str, float]]:
+    """Best µs per request by mode of this checkout and of `before`, measured alternately."""
+    best: dict[str, dict[str, float]] = {"this checkout, tracing off": {}, f"{before}": {}}
+    for _ in range(rounds):
+        for label, checkout in (("this checkout, tracing off", REPO), (f"{before}", before)):
+            for mode, us in inproc_us(checkout, requests).items():
+                best[label][mode] = min(best[label].get(mode, float("inf")), us)
+    return best
 
 
 async def run(requests: int, rounds: int, modes: list[str]) -> dict:
@@ -94,6 +124,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--modes", default="full,none", help=f"comma-separated, of: {', '.join(MODES)}")
+    parser.add_argument("--before", type=Path, help="a checkout without tracing: compare the off path with it")
     parser.add_argument("--out", type=Path, help="folder for report.md and results.json")
     args = parser.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -101,6 +132,14 @@ def main() -> None:
         parser.error(f"--modes takes a comma-separated list of {', '.join(MODES)}")
     result = asyncio.run(run(args.requests, args.rounds, modes))
     text = report(result)
+    if args.before is not None:
+        result["before"] = compare_before(args.before.resolve(), args.requests, args.rounds)
+        ours, theirs = result["before"].values()
+        text += ("\nThe hooks with tracing off, against a checkout without them (`bench/extproc_inproc.py` of each, "
+                 "as processes, alternately, best of each):\n\n| response mode | this checkout, off | "
+                 f"{args.before} | ratio |\n|---|---|---|---|\n")
+        text += "".join(f"| {MODES[mode]} | {ours[mode]:.0f} | {theirs[mode]:.0f} | {ours[mode] / theirs[mode]:.3f} |\n"
+                        for mode in MODES)
     print(text)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

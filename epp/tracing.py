@@ -1,9 +1,9 @@
 """OpenTelemetry spans for each request, off unless asked for (`epp serve --tracing` or `OTEL_TRACES_EXPORTER`).
 
-One `RequestTrace` per ext_proc stream: a server span `epp.request` that continues the W3C trace
-context of the request headers (a client's or Envoy's `traceparent`), with children for parsing, the
-flow-control wait, each plugin call the director and the scheduler time (admitters, data producers,
-the profile handler, each profile's filters, scorers and picker, pre-request hooks) and the response.
+One `RequestTrace` per ext_proc stream: a server span `epp.request` that continues the trace context
+of the stream's gRPC metadata (a tracing Envoy's) or of the request headers (a client's `traceparent`),
+with children for parsing, the flow-control wait, each plugin call the director and the scheduler time
+(admitters, data producers, each profile's filters, scorers and picker, pre-request hooks) and the response.
 The upstream request gets a `traceparent` naming the primary profile's picker span, so the model
 server's spans join the same trace. Plugin spans are written after the call, from the timings the
 plugin-latency metric already takes (start = end - duration): the hot path gains no context switching.
@@ -19,7 +19,6 @@ their packages register (`otlp`, `console`, ...). No span holds prompt text.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -34,8 +33,6 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
     from opentelemetry.trace import Span
-
-log = logging.getLogger(__name__)
 
 # Where a request's trace sits in its CycleState (the director finds it there).
 TRACE_STATE_KEY = "epp.tracing/request-trace"
@@ -96,7 +93,7 @@ def load_exporters(environ: Mapping[str, str] = os.environ) -> list[type[SpanExp
     return classes
 
 
-def provider_from_environment(environ: Mapping[str, str] = os.environ) -> TracerProvider:
+def provider_from_environment() -> TracerProvider:
     """A tracer provider configured by the standard OTEL_* variables, exporting in batches."""
     from importlib.metadata import PackageNotFoundError, version
 
@@ -111,7 +108,7 @@ def provider_from_environment(environ: Mapping[str, str] = os.environ) -> Tracer
     resource = Resource.create(attributes)
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
         resource = resource.merge(Resource({SERVICE_NAME: DEFAULT_SERVICE_NAME}))
-    exporters = load_exporters(environ)
+    exporters = load_exporters()
     provider = TracerProvider(resource=resource)  # the sampler: OTEL_TRACES_SAMPLER, read by the SDK
     for exporter in exporters:
         provider.add_span_processor(BatchSpanProcessor(exporter()))
@@ -272,7 +269,7 @@ class RequestTrace:
                 self._pickers[name] = span
         profile.end(end)
 
-    def routed(self, targets: Sequence[Endpoint], profile: str | None = None) -> list[tuple[str, str]]:
+    def routed(self, targets: Sequence[Endpoint], profile: str | None = None) -> Sequence[tuple[str, str]]:
         """The request goes to `targets` (picked by `profile`): the trace headers for the upstream request.
 
         Their parent is the profile's picker span (the request span when no picker ran), so the model
@@ -361,8 +358,8 @@ class NoTrace:
     def profile_done(self, name: str, result: ProfileRunResult | None) -> None:
         return None
 
-    def routed(self, targets: Sequence[Endpoint], profile: str | None = None) -> list[tuple[str, str]]:
-        return []
+    def routed(self, targets: Sequence[Endpoint], profile: str | None = None) -> Sequence[tuple[str, str]]:
+        return ()
 
     def failed(self, code: ErrorCode, message: str) -> None:
         return None
