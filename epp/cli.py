@@ -125,6 +125,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", default="1",
                    help="picker processes sharing the ports (SO_REUSEPORT; one metrics page for all; a worker "
                         "that exits is restarted): a number, or 'auto' for one per CPU (default 1)")
+    p.add_argument("--tracing", action="store_true",
+                   help="OpenTelemetry spans for every request, exported as the OTEL_* variables say (default: "
+                        "OTLP to localhost:4317); also on when OTEL_TRACES_EXPORTER is set; needs the 'tracing' "
+                        "extra (docs/tracing.md)")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logs (-v info, -vv debug)")
 
 
@@ -225,6 +229,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         # The loader reads --config-file itself, so its errors name the file (and a missing file is one).
         k8s = _kubernetes_options(args)
         _check_tenant_source(args.token_accounting_tenant)
+        traced = _tracing_wanted(args.tracing)
     except (UsageError, ValueError, MissingExtra) as exc:
         print(f"epp serve: {exc}", file=sys.stderr)
         return 2
@@ -247,7 +252,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         prefill_capacity_tokens_per_s=args.prefill_capacity_tokens_per_second,
         peer_port=args.peer_port, peers=peers, worker_peer_link=not args.no_worker_peer_link,
         shared_scrapes=not args.no_shared_scrapes, emit_endpoint_scores=args.emit_endpoint_scores,
-        enable_debug_endpoint=args.enable_debug_endpoint, **k8s)
+        enable_debug_endpoint=args.enable_debug_endpoint, tracing=traced, **k8s)
     from epp.kube.client import KubernetesError
     from epp.server.event_loop import run_event_loop
     from epp.server.workers import WorkerStartError, supervise_forever, worker_count
@@ -270,6 +275,21 @@ def _run_serve(args: argparse.Namespace) -> int:
         print(f"epp serve: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _tracing_wanted(flag: bool) -> bool:
+    """Whether to trace (`--tracing`, or OTEL_TRACES_EXPORTER set; OTEL_SDK_DISABLED=true says no); the
+    extra and the OTEL_* settings are checked now (MissingExtra, ValueError), so a wrong one fails at start."""
+    from epp import tracing
+
+    if not (flag or tracing.requested_by_environment()):
+        return False
+    if tracing.disabled_by_environment():
+        logging.getLogger(__name__).warning("tracing is off: OTEL_SDK_DISABLED=true")
+        return False
+    require_extra("tracing", "tracing (--tracing or OTEL_TRACES_EXPORTER)")
+    tracing.load_exporters()
+    return True
 
 
 def _check_tenant_source(value: str) -> None:
@@ -328,7 +348,8 @@ def _run_envoy_config(args: argparse.Namespace) -> int:
         config = render_config(listen_port=args.listen_port, admin_port=args.admin_port,
                                listen_address=args.listen_address, epp_tls=args.epp_tls,
                                responses="none" if args.request_only else args.responses,
-                               fail_open_endpoints=fail_open_to, **options)
+                               fail_open_endpoints=fail_open_to, tracing_collector=args.tracing_collector,
+                               **options)
     except (OSError, ValueError) as exc:
         print(f"epp envoy-config: {exc}", file=sys.stderr)
         return 2
@@ -398,6 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="where FailOpen sends requests while the picker is down, round-robin (e.g. a "
                             "headless Service of the pool's pods); without it they get 503")
     envoy.add_argument("--epp-tls", action="store_true", help="reach the picker over TLS (epp serve --secure-serving)")
+    envoy.add_argument("--tracing-collector", metavar="HOST:PORT",
+                       help="Envoy traces each request (OpenTelemetry, OTLP/gRPC to HOST:PORT) and the picker's "
+                            "spans (epp serve --tracing) join its traces (docs/tracing.md)")
     envoy.add_argument("--responses", choices=RESPONSE_MODES, default="full",
                        help="how much of each response the picker sees: full (GIE's contract: headers and "
                             "every body chunk), headers (headers and the end: far less picker CPU for streamed "

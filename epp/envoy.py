@@ -107,6 +107,38 @@ _SERVED_FILTER = """\
                 remove: true
 """
 
+# Envoy's own tracing (`tracing_collector`): a span per request, exported over OTLP/gRPC; Envoy hands
+# the trace context of its ext_proc call to the picker in the stream's gRPC metadata, where the
+# picker continues it, and sets its own upstream span's `traceparent` on the forwarded request.
+_TRACING = """\
+          tracing:
+            provider:
+              name: envoy.tracers.opentelemetry
+              typed_config:
+                "@type": type.googleapis.com/envoy.config.trace.v3.OpenTelemetryConfig
+                grpc_service:
+                  envoy_grpc:
+                    cluster_name: otel_collector
+                  timeout: 1s
+                service_name: envoy
+"""
+
+_OTEL_COLLECTOR_CLUSTER = """\
+  - name: otel_collector
+    type: {cluster_type}
+{dns}    connect_timeout: 2s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config:
+          http2_protocol_options: {{}}
+    load_assignment:
+      cluster_name: otel_collector
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{ address: {{ socket_address: {{ address: {host}, port_value: {port} }} }} }}
+"""
+
 _TEMPLATE = """\
 # Envoy in front of the LLM endpoint picker (rendered by `epp envoy-config`).
 # Listener :{listen_port} -> ext_proc (the picker at {epp_host}:{epp_port}) -> the endpoint it picked.
@@ -124,7 +156,7 @@ static_resources:
         typed_config:
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
           stat_prefix: inference
-          codec_type: AUTO
+{tracing}          codec_type: AUTO
           stream_idle_timeout: 300s
           request_timeout: 0s
           route_config:
@@ -244,7 +276,8 @@ def render_config(*, listen_port: int = 8081, admin_port: int = 19000, epp_port:
                   failure_mode_allow: bool = False, epp_tls: bool = False,
                   message_timeout: str = "1000s", round_robin_backends: Sequence[str] = (),
                   responses: str = "full", extra_epp_ports: Sequence[int] = (),
-                  upstream_protocol: str = "http", fail_open_endpoints: Sequence[str] = ()) -> str:
+                  upstream_protocol: str = "http", fail_open_endpoints: Sequence[str] = (),
+                  tracing_collector: str | None = None) -> str:
     """Envoy bootstrap YAML: through the picker, or (with `round_robin_backends`) plain round-robin.
 
     `extra_epp_ports`: more pickers on `epp_host` in the one ext_proc cluster (separate pods of a
@@ -258,6 +291,9 @@ def render_config(*, listen_port: int = 8081, admin_port: int = 19000, epp_port:
     knowledge) to the model servers. `failure_mode_allow` (FailOpen): requests go on while the
     picker is down, to `fail_open_endpoints` (`host:port`, a DNS name such as a headless Service
     is resolved by Envoy); without them such a request has no upstream (503).
+
+    `tracing_collector` (`host:port` of an OTLP/gRPC collector): Envoy traces each request itself
+    (service name `envoy`) and the picker's spans join its trace (see docs/tracing.md).
     """
     if responses not in RESPONSE_MODES:
         raise ValueError(f"responses must be one of {', '.join(RESPONSE_MODES)}, not {responses!r}")
@@ -301,18 +337,28 @@ def render_config(*, listen_port: int = 8081, admin_port: int = 19000, epp_port:
             # Only a request the picker did not answer lacks the header (clients' copies are stripped).
             routes += _ROUTE.format(match="", cluster="fail_open", extra="")
             clusters += _fail_open_cluster(fail_open_endpoints, protocol)
+    tracing = ""
+    if tracing_collector is not None:
+        host, port = _host_port(tracing_collector, "tracing collector")
+        tracing = _TRACING
+        clusters += _OTEL_COLLECTOR_CLUSTER.format(
+            host=host, port=port, cluster_type="STATIC" if _is_ip(host) else "STRICT_DNS",
+            dns="" if _is_ip(host) else "    dns_lookup_family: V4_PREFERRED\n")
     return _TEMPLATE.format(admin_address="127.0.0.1", admin_port=admin_port, listen_address=listen_address,
                             listen_port=listen_port, epp_host=epp_host, epp_port=epp_port,
-                            routes=routes, filters=filters, clusters=clusters)
+                            routes=routes, filters=filters, clusters=clusters, tracing=tracing)
+
+
+def _host_port(hostport: str, what: str) -> tuple[str, int]:
+    """`host:port` split (brackets off an IPv6 host); ValueError naming `what` otherwise."""
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{what} {hostport!r}: expected host:port")
+    return host.strip("[]"), int(port)
 
 
 def _fail_open_cluster(endpoints: Sequence[str], protocol: str) -> str:
-    hosts = []
-    for hostport in endpoints:
-        host, sep, port = hostport.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"fail-open endpoint {hostport!r}: expected host:port")
-        hosts.append((host.strip("[]"), int(port)))
+    hosts = [_host_port(hostport, "fail-open endpoint") for hostport in endpoints]
     dns = not all(_is_ip(host) for host, _ in hosts)
     lines = "".join(f"        - endpoint: {{ address: {{ socket_address: {{ address: {host}, port_value: {port} }} }} }}\n"
                     for host, port in hosts)

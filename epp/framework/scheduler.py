@@ -26,7 +26,15 @@ PluginTimer = Callable[[str, Plugin, float], None]
 SCORE_TRACE_STATE_KEY = "epp.framework/score-trace"
 
 
+# Called with (profile name, its result) after each profile ran; tracing groups the profile's plugin calls by it.
+ProfileObserver = Callable[[str, ProfileRunResult | None], None]
+
+
 def _no_timer(_point: str, _plugin: Plugin, _seconds: float) -> None:
+    return None
+
+
+def _no_observer(_name: str, _result: ProfileRunResult | None) -> None:
     return None
 
 
@@ -145,11 +153,12 @@ class Scheduler:
         self._recording = detailed
 
     def schedule(self, state: CycleState, request: InferenceRequest, candidates: Sequence[Endpoint],
-                 timer: PluginTimer = _no_timer, trace: ScheduleTrace | None = None) -> SchedulingResult:
+                 timer: PluginTimer = _no_timer, trace: ScheduleTrace | None = None,
+                 profile_done: ProfileObserver = _no_observer) -> SchedulingResult:
         """One scheduling cycle; raises `InferenceError` (429) when no endpoint can be chosen.
 
         `trace` records the cycle's scores there (`epp explain`); without one, a scheduler told to
-        `record_scores` keeps a trace in the state.
+        `record_scores` keeps a trace in the state. `profile_done` is called after each profile ran.
         """
         if not candidates:
             raise InferenceError(ErrorCode.SERVICE_UNAVAILABLE,
@@ -169,6 +178,7 @@ class Scheduler:
                 break
             for name in names:
                 results[name] = self.profiles[name].run(state, request, candidates, timer, trace)
+                profile_done(name, results[name])
         t0 = time.perf_counter()
         outcome = self.handler.process_results(state, request, results)
         timer("ProcessProfilesResults", self.handler, time.perf_counter() - t0)

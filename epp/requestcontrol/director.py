@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from epp import tracing
 from epp.datalayer.freshness import prefer_fresh
 from epp.datalayer.registry import EndpointRegistry
 from epp.framework.datakeys import PREFIX_MATCH_INFO, PREFIX_TIER_MATCH, PrefixMatchInfo, TierMatch
@@ -21,6 +22,7 @@ from epp.framework.load import (
     prompt_characters,
 )
 from epp.framework.plugin import Admitter, CycleState, ResponseCompleteHook, SchedulingResult
+from epp.framework.scheduler import PluginTimer
 from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 from epp.logutil import log_failure
 from epp.metrics import EppMetrics
@@ -113,7 +115,8 @@ class Director:
             return await self._schedule(state, request)
         predicted = await self._predict(request) if flow_control.wants_prediction(request) else None
         # Waits while the pool is saturated; the endpoint is chosen after it (late binding, the view of then).
-        dispatch: Dispatch = await flow_control.admit(request, size_bytes, predicted)
+        with tracing.of(state).step("epp.flow_control"):
+            dispatch: Dispatch = await flow_control.admit(request, size_bytes, predicted)
         target = None
         try:
             result = await self._schedule(state, request)
@@ -133,26 +136,28 @@ class Director:
                                                  default=self.ledger.prefill_seconds_per_token("")))
         scratch = CycleState()
         if self.pipeline.data_producers:
-            await self._prepare_data(scratch, request, candidates)
+            await self._prepare_data(scratch, request, candidates, self.metrics.observe_plugin)
         service_s, ttft_s = self.latency_predictor.predict_latency(scratch, request, candidates)
         return PredictedLatency(service_s, ttft_s)
 
     async def _schedule(self, state: CycleState, request: InferenceRequest) -> SchedulingResult:
         started = time.perf_counter()
-        timer = self.metrics.observe_plugin
+        trace = tracing.of(state)
+        timer = trace.plugin_timer(self.metrics.observe_plugin)  # the metrics' timer itself when not traced
         try:
             candidates = self.candidates(request)
             for gate in self.pipeline.capacity_gates:
                 candidates = list(await gate.ensure_capacity(state, request, candidates))
-            self._admit(self._admitters_before_data, state, request, candidates)
+            self._admit(self._admitters_before_data, state, request, candidates, timer)
             if not candidates:
                 raise InferenceError(ErrorCode.SERVICE_UNAVAILABLE,
                                      "failed to find endpoint candidates for serving the request",
                                      drop_reason=DropReason.NO_ENDPOINTS)
             if self.pipeline.data_producers:
-                await self._prepare_data(state, request, candidates)
-            self._admit(self._admitters_after_data, state, request, candidates)
-            result = self.pipeline.scheduler.schedule(state, request, candidates, timer)
+                await self._prepare_data(state, request, candidates, timer)
+            self._admit(self._admitters_after_data, state, request, candidates, timer)
+            result = self.pipeline.scheduler.schedule(state, request, candidates, timer,
+                                                      profile_done=trace.profile_done)
         except InferenceError:
             self.metrics.scheduler_attempts.labels("failure").inc()
             raise
@@ -169,7 +174,7 @@ class Director:
         return result
 
     def _admit(self, admitters: Sequence[Admitter], state: CycleState, request: InferenceRequest,
-               candidates: Sequence[Endpoint]) -> None:
+               candidates: Sequence[Endpoint], timer: PluginTimer) -> None:
         for admitter in admitters:
             t0 = time.perf_counter()
             try:
@@ -180,7 +185,7 @@ class Director:
                 log_failure(log, logging.WARNING, "admitter %s failed", exc, admitter.name)
                 raise InferenceError(ErrorCode.INTERNAL, "request cannot be admitted") from exc
             finally:
-                self.metrics.observe_plugin("Admitter", admitter, time.perf_counter() - t0)
+                timer("Admitter", admitter, time.perf_counter() - t0)
 
     def _book(self, state: CycleState, request: InferenceRequest, result: SchedulingResult) -> None:
         """Book the pick in the ledger: prompt tokens, and those the prefix match says are uncached."""
@@ -212,7 +217,7 @@ class Director:
             self.pipeline.flow_controller.wake()  # its prefill is done: a held request may fit now
 
     async def _prepare_data(self, state: CycleState, request: InferenceRequest,
-                            candidates: Sequence[Endpoint]) -> None:
+                            candidates: Sequence[Endpoint], timer: PluginTimer) -> None:
         deadline = time.monotonic() + PREPARE_DATA_TIMEOUT_S
         for producer in self.pipeline.data_producers:
             remaining = deadline - time.monotonic()
@@ -227,7 +232,7 @@ class Director:
             except Exception as exc:  # producers are best effort: scoring goes on without their data
                 # Never the message at this level: a UnicodeEncodeError's message quotes the prompt.
                 log_failure(log, logging.WARNING, "data producer %s failed", exc, producer.name)
-            self.metrics.observe_plugin("PrepareData", producer, time.perf_counter() - t0)
+            timer("PrepareData", producer, time.perf_counter() - t0)
 
     def response_headers(self, state: CycleState, request: InferenceRequest,
                          response: ResponseInfo, target: Endpoint | None) -> None:

@@ -32,6 +32,7 @@ from epp.request.response import ResponseRewriter, UnreadableBody, only_anthropi
 from epp.requestcontrol.director import Director
 from epp.requestcontrol.lifecycle import RequestAccounting, RequestLifecycle
 from epp.server import messages
+from epp.tracing import NO_TRACE, NoTrace, RequestTrace, RequestTracing
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,8 @@ class _Stream:
     """
 
     __slots__ = ("service", "life", "headers", "body_parts", "body_size", "subset_hint", "request_id",
-                 "rewriter", "response_parts", "response_size", "passthrough", "rejected", "response_body_sent")
+                 "rewriter", "response_parts", "response_size", "passthrough", "rejected", "response_body_sent",
+                 "trace", "grpc_metadata")
 
     def __init__(self, service: ExtProcService) -> None:
         self.service = service
@@ -109,6 +111,9 @@ class _Stream:
         self.rejected = False
         # Whether Envoy sends the response body (its first message says when it does not).
         self.response_body_sent = True
+        self.trace: RequestTrace | NoTrace = NO_TRACE
+        # The stream's gRPC metadata, kept when tracing: a tracing Envoy puts its own trace context there.
+        self.grpc_metadata: tuple[tuple[str, Any], ...] = ()
 
     @property
     def scheduled(self) -> bool:
@@ -120,11 +125,14 @@ class _Stream:
         self.service.check_request_headers(msg.headers)
         self.headers = _header_map(msg.headers)
         self.request_id = self.headers.get(REQUEST_ID_HEADER) or str(uuid.uuid4())
+        if self.service.tracing is not None:
+            self.trace = self.service.tracing.start(self.headers, self.life.state, self.grpc_metadata)
         if not msg.end_of_stream:
             return []  # held until the body has been scheduled
         target = self.life.route_without_body(self.subset_hint)
         return [messages.request_headers_response(
-            [(messages.DESTINATION_ENDPOINT_HEADER, target.hostport), (REQUEST_ID_HEADER, self.request_id)],
+            [(messages.DESTINATION_ENDPOINT_HEADER, target.hostport), (REQUEST_ID_HEADER, self.request_id),
+             *self.trace.routed((target,))],
             destination=target.hostport)]
 
     async def on_request_body(self, msg: pb.HttpBody) -> list[pb.ProcessingResponse]:
@@ -151,12 +159,17 @@ class _Stream:
     async def _schedule(self, *, end_of_stream: bool) -> list[pb.ProcessingResponse]:
         body = b"".join(self.body_parts)
         self.body_parts = []
-        request, forwarded = self.service.parser.parse(
-            request_id=self.request_id, headers=self.headers, body=body, subset_hint=self.subset_hint)
+        trace = self.trace
+        with trace.step("epp.parse"):
+            request, forwarded = self.service.parser.parse(
+                request_id=self.request_id, headers=self.headers, body=body, subset_hint=self.subset_hint)
+        trace.parsed(request)
         life = self.life
-        targets = (await life.schedule(request, len(body))).targets
+        result = await life.schedule(request, len(body))
+        targets = result.targets
         destination = ",".join(ep.hostport for ep in targets)
-        set_headers = [(messages.DESTINATION_ENDPOINT_HEADER, destination), (REQUEST_ID_HEADER, self.request_id)]
+        set_headers = [(messages.DESTINATION_ENDPOINT_HEADER, destination), (REQUEST_ID_HEADER, self.request_id),
+                       *trace.routed(targets, result.primary_profile)]
         if forwarded:
             set_headers.append(("Content-Length", str(len(forwarded))))
         # Headers the pre-request hooks set (the prefiller's ip:port, say); routing headers stay ours.
@@ -183,6 +196,7 @@ class _Stream:
         response.streaming = "text/event-stream" in headers.get("content-type", "") or bool(
             life.request and life.request.stream)
         body_sent = self.response_body_sent
+        self.trace.response_started(response.status)
         life.response_headers(first_token_follows=body_sent)
         # The body is rewritten (its length may change) only when the picker is shown it.
         remove = ["content-length"] if body_sent and self.rewriter is not None and self.rewriter.active else []
@@ -198,6 +212,7 @@ class _Stream:
         if response.streaming or self.passthrough:
             if life.awaiting_first_token and carries_token(chunk):
                 life.first_token()
+                self.trace.first_token()
             if self.rewriter is not None:
                 chunk = self.rewriter.rewrite(chunk)
             if response.streaming and response.usage is None and b"usage" in chunk:
@@ -263,10 +278,12 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
 
     def __init__(self, director: Director, parser: RequestParser, metrics: EppMetrics, *,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, limits: Limits | None = None,
-                 emit_endpoint_scores: bool = False) -> None:
+                 emit_endpoint_scores: bool = False, tracing: RequestTracing | None = None) -> None:
         self.director = director
         # The pick's scores in the headers reply's `envoy.lb` metadata (the scheduler records them).
         self.emit_endpoint_scores = emit_endpoint_scores
+        # None: tracing is off, and every stream's trace is NO_TRACE (nothing is done per request).
+        self.tracing = tracing
         # Request and token metrics of every stream; label children cached across requests.
         self.accounting = RequestAccounting(metrics)
         self.parser = parser
@@ -306,6 +323,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
 
     async def Process(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         stream = _Stream(self)
+        if self.tracing is not None:
+            stream.grpc_metadata = tuple(context.invocation_metadata() or ())
         metrics = self.metrics
         metrics.streams_active.inc()
         self.active_streams += 1
@@ -326,6 +345,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                 except InferenceError as err:
                     stream.rejected = True
                     stream.life.failed(err.code)
+                    stream.trace.failed(err.code, err.message)
                     replies = [messages.error_response(err, stream.headers.get(":path"))]
                 except Exception as exc:
                     replies = self._on_failure(stream, req, exc)
@@ -336,6 +356,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
             if not stream.rejected:
                 err = InferenceError(ErrorCode.REQUEST_TIMEOUT,
                                      f"no request data for {self.limits.stream_idle_timeout_s:g} s")
+                stream.trace.failed(err.code, err.message)
                 await context.write(messages.error_response(err, stream.headers.get(":path")))
         except DecodeError:
             # A message that is not a ProcessingRequest: one log line (throttled), no traceback.
@@ -350,6 +371,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
             self.active_streams -= 1
             metrics.streams_active.dec()
             stream.life.complete(aborted=True)
+            stream.trace.end(stream.life.response)
 
     async def _refuse(self, context: grpc.aio.ServicerContext, stream: _Stream) -> None:
         """Answer a stream over the concurrency limit with 429 once its first message arrives."""
@@ -374,6 +396,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
         log_failure(log, logging.ERROR, "ext_proc stream failed (request id %s)", exc, stream.request_id)
         self.metrics.stream_errors.labels("internal").inc()
         stream.rejected = True
+        stream.trace.failed(ErrorCode.INTERNAL, "internal error while processing request")
         return [messages.error_response(InferenceError(ErrorCode.INTERNAL, "internal error while processing request"),
                                         stream.headers.get(":path"))]
 

@@ -30,6 +30,7 @@ from epp.requestcontrol.director import Director
 from epp.server.extproc import DEFAULT_MAX_BODY_BYTES, ExtProcService
 from epp.server.health import HealthService
 from epp.server.tls import server_credentials
+from epp.tracing import RequestTracing
 
 if TYPE_CHECKING:
     from epp.datalayer.scraper import MetricsScraper
@@ -88,13 +89,19 @@ class ServeOptions:
     emit_endpoint_scores: str | None = None
     # GET /debug/state and POST /debug/explain on the metrics port (epp.debug).
     enable_debug_endpoint: bool = False
+    # OpenTelemetry spans per request, exported as the OTEL_* environment says (epp.tracing).
+    tracing: bool = False
 
 
 class EppServer:
     """One running picker. `start()` binds every port; `stop()` drains in-flight streams."""
 
-    def __init__(self, options: ServeOptions, *, pipeline: LoadedConfig | None = None) -> None:
+    def __init__(self, options: ServeOptions, *, pipeline: LoadedConfig | None = None,
+                 tracing: RequestTracing | None = None) -> None:
         self.options = options
+        # Tracing given beforehand (tests: an in-memory exporter); else made at start with `options.tracing`.
+        self.tracing = tracing
+        self._owns_tracing = False
         self.metrics = EppMetrics(max_label_value_length=options.limits.max_label_value_length)
         self.endpoints = EndpointRegistry()
         self.context = PluginContext(metrics_registry=self.metrics.registry, endpoints=self.endpoints)
@@ -161,6 +168,8 @@ class EppServer:
                 await self.peer.start()
             except OSError as exc:
                 raise BindError(str(exc)) from None
+        if opts.tracing and self.tracing is None:
+            self.tracing, self._owns_tracing = RequestTracing.from_environment(), True
         limits = opts.limits
         parser = RequestParser(objectives, max_json_depth=limits.max_json_depth,
                                max_prompt_chars=limits.max_prompt_chars)
@@ -169,7 +178,8 @@ class EppServer:
         if opts.emit_endpoint_scores is not None:
             pipeline.scheduler.record_scores(detailed=opts.emit_endpoint_scores == "scorers")
         service = ExtProcService(self.director, parser, self.metrics, max_body_bytes=opts.max_body_bytes,
-                                 limits=limits, emit_endpoint_scores=opts.emit_endpoint_scores is not None)
+                                 limits=limits, emit_endpoint_scores=opts.emit_endpoint_scores is not None,
+                                 tracing=self.tracing)
         # Large bodies arrive in Envoy-sized pieces; the cap on whole messages only needs headroom.
         grpc_options = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
                         ("grpc.max_send_message_length", 64 * 1024 * 1024)]
@@ -268,6 +278,8 @@ class EppServer:
             self._metrics_http.server_close()
         if self._gc_pauses in gc.callbacks:
             gc.callbacks.remove(self._gc_pauses)
+        if self._owns_tracing and self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # exports the spans still pending
 
     async def wait(self) -> None:
         if self._grpc is not None:
