@@ -22,6 +22,12 @@ if [ "${1:-}" = "--fast" ]; then
 fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,bench]'
+# xds-protos (Envoy's API) ships an older copy of opentelemetry/proto where opentelemetry-proto
+# installs its own: whichever pip installed last wins, and the OTLP exporters need the newer one.
+if ! .venv/bin/python -c 'from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans as R; assert "scope_spans" in R.DESCRIPTOR.fields_by_name' 2>/dev/null; then
+    .venv/bin/python -m pip install -q --disable-pip-version-check --force-reinstall --no-deps \
+        "opentelemetry-proto==$(.venv/bin/python -c 'from importlib.metadata import version; print(version("opentelemetry-proto"))')"
+fi
 bash .ci/setup-vllm-env
 bash bench/setup-peers
 .venv/bin/ruff check --quiet .

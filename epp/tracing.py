@@ -89,8 +89,34 @@ def load_exporters(environ: Mapping[str, str] = os.environ) -> list[type[SpanExp
         if name not in registered:
             raise TracingSetupError(f"OTEL_TRACES_EXPORTER: no trace exporter named {name!r} is installed "
                                     f"(installed: {', '.join(sorted(registered)) or 'none'})")
-        classes.append(registered[name].load())
+        try:
+            classes.append(registered[name].load())
+        except ImportError as exc:
+            raise TracingSetupError(f"OTEL_TRACES_EXPORTER: exporter {name!r} does not load ({exc})."
+                                    f"{_clobbered_protos_hint()}") from None
     return classes
+
+
+def _clobbered_protos_hint() -> str:
+    """How to repair an install whose OTLP protos xds-protos overwrote, or "" when they are intact."""
+    # xds-protos (Envoy's API, a core dependency) ships an older copy of opentelemetry/proto in the
+    # same place as opentelemetry-proto; whichever pip installs last wins, and the OTLP exporters do
+    # not load beside the older copy.
+    from importlib import import_module
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        trace_pb2 = import_module("opentelemetry.proto.trace.v1.trace_pb2")
+    except ImportError:
+        return ""
+    if "scope_spans" in trace_pb2.ResourceSpans.DESCRIPTOR.fields_by_name:
+        return ""
+    try:
+        pin = f"=={version('opentelemetry-proto')}"
+    except PackageNotFoundError:
+        pin = ""
+    return (" xds-protos overwrote the opentelemetry-proto files; restore them with "
+            f"`pip install --force-reinstall --no-deps opentelemetry-proto{pin}`")
 
 
 def provider_from_environment() -> TracerProvider:

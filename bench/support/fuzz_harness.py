@@ -8,7 +8,8 @@ Invariants (issue #18):
 - every complete request gets a defined answer within 5 s (a pick or a GIE error), and every
   stream ends within 5 s of its last message; idle ones are answered by the idle timeout;
 - a picked endpoint is a pool member and inside the subset hint;
-- errors are `inference error: <Code> - <msg>` with the code's HTTP status, never Internal;
+- errors are JSON (OpenAI's error shape, Anthropic's on /v1/messages) whose message is
+  `inference error: <Code> - <msg>` with the code's HTTP status, never Internal;
 - request and response bodies pass through byte-identical (no model rewrite asked for);
 - the in-flight gauges return to zero when all streams are done.
 """
@@ -16,6 +17,7 @@ Invariants (issue #18):
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 from collections import Counter
@@ -65,6 +67,15 @@ class Report:
 
     def violate(self, case: Case, what: str) -> None:
         self.violations.append(f"case {case.index} ({case.kind}): {what}")
+
+
+def _error_message(body: str) -> str:
+    """The message of a JSON error answer in OpenAI's or Anthropic's shape ("" when it is neither)."""
+    try:
+        error = json.loads(body)["error"]
+    except (ValueError, KeyError, TypeError):
+        return ""
+    return error.get("message", "") if isinstance(error, dict) else ""
 
 
 def _allowed(pool: tuple[str, ...], hint: tuple[str, ...] | None) -> set[str]:
@@ -236,9 +247,9 @@ class Fuzzer:
             if kind == "immediate_response":
                 status = reply.immediate_response.status.code
                 body = reply.immediate_response.body.decode("utf-8", "replace")
-                match = GIE_ERROR.match(body)
+                match = GIE_ERROR.match(_error_message(body))
                 if match is None or STATUS_OF_CODE.get(match.group(1)) != status:
-                    report.violate(case, f"error not in GIE format: {status} {body[:100]!r}")
+                    report.violate(case, f"error not in the JSON error format: {status} {body[:100]!r}")
                 elif match.group(1) == "Internal":
                     report.violate(case, f"internal error: {body[:200]!r}")
                 outcome = f"{mode}:{status}"

@@ -1,7 +1,7 @@
 """Checks on JSON that json.loads does not make: nesting depth (before parsing) and lone UTF-16 surrogates.
 
-Neither recurses, so hostile input cannot exhaust the interpreter's stack here, and both start
-with a byte-level pre-check that rules most bodies out.
+Neither recurses, so hostile input cannot exhaust the interpreter's stack here; the depth check
+starts with a byte-level pre-check that rules most bodies out.
 """
 
 from __future__ import annotations
@@ -60,13 +60,11 @@ def _has_surrogate(text: str) -> bool:
     return not text.isascii() and _SURROGATE.search(text) is not None
 
 
-def has_lone_surrogate(body: bytes, value: Any) -> bool:
+def has_lone_surrogate(value: Any) -> bool:
     """True when a string (or key) of `value` holds a lone UTF-16 surrogate, which is not Unicode."""
-    # Raw UTF-8 cannot carry surrogates (decoding fails first); only `\\uD800`-style escapes can
-    # (a valid escaped pair is joined into one code point by the parser). No backslash, no escape:
-    # a single memchr rules out most bodies, and the walk costs little more (isascii skips ASCII).
-    if b"\\" not in body:
-        return False
+    # json.loads lets them in two ways: `\\uD800`-style escapes and raw surrogate bytes (it decodes
+    # with surrogatepass, UTF-8 and UTF-16/32 alike), so no look at the bytes can rule them out; the
+    # walk is cheap (isascii skips ASCII) and runs only on bodies the strict decoder refused.
     stack = [value]
     while stack:
         item = stack.pop()

@@ -175,7 +175,7 @@ class RequestParser:
         parsed, strict = _loads(body)
         if not isinstance(parsed, dict):
             raise _bad("error unmarshaling request bodyMap: request body must be a JSON object")
-        if not strict and has_lone_surrogate(body, parsed):
+        if not strict and has_lone_surrogate(parsed):
             raise _bad("request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its pair), "
                        "which is not valid Unicode")
         _validate_api_fields(api, parsed)
@@ -230,7 +230,9 @@ class RequestParser:
                 parsed = json.loads(body)
             except (ValueError, UnicodeDecodeError):
                 parsed = None
-            if isinstance(parsed, dict) and isinstance(parsed.get("model"), str):
+            # A name holding a lone surrogate is no model (and could not be hashed): read as none.
+            if isinstance(parsed, dict) and isinstance(parsed.get("model"), str) \
+                    and not has_lone_surrogate(parsed["model"]):
                 model = parsed["model"]
         objective = header_value(headers, OBJECTIVE_HEADERS)
         return InferenceRequest(

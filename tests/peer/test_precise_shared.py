@@ -48,9 +48,15 @@ async def test_two_pickers_fed_the_same_traffic_hold_the_same_precise_index_and_
                 return len(first) > 0 and first == second
 
             await wait_until(same_and_full, "both pickers' indexes to hold the same keys, endpoints and tiers", 10)
-            # Same index, same decisions: each group's next request goes to the same replica from either picker.
+            # Same index, same decisions: each group's next request goes to the replica holding the most
+            # of it from either picker (the same one where one holds most; a tie breaks at random).
+            names = [spec.name for spec in specs]
             for prompt in groups:
-                assert await pickers[0].route(MODEL, prompt) == await pickers[1].route(MODEL, prompt)
+                held = await pickers[0].held_blocks(MODEL, prompt, names)
+                assert held == await pickers[1].held_blocks(MODEL, prompt, names)
+                best = {ep for ep, blocks in held.items() if blocks == max(held.values())}
+                routes = {await pickers[0].route(MODEL, prompt), await pickers[1].route(MODEL, prompt)}
+                assert routes <= best and (len(best) > 1 or len(routes) == 1), (held, routes)
         finally:
             for picker in pickers:
                 await picker.stop()

@@ -45,9 +45,12 @@ async def test_llm_d_precise_config_routes_to_the_replica_holding_the_prefix(tmp
     try:
         with tiny_vllm_server(tmp_path / "a", python=python) as server:
             ep_a, ep_b = f"127.0.0.1:{server.http_port}", page.hostport
-            (no_events,) = free_ports(1)
+            # B shares A's address: its labels point both of its KV-event sockets elsewhere, or it
+            # would dial A's replay socket (the config's replaySocketPort) and be given A's blocks.
+            no_events, no_replay = free_ports(2)
             specs = [EndpointSpec("127.0.0.1", server.http_port),
-                     EndpointSpec("127.0.0.1", page.port, {"kv-events-port": str(no_events)})]
+                     EndpointSpec("127.0.0.1", page.port, {"kv-events-port": str(no_events),
+                                                           "kv-replay-port": str(no_replay)})]
             picker = await Picker.start(llmd_config(server), specs)
             try:
                 prefix = prompt_of(server.model_dir, seed=3, tokens=8 * server.block_size)
@@ -62,17 +65,17 @@ async def test_llm_d_precise_config_routes_to_the_replica_holding_the_prefix(tmp
                     await wait_until(picker.metrics_fresh, "both endpoints' metrics", 20)
                     return await picker.route("tiny", prompt)
 
-                async def routes_to_a() -> bool:
-                    return await route_fresh(prefix + " Question?") == ep_a
-
-                await wait_until(routes_to_a, "A's KV events to reach the index", 30)
+                # Not by routing: a pick claims the prompt's blocks on its endpoint for a while (the
+                # speculative index), so a probe that tied and went to B would make B a holder too.
+                await wait_until(lambda: picker.metric("epp_kv_index_keys") >= 8, "A's KV events to reach the index", 30)
                 assert {await route_fresh(prefix + " Question?") for _ in range(5)} == {ep_a}
                 tokenized = picker.metric("epp_token_producer_requests_total", {
                     "plugin": "token-producer", "backend": "vllm", "outcome": "tokenized"})
                 assert tokenized >= 1  # the tokens came from vLLM's /tokenize
                 assert picker.metric("epp_kv_index_lookup_hit_blocks_total") >= 8
-                cold = prompt_of(server.model_dir, seed=99, tokens=8 * server.block_size)
-                assert ep_b in {await picker.route("tiny", cold) for _ in range(12)}  # a cold prompt ties
+                # Cold prompts tie (each a new one: a repeated prompt would follow its first pick's claim).
+                colds = [prompt_of(server.model_dir, seed=99 + i, tokens=8 * server.block_size) for i in range(12)]
+                assert ep_b in {await picker.route("tiny", cold) for cold in colds}
             finally:
                 await picker.stop()
     finally:

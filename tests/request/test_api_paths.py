@@ -97,6 +97,7 @@ def test_a_rerank_body_needs_its_query_and_documents():
     (b"--xyz\r\nContent-Disposition: form-data; name=\"file\"\r\n\r\n\x00\x01\r\n--xyz--", ""),
     (b"[" * 10_000, ""),  # nested past the limit: not parsed at all
     (b'{"model": 7}', ""),
+    (b'{"model":"m\\ud800"}', ""),  # a lone surrogate is no model name (nothing could hash it)
 ])
 def test_a_body_on_a_path_no_parser_reads_is_passed_on_unchecked(body, model):
     request, forwarded = parse("/v1/score", body)

@@ -51,7 +51,10 @@ def test_what_msgspec_refuses_is_read_as_json_loads_reads_it(raw):
 
 
 @pytest.mark.parametrize("raw", [b'{"model":"m","messages":[{"role":"user","content":"\\ud800"}]}',
-                                 b'{"model":"m","messages":[{"role":"user","content":"a\\udc00"}]}'])
+                                 b'{"model":"m","messages":[{"role":"user","content":"a\\udc00"}]}',
+                                 # Raw surrogate bytes: json.loads decodes them (surrogatepass), no escape needed.
+                                 b'{"model":"m\xed\xa0\x80","messages":[{"role":"user","content":"hi"}]}',
+                                 '{"model":"m","prompt":"\ud800"}'.encode("utf-16-le", "surrogatepass")])
 def test_lone_surrogates_are_still_refused_with_their_own_message(raw):
     with pytest.raises(InferenceError, match="lone UTF-16 surrogate"):
         parse(raw)

@@ -56,6 +56,26 @@ def test_an_exporter_or_protocol_this_install_lacks_is_refused_by_name():
         load_exporters({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
 
 
+def test_an_exporter_that_does_not_load_beside_xds_protos_older_protos_names_the_repair(monkeypatch):
+    # What a fresh install gets when pip writes xds-protos' copy of opentelemetry/proto last: the
+    # OTLP exporter's import fails, and ResourceSpans has its pre-1.0 field instead of scope_spans.
+    import importlib.metadata
+    from types import SimpleNamespace
+
+    def load():
+        raise ImportError("cannot import name 'InstrumentationScope'")
+
+    older = SimpleNamespace(ResourceSpans=SimpleNamespace(DESCRIPTOR=SimpleNamespace(
+        fields_by_name={"resource": None, "instrumentation_library_spans": None})))
+    monkeypatch.setitem(sys.modules, "opentelemetry.proto.trace.v1.trace_pb2", older)
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [
+        SimpleNamespace(name="otlp_proto_grpc", load=load)])
+    with pytest.raises(TracingSetupError, match=r"'otlp_proto_grpc' does not load \(cannot import name "
+                       r"'InstrumentationScope'\)\. xds-protos overwrote .* `pip install --force-reinstall "
+                       r"--no-deps opentelemetry-proto==\d"):
+        load_exporters({})
+
+
 def test_tracing_is_on_by_flag_or_by_an_exporter_and_off_when_the_sdk_is_disabled(otel_env):
     assert _tracing_wanted(False) is False
     assert _tracing_wanted(True) is True

@@ -72,7 +72,7 @@ async def test_vllm_renders_the_tokens_our_chat_template_gives(server, name):
         tokenized = await producer.tokens(request)  # POST /tokenize with the mapped chat messages
         local = await pool.tokenize(request)
         assert rendered is not None and tokenized is not None and local
-        assert list(rendered.token_ids) == local == list(tokenized.token_ids)
+        assert list(rendered.token_ids) == list(local) == list(tokenized.token_ids)
     finally:
         await producer.stop()
         pool.close()
