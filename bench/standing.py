@@ -684,6 +684,67 @@ ROWS: list[Row] = [
         command="python bench/gpu_offload_validation.py --check",
         date="2026-12-04",
         notes=("2026-12-gpu-preflight.md", "2026-11-scheduling-index-scraping-sim.md#gpu-offload-validation")),
+    # --- round 3 (issues 32-36) ----------------------------------------------------------------------------------
+    Row(ROUTING, "trace at the knee (9 %): SLO-aware dispatch ≥ 1.5x the best peer's goodput within a 1 s TTFT "
+                 "objective, ≥ 1.5x better TTFT p90 for latency-sensitive requests (#33)",
+        "`epp-slo` {run(F, 'epp-slo')['goodput']['good']} of {run(F, 'epp-slo')['goodput']['requests']} within "
+        "the objective against the best peer's {max(run(F, p)['goodput']['good'] for p in peers(F))} "
+        "({ratio(run(F, 'epp-slo')['goodput']['good'] / max(run(F, p)['goodput']['good'] for p in peers(F)))}); "
+        "sensitive TTFT p90 {sec(run(F, 'epp-slo')['goodput']['sensitive_ttft_p90'])} against "
+        "{sec(min(run(F, p)['goodput']['sensitive_ttft_p90'] for p in peers(F)))} "
+        "({ratio(min(run(F, p)['goodput']['sensitive_ttft_p90'] for p in peers(F)) / run(F, 'epp-slo')['goodput']['sensitive_ttft_p90'])}); "
+        "{run(F, 'epp-slo')['goodput']['rejected']} shed with a reason",
+        ("slo-trace-9pct",),
+        met="run(F, 'epp-slo')['goodput']['good'] >= 1.5 * max(run(F, p)['goodput']['good'] for p in peers(F)) and "
+            "min(run(F, p)['goodput']['sensitive_ttft_p90'] for p in peers(F)) >= 1.5 * run(F, 'epp-slo')['goodput']['sensitive_ttft_p90']",
+        verdict="TPOT not improved (see the note)"),
+    Row(ROUTING, "trace at 8 %: the best `epp-*` closes ≥ 70 % of the best peer's TTFT p90 gap to the floor with "
+                 "queueing; every prefix pipeline beats the best peer (#33)",
+        "`epp-slo` {sec(run(F, 'epp-slo')['goodput']['ttft_p90_all'])} against {best_peer(F)} "
+        "{sec(run(F, best_peer(F))['goodput']['ttft_p90_all'])}, floor {sec(load(F)['floor']['p90_queued'])}: "
+        "{pct((run(F, best_peer(F))['goodput']['ttft_p90_all'] - run(F, 'epp-slo')['goodput']['ttft_p90_all']) / (run(F, best_peer(F))['goodput']['ttft_p90_all'] - load(F)['floor']['p90_queued']))} "
+        "of the gap closed; the slowest prefix pipeline {sec(max(run(F, n)['goodput']['ttft_p90_all'] for n in ('epp-approx', 'epp-approx-ttft', 'epp-precise', 'epp-precise-ttft', 'epp-slo', 'epp-slo-precise')))}",
+        ("slo-trace-8pct",),
+        met="(run(F, best_peer(F))['goodput']['ttft_p90_all'] - run(F, 'epp-slo')['goodput']['ttft_p90_all']) >= 0.7 * (run(F, best_peer(F))['goodput']['ttft_p90_all'] - load(F)['floor']['p90_queued'])",
+        verdict="every prefix pipeline beats the best peer; at this load the p90 is the longest first turns' "
+                "own prefill, which no ordering shortens (2026-12-slo-dispatch.md)"),
+    Row(COST, "a 200 KB conversation's next turn ≤ 2x a fresh 2 KB prompt's picker time, in-process (#34)",
+        "precise {ratio(load(F + '/in-process.json')[2]['ratio_cpu'])} "
+        "({fmt(load(F + '/in-process.json')[2]['long_cpu_ms'], 2)} / {fmt(load(F + '/in-process.json')[2]['fresh_cpu_ms'], 2)} ms), "
+        "approximate {ratio(load(F + '/in-process.json')[1]['ratio_cpu'])}, default {ratio(load(F + '/in-process.json')[0]['ratio_cpu'])}",
+        ("pick-cost-long-context",),
+        met="all(r['ratio_cpu'] <= 2 for r in load(F + '/in-process.json') if r['pipeline'] in ('precise', 'approximate'))",
+        verdict="precise meets it; approximate and default read 200 KB of new JSON a turn (parse, approximate "
+                "prefix's first 16 KB) that no cache can skip",
+        command="python bench/long_context.py --kb 200 --tail 20 --fresh 40", date="2026-12-04"),
+    Row(COST, "picker CPU per routed 2 KB request, default pipeline, all phases ≤ 0.7 ms (#34)",
+        "1,220 µs (the empty grpc.aio servicer 620 µs, a random picker 670 µs)",
+        verdict="**not met**: a picker that parses nothing costs 0.67 ms on this transport, the floor under the target",
+        command="python bench/extproc_cpu.py --requests 2000 --repeat 3", date="2026-12-04",
+        notes=("2026-12-pick-cost.md#2-picker-cpu-per-routed-2-kb-request",)),
+    Row(COST, "per-endpoint scores in Envoy metadata (`--emit-endpoint-scores`) cost (#36)",
+        "{fmt(load(F)['cpu_us_per_request']['off'])} µs a request off, totals {ratio(load(F)['ratio_to_off']['totals'])}, "
+        "per scorer {ratio(load(F)['ratio_to_off']['scorers'])}",
+        ("endpoint-scores-cost",), verdict="off by default; measured, no target",
+        command="python bench/endpoint_scores_cost.py --requests 6000", date="2026-12-04"),
+    Row(COST, "OpenTelemetry tracing off costs nothing; on, what it costs (#36)",
+        "on with no request sampled {ratio(load(F)['ratio_to_off']['full']['on, no request sampled'])}, every "
+        "request sampled {ratio(load(F)['ratio_to_off']['full']['on, every request sampled'])} "
+        "({fmt(load(F)['spans_per_request']['full'])} spans a request); off {fmt(load(F)['cpu_us_per_request']['full']['off'])} µs "
+        "against {fmt(load(F)['before']['/work/main']['full'])} µs before tracing existed",
+        ("tracing-overhead",), verdict="off by default; sample (OTEL_TRACES_SAMPLER) under load",
+        command="python bench/tracing_overhead.py --requests 3000 --rounds 3 --modes full,none --before /work/main",
+        date="2026-12-04"),
+    Row(INDEX, "one KV engine map for the in-memory and Redis indexes: speed and bytes per entry within 5 % (#35)",
+        "interleaved A/B at 100,000 entries: fill CPU ratio {load(F)['index_ab_first'][1]['min ratio']} (min), "
+        "{load(F)['index_ab_first'][1]['median ratio']} (median); at capacity {load(F)['index_ab_first'][2]['min ratio']} / "
+        "{load(F)['index_ab_first'][2]['median ratio']}; bytes per entry {load(F)['index_compare'][1]['bytes/entry before']} → "
+        "{load(F)['index_compare'][1]['bytes/entry after']}",
+        ("kv-engine-map",), met="float(load(F)['index_ab_first'][1]['min ratio']) <= 1.05 and "
+                                "float(load(F)['index_ab_first'][2]['min ratio']) <= 1.05",
+        verdict="the fill ratio of medians of 3 fresh processes (`--compare-with main`) was 0.93x, inside that comparison's run-to-run spread; the interleaved A/B decides",
+        command="python bench/kv_index_bench.py --compare-with main --sizes 100000,1000000 --endpoints 4,64 --rounds 3",
+        date="2026-12-04"),
 ]
 
 
