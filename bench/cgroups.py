@@ -5,12 +5,13 @@ hierarchies (`/sys/fs/cgroup/{cpu,cpuacct,cpuset}`), one child per `GroupSpec`:
 - `cpuset.cpus` pins the group to its cores (a vLLM-CPU replica to the core its OMP thread is
   bound to);
 - `cpu.cfs_quota_us` caps it at `quota_cores` per period, so no group can take another's share
-  however much it burns (the quotas of one run add up to at most the machine);
+  however much it burns (the quotas of one run add up to at most the machine); `burst_cores`
+  (`cpu.cfs_burst_us`, at most the quota) lets a mostly idle group spend quota it saved in a
+  short burst, so a router's spikes are not throttled while its average stays within its share;
 - `cpu.shares` is its weight against everything else on its cores: a task at nice 10 in the root
   group weighs 110, a group `shares` (default 8192), so other users' jobs barely slow it.
-Each `sample()` reads every group's CPU time (`cpuacct.usage`), its throttling (`cpu.stat`:
-`nr_periods`, `nr_throttled`, `throttled_time`) and how long its threads waited runnable for a
-core (`/proc/<tid>/schedstat`: contention the quota does not show).
+Each `sample()` reads every group's CPU time (`cpuacct.usage`) and its throttling (`cpu.stat`:
+`nr_periods`, `nr_throttled`, `throttled_time`).
 
 Every exit path removes the groups: `close()` (also the context manager's exit and an `atexit`
 hook) stops nothing it did not start but moves any task left behind back to the root group, then
@@ -28,14 +29,13 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path("/sys/fs/cgroup")
 CONTROLLERS = ("cpu", "cpuacct", "cpuset")
 PREFIX = "epp-bench-"
-DEFAULT_PERIOD_US = 50_000
+DEFAULT_PERIOD_US = 100_000  # the kernel's default
 DEFAULT_SHARES = 8192
 _TERM_GRACE_S = 5.0
 
@@ -52,6 +52,7 @@ class GroupSpec:
     cpus: str | None = None
     quota_cores: float | None = None  # None: no cap (only the weight)
     shares: int = DEFAULT_SHARES
+    burst_cores: float = 0.0  # unused quota it may save up and spend at once (at most quota_cores)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,13 +63,11 @@ class GroupStats:
     nr_periods: int  # CFS periods in which it had runnable tasks
     nr_throttled: int  # periods that ended with it throttled (quota spent)
     throttled_s: float  # seconds its tasks were held back by the quota
-    wait_s: float  # seconds its live threads waited runnable for a core (schedstat)
 
     def minus(self, before: GroupStats) -> GroupStats:
         """The change since `before`."""
         return GroupStats(self.usage_s - before.usage_s, self.nr_periods - before.nr_periods,
-                          self.nr_throttled - before.nr_throttled, self.throttled_s - before.throttled_s,
-                          max(0.0, self.wait_s - before.wait_s))
+                          self.nr_throttled - before.nr_throttled, self.throttled_s - before.throttled_s)
 
 
 def unavailable(root: Path = ROOT) -> str | None:
@@ -217,6 +216,9 @@ class CpuGroups:
                 _write(self.path("cpu", s.name) / "cpu.shares", s.shares)
                 _write(self.path("cpu", s.name) / "cpu.cfs_period_us", self.period_us)
                 self.set_quota(s.name, s.quota_cores)
+                if s.burst_cores and s.quota_cores is not None:
+                    burst = round(min(s.burst_cores, s.quota_cores) * self.period_us)
+                    _write(self.path("cpu", s.name) / "cpu.cfs_burst_us", burst)
         except BaseException:
             self.close()
             raise
@@ -261,7 +263,7 @@ class CpuGroups:
         usage = int((self.path("cpuacct", group) / "cpuacct.usage").read_text())
         stat = dict(line.split() for line in (self.path("cpu", group) / "cpu.stat").read_text().splitlines())
         return GroupStats(usage / 1e9, int(stat.get("nr_periods", 0)), int(stat.get("nr_throttled", 0)),
-                          int(stat.get("throttled_time", 0)) / 1e9, _wait_seconds(self.pids(group)))
+                          int(stat.get("throttled_time", 0)) / 1e9)
 
     def close(self) -> None:
         """Move this process back to the root group if it joined one, and remove every group (idempotent)."""
@@ -289,17 +291,6 @@ class CpuGroups:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _wait_seconds(pids: Iterable[int]) -> float:
-    """Seconds the live threads of `pids` spent runnable but waiting for a core (schedstat field 2)."""
-    total = 0
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            for task in Path(f"/proc/{pid}/task").iterdir():
-                with contextlib.suppress(OSError, ValueError, IndexError):
-                    total += int((task / "schedstat").read_text().split()[1])
-    return total / 1e9
 
 
 def interrupt_on_sigterm() -> None:

@@ -271,7 +271,10 @@ _ROUTER_SERIES = ("kv_placement_lookups_total", "kv_routing_inputs_total", "pref
                   "epp_worker_requests{",  # how the streams spread over `--workers` processes
                   "epp_metrics_scrapes_total{", "epp_metrics_peer_scrapes_total{",  # shared scraping
                   "inference_extension_scheduler_e2e_duration_seconds_sum",  # the picker's own time per pick
-                  "inference_extension_scheduler_e2e_duration_seconds_count")
+                  "inference_extension_scheduler_e2e_duration_seconds_count",
+                  "inference_extension_scheduler_e2e_duration_seconds_bucket",  # its distribution
+                  "inference_extension_plugin_duration_seconds_sum",  # where a pick's time goes, per plugin
+                  "inference_extension_plugin_duration_seconds_count")
 
 
 async def _router_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
