@@ -8,10 +8,11 @@ capacity run of unique prompts. Round-robin's placement needs no router (the rep
 turns), so this test sends the same requests (rebuilt from the workload's seeds, checked
 token for token against the recorded lengths) at the same offsets to two simulated engines
 with the fixture's profile, and compares TTFT p50, p90 and output tokens per second with
-the recording. The capacity run is replayed at its recorded send times too: its closed loop's
-arrivals depended on the real fleet's jitter, which a simulated closed loop would not have (its
-clients stay in lockstep and batch their prefills), and a simulator slower than the real
-replicas still shows, as a queue in TTFT and a longer span in tokens per second. TTFT is read
+the recording. The capacity run is replayed at its recorded send times too (a simulated closed
+loop keeps its clients in lockstep, batching prefills the real one's jitter spreads out) and is
+judged on output tokens per second only: its TTFT at saturation varies from run to run on the
+real fleet by more than the tolerance (p50 0.23 s in one recording, 0.30 s in the next, for the
+same requests), so the report prints it and only the open-loop runs must match it. TTFT is read
 from the engines' own simulated clock, so nothing here depends on how fast this machine is,
 unless it falls behind real time (then the run is skipped, not judged).
 """
@@ -133,6 +134,7 @@ def test_the_calibrated_profile_reproduces_real_vllm_ttft_and_throughput(workloa
                                             percentile(real, 90))
     report = (f"{workload} on profile {profile}: TTFT p50 sim {sim_p50:.3f} s / real {real_p50:.3f} s, p90 sim "
               f"{sim_p90:.3f} s / real {real_p90:.3f} s, output tok/s sim {tok_s:.1f} / real {phase['tok_s']:.1f}")
-    assert sim_p50 == pytest.approx(real_p50, rel=TOLERANCE), report
-    assert sim_p90 == pytest.approx(real_p90, rel=TOLERANCE), report
     assert tok_s == pytest.approx(phase["tok_s"], rel=TOLERANCE), report
+    if phase["arrivals"] == "open":  # the closed loop is a throughput check (see the module docstring)
+        assert sim_p50 == pytest.approx(real_p50, rel=TOLERANCE), report
+        assert sim_p90 == pytest.approx(real_p90, rel=TOLERANCE), report
