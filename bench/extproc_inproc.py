@@ -29,27 +29,31 @@ from epp.datalayer.registry import parse_endpoint_list  # noqa: E402
 from epp.request.parsing import RequestParser  # noqa: E402
 from epp.server.extproc import ExtProcService, _Stream  # noqa: E402
 from epp.server.runner import EppServer, ServeOptions  # noqa: E402
+from epp.tracing import RequestTracing  # noqa: E402
 
 BATCHES = 20
 
 
 @contextlib.asynccontextmanager
-async def picker_service(config_file: str | None = None) -> AsyncIterator[tuple[EppServer, ExtProcService]]:
-    """The picker started in-process (16 endpoints, no scraping) and an ext_proc service on it; stopped on exit."""
+async def picker_service(config_file: str | None = None,
+                         tracing: RequestTracing | None = None) -> AsyncIterator[tuple[EppServer, ExtProcService]]:
+    """The picker started in-process (16 endpoints, no scraping) and an ext_proc service on it (tracing into
+    `tracing`, if given); stopped on exit."""
     options = ServeOptions(grpc_port=0, grpc_health_port=0, metrics_port=0, bind_address="127.0.0.1",
                            endpoints=parse_endpoint_list(",".join(f"127.0.0.1:{8000 + i}" for i in range(16))),
                            scrape_metrics=False, config_file=config_file)
     server = EppServer(options)
     await server.start()
     try:
-        yield server, ExtProcService(server.director, RequestParser(), server.metrics)
+        yield server, ExtProcService(server.director, RequestParser(), server.metrics, tracing=tracing)
     finally:
         await server.stop(0)
 
 
-async def measure(n: int, mode: str, config_file: str | None = None) -> tuple[float, dict[str, float]]:
+async def measure(n: int, mode: str, config_file: str | None = None,
+                  tracing: RequestTracing | None = None) -> tuple[float, dict[str, float]]:
     """CPU µs per request (minimum over batches) and the share of each phase."""
-    async with picker_service(config_file) as (_server, service):
+    async with picker_service(config_file, tracing) as (_server, service):
         request, response = _messages(mode)
         sequence = [(req.WhichOneof("request"), req) for req in request + response]
         spent = dict.fromkeys([kind for kind, _ in sequence], 0.0)
@@ -63,6 +67,7 @@ async def measure(n: int, mode: str, config_file: str | None = None) -> tuple[fl
                 spent[kind] += clock() - t0
             stream.on_close()  # what the end of the gRPC stream does
             stream.life.complete(aborted=True)
+            stream.trace.end(stream.life.response)
 
         for _ in range(200):  # warm-up
             await one()

@@ -5,10 +5,10 @@
 
 The picker runs as its own process (so its RSS is its own), with the prefix producers and
 scorers configured, scraping four loopback `/metrics` pages shaped like vLLM's. The streams are
-the CI fuzz test's (tests/fuzz): valid and invalid phase orders, bodies split at random bytes,
-hostile headers, non-UTF-8, deep nesting, huge numbers and strings, wrong field types,
-cancellations, idle streams, garbage protobuf and hostile response bodies, every invariant
-checked per stream. Prints a markdown table of outcome counts and the server's RSS and open
+the CI fuzz test's (tests/fuzz; both run bench/support/fuzz_harness.py): valid and invalid phase
+orders, bodies split at random bytes, hostile headers, non-UTF-8, deep nesting, huge numbers and
+strings, wrong field types, cancellations, idle streams, garbage protobuf and hostile response
+bodies, every invariant checked per stream. Prints a markdown table of outcome counts and the server's RSS and open
 file descriptors after start, after a warm-up and at the end; exits 1 on any violation.
 """
 
@@ -32,11 +32,10 @@ sys.path.insert(0, str(REPO))
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
+from bench.support.fuzz_harness import PREFIX_CONFIG, Fuzzer, Target  # noqa: E402
+from bench.support.metrics_server import MetricsServer  # noqa: E402
+from bench.support.vllm_page import VllmState, vllm_metrics_page  # noqa: E402
 from epp.netutil import free_ports  # noqa: E402
-from tests.datalayer.metrics_server import MetricsServer  # noqa: E402
-from tests.datalayer.vllm_page import VllmState, vllm_metrics_page  # noqa: E402
-from tests.extproc.test_hostile_input import PREFIX_CONFIG  # noqa: E402
-from tests.fuzz.harness import Fuzzer, Target  # noqa: E402
 
 IDLE_TIMEOUT_S = 2.0
 WARMUP_STREAMS = 2_000

@@ -15,7 +15,7 @@ Phases (one replica each, started by our launcher, `epp.engine.vllm.launcher`):
    growing each turn), all conversations in flight, once on the offload replica and once on a
    replica without offload but the same GPU KV cap: output tokens/s each.
 Compared with the seeds' figures: 12.8x faster TTFT from the CPU tier at ~65K tokens, 1.85x
-tokens/s with offload. The table goes to stdout and, with --readme, into bench/README.md.
+tokens/s with offload. The table goes to stdout and, with --note, into a dated note under bench/notes/.
 3. P/D (`--phases pd`, or `offload,pd`): two vLLM processes on the one GPU, a prefiller and a
    decoder, both with vLLM's NixlConnector (launcher `--pd-role`, each a share of GPU memory), and
    `epp engine pd-sidecar` in front of the decoder (needs this repo importable: `pip install -e .`).
@@ -26,6 +26,9 @@ tokens/s with offload. The table goes to stdout and, with --readme, into bench/R
    - TTFT of fresh --pd-prompt-tokens prompts, disaggregated vs prefilled on the decoder itself.
 
 `--dry-run` prints the plan and the exact vLLM commands, starting nothing (runs anywhere).
+`--check` runs only the preflight (GPU, a CUDA build of vLLM >= 0.32 in --python, disk and memory for
+the tiers) and says what is missing; a real run starts with the same preflight and stops (exit 2)
+before starting anything when it fails.
 Budget: under 8 minutes on an H200 (two server starts ~1.5 min each, ~20 long prefills, two
 throughput runs of --throughput-seconds at most); a global deadline stops what is left.
 """
@@ -63,19 +66,24 @@ MODEL_SHAPES = {
 }
 
 
-def _load_module(name: str, path: Path):
-    """Import one of our modules by file, so the script runs from a bare checkout (no pip install)."""
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        spec = importlib.util.spec_from_file_location(name.rsplit(".", 1)[-1], path)
+def _bare_checkout_imports() -> None:
+    """Map this checkout's folders onto the `epp` namespace (as the install does) when it is not installed.
+
+    A GPU machine may hold only its CUDA vLLM and this checkout: the launcher and the tiny-model
+    writer use nothing outside the standard library, so they run from the tree itself.
+    """
+    if importlib.util.find_spec("epp") is not None:
+        return
+    for name, folder in (("epp", "epp"), ("epp.engine", "engine")):
+        spec = importlib.util.spec_from_file_location(name, REPO / folder / "__init__.py",
+                                                      submodule_search_locations=[str(REPO / folder)])
         module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
+        sys.modules[name] = module
         spec.loader.exec_module(module)
-        return module
 
 
-launcher = _load_module("epp.engine.vllm.launcher", REPO / "engine" / "vllm" / "launcher.py")
+_bare_checkout_imports()
+launcher = importlib.import_module("epp.engine.vllm.launcher")
 
 
 def kv_bytes_per_token(shape: dict) -> int:
@@ -93,7 +101,7 @@ def write_model_dir(dest: Path, shape_name: str, max_len: int) -> Path:
     """config.json of the realistic shape + the tiny model's tokenizer (ids are sent directly anyway)."""
     dest.mkdir(parents=True, exist_ok=True)
     try:
-        tinymodel = _load_module("epp.engine.tinymodel", REPO / "engine" / "tinymodel.py")
+        tinymodel = importlib.import_module("epp.engine.tinymodel")
         tinymodel.write_tiny_model(dest, weights=False)
     except ImportError as exc:  # tokenizers missing: vLLM can run with --skip-tokenizer-init
         print(f"no tokenizer written ({exc}); using --skip-tokenizer-init")
@@ -456,6 +464,69 @@ def table(results: dict, s: Settings) -> str:
     return "\n".join(rows)
 
 
+MIN_VLLM = (0, 32)
+# What --python reports about itself: one JSON line, whatever is missing.
+_PROBE = r"""
+import json, sys
+out = {"python": sys.version.split()[0]}
+try:
+    import torch
+    out.update(torch=torch.__version__, cuda=torch.version.cuda, gpus=torch.cuda.device_count())
+    if out["gpus"]:
+        out["gpu"] = torch.cuda.get_device_name(0)
+        out["gpu_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
+except Exception as exc:
+    out["torch_error"] = f"{type(exc).__name__}: {exc}"
+try:
+    import vllm
+    out["vllm"] = vllm.__version__
+except Exception as exc:
+    out["vllm_error"] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(out))
+"""
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("+")[0].split(".")[:2] if part.isdigit())
+
+
+def preflight(s: Settings) -> list[tuple[str, bool, str]]:
+    """(check, passed, detail) for everything a real run needs, found without starting vLLM."""
+    checks: list[tuple[str, bool, str]] = []
+    try:
+        probe = subprocess.run([s.python, "-c", _PROBE], capture_output=True, text=True, timeout=300)
+        info = json.loads(probe.stdout.strip().splitlines()[-1]) if probe.stdout.strip() else {}
+        if not info:
+            info = {"torch_error": (probe.stderr.strip().splitlines() or ["no output"])[-1]}
+    except (OSError, subprocess.TimeoutExpired, ValueError) as exc:
+        info = {"torch_error": f"{s.python}: {exc}"}
+    gpus = info.get("gpus", 0)
+    checks.append(("GPU visible to torch", bool(gpus),
+                   f"{gpus} x {info.get('gpu', '?')} ({info.get('gpu_gib', 0):.0f} GiB), torch {info.get('torch')}, "
+                   f"CUDA {info.get('cuda')}" if "torch" in info else info.get("torch_error", "torch missing")))
+    vllm_version = info.get("vllm")
+    vllm_ok = vllm_version is not None and _version_tuple(vllm_version) >= MIN_VLLM and info.get("cuda") is not None
+    checks.append((f"CUDA build of vLLM >= {'.'.join(map(str, MIN_VLLM))} in {s.python}", vllm_ok,
+                   f"vllm {vllm_version}" if vllm_version else info.get("vllm_error", "vllm missing")))
+    disk_root = s.disk_path if s.disk_path.exists() else Path(tempfile.gettempdir())
+    free = shutil.disk_usage(disk_root).free / GIB
+    checks.append((f"{s.disk_gib:.0f} GiB free for the disk tier", free >= s.disk_gib, f"{free:.0f} GiB free at {disk_root}"))
+    try:
+        available = int(Path("/proc/meminfo").read_text().split("MemAvailable:")[1].split()[0]) / 2**20
+    except (OSError, IndexError, ValueError):
+        available = float("nan")
+    checks.append((f"{s.cpu_gib:.0f} GiB of host memory for the CPU tier", not available < s.cpu_gib + 4,
+                   f"{available:.0f} GiB available"))
+    return checks
+
+
+def print_preflight(checks: list[tuple[str, bool, str]]) -> bool:
+    """Print the preflight as a table; True when every check passed."""
+    for name, passed, detail in checks:
+        print(f"{'ok  ' if passed else 'MISSING'}  {name}: {detail}")
+    return all(passed for _, passed, _ in checks)
+
+
 def print_plan(s: Settings) -> None:
     model_dir = Path("<workdir>/model")
     print(__doc__.split("\n\n")[0])
@@ -506,8 +577,10 @@ def parse_args(argv):
     p.add_argument("--pd-requests", type=int, default=6, help="P/D run: prompts timed each way")
     p.add_argument("--pd-gpu-share", type=float, default=0.4, help="P/D run: GPU memory share of each process")
     p.add_argument("--out", type=Path, default=None, help="write results JSON here")
-    p.add_argument("--readme", action="store_true", help="append the table to bench/README.md")
+    p.add_argument("--note", action="store_true",
+                   help="write the table and the results into bench/notes/<date>-gpu-offload.md")
     p.add_argument("--dry-run", action="store_true", help="print the plan and commands, start nothing")
+    p.add_argument("--check", action="store_true", help="run only the preflight: what this machine lacks for a run")
     return p.parse_args(argv)
 
 
@@ -526,6 +599,12 @@ def main(argv=None) -> int:
         print_plan(s)
         shutil.rmtree(workdir, ignore_errors=True)
         return 0
+    ready = print_preflight(preflight(s))
+    if a.check or not ready:
+        shutil.rmtree(workdir, ignore_errors=True)
+        if not ready:
+            print("gpu_offload_validation: this machine cannot run the validation (see MISSING above)", file=sys.stderr)
+        return 0 if ready else 2
     t0 = time.monotonic()
     deadline = t0 + s.deadline_s
     model_dir = write_model_dir(workdir / "model", s.shape, s.prompt_tokens + 1024)
@@ -559,9 +638,12 @@ def main(argv=None) -> int:
         print(json.dumps(results, indent=1, default=str))
         if a.out:
             a.out.write_text(json.dumps(results, indent=1, default=str))
-        if a.readme:
-            with open(REPO / "bench" / "README.md", "a") as fh:
-                fh.write(f"\n## GPU offload validation ({time.strftime('%Y-%m-%d')})\n\n{text}\n")
+        if a.note:
+            note = REPO / "bench" / "notes" / f"{time.strftime('%Y-%m-%d')}-gpu-offload.md"
+            note.write_text(f"# GPU offload validation ({time.strftime('%Y-%m-%d')})\n\n"
+                            f"`python bench/gpu_offload_validation.py {' '.join(argv or sys.argv[1:])}`\n\n{text}\n\n"
+                            f"```json\n{json.dumps(results, indent=1, default=str)}\n```\n")
+            print(f"wrote {note}; add its standing row in bench/standing.py")
         shutil.rmtree(workdir, ignore_errors=True)
     return 0
 

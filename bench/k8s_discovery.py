@@ -1,6 +1,6 @@
 """Cost of Kubernetes discovery with a large pool: CPU, memory, and time from pod Ready to routable.
 
-A child process runs the local API server (tests/kubernetes/apiserver.py: the list/watch wire
+A child process runs the local API server (bench/support/k8s_apiserver.py: the list/watch wire
 protocol) holding one InferencePool and `--pods` pods, and later flips pods between Ready and
 not Ready at `--rate` changes per second, stamping each change with the system-wide monotonic
 clock. This process runs only KubernetesDiscovery (the real kubernetes_asyncio client) feeding an
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as `python bench/k8s_discovery.py` too: the API server lives in tests/
+if str(REPO) not in sys.path:  # run as `python bench/k8s_discovery.py` too: the API server lives in bench/support/
     sys.path.insert(0, str(REPO))
 
 
@@ -44,7 +44,7 @@ def pod_ip(i: int) -> str:
 
 
 async def serve_api(port: int, pods: int) -> None:
-    from tests.kubernetes.apiserver import FakeApiServer, inference_pool, pod
+    from bench.support.k8s_apiserver import FakeApiServer, inference_pool, pod
 
     api = FakeApiServer(bookmark_interval=5.0)
     api.port = port
@@ -84,10 +84,10 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 
 async def measure_kubernetes(pods: int, changes: int, rate: float) -> dict:
+    from bench.support.k8s_apiserver import FakeApiServer
     from epp.datalayer.kubernetes import KubernetesDiscovery
     from epp.datalayer.registry import EndpointRegistry
     from epp.netutil import free_ports
-    from tests.kubernetes.apiserver import FakeApiServer
 
     port = free_ports(1)[0]
     child = await asyncio.create_subprocess_exec(

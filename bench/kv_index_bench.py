@@ -14,14 +14,14 @@ Tokenization (tiny local byte-level BPE tokenizer, `epp.engine.tinymodel`): 4 KB
 Run: `python bench/kv_index_bench.py` (add `--quick` for a small grid).
 Before/after in one run: `python bench/kv_index_bench.py --compare-with REF [--sizes 1000000 --endpoints 4]`
 measures the index as it is at git REF and as it is now, alternating in fresh processes, with ratios
-(only epp/kvevents/index.py is taken from REF; both use the working tree's other modules, e.g. keys.py).
+(the whole epp/kvevents package is taken from REF: the index, its engine map, decoding and keys).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
+import importlib
 import multiprocessing
 import random
 import statistics
@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -54,7 +55,7 @@ def _stored_payload(hashes: list[int], tokens: list[int], parent: int | None) ->
     return _encode([time.time(), [event], 0])
 
 
-def _event_batches(n_events: int, seed: int) -> list:
+def _event_batches(n_events: int, seed: int, decode: Callable = decode_batch) -> list:
     """Decoded batches of one BlockStored each: chains of 8 blocks, new prompts every 8 events."""
     rng = random.Random(seed)
     out = []
@@ -64,7 +65,7 @@ def _event_batches(n_events: int, seed: int) -> list:
         tokens = [rng.randrange(50_000) for _ in range(BLOCK * BLOCKS_PER_EVENT)]
         hashes = [hash_base + e * BLOCKS_PER_EVENT + i for i in range(BLOCKS_PER_EVENT)]
         parent = None if part == 0 else hash_base + e * BLOCKS_PER_EVENT - 1
-        out.append(decode_batch(_stored_payload(hashes, tokens, parent)))
+        out.append(decode(_stored_payload(hashes, tokens, parent)))
     return out
 
 
@@ -78,24 +79,27 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * 4096 / 2**20
 
 
-def _index_class(source: str | None) -> type:
-    """KVBlockIndex now, or as in the file `source` (an older version, for before/after runs)."""
+def _index_class(source: str | None) -> tuple[type, Callable]:
+    """KVBlockIndex and the decoder its events come from: now, or from the `epp/kvevents` package
+    under the folder `source` (an older version, for before/after runs: only in a fresh worker)."""
     if source is None:
-        return KVBlockIndex
-    spec = importlib.util.spec_from_file_location("epp.kvevents._baseline_index", source)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module.KVBlockIndex
+        return KVBlockIndex, decode_batch
+    import epp
+
+    for name in [n for n in sys.modules if n == "epp.kvevents" or n.startswith("epp.kvevents.")]:
+        del sys.modules[name]
+    epp.__path__.insert(0, source)  # epp.kvevents is found there first
+    return (importlib.import_module("epp.kvevents.index").KVBlockIndex,
+            importlib.import_module("epp.kvevents.decoding").decode_batch)
 
 
 def bench_index(size: int, n_endpoints: int, source: str | None = None) -> dict:
     endpoints = [f"10.0.{i // 250}.{i % 250}:8000" for i in range(n_endpoints)]
-    index = _index_class(source)(BLOCK, size, engine_capacity_per_endpoint=10 * size)
+    index_class, decode = _index_class(source)
+    index = index_class(BLOCK, size, engine_capacity_per_endpoint=10 * size)
     # Each event goes to two endpoints, so a key has two holders (shared prefixes across replicas).
     n_events = size // (BLOCKS_PER_EVENT * 2)
-    batches = _event_batches(n_events, seed=1)
+    batches = _event_batches(n_events, seed=1, decode=decode)
     gc.collect()
     rss0 = _rss_mb()
     t0, c0 = time.perf_counter(), time.process_time()
@@ -110,7 +114,7 @@ def bench_index(size: int, n_endpoints: int, source: str | None = None) -> dict:
     filled = index.entries
     index_mb = _rss_mb() - rss0
     # At capacity: each new entry evicts the least recently used one.
-    extra = _event_batches(2000, seed=2)
+    extra = _event_batches(2000, seed=2, decode=decode)
     t0 = time.perf_counter()
     for i, batch in enumerate(extra):
         index.apply_batch(endpoints[(i // 8) % n_endpoints], batch, "m")
@@ -122,7 +126,7 @@ def bench_index(size: int, n_endpoints: int, source: str | None = None) -> dict:
     for e in range(6):
         toks = prompt[e * BLOCK * BLOCKS_PER_EVENT:(e + 1) * BLOCK * BLOCKS_PER_EVENT]
         hashes = [(9 << 50) + e * BLOCKS_PER_EVENT + i for i in range(BLOCKS_PER_EVENT)]
-        batch = decode_batch(_stored_payload(hashes, toks, parent))
+        batch = decode(_stored_payload(hashes, toks, parent))
         index.apply_batch(endpoints[0], batch, "m")
         index.apply_batch(endpoints[-1], batch, "m")
         parent = hashes[-1]
@@ -190,10 +194,13 @@ def bench_tokenization(model_dir: Path) -> list[dict]:
 
 def compare(ref: str, sizes: list[int], endpoint_counts: list[int], rounds: int) -> None:
     """The index at git `ref` against the index now, alternating in fresh processes; medians of `rounds`."""
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as fh:
-        fh.write(subprocess.run(["git", "show", f"{ref}:epp/kvevents/index.py"], check=True, capture_output=True,
-                                text=True).stdout)
-        baseline = fh.name
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(["git", "archive", ref, "epp/kvevents"], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        _compare(ref, str(Path(tmp) / "epp"), sizes, endpoint_counts, rounds)
+
+
+def _compare(ref: str, baseline: str, sizes: list[int], endpoint_counts: list[int], rounds: int) -> None:
     print(f"## KV block index: git {ref} (before) against the working tree (after), medians of {rounds}\n")
     print("| entries | endpoints | bytes/entry before | after | ratio | fill blocks/s before | after | ratio | "
           "fill blocks/CPU-s before | after | ratio | "

@@ -25,14 +25,18 @@ import gc
 import multiprocessing
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import msgspec
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/kv_index_redis.py` too
 
-from epp.kvevents.backend import InMemoryKVIndex
-from epp.kvevents.decoding import decode_batch
-from epp.kvevents.redis_index import RedisKVIndex
-from epp.kvevents.redis_server import RedisServer
+import msgspec  # noqa: E402
+
+from bench.support.redis_server import RedisServer  # noqa: E402
+from epp.kvevents.backend import InMemoryKVIndex  # noqa: E402
+from epp.kvevents.decoding import decode_batch  # noqa: E402
+from epp.kvevents.redis_index import RedisKVIndex  # noqa: E402
 
 BLOCK = 16
 BLOCKS_PER_EVENT = 8

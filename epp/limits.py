@@ -1,4 +1,4 @@
-"""The picker's limits on hostile or runaway input, with their defaults (README "Limits").
+"""The picker's limits on hostile or runaway input, with their defaults (docs/operations.md#limits).
 
 Each limit reached gives a defined answer; the answers are listed next to the defaults.
 """
@@ -21,6 +21,10 @@ DEFAULT_MAX_JSON_DEPTH = 128
 # The most the depth limit may be set to: the parser recurses once per level, and what runs inside
 # it (garbage-collector callbacks) needs stack left under the interpreter's limit of 1,000 frames.
 MAX_JSON_DEPTH_CEILING = 512
+# Characters of a request's prompt text (every string of its prompt, messages or input); more is
+# answered 413 PayloadTooLarge before any tokenization or hashing. 4 Mi characters is about a
+# million tokens, past the longest context windows served today; a prompt is walked once to count.
+DEFAULT_MAX_PROMPT_CHARS = 1 << 22
 # Characters of a client-chosen string used as a metric label value; longer ones are cut.
 DEFAULT_MAX_LABEL_VALUE_LENGTH = 128
 
@@ -35,10 +39,11 @@ class Limits:
     max_request_header_bytes: int = DEFAULT_MAX_REQUEST_HEADER_BYTES
     max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
     max_label_value_length: int = DEFAULT_MAX_LABEL_VALUE_LENGTH
+    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS
 
     def __post_init__(self) -> None:
         for name in ("max_concurrent_streams", "max_request_headers", "max_request_header_bytes",
-                     "max_json_depth", "max_label_value_length"):
+                     "max_json_depth", "max_label_value_length", "max_prompt_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_json_depth > MAX_JSON_DEPTH_CEILING:

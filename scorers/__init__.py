@@ -1,7 +1,6 @@
 """Built-in plugins, written only against the public plugin API of `epp.framework`."""
 
-from epp.framework import PluginRegistry
-from epp.framework.datakeys import INFLIGHT_LOAD, PREFIX_MATCH_INFO
+from epp.framework import INFLIGHT_LOAD, PREFIX_MATCH_INFO, PluginRegistry
 
 
 def register_builtin_plugins(registry: PluginRegistry) -> None:
@@ -10,7 +9,9 @@ def register_builtin_plugins(registry: PluginRegistry) -> None:
         affinity,
         approx_prefix,
         conformance,
+        context_length,
         datalayer_compat,
+        disagg,
         inflight,
         label_filters,
         load,
@@ -25,10 +26,14 @@ def register_builtin_plugins(registry: PluginRegistry) -> None:
         load.LoadAwareScorer, load.TokenLoadScorer, lora.LoraAffinityScorer, prefix.PrefixCacheScorer,
         inflight.ActiveRequestScorer, affinity.SessionAffinityScorer, affinity.NoHitLRUScorer,
         pickers.MaxScorePicker, pickers.RandomPicker, pickers.WeightedRandomPicker,
-        label_filters.ByLabelFilter, label_filters.ByLabelSelectorFilter, label_filters.DecodeFilter,
+        label_filters.ByLabelFilter, label_filters.LabelSelectorFilter, label_filters.DecodeFilter,
         label_filters.PrefillFilter, profile_handlers.SingleProfileHandler, approx_prefix.GIEApproxPrefixCacheProducer,
         conformance.HeaderBasedTestingFilter, conformance.DestinationEndpointServedVerifier,
-        datalayer_compat.MetricsDataSource, datalayer_compat.CoreMetricsExtractor, datalayer_compat.OpenAIParser,
+        context_length.ContextLengthAware, disagg.DisaggProfileHandler, disagg.PrefixBasedPDDecider,
+        disagg.AlwaysDisaggPDDecider, disagg.DataParallelProfileHandler,
+        datalayer_compat.MetricsDataSource, datalayer_compat.CoreMetricsExtractor,
+        datalayer_compat.EndpointNotificationSource, datalayer_compat.OpenAIParser, datalayer_compat.AnthropicParser,
+        datalayer_compat.PassthroughParser,
     ):
         registry.register_class(cls)
     registry.register_class(approx_prefix.ApproxPrefixCacheProducer, default_producer_for=[PREFIX_MATCH_INFO])

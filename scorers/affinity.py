@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import base64
 import binascii
+import itertools
+import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
+from prometheus_client import CollectorRegistry, Gauge
+
 from epp.framework import (
+    PREFIX_MATCH_INFO,
+    ConfigError,
     CycleState,
     Endpoint,
     InferenceRequest,
+    Plugin,
     PluginContext,
     PluginParams,
     PreRequestHook,
@@ -18,11 +25,16 @@ from epp.framework import (
     ResponseInfo,
     SchedulingResult,
     Scorer,
+    once_per_registry,
 )
-from epp.framework.datakeys import PREFIX_MATCH_INFO
+from epp.scorers.prefix import check_prefix_producer, producer_reference
 
 SESSION_HEADER = "x-session-token"
+SESSION_ID_HEADER = "x-session-id"
 PREFILL_PROFILE = "prefill"
+STRATEGIES = ("encoded_endpoint_header", "session_id")
+# Sessions a session_id scorer remembers at most (least recently used dropped first).
+MAX_SESSIONS = 100_000
 
 
 def session_token(endpoint_name: str) -> str:
@@ -30,26 +42,145 @@ def session_token(endpoint_name: str) -> str:
     return base64.b64encode(endpoint_name.encode()).decode()
 
 
-class SessionAffinityScorer(Scorer, ResponseHeadersHook):
-    """1.0 for the endpoint named by header `x-session-token`, 0 otherwise; the response carries the token."""
+def _sessions_gauge(registry: CollectorRegistry | None) -> Gauge:
+    return once_per_registry(registry, "epp_session_affinity_sessions", lambda r: Gauge(
+        "epp_session_affinity_sessions", "Session ids a session-affinity-scorer (strategy session_id) has bound "
+        "to an endpoint.", ["plugin"], registry=r))
+
+
+class SessionAffinityScorer(Scorer, PreRequestHook, ResponseHeadersHook):
+    """1.0 for the endpoint the request's session names, 0 otherwise (llm-d's two strategies).
+
+    `encoded_endpoint_header` (default): the client echoes the token the previous response carried
+    in `encodedEndpointHeaderConfig.header` (base64 of the endpoint). `session_id`: the session id
+    header (`sessionIdConfig.sources`) is bound to the session's last pick, forgotten after
+    `evictionTtlSeconds` idle (swept every `evictionSweepSeconds`; at most 100,000 sessions, least
+    recently used first out). `profileName`: whose pick is remembered (default: the primary one).
+    """
 
     type_name = "session-affinity-scorer"
 
+    def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
+        super().__init__(name)
+        self.strategy = params.str("strategy", STRATEGIES[0], choices=STRATEGIES)
+        self.profile_name = params.str("profileName", None)
+        header_config = params.mapping("encodedEndpointHeaderConfig", None) or {}
+        self.header = _header_of(name, "encodedEndpointHeaderConfig", header_config, SESSION_HEADER)
+        id_config = dict(params.mapping("sessionIdConfig", None) or {})
+        unknown = sorted(set(id_config) - {"sources", "evictionTtlSeconds", "evictionSweepSeconds"})
+        if unknown:
+            raise ConfigError(f"plugin {name!r}: parameter 'sessionIdConfig': unknown field(s) {unknown}; allowed: "
+                              "sources, evictionTtlSeconds, evictionSweepSeconds")
+        self.id_headers = _id_sources(name, id_config.get("sources"))
+        self.ttl_s = _seconds(name, "evictionTtlSeconds", id_config.get("evictionTtlSeconds"), 300)
+        self.sweep_s = _seconds(name, "evictionSweepSeconds", id_config.get("evictionSweepSeconds"), 10)
+        self._sessions: OrderedDict[str, tuple[str, float]] = OrderedDict()  # id -> (endpoint, last use)
+        self._last_sweep = time.monotonic()
+        self._gauge = _sessions_gauge(context.metrics_registry).labels(plugin=name)
+
+    def describe(self) -> str:
+        if self.strategy == "session_id":
+            return (f"strategy=session_id headers={list(self.id_headers)} evictionTtlSeconds={self.ttl_s:g} "
+                    f"evictionSweepSeconds={self.sweep_s:g}")
+        return f"strategy=encoded_endpoint_header header={self.header}"
+
+    def debug_state(self) -> Mapping[str, object]:
+        """How many sessions are bound (never their ids: clients choose them)."""
+        return {"strategy": self.strategy, "sessions": len(self._sessions), "max_sessions": MAX_SESSIONS,
+                "ttl_s": self.ttl_s}
+
+    def _session_id(self, request: InferenceRequest) -> str | None:
+        for header in self.id_headers:
+            value = request.headers.get(header)
+            if value:
+                return value
+        return None
+
+    def _wanted(self, request: InferenceRequest) -> str | None:
+        if self.strategy == "session_id":
+            session = self._session_id(request)
+            bound = self._sessions.get(session) if session else None
+            return bound[0] if bound is not None and time.monotonic() - bound[1] <= self.ttl_s else None
+        token = request.headers.get(self.header)
+        if not token:
+            return None
+        try:
+            return base64.b64decode(token, validate=True).decode()
+        except (binascii.Error, UnicodeDecodeError):
+            return None
+
     def score(self, state: CycleState, request: InferenceRequest,
               endpoints: Sequence[Endpoint]) -> Mapping[str, float]:
-        token = request.headers.get(SESSION_HEADER)
-        wanted = None
-        if token:
-            try:
-                wanted = base64.b64decode(token, validate=True).decode()
-            except (binascii.Error, UnicodeDecodeError):
-                wanted = None
+        wanted = self._wanted(request)
         return {ep.name: 1.0 if ep.name == wanted else 0.0 for ep in endpoints}
+
+    def _pick(self, result: SchedulingResult) -> Endpoint | None:
+        if self.profile_name is None:
+            return result.targets[0] if result.targets else None
+        picked = result.profile_results.get(self.profile_name)
+        return picked.targets[0] if picked is not None and picked.targets else None
+
+    def pre_request(self, state: CycleState, request: InferenceRequest, result: SchedulingResult) -> None:
+        target = self._pick(result)
+        state.put(self.name, target)
+        if self.strategy != "session_id" or target is None:
+            return
+        session = self._session_id(request)
+        if not session:
+            return
+        now = time.monotonic()
+        self._sessions.pop(session, None)
+        self._sessions[session] = (target.name, now)
+        if now - self._last_sweep >= self.sweep_s:
+            self._last_sweep = now
+            while self._sessions and now - next(iter(self._sessions.values()))[1] > self.ttl_s:
+                self._sessions.popitem(last=False)
+        while len(self._sessions) > MAX_SESSIONS:
+            self._sessions.popitem(last=False)
+        self._gauge.set(len(self._sessions))
 
     def on_response_headers(self, state: CycleState, request: InferenceRequest, response: ResponseInfo,
                             target: Endpoint | None) -> None:
-        if target is not None:
-            response.set_headers[SESSION_HEADER] = session_token(target.name)
+        if self.strategy != "encoded_endpoint_header":
+            return
+        picked = state.get(self.name, target)
+        if picked is not None:
+            response.set_headers[self.header] = session_token(picked.name)
+
+
+def _header_of(plugin: str, param: str, config: Mapping[str, object], default: str) -> str:
+    unknown = sorted(set(config) - {"header"})
+    if unknown:
+        raise ConfigError(f"plugin {plugin!r}: parameter {param!r}: unknown field(s) {unknown}; allowed: header")
+    header = config.get("header", default)
+    if not isinstance(header, str) or not header:
+        raise ConfigError(f"plugin {plugin!r}: parameter '{param}.header' must be a header name, got {header!r}")
+    return header.lower()
+
+
+def _id_sources(plugin: str, raw: object) -> tuple[str, ...]:
+    """`sessionIdConfig.sources`: headers only (`{header: name}`), in order."""
+    if raw is None:
+        return (SESSION_ID_HEADER,)
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError(f"plugin {plugin!r}: parameter 'sessionIdConfig.sources' must be a list of {{header}}")
+    headers = []
+    for i, source in enumerate(raw):
+        if isinstance(source, dict) and "attribute" in source:
+            raise ConfigError(f"plugin {plugin!r}: parameter 'sessionIdConfig.sources[{i}].attribute' is not "
+                              "supported: session ids come from request headers here")
+        headers.append(_header_of(plugin, f"sessionIdConfig.sources[{i}]", source if isinstance(source, dict)
+                                  else {"header": source}, SESSION_ID_HEADER))
+    return tuple(headers)
+
+
+def _seconds(plugin: str, key: str, value: object, default: float) -> float:
+    if value is None:
+        return float(default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(f"plugin {plugin!r}: parameter 'sessionIdConfig.{key}' must be a positive number of "
+                          f"seconds, got {value!r}")
+    return float(value)
 
 
 class NoHitLRUScorer(Scorer, PreRequestHook):
@@ -63,6 +194,7 @@ class NoHitLRUScorer(Scorer, PreRequestHook):
         self.prefix_plugin_name = params.str("prefixPluginName", "prefix-cache-scorer")
         self.prefix_plugin_type = params.str("prefixPluginType", "prefix-cache-scorer")
         self.lru_size = params.int("lruSize", 1024, minimum=1)
+        self.refs = producer_reference(params)
         self._lru: OrderedDict[str, None] = OrderedDict()  # least recently cold-picked first
 
     def describe(self) -> str:
@@ -70,6 +202,18 @@ class NoHitLRUScorer(Scorer, PreRequestHook):
 
     def consumes(self) -> frozenset[str]:
         return frozenset({PREFIX_MATCH_INFO})
+
+    def debug_state(self) -> Mapping[str, object]:
+        """Cold picks remembered; the first of them are the next cold requests' last choices."""
+        return {"lru_size": self.lru_size, "tracked": len(self._lru),
+                "most_recent_cold_picks": list(itertools.islice(reversed(self._lru), 16))}
+
+    def plugin_refs(self) -> Mapping[str, str]:
+        """The producer `prefixMatchInfoProducerName` names (resolved by the loader)."""
+        return self.refs
+
+    def bind_plugins(self, plugins: Mapping[str, Plugin]) -> None:
+        check_prefix_producer(self.name, plugins)
 
     def score(self, state: CycleState, request: InferenceRequest,
               endpoints: Sequence[Endpoint]) -> Mapping[str, float]:

@@ -24,31 +24,33 @@ matching. GIE's algorithm, unchanged, is `gie-approx-prefix-cache-producer`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
-from epp.framework.datakeys import (
+from epp.framework import (
     PREFIX_CACHE_FREE_BLOCKS,
     PREFIX_MATCH_INFO,
     PREFIX_TIER_MATCH,
-    PrefixMatchInfo,
-    TierMatch,
-)
-from epp.framework.errors import ConfigError
-from epp.framework.load import Booking, prompt_characters
-from epp.framework.metrics import once_per_registry
-from epp.framework.plugin import (
+    Booking,
+    ConfigError,
     CycleState,
     DataProducer,
+    Endpoint,
+    InferenceRequest,
     PluginContext,
+    PluginParams,
+    PrefixMatchInfo,
     PreRequestHook,
+    ResponseInfo,
     SchedulingResult,
+    TierMatch,
+    once_per_registry,
+    prompt_characters,
+    publish_home,
 )
-from epp.framework.registry import PluginParams
-from epp.framework.rendezvous import publish_home
-from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 from epp.scorers.prefix_hashing import AVERAGE_CHARACTERS_PER_TOKEN, block_hashes, chain_seed
 from epp.scorers.prefix_index import PrefixIndex
 from epp.scorers.prompt_text import user_input_bytes
@@ -148,6 +150,13 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
                 f"publishTierMatch={str(self.publish_tier_match).lower()} "
                 f"rendezvousHome={str(self.rendezvous_home).lower()}")
 
+    def debug_state(self) -> Mapping[str, Any]:
+        index = self.index
+        return {"entries": index.size, "chain_aware": index.chain_aware,
+                "chars_per_token": round(self.chars_per_token, 3),
+                "bytes_per_character": round(self.bytes_per_character, 3),
+                "endpoints": {ep: {"held": index.held(ep), "capacity": index.capacity(ep)} for ep in index.endpoints()}}
+
     def produces(self) -> frozenset[str]:
         keys = {PREFIX_MATCH_INFO, PREFIX_CACHE_FREE_BLOCKS}
         return frozenset(keys | {PREFIX_TIER_MATCH} if self.publish_tier_match else keys)
@@ -236,9 +245,10 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
         if not 0.5 <= ratio <= 64:  # a prompt of token ids, a wrong usage
             return False
         # An average that starts at GIE's 4.0 and forgets it over ~60 responses. A ratio of sums
-        # taking the first response whole was tried and taken back (bench/README.md, "The learned
-        # characters per token"): no better on shared-prefix, and 1.2-2.3 hit points below this average
-        # on multi-turn in two comparisons, about as much as this code itself varied between runs.
+        # taking the first response whole was tried and taken back: no better on shared-prefix, and
+        # 1.2-2.3 hit points below this average on multi-turn in two comparisons, about as much as this
+        # code itself varied between runs
+        # (bench/notes/2026-12-pickers-and-cost-issue14-round2-s7-s13.md, "The learned characters per token").
         self.chars_per_token += _LEARNING_STEP * (ratio - self.chars_per_token)
         return True
 

@@ -42,6 +42,11 @@ class InflightTracker:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def debug_state(self) -> dict[str, object]:
+        """Tracked requests, bounds, and requests and tokens per endpoint (for a plugin's `debug_state`)."""
+        return {"tracked": len(self._entries), "capacity": self.capacity, "timeout_s": self.timeout_s,
+                "requests": dict(self._requests), "tokens": dict(self._tokens)}
+
     def requests(self, endpoint: str) -> int:
         return self._requests.get(endpoint, 0)
 

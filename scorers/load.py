@@ -12,17 +12,18 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from epp.framework import (
+    INFLIGHT_LOAD,
+    NO_LOAD,
     CycleState,
     Endpoint,
     EndpointLoad,
     InferenceRequest,
     InflightLedger,
+    InflightLoad,
     PluginContext,
     PluginParams,
     Scorer,
 )
-from epp.framework.datakeys import INFLIGHT_LOAD, InflightLoad
-from epp.framework.load import NO_LOAD
 
 # Where one cycle's endpoint loads are kept in its CycleState (per ledger), shared by the load scorers.
 _LOADS_STATE_KEY = "scorers.load/endpoint-loads"
@@ -176,7 +177,9 @@ class LoadAwareScorer(Scorer):
 
     def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
         super().__init__(name)
-        self.threshold = params.int("threshold", 128, minimum=1)
+        # As in llm-d, a threshold of 0 or less means the default.
+        threshold = params.int("threshold", 128)
+        self.threshold = threshold if threshold > 0 else 128
         self.loads = _LoadReader(params, context)
 
     def describe(self) -> str:

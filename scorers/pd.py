@@ -19,6 +19,8 @@ from prometheus_client import CollectorRegistry, Counter
 
 from epp.framework import (
     PREFILLER_HOST_PORT_HEADER,
+    PREFIX_MATCH_INFO,
+    PREFIX_TIER_MATCH,
     ConfigError,
     CycleState,
     Endpoint,
@@ -26,13 +28,14 @@ from epp.framework import (
     PluginContext,
     PluginParams,
     PluginRegistry,
+    PrefixMatchInfo,
     PreRequestHook,
     ProfileHandler,
     ProfileRunResult,
     SchedulingResult,
+    TierMatch,
     once_per_registry,
 )
-from epp.framework.datakeys import PREFIX_MATCH_INFO, PREFIX_TIER_MATCH, PrefixMatchInfo, TierMatch
 from epp.scorers.prefix_hashing import AVERAGE_CHARACTERS_PER_TOKEN
 from epp.scorers.prompt_text import user_input_length
 

@@ -6,6 +6,7 @@ import random
 from collections.abc import Sequence
 
 from epp.framework import (
+    PREFIX_CACHE_FREE_BLOCKS,
     CycleState,
     InferenceRequest,
     Picker,
@@ -14,7 +15,6 @@ from epp.framework import (
     ProfileRunResult,
     ScoredEndpoint,
 )
-from epp.framework.datakeys import PREFIX_CACHE_FREE_BLOCKS
 
 
 class _CountedPicker(Picker):

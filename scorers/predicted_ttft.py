@@ -36,6 +36,18 @@ override learning: when any is given, `calibrate` defaults to false and the fixe
 (the max, not the sum, because once scraped the same work shows in both; `trackPendingPrefill:
 false` drops the in-flight term). With `calibrate: true` the given constants are the prior.
 
+**Stickiness that pays** (`stickiness`, default 0 = off): an endpoint that holds fewer of the
+request's prompt tokens than the best-matching endpoint is charged `stickiness` times the
+prefill of the tokens it would throw away (`prefill(e) * (cached(best) - cached(e))`, in the
+same seconds as T). At 1, a conversation's later turn moves from the replica holding its
+history only when the predicted TTFT gain exceeds the recompute cost of the move: the request's
+own T already pays its longer prefill, the charge adds the fleet's cost of doing that work again.
+
+**Predictions for flow control** (`predict_latency`): the request's own prefill on its cheapest
+endpoint (base, uncached tokens, tier loads; no queue ahead) and the best T over the endpoints,
+which `slo-deadline-ordering-policy` orders and sheds by. With calibration the scorer also makes
+the picker learn TPOT (`predicted_tpot.py`), so `epp calibration` shows it.
+
 The ratio keeps a 5 % slower endpoint at 0.95 instead of stretching small differences to 0..1
 as min-max would; `base` (> 0) keeps it finite. Without tier data for a request (no producer,
 or an untokenizable prompt) every endpoint is charged the whole prompt as uncached.
@@ -54,6 +66,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from epp.framework import (
+    PREFIX_TIER_MATCH,
     Booking,
     CycleState,
     Endpoint,
@@ -64,14 +77,17 @@ from epp.framework import (
     PluginRegistry,
     ResponseInfo,
     Scorer,
+    TierMatch,
     estimate_prompt_tokens,
     once_per_registry,
 )
-from epp.framework.datakeys import PREFIX_TIER_MATCH, TierMatch
+from epp.scorers.predicted_tpot import TPOTObjectiveFilter, tpot_learner
 from epp.scorers.ttft_calibration import TERMS, TTFTCalibrator, features
 
 DEFAULTS = {"baseSeconds": 0.01, "prefillSecondsPerToken": 2e-4, "secondsPerRunningRequest": 0.005,
             "cpuLoadSecondsPerToken": 2e-5, "diskLoadSecondsPerToken": 1e-4, "queueSecondsPerWaitingRequest": 0.1}
+# Fits `debug_state` lists (the calibrator keeps up to 1,024; the metrics page has them all).
+DEBUG_FITS = 32
 # Parameter names in TERMS order.
 TERM_PARAMS = ("baseSeconds", "prefillSecondsPerToken", "secondsPerRunningRequest",
                "cpuLoadSecondsPerToken", "diskLoadSecondsPerToken", "queueSecondsPerWaitingRequest")
@@ -97,6 +113,7 @@ class PredictedTTFTScorer(Scorer):
         self.disk_load_s_per_token = values["diskLoadSecondsPerToken"]
         self.queue_s_per_waiting = values["queueSecondsPerWaitingRequest"]
         self.track_pending = params.bool("trackPendingPrefill", True)
+        self.stickiness = params.float("stickiness", 0.0, minimum=0.0)
         self.calibrate = params.bool("calibrate", not given)
         self.ledger: InflightLedger = context.load
         self.calibrator = TTFTCalibrator(tuple(values[k] for k in TERM_PARAMS),
@@ -104,18 +121,29 @@ class PredictedTTFTScorer(Scorer):
         if self.calibrate:
             self.ledger.add_observer(self._observe)
             _collector(context.metrics_registry).scorers.add(self)
+            tpot_learner(context)  # TPOT is learned next to TTFT (epp calibration shows both)
 
     def describe(self) -> str:
-        return f"calibrate={str(self.calibrate).lower()} trackPendingPrefill={str(self.track_pending).lower()}"
+        return (f"calibrate={str(self.calibrate).lower()} trackPendingPrefill={str(self.track_pending).lower()} "
+                f"stickiness={self.stickiness:g}")
 
     def consumes(self) -> frozenset[str]:
         return frozenset({PREFIX_TIER_MATCH})
 
+    def debug_state(self) -> Mapping[str, Any]:
+        """The learned fits, most recently updated first (at most `DEBUG_FITS`)."""
+        fits = self.calibrator.fits()
+        return {"calibrate": self.calibrate, "fits": len(fits), "evicted": self.calibrator.evicted,
+                "recent": [{"endpoint": ep, "model": model, "observations": fit.observations,
+                            "residual_s": fit.residual_scale_s, "resets": fit.resets,
+                            "coefficients": dict(zip(TERMS, fit.coefficients()))}
+                           for ep, model, fit in reversed(fits[-DEBUG_FITS:])]}
+
     # -- prediction ---------------------------------------------------------------------------
 
-    def predict(self, endpoint: Endpoint, match: TierMatch | None, total_tokens: int, model: str = "",
-                now: float | None = None) -> float:
-        """Predicted seconds to the first token of this request on `endpoint`."""
+    def _split(self, endpoint: Endpoint, match: TierMatch | None, total_tokens: int, model: str,
+               now: float | None) -> tuple[float, float, float]:
+        """(seconds of work ahead, the request's own seconds, prefill seconds per token) on `endpoint`."""
         if match is None:
             uncached, cpu, disk = total_tokens, 0, 0
         else:
@@ -127,12 +155,28 @@ class PredictedTTFTScorer(Scorer):
         if not self.calibrate:
             scraped = m.waiting_queue_size * self.queue_s_per_waiting + m.running_requests_size * self.s_per_running
             queue = max(scraped, own_ahead * self.prefill_s_per_token)
-            return (self.base_s + queue + uncached * self.prefill_s_per_token
-                    + cpu * self.cpu_load_s_per_token + disk * self.disk_load_s_per_token)
+            own = (self.base_s + uncached * self.prefill_s_per_token + cpu * self.cpu_load_s_per_token
+                   + disk * self.disk_load_s_per_token)
+            return queue, own, self.prefill_s_per_token
         base, prefill, running_cost, cpu_cost, disk_cost, queue_cost, queued_prefill = self.calibrator.coefficients(
             endpoint.name, model, now)
-        return (max(base, 1e-6) + queued_prefill * own_ahead + prefill * uncached + queue_cost * m.waiting_queue_size
-                + running_cost * m.running_requests_size + cpu_cost * cpu + disk_cost * disk)
+        ahead = queued_prefill * own_ahead + queue_cost * m.waiting_queue_size + running_cost * m.running_requests_size
+        return ahead, max(base, 1e-6) + prefill * uncached + cpu_cost * cpu + disk_cost * disk, prefill
+
+    def predict(self, endpoint: Endpoint, match: TierMatch | None, total_tokens: int, model: str = "",
+                now: float | None = None) -> float:
+        """Predicted seconds to the first token of this request on `endpoint`."""
+        ahead, own, _ = self._split(endpoint, match, total_tokens, model, now)
+        return ahead + own
+
+    def predict_latency(self, state: CycleState, request: InferenceRequest,
+                        endpoints: Sequence[Endpoint]) -> tuple[float, float]:
+        """(the request's own prefill on its cheapest endpoint, the best predicted TTFT now), seconds, for flow control."""
+        data = state.all_endpoint_data(PREFIX_TIER_MATCH)
+        total = max((m.total_tokens for m in data.values()), default=0) if data else estimate_prompt_tokens(request)
+        now = time.monotonic()
+        splits = [self._split(ep, data.get(ep.name), total, request.target_model, now) for ep in endpoints]
+        return min(own for _, own, _ in splits), min(ahead + own for ahead, own, _ in splits)
 
     def score(self, state: CycleState, request: InferenceRequest,
               endpoints: Sequence[Endpoint]) -> Mapping[str, float]:
@@ -142,7 +186,14 @@ class PredictedTTFTScorer(Scorer):
             total = estimate_prompt_tokens(request)
         now = time.monotonic()
         model = request.target_model
-        predicted = {ep.name: self.predict(ep, data.get(ep.name), total, model, now) for ep in endpoints}
+        best_cached = max((m.cached_tokens for m in data.values()), default=0) if self.stickiness else 0
+        predicted = {}
+        for ep in endpoints:
+            match = data.get(ep.name)
+            ahead, own, prefill = self._split(ep, match, total, model, now)
+            # The recompute cost of leaving the endpoint that holds the most of this prompt (0 there).
+            thrown_away = best_cached - (match.cached_tokens if match is not None else 0)
+            predicted[ep.name] = ahead + own + self.stickiness * prefill * max(0, thrown_away)
         if not predicted:
             return {}
         best = min(predicted.values())
@@ -211,5 +262,6 @@ def _collector(registry: CollectorRegistry | None) -> _CalibrationCollector:
 
 
 def register(registry: PluginRegistry) -> None:
-    """Register `predicted-ttft-scorer`."""
+    """Register `predicted-ttft-scorer` and `tpot-slo-filter` (its TPOT counterpart)."""
     registry.register_class(PredictedTTFTScorer)
+    registry.register_class(TPOTObjectiveFilter)

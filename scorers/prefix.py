@@ -1,25 +1,58 @@
-"""prefix-cache-scorer: the fraction of the prompt's blocks an endpoint already holds."""
+"""prefix-cache-scorer: the fraction of the prompt's blocks an endpoint already holds, optionally
+mixed with the absolute length of the match (llm-d's `matchLengthWeight`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from epp.framework import CycleState, Endpoint, InferenceRequest, PluginContext, PluginParams, Scorer
-from epp.framework.datakeys import PREFIX_HOME, PREFIX_MATCH_INFO, PrefixMatchInfo
+from epp.framework import (
+    PREFIX_HOME,
+    PREFIX_MATCH_INFO,
+    ConfigError,
+    CycleState,
+    DataProducer,
+    Endpoint,
+    InferenceRequest,
+    Plugin,
+    PluginContext,
+    PluginParams,
+    PrefixMatchInfo,
+    Scorer,
+)
 
 # Hashing parameters that GIE v1.x configs put on the scorer; they now belong to the producer.
 LEGACY_PRODUCER_PARAMETERS = ("autoTune", "blockSize", "blockSizeTokens", "hashBlockSize",
                               "maxPrefixBlocksToMatch", "maxPrefixTokensToMatch", "lruCapacityPerServer")
 
 
+def producer_reference(params: PluginParams) -> dict[str, str]:
+    """llm-d's `prefixMatchInfoProducerName`: the plugin whose prefix match info is read (checked at load)."""
+    producer = params.str("prefixMatchInfoProducerName", None)
+    return {"prefixMatchInfoProducerName": producer} if producer else {}
+
+
+def check_prefix_producer(plugin_name: str, found: Mapping[str, Plugin]) -> None:
+    """The named plugin must produce the prefix match info (one producer per data key here)."""
+    for param, producer in found.items():
+        if not isinstance(producer, DataProducer) or PREFIX_MATCH_INFO not in producer.produces():
+            raise ConfigError(f"plugin {plugin_name!r}: parameter {param!r} names {producer.name!r} (type "
+                              f"{producer.type_name}), which does not produce the prefix match info; name a "
+                              "prefix producer (approx- or precise-prefix-cache-producer)")
+
+
 class PrefixCacheScorer(Scorer):
-    """matchedBlocks / totalBlocks from the prefix match info; 0 when unknown; 1 on a new prefix's home."""
+    """(1 - w) x matchedBlocks / totalBlocks + w x min(1, matched tokens / scale)^2, w = `matchLengthWeight`
+    (default 0); 0 when unknown; 1 on a new prefix's home."""
 
     type_name = "prefix-cache-scorer"
 
     def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
         super().__init__(name)
+        self.refs = producer_reference(params)
+        # llm-d: the absolute match length counts too (quadratic, as attention cost grows with length).
+        self.match_length_weight = params.float("matchLengthWeight", 0.0, minimum=0.0, maximum=1.0)
+        self.match_length_scale = params.int("matchLengthScaleTokens", 8192, minimum=1)
         legacy: dict[str, Any] = {}
         for key in LEGACY_PRODUCER_PARAMETERS:
             value = params.bool(key, None) if key == "autoTune" else params.int(key, None)
@@ -33,6 +66,13 @@ class PrefixCacheScorer(Scorer):
             legacy["blockSizeTokens"] = max(1, int(legacy.pop("blockSize")) // 4)
         self._producer_parameters: Mapping[str, Any] = legacy
 
+    def plugin_refs(self) -> Mapping[str, str]:
+        """The producer `prefixMatchInfoProducerName` names (resolved by the loader)."""
+        return self.refs
+
+    def bind_plugins(self, plugins: Mapping[str, Plugin]) -> None:
+        check_prefix_producer(self.name, plugins)
+
     def default_producer_parameters(self) -> Mapping[str, Any]:
         """The legacy producer parameters given on this scorer (empty: the producer's defaults)."""
         return self._producer_parameters
@@ -44,9 +84,16 @@ class PrefixCacheScorer(Scorer):
               endpoints: Sequence[Endpoint]) -> Mapping[str, float]:
         data = state.all_endpoint_data(PREFIX_MATCH_INFO)
         out: dict[str, float] = {}
+        weight, scale = self.match_length_weight, self.match_length_scale
         for ep in endpoints:
             info: PrefixMatchInfo | None = data.get(ep.name)
-            out[ep.name] = info.fraction if info is not None else 0.0
+            if info is None:
+                out[ep.name] = 0.0
+            elif weight:
+                length = min(1.0, info.matched_blocks * info.block_size_tokens / scale) if info.total_blocks else 0.0
+                out[ep.name] = (1.0 - weight) * info.fraction + weight * length * length
+            else:
+                out[ep.name] = info.fraction
         if not any(out.values()):
             # No endpoint holds the prefix: its rendezvous home (if the producer named one) scores as a
             # full match, so the group's first request goes where its followers will find it.

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 # Who holds a hash: one endpoint's name, or a tuple of names when several do. Neither is a
 # container the garbage collector keeps tracking (a tuple of strings is untracked at its first
 # collection); a set per hash was, and every full collection walked all of them
-# (bench/gc_pauses.py, bench/README.md).
+# (bench/gc_pauses.py; bench/notes/2026-12-pickers-and-cost-issue14-round2-s7-s13.md, "Garbage-collector pauses").
 Holders = str | tuple[str, ...]
 
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 TERMS = ("base_seconds", "prefill_seconds_per_token", "seconds_per_running_request",
@@ -64,6 +64,10 @@ AHEAD_NOISE_TOKENS = 1000.0
 def ahead_weight(ahead_tokens: float) -> float:
     """Inverse-variance weight of an observation with `ahead_tokens` prefill tokens in flight ahead."""
     return 1.0 / (1.0 + max(0.0, ahead_tokens) / AHEAD_NOISE_TOKENS) ** 2
+
+
+def _ahead_weight_of(x: Sequence[float]) -> float:
+    return ahead_weight(x[AHEAD])
 
 
 def full_prior(prior: Sequence[float]) -> tuple[float, ...]:
@@ -115,19 +119,27 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
 
 
 class RobustLinearFit:
-    """Exponentially forgetting, Huber-weighted ridge regression of TTFT on the model's features."""
+    """Exponentially forgetting, Huber-weighted ridge regression of a latency on a model's features.
+
+    By default the TTFT model (`TERMS`, `SCALE`, observations weighted by `ahead_weight`); another
+    model passes its own feature `scale` (one per term) and `weight_of` (an observation's weight).
+    """
 
     def __init__(self, prior: Sequence[float], *, prior_weight: float | Sequence[float] = 0.05, decay: float = 0.95,
-                 huber_k: float = 1.345, initial_scale_s: float = 0.05, step_threshold: float = 1.5) -> None:
-        self.prior = [p / s for p, s in zip(full_prior(prior), SCALE)]  # in scaled units
+                 huber_k: float = 1.345, initial_scale_s: float = 0.05, step_threshold: float = 1.5,
+                 scale: Sequence[float] = SCALE, weight_of: Callable[[Sequence[float]], float] | None = None) -> None:
+        self.scale = tuple(scale)
+        self.n = n = len(self.scale)
+        self.weight_of = weight_of if weight_of is not None else _ahead_weight_of
+        self.prior = [p / s for p, s in zip(self._full(prior), self.scale)]  # in scaled units
         # One weight per term (or one for all): how many observations' worth the prior counts.
-        self.prior_weight = [float(prior_weight)] * N if isinstance(prior_weight, (int, float)) else \
+        self.prior_weight = [float(prior_weight)] * n if isinstance(prior_weight, (int, float)) else \
             [float(w) for w in prior_weight]
         self.decay = decay
         self.huber_k = huber_k
         self.step_threshold = step_threshold
-        self._s = [[0.0] * N for _ in range(N)]  # weighted X^T X
-        self._b = [0.0] * N  # weighted X^T y
+        self._s = [[0.0] * n for _ in range(n)]  # weighted X^T X
+        self._b = [0.0] * n  # weighted X^T y
         self._theta = list(self.prior)
         self.residual_scale_s = initial_scale_s
         self.observations = 0
@@ -135,17 +147,24 @@ class RobustLinearFit:
         self._bias = 0.0  # moving average of residuals in units of the residual scale
         self.resets = 0
 
+    def _full(self, prior: Sequence[float]) -> tuple[float, ...]:
+        if self.scale == SCALE:
+            return full_prior(prior)
+        if len(prior) != self.n:
+            raise ValueError(f"a prior of this model has {self.n} terms, got {len(prior)}")
+        return tuple(prior)
+
     def coefficients(self) -> tuple[float, ...]:
         """The fitted coefficients in TERMS order (seconds, seconds per token or per request)."""
-        return tuple(t * s for t, s in zip(self._theta, SCALE))
+        return tuple(t * s for t, s in zip(self._theta, self.scale))
 
     def predict(self, x: Sequence[float]) -> float:
         """Predicted TTFT in seconds for unscaled features `x`."""
-        return sum(t * s * xi for t, s, xi in zip(self._theta, SCALE, x))
+        return sum(t * s * xi for t, s, xi in zip(self._theta, self.scale, x))
 
     def set_prior(self, prior: Sequence[float]) -> None:
         """Move the ridge target (the pooled fit, for an endpoint's own fit); refits."""
-        self.prior = [p / s for p, s in zip(full_prior(prior), SCALE)]
+        self.prior = [p / s for p, s in zip(self._full(prior), self.scale)]
         self._refit()
 
     def observe(self, x: Sequence[float], y: float) -> float:
@@ -162,14 +181,15 @@ class RobustLinearFit:
             self._forget(0.25)
             self.resets += 1
             self._bias = 0.0
-        w = (limit / abs(residual) if outlier else 1.0) * ahead_weight(x[AHEAD])
-        z = [xi * s for xi, s in zip(x, SCALE)]
+        w = (limit / abs(residual) if outlier else 1.0) * self.weight_of(x)
+        z = [xi * s for xi, s in zip(x, self.scale)]
         d = self.decay
         s_, b_ = self._s, self._b
-        for i in range(N):
+        n = self.n
+        for i in range(n):
             b_[i] = d * b_[i] + w * z[i] * y
             row = s_[i]
-            for j in range(N):
+            for j in range(n):
                 row[j] = d * row[j] + w * z[i] * z[j]
         self.weight = d * self.weight + w
         self.observations += 1
@@ -179,24 +199,25 @@ class RobustLinearFit:
         return residual
 
     def _forget(self, keep: float) -> None:
-        for i in range(N):
+        for i in range(self.n):
             self._b[i] *= keep
-            for j in range(N):
+            for j in range(self.n):
                 self._s[i][j] *= keep
         self.weight *= keep
 
     def _refit(self) -> None:
         lam = self.prior_weight
         # Fit the non-negative coefficients: drop a negative one (fixed at 0) and refit, at most N times.
-        free = list(range(N))
-        theta = [0.0] * N
-        for _ in range(N):
+        n = self.n
+        free = list(range(n))
+        theta = [0.0] * n
+        for _ in range(n):
             a = [[self._s[i][j] + (lam[i] if i == j else 0.0) for j in free] for i in free]
             rhs = [self._b[i] + lam[i] * self.prior[i] for i in free]
             solved = _solve(a, rhs)
             if solved is None:
                 return
-            theta = [0.0] * N
+            theta = [0.0] * n
             for k, i in enumerate(free):
                 theta[i] = solved[k]
             negative = [i for i in free if theta[i] < 0]
@@ -216,9 +237,12 @@ class TTFTCalibrator:
     avoided since) is not avoided forever on old evidence.
     """
 
+    # How close an endpoint's fit stays to its pool's, per term (see ENDPOINT_PRIOR_WEIGHTS).
+    endpoint_prior_weights: Sequence[float] = ENDPOINT_PRIOR_WEIGHTS
+
     def __init__(self, prior: Sequence[float], *, capacity: int = 1024, decay: float = 0.95,
                  prior_weight: float = 0.05, stale_after_s: float = 30.0) -> None:
-        self.prior = full_prior(prior)
+        self.prior = self._full_prior(prior)
         self.stale_after_s = stale_after_s
         self._last_seen: dict[tuple[str, str], float] = {}
         self.capacity = capacity
@@ -227,6 +251,9 @@ class TTFTCalibrator:
         self._pools: OrderedDict[str, RobustLinearFit] = OrderedDict()
         self._fits: OrderedDict[tuple[str, str], RobustLinearFit] = OrderedDict()
         self.evicted = 0
+
+    def _full_prior(self, prior: Sequence[float]) -> tuple[float, ...]:
+        return full_prior(prior)
 
     def _new_fit(self, prior: Sequence[float], weights: float | Sequence[float] | None = None) -> RobustLinearFit:
         return RobustLinearFit(prior, prior_weight=self.prior_weight if weights is None else weights,
@@ -257,14 +284,14 @@ class TTFTCalibrator:
     def observe(self, endpoint: str, model: str, x: Sequence[float], ttft_s: float,
                 now: float | None = None) -> None:
         """Learn from one request served by `endpoint` (`now`: when, for the staleness of its fit)."""
-        if not (ttft_s >= 0.0 and math.isfinite(ttft_s)):
+        if not (ttft_s >= 0.0 and math.isfinite(ttft_s)):  # (the latency this model fits)
             return
         pool = self._pool(model)
         pool.observe(x, ttft_s)
         key = (endpoint, model)
         fit = self._fits.get(key)
         if fit is None:
-            fit = self._fits[key] = self._new_fit(pool.coefficients(), ENDPOINT_PRIOR_WEIGHTS)
+            fit = self._fits[key] = self._new_fit(pool.coefficients(), self.endpoint_prior_weights)
             while len(self._fits) > self.capacity:
                 old, _ = self._fits.popitem(last=False)
                 self._last_seen.pop(old, None)

@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from bench.routing.contenders import CONTENDERS
+from bench.routing.goodput import DEFAULT_TTFT_OBJECTIVE_MS, Objectives
 from bench.routing.loadgen import Stage
 from bench.routing.report import write_report
 from bench.routing.runner import run_scenario
@@ -49,6 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     trace.add_argument("--trace-start", type=float, help="start this many trace seconds in")
     trace.add_argument("--trace-window", type=float, help="take conversations starting within this many trace seconds")
     trace.add_argument("--trace-fraction", type=float, help="share of those conversations replayed (whole)")
+    slo = run.add_argument_group("latency objectives (sent as x-llm-d-slo-* headers; the report's goodput)")
+    slo.add_argument("--slo-ttft-ms", type=float, default=DEFAULT_TTFT_OBJECTIVE_MS,
+                     help="every request's TTFT objective (default %(default)g)")
+    slo.add_argument("--sensitive-share", type=float, default=0.0,
+                     help="share of the groups (conversations, sessions) marked latency-sensitive")
+    slo.add_argument("--sensitive-ttft-ms", type=float, help="their TTFT objective")
+    slo.add_argument("--sensitive-tpot-ms", type=float, help="their TPOT objective (time per output token)")
     run.add_argument("--epp-arg", action="append", default=[], metavar="ARG",
                      help="one more `epp serve` argument for every epp contender (repeat for each word, e.g. "
                           "--epp-arg=--refresh-metrics-interval --epp-arg=0.045)")
@@ -83,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
                                 speedup=args.trace_speedup, start_s=args.trace_start, window_s=args.trace_window,
                                 fraction=args.trace_fraction)
     except ValueError as exc:  # includes TraceFormatError: a bad trace file or knob
+        parser.error(str(exc))
+    try:
+        scenario.objectives = Objectives(args.slo_ttft_ms, args.sensitive_share, args.sensitive_ttft_ms,
+                                         args.sensitive_tpot_ms)
+    except ValueError as exc:
         parser.error(str(exc))
     scenario.stages = _schedule(scenario.stages, args)
     if args.time_scale:

@@ -178,8 +178,18 @@ def _with_random_ties(config: str) -> str:
     return yaml.safe_dump(doc, sort_keys=False)
 
 
+def _with_precise_producer(config: str, t: Tuning) -> str:
+    """`config` with its approximate prefix producer replaced by the precise one (KV events, the fleet's tokenizer)."""
+    doc = yaml.safe_load(config)
+    doc["plugins"] = [_precise_producer(t) if p.get("type") == "approx-prefix-cache-producer" else p
+                      for p in doc["plugins"]]
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
 def epp_config(kind: str, t: Tuning) -> str:
     """The EndpointPickerConfig of one `epp-*` contender."""
+    if kind.endswith("+precise"):
+        return _with_precise_producer(epp_config(kind.removesuffix("+precise"), t), t)
     if kind.endswith("+random-ties"):
         return _with_random_ties(epp_config(kind.removesuffix("+random-ties"), t))
     if kind.endswith("+no-tie-break"):
@@ -272,6 +282,11 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
     Contender("epp-precise-ttft", "epp", "precise-ttft",
               "our EPP: examples/configs/predicted-ttft.yaml (precise prefix tiers, self-calibrating "
               "predicted-TTFT 3, prefix 1, kv 1)"),
+    Contender("epp-slo", "epp", "sample:slo-aware",
+              "our EPP: examples/configs/slo-aware.yaml (flow control held at a prefill backlog, SLO-deadline ordering "
+              "with shedding, predicted-TTFT with stickiness, approximate prefix)", default=False),
+    Contender("epp-slo-precise", "epp", "sample:slo-aware+precise",
+              "epp-slo with the precise prefix producer (KV events) instead of the approximate one", default=False),
     Contender("epp-approx-ttft-head-first", "epp", "sample:approximate+head-first-index",
               "epp-approx-ttft with the approximate index as GIE keeps it (chainAware: false; a chain's head "
               "evicted first)", default=False),
@@ -290,15 +305,15 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
               default=False, responses="headers"),
     Contender("minimal-picker-headers", "minimal-picker", "", "minimal-picker with `--responses headers`",
               default=False, responses="headers"),
-    *(Contender(f"epp-{pipeline}-headers-scrape{ms}", "epp", pipeline,
-                f"epp-{pipeline}-headers scraping every {ms} ms (`--refresh-metrics-interval`)", default=False,
+    *(Contender(f"epp-{prefix}-headers-scrape{ms}", "epp", prefix,
+                f"epp-{prefix}-headers scraping every {ms} ms (`--refresh-metrics-interval`)", default=False,
                 responses="headers", serve_args=("--refresh-metrics-interval", f"{ms / 1000:g}"))
-      for pipeline in ("approx", "precise") for ms in (200, 500)),
-    *(Contender(f"epp-{pipeline}-scrape{ms}", "epp", pipeline,
-                f"epp-{pipeline} scraping every {ms} ms (`--refresh-metrics-interval`; a real vLLM's /metrics page "
-                "costs its API server ~6 ms of CPU)", default=False,
+      for prefix in ("approx", "precise") for ms in (200, 500)),
+    *(Contender(f"epp-{prefix}-scrape{ms}", "epp", prefix,
+                f"epp-{prefix} scraping every {ms} ms (`--refresh-metrics-interval`; a real vLLM's /metrics page "
+                "costs its API server ~5 ms of CPU)", default=False,
                 serve_args=("--refresh-metrics-interval", f"{ms / 1000:g}"))
-      for pipeline in ("approx", "precise") for ms in (200, 500)),
+      for prefix in ("approx", "precise") for ms in (200, 500)),
     Contender("epp-approx-w2", "epp", "approx", "epp-approx with --workers 2 (two pickers sharing decisions)",
               default=False, workers=2),
     Contender("epp-precise-w2", "epp", "precise", "epp-precise with --workers 2 (two pickers sharing decisions)",
@@ -313,10 +328,10 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
               default=False, pods=2),
     Contender("epp-precise-pods4", "epp", "precise", "epp-precise as 4 pods (as epp-approx-pods2)",
               default=False, pods=4),
-    *(Contender(f"epp-{pipeline}-{shape}-all-scrape", "epp", pipeline,
-                f"before: epp-{pipeline}-{shape} with every picker scraping every replica (`--no-shared-scrapes`)",
+    *(Contender(f"epp-{prefix}-{shape}-all-scrape", "epp", prefix,
+                f"before: epp-{prefix}-{shape} with every picker scraping every replica (`--no-shared-scrapes`)",
                 default=False, workers=workers, pods=pods, serve_args=("--no-shared-scrapes",))
-      for pipeline in ("approx", "precise") for shape, workers, pods in (("w4", 4, 1), ("pods4", 1, 4))),
+      for prefix in ("approx", "precise") for shape, workers, pods in (("w4", 4, 1), ("pods4", 1, 4))),
     Contender("epp-approx-repeat", "epp", "approx",
               "epp-approx again in the same run: how far two runs of one configuration differ", default=False),
     Contender("epp-approx-no-tie-break", "epp", "approx+no-tie-break",
@@ -325,14 +340,14 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
     Contender("epp-precise-no-tie-break", "epp", "precise+no-tie-break",
               "before: epp-precise with queue-scorer on whole requests only (no prefill-backlog tie-break)",
               default=False),
-    *(Contender(f"epp-{pipeline}{pickers}-random-ties", "epp", f"{pipeline}+random-ties",
-                f"before: epp-{pipeline}{pickers} with max-score-picker's ties broken at random (GIE), not by the "
+    *(Contender(f"epp-{prefix}{pickers}-random-ties", "epp", f"{prefix}+random-ties",
+                f"before: epp-{prefix}{pickers} with max-score-picker's ties broken at random (GIE), not by the "
                 "most free prefix cache", default=False, workers=workers, pods=pods)
-      for pipeline in ("approx", "precise")
+      for prefix in ("approx", "precise")
       for pickers, workers, pods in (*_PICKER_SHAPES, ("-pods4", 1, 4))),
-    *(Contender(f"epp-{pipeline}{pickers}-{suffix}", "epp", f"{pipeline}+{suffix}",
-                f"epp-{pipeline}{pickers} with rendezvousHome: {on}", default=False, workers=workers, pods=pods)
-      for pipeline in ("approx", "precise")
+    *(Contender(f"epp-{prefix}{pickers}-{suffix}", "epp", f"{prefix}+{suffix}",
+                f"epp-{prefix}{pickers} with rendezvousHome: {on}", default=False, workers=workers, pods=pods)
+      for prefix in ("approx", "precise")
       for pickers, workers, pods in _PICKER_SHAPES
       for suffix, on in (("no-home", "false"), ("home", "true")) if pickers or suffix == "no-home"),
     Contender("epp-approx-fixed-lru", "epp", "approx+fixed-lru",

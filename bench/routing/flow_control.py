@@ -356,7 +356,7 @@ def _s(v: float | None) -> str:
 
 
 def table(results: list[ModeResult], bench: FlowBench) -> str:
-    """The Markdown table of bench/README.md."""
+    """The Markdown table of the flow-control results (bench/notes/2026-12-flow-control-issue15.md)."""
     lines = ["| flow control | interactive TTFT p90 s (x idle) | standard TTFT p90 s | goodput tok/s "
              f"(TTFT <= {bench.ttft_slo:g} s) | served tok/s | interactive 200/429/503 | standard 200/429/503 "
              "| lost | Jain, all / standard |",

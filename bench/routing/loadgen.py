@@ -26,6 +26,7 @@ import aiohttp
 import msgspec
 from tqdm import tqdm
 
+from bench.routing.goodput import Objectives
 from bench.routing.workloads import BenchRequest
 
 _decode = msgspec.json.Decoder().decode
@@ -70,6 +71,9 @@ class RequestRecord:
     replica: str | None = None
     status: int | None = None
     error: str | None = None
+    slo_ttft_ms: float | None = None  # the objectives it was sent with (bench/routing/goodput.py)
+    slo_tpot_ms: float | None = None
+    sensitive: bool = False
 
     @property
     def ok(self) -> bool:
@@ -77,15 +81,15 @@ class RequestRecord:
 
 
 async def send(session: aiohttp.ClientSession, base_url: str, req: BenchRequest, record: RequestRecord,
-               timeout: float) -> None:
-    """Send one streaming request and fill `record` (never raises)."""
+               timeout: float, headers: dict[str, str] | None = None) -> None:
+    """Send one streaming request (with `headers`) and fill `record` (never raises)."""
     t0 = time.perf_counter()
     record.sent = t0
     last = None
     chunks = 0
     try:
         async with asyncio.timeout(timeout):
-            async with session.post(base_url + req.path, json=req.body) as resp:
+            async with session.post(base_url + req.path, json=req.body, headers=headers) as resp:
                 record.status = resp.status
                 record.replica = resp.headers.get("x-sim-replica")
                 if resp.status != 200:
@@ -178,8 +182,11 @@ async def run_stage(session: aiohttp.ClientSession, base_url: str, requests: Ite
                     stage: Stage, index: int, *, seed: int = 0, drain: float = 30.0,
                     request_timeout: float = 120.0, progress: bool = True,
                     issued: list[BenchRequest] | None = None,
-                    inflight: set[asyncio.Task] | None = None) -> StageResult:
+                    inflight: set[asyncio.Task] | None = None,
+                    objectives: Objectives | None = None) -> StageResult:
     """Run one stage against `base_url`; `issued` collects the requests sent, in order.
+
+    `objectives`: each request is sent with its group's latency-objective headers, recorded with it.
 
     With `inflight` (a continuous ramp) the stage returns as soon as it has issued its requests,
     leaving the ones still running in that set for `drain_inflight`.
@@ -192,10 +199,14 @@ async def run_stage(session: aiohttp.ClientSession, base_url: str, requests: Ite
 
     def launch(req: BenchRequest) -> asyncio.Task:
         rec = RequestRecord(stage=index, group=req.group, sent=0.0)
+        headers = None
+        if objectives is not None:
+            rec.slo_ttft_ms, rec.slo_tpot_ms, rec.sensitive = objectives.of(req.group)
+            headers = objectives.headers(req.group)
         records.append(rec)
         if issued is not None:
             issued.append(req)
-        task = asyncio.ensure_future(send(session, base_url, req, rec, request_timeout))
+        task = asyncio.ensure_future(send(session, base_url, req, rec, request_timeout, headers))
         tasks.add(task)
         task.add_done_callback(lambda t: (tasks.discard(t), bar.update(1)))
         return task

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
+import re
+import statistics
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from bench.routing.measure import percentile
 from bench.routing.prefill_load import prefill_load_lines
-from bench.routing.runner import ContenderResult, StageSummary
+from bench.routing.runner import GOODPUT_CURVE_S, ContenderResult, StageSummary
 from bench.routing.scenarios import Scenario
+from bench.routing.ttft_floor import queued_floor
 
 
 def _s(v: float | None, digits: int = 3) -> str:
@@ -164,6 +169,83 @@ def versions(results: list[ContenderResult]) -> list[str]:
     return lines
 
 
+_TERM = re.compile(r'^epp_ttft_calibration\{.*term="(prefill_seconds_per_token|base_seconds)"')
+
+
+def learned_costs(results: list[ContenderResult]) -> tuple[str, float, float] | None:
+    """(contender, prefill s/token, base s): medians over the replicas of the first calibrating contender's fit."""
+    for r in results:
+        terms: dict[str, list[float]] = {"prefill_seconds_per_token": [], "base_seconds": []}
+        for key, value in r.router_metrics.items():
+            match = _TERM.match(key)
+            if match:
+                terms[match.group(1)].append(value)
+        if any(v > 0 for v in terms["prefill_seconds_per_token"]):
+            return r.name, statistics.median(terms["prefill_seconds_per_token"]), statistics.median(
+                terms["base_seconds"] or [0.0])
+    return None
+
+
+def floor_p90(results: list[ContenderResult], replicas: int) -> tuple[str, float, float, float, float] | None:
+    """(source, prefill s/token, base s, floor p90 without queueing, with queueing) at the costs learned in the run."""
+    learned = learned_costs(results)
+    sample = next((r.floor_requests for r in results if r.floor_requests), None)
+    if learned is None or sample is None:
+        return None
+    source, prefill, base = learned
+    plain = [base + prefill * (n - hit) for _, n, hit in sample]
+    queued = queued_floor([(at, n - hit) for at, n, hit in sorted(sample)], replicas, prefill, base)
+    p_plain, p_queued = percentile(plain, 90), percentile(queued, 90)
+    assert p_plain is not None and p_queued is not None
+    return source, prefill, base, p_plain, p_queued
+
+
+def _peer_p90(results: list[ContenderResult]) -> tuple[str, float] | None:
+    """The best peer router's TTFT p90 (a valid row)."""
+    peers = [(r.overall.ttft_p90, r.name) for r in results if r.overall is not None and r.overall.ttft_p90 is not None
+             and r.verdict != "invalid" and r.name.startswith(("vllm-router", "sglang-router"))]
+    return (min(peers)[1], min(peers)[0]) if peers else None
+
+
+def goodput_lines(scenario: Scenario, results: list[ContenderResult]) -> list[str]:
+    """The goodput section: the objectives, the workload's floor, and per contender what met them."""
+    lines = ["## Goodput", "", f"Objectives: {scenario.objectives.describe()}. A request is good when it was "
+             "answered, its TTFT met its objective and (latency-sensitive, >= 2 output tokens) its time per output "
+             "token met the TPOT objective; rejected (429/503), failed and late requests count against the share "
+             "(bench/routing/goodput.py).", ""]
+    floor = floor_p90(results, scenario.fleet.replicas)
+    peer = _peer_p90(results)
+    if floor is not None:
+        source, prefill, base, plain, queued = floor
+        lines += [(f"TTFT floor of these requests (bench/routing/ttft_floor.py) at the costs `{source}` learned in this "
+                   f"run ({prefill * 1e6:.1f} µs/token prefill, {base * 1e3:.1f} ms base): p90 {plain:.3f} s with every "
+                   f"prefix cached and no queue, **{queued:.3f} s** with queueing on {scenario.fleet.replicas} replicas "
+                   "(least work left, every prefix everywhere: optimistic). TTFT p90 here counts every request sent, "
+                   "a rejected or failed one as infinitely late, so shedding cannot improve it."
+                   + (f" Best peer: `{peer[0]}` at {peer[1]:.3f} s; \"gap closed\": the share of its gap to the "
+                      "queued floor that a row closes." if peer is not None else "")), ""]
+    curve = " / ".join(f"{t:g}" for t in GOODPUT_CURVE_S)
+    lines += [f"| contender | good | goodput tok/s | 429/503 | TTFT p90 (s), unanswered = ∞ | gap closed | sensitive TTFT p90 (s) "
+              f"| sensitive good | TPOT met | answered within {curve} s | later turns moved | hit rate |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        o = r.overall
+        if o is None or o.goodput is None or r.verdict == "invalid":
+            continue
+        g = o.goodput
+        gap = "-"
+        if floor is not None and peer is not None and math.isfinite(g.ttft_p90_all) and peer[1] > floor[4]:
+            gap = f"{(peer[1] - g.ttft_p90_all) / (peer[1] - floor[4]):.0%}"
+        tpot = f"{g.tpot_good}/{g.tpot_checked}" if g.tpot_checked else "-"
+        moved = f"{g.moved_turns} of {g.later_turns}" if g.later_turns else "-"
+        within = " / ".join(_pct(o.within.get(t)) for t in GOODPUT_CURVE_S)
+        lines.append(f"| {r.name} | {_pct(g.share)} | {g.good_tokens_per_s:.1f} | {g.rejected} | "
+                     f"{_s(g.ttft_p90_all) if math.isfinite(g.ttft_p90_all) else '∞'} | "
+                     f"{gap} | {_s(g.sensitive_ttft_p90)} | {_pct(g.sensitive_share)} | {tpot} | {within} | "
+                     f"{moved} | {_pct(o.hit_rate)} |")
+    return [*lines, ""]
+
+
 def write_report(scenario: Scenario, results: list[ContenderResult], out_dir: Path, command: str,
                  started: str) -> Path:
     """Write report.md, results.json and the plots into `out_dir`; returns the markdown path."""
@@ -191,6 +273,7 @@ def write_report(scenario: Scenario, results: list[ContenderResult], out_dir: Pa
         lines += ["", ("Rows marked invalid measured our setup, not the router (its own counters show its index "
                        "or policy never worked); their numbers, for diagnosis only:"), "",
                   SUMMARY_HEADER, "|" + "---|" * SUMMARY_COLUMNS, *(_numbers(r) for r in invalid)]
+    lines += ["", *goodput_lines(scenario, results)]
     lines += ["",
               ("Latencies are wall-clock seconds as the client saw them (through the router). Hit rate: "
               "replicas' `prefix_cache_hits / prefix_cache_queries` (delta over the run). Oracle: the best "
@@ -220,6 +303,9 @@ def write_report(scenario: Scenario, results: list[ContenderResult], out_dir: Pa
                             "verdict": r.verdict, "validity": r.validity,
                             "overall": asdict(r.overall) if r.overall else None,
                             "stages": [asdict(s) for s in r.stages]} for r in results]}
+    floor = floor_p90(results, f.replicas)
+    if floor is not None:
+        summary["floor"] = dict(zip(("source", "prefill_s_per_token", "base_s", "p90", "p90_queued"), floor))
     (out_dir / "results.json").write_text(json.dumps(summary, indent=1))
     return md
 

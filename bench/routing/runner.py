@@ -34,10 +34,12 @@ from bench.routing.contenders import (
     Unavailable,
     start_contender,
 )
+from bench.routing.goodput import Goodput, goodput, share_within
 from bench.routing.loadgen import RequestRecord, StageResult, build_ahead, drain_inflight, run_stage
 from bench.routing.measure import CpuMeter, ReplicaCounters, percentile, scrape_fleet
 from bench.routing.oracle import oracle_hits
 from bench.routing.scenarios import Scenario
+from bench.routing.ttft_floor import reusable_tokens
 from bench.routing.validity import check
 from bench.routing.workloads import BenchRequest
 from epp.engine.sim.fleet import SimFleet, default_tokenizer_dir
@@ -72,6 +74,9 @@ class StageSummary:
     prompt_tokens: int = 0  # usage.prompt_tokens summed over the successful requests
     sent_span_s: float = 0.0  # first to last request sent (the window the load was offered in)
     peak_prompt_tokens_per_s: float = 0.0  # prompt tokens sent in the busiest 10-s window, per second
+    goodput: Goodput | None = None  # within the run's latency objectives (bench/routing/goodput.py)
+    # Share of all requests answered within each TTFT (seconds): the goodput curve.
+    within: dict[float, float | None] = field(default_factory=dict)
 
     @property
     def spread(self) -> float | None:
@@ -96,6 +101,9 @@ class ContenderResult:
     flags: str = ""  # how the router was started (ports elided) and the fleet options it needed
     verdict: str = ""  # validity from the router's own counters: valid | invalid | unverified
     validity: str = ""  # what those counters said
+    # Per request sent, in send order: (seconds after the first send, prompt tokens, tokens any router could
+    # have served from cache): the workload's TTFT floor (bench/routing/ttft_floor.py) at learned costs.
+    floor_requests: list[tuple[float, int, int]] = field(default_factory=list)
 
 
 def summarize(label: str, rate: float | None, records: list[RequestRecord], seconds: float,
@@ -131,10 +139,12 @@ def summarize(label: str, rate: float | None, records: list[RequestRecord], seco
         error_kinds=dict(Counter(r.error for r in records if r.error)),
         prompt_tokens=sum(r.prompt_tokens or 0 for r in ok),
         sent_span_s=(max(r.sent for r in records) - min(r.sent for r in records)) if records else 0.0,
-        peak_prompt_tokens_per_s=_busiest_window_tokens(ok, PEAK_WINDOW_S) / PEAK_WINDOW_S)
+        peak_prompt_tokens_per_s=_busiest_window_tokens(ok, PEAK_WINDOW_S) / PEAK_WINDOW_S,
+        goodput=goodput(records, seconds), within={t: share_within(records, t) for t in GOODPUT_CURVE_S})
 
 
 PEAK_WINDOW_S = 10.0
+GOODPUT_CURVE_S = (0.5, 1.0, 2.0, 4.0)
 
 
 def _busiest_window_tokens(records: list[RequestRecord], window_s: float) -> int:
@@ -220,7 +230,7 @@ async def run_contender_on(scenario: Scenario, contender: Contender, fleet: Any,
                         await stage_hook(i, "start")
                     sr = await run_stage(session, router.base_url, requests, stage, i, drain=scenario.drain,
                                          request_timeout=scenario.request_timeout, progress=progress,
-                                         issued=issued, inflight=inflight)
+                                         issued=issued, inflight=inflight, objectives=scenario.objectives)
                     if inflight is not None and i == len(scenario.stages) - 1:
                         await drain_inflight(inflight, [r for s, _, _ in stage_results for r in s.records]
                                              + sr.records, scenario.drain)
@@ -235,6 +245,10 @@ async def run_contender_on(scenario: Scenario, contender: Contender, fleet: Any,
                     result.router_metrics = await _router_metrics(scrape, router.metrics_url)
         oracle = oracle_hits(issued, block_size=tuning.block_size, capacity_blocks=scenario.capacity_blocks,
                              tokenizer_dir=tuning.tokenizer_dir)
+        sends = [rec.sent for sr, _, _ in stage_results for rec in sr.records]
+        if sends and len(sends) == len(issued):
+            reusable = await asyncio.to_thread(reusable_tokens, issued, tuning.block_size, tuning.tokenizer_dir)
+            result.floor_requests = [(at - min(sends), n, hit) for at, (n, hit) in zip(sends, reusable)]
         offset = 0
         all_records: list[RequestRecord] = []
         total_seconds = 0.0
@@ -270,7 +284,8 @@ _ROUTER_SERIES = ("kv_placement_lookups_total", "kv_routing_inputs_total", "pref
                   "vllm_router_policy_decisions_total", "smg_worker_selection_total",
                   "epp_kv_index_lookup_hit_blocks_total", "epp_kv_index_lookup_miss_blocks_total",
                   "epp_kv_index_events_applied_total", "epp_kv_events_sequence_gaps_total",
-                  "epp_ttft_calibration{", "epp_peer_decision_staleness_seconds_count",
+                  "epp_ttft_calibration{", "epp_tpot_calibration{", "epp_flow_control_longest_wait_seconds",
+                  "epp_flow_control_slo_shed_total", "epp_peer_decision_staleness_seconds_count",
                   "epp_peer_decision_staleness_seconds_sum", 'epp_peer_decision_staleness_seconds_bucket{le="0.01"}',
                   'epp_peer_decision_staleness_seconds_bucket{le="0.002"}', 'epp_peer_decision_staleness_seconds_bucket{le="0.005"}',
                   'epp_peer_decision_staleness_seconds_bucket{le="0.1"}',

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from bench.routing.goodput import Objectives
 from bench.routing.loadgen import Stage, ramp
 from bench.routing.traces import TraceReplay
 from bench.routing.workloads import (
@@ -43,6 +44,7 @@ class Scenario:
     request_timeout: float = 120.0
     notes: list[str] = field(default_factory=list)
     continuous: bool = False  # stages follow each other without draining (a continuous ramp)
+    objectives: Objectives = field(default_factory=Objectives)  # latency objectives sent and measured (goodput)
 
     @property
     def capacity_blocks(self) -> int:

@@ -54,12 +54,19 @@ def queued_ttft_floor(requests: Iterable[BenchRequest], replicas: int, prefill_s
     optimistic estimate of the best a router can do on a bursty trace, not a proof.
     """
     reqs = list(requests)
+    return queued_floor([(req.at or 0.0, n - hit) for req, (n, hit) in
+                         zip(reqs, reusable_tokens(reqs, block_size, tokenizer_dir))],
+                        replicas, prefill_s_per_token, base_s)
+
+
+def queued_floor(arrivals: Iterable[tuple[float, int]], replicas: int, prefill_s_per_token: float,
+                 base_s: float) -> list[float]:
+    """`queued_ttft_floor` of `(arrival seconds, tokens to prefill)` in arrival order."""
     free_at = [0.0] * replicas
     out = []
-    for req, (n, hit) in zip(reqs, reusable_tokens(reqs, block_size, tokenizer_dir)):
-        arrival = req.at or 0.0
+    for arrival, tokens in arrivals:
         i = min(range(replicas), key=lambda k: free_at[k])
-        free_at[i] = max(free_at[i], arrival) + prefill_s_per_token * (n - hit)
+        free_at[i] = max(free_at[i], arrival) + prefill_s_per_token * tokens
         out.append(free_at[i] - arrival + base_s)
     return out
 

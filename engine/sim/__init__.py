@@ -19,7 +19,8 @@ from epp.engine.sim.profiles import (
     LatencyProfile,
     get_profile,
 )
-from epp.engine.sim.server import REPLICA_HEADER, ReplicaConfig, SimReplica
+from epp.engine.sim.replica_config import ReplicaConfig
+from epp.engine.sim.server import REPLICA_HEADER, SimReplica
 
 __all__ = [
     "FAST",

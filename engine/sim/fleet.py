@@ -27,7 +27,8 @@ from epp.engine.sim.engine import EngineConfig
 from epp.engine.sim.kvcache import TierConfig
 from epp.engine.sim.pd import ROLE_LABEL
 from epp.engine.sim.profiles import get_profile
-from epp.engine.sim.server import ReplicaConfig, SimReplica
+from epp.engine.sim.replica_config import ReplicaConfig
+from epp.engine.sim.server import SimReplica
 from epp.engine.sim.tokenizer import SimTokenizer
 
 

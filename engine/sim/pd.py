@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from epp.engine.sim.engine import EngineError, SimEngine, SimRequest
-
-if TYPE_CHECKING:  # pragma: no cover
-    from epp.engine.sim.server import ReplicaConfig
+from epp.engine.sim.replica_config import ReplicaConfig
 
 TRANSFER_ROUTE = "/sim/kv_transfer"
 ROLE_LABEL = "llm-d.ai/role"

@@ -21,8 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
-# server.py attaches these routes from build_app (a call-time import there keeps this one acyclic)
-from epp.engine.sim.server import RequestError, SimReplica, error_response
+from epp.engine.sim.request_parsing import RequestError, RequestReader, error_response
 
 DISABLED_MESSAGE = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
 RENDER_ROUTES = ("/v1/chat/completions/render", "/v1/messages/render", "/v1/completions/render",
@@ -70,8 +69,8 @@ def generate_request(prefix: str, model: str, token_ids: list[int], body: dict[s
 class ScaleOutRoutes:
     """The scale-out routes of one replica: 403 when disabled, the render routes when enabled."""
 
-    def __init__(self, replica: SimReplica, enabled: bool) -> None:
-        self.replica, self.enabled = replica, enabled
+    def __init__(self, requests: RequestReader, max_model_len: int, enabled: bool) -> None:
+        self.requests, self.max_model_len, self.enabled = requests, max_model_len, enabled
 
     def attach(self, app: web.Application) -> None:
         """Register every scale-out route vLLM registers."""
@@ -96,30 +95,30 @@ class ScaleOutRoutes:
 
     async def render_completion(self, request: web.Request) -> web.Response:
         """POST /v1/completions/render: the prompt's token ids, as `[GenerateRequest]`."""
-        rep = self.replica
+        requests = self.requests
         try:
-            body = await rep._body(request)
-            rep._common(body)
-            ids = rep._completion_prompt(body)
-            max_tokens = rep._int_field(body, "max_tokens")
+            body = await requests.body(request)
+            requests.common(body)
+            ids = requests.completion_prompt(body)
+            max_tokens = requests.int_field(body, "max_tokens")
         except RequestError as exc:
             return error_response(str(exc), exc.status, exc.err_type, exc.param)
-        item = generate_request("cmpl", body.get("model") or rep.config.model, ids, body,
+        item = generate_request("cmpl", body.get("model") or requests.config.model, ids, body,
                                 16 if max_tokens is None else max_tokens)
         return web.json_response([item])
 
     async def render_chat(self, request: web.Request) -> web.Response:
         """POST /v1/chat/completions/render: the templated prompt's token ids, as a `GenerateRequest`."""
-        rep = self.replica
+        requests = self.requests
         try:
-            body = await rep._body(request)
-            rep._common(body)
-            ids = rep._chat_prompt(body)
-            max_tokens = rep._int_field(body, "max_completion_tokens", "max_tokens")
+            body = await requests.body(request)
+            requests.common(body)
+            ids = requests.chat_prompt(body)
+            max_tokens = requests.int_field(body, "max_completion_tokens", "max_tokens")
         except RequestError as exc:
             return error_response(str(exc), exc.status, exc.err_type, exc.param)
-        room = rep.engine.config.max_model_len - len(ids)  # vLLM's default: whatever the context leaves
-        item = generate_request("chatcmpl", body.get("model") or rep.config.model, ids, body,
+        room = self.max_model_len - len(ids)  # vLLM's default: whatever the context leaves
+        item = generate_request("chatcmpl", body.get("model") or requests.config.model, ids, body,
                                 room if max_tokens is None else max_tokens)
         return web.json_response(item)
 

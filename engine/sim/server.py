@@ -10,80 +10,24 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
 from epp.engine.kv_publisher import KVEventPublisher, kv_topic
-from epp.engine.sim.engine import EngineConfig, EngineError, SimEngine, SimRequest
-from epp.engine.sim.hashing import HashContext
+from epp.engine.sim.engine import EngineError, SimEngine, SimRequest
 from epp.engine.sim.metrics import MetricsRenderer
 from epp.engine.sim.pd import TRANSFER_ROUTE, PDSupport
-from epp.engine.sim.tokenizer import ChatTemplateError, SimTokenizer
+from epp.engine.sim.replica_config import ReplicaConfig
+from epp.engine.sim.request_parsing import RequestError, RequestReader, error_response
+from epp.engine.sim.scale_out import ScaleOutRoutes
+from epp.engine.sim.tokenizer import SimTokenizer
 
 log = logging.getLogger(__name__)
 
 REPLICA_HEADER = "x-sim-replica"
 _json_encode = msgspec.json.Encoder().encode
-_json_decode = msgspec.json.Decoder().decode
-
-
-@dataclass
-class ReplicaConfig:
-    """Everything that defines one simulated replica."""
-
-    name: str = "sim-0"
-    model: str = "sim-model"
-    tokenizer_dir: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 0
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    kv_events: bool = True
-    kv_events_endpoint: str | None = None
-    kv_replay_endpoint: str | None = None
-    kv_replay: bool = True
-    kv_events_bind: bool | None = None
-    kv_topic: str | None = None
-    legacy_array_events: bool = False
-    lora_modules: dict[str, str] = field(default_factory=dict)
-    max_loras: int = 4
-    chat_output_len: tuple[int, int] = (16, 128)
-    enable_prompt_tokens_details: bool = False  # vLLM's --enable-prompt-tokens-details (off by default)
-    enable_scale_out: bool = False  # vLLM's --enable-scale-out: /v1/completions/render etc. (off: 403)
-    labels: dict[str, str] = field(default_factory=dict)
-    # P/D: simulated seconds a finished prefill keeps its KV for the decoder (vLLM NIXL: minutes).
-    kv_transfer_window: float = 30.0
-    # Fault injection: `/wake_up` answers 500 with this message and the engine stays asleep.
-    wake_error: str | None = None
-
-
-class RequestError(Exception):
-    """A request that vLLM would answer with an error status."""
-
-    def __init__(self, message: str, status: int = 400, err_type: str = "BadRequestError",
-                 param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.err_type, self.param = status, err_type, param
-
-
-def error_response(message: str, status: int = 400, err_type: str = "BadRequestError",
-                   param: str | None = None) -> web.Response:
-    """A vLLM-style JSON error."""
-    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
-    return web.Response(status=status, body=_json_encode(body), content_type="application/json")
-
-
-def _validate_salt(salt: Any) -> str | None:
-    if salt is None:
-        return None
-    if not isinstance(salt, str) or not salt:
-        raise RequestError("Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt")
-    if len(salt) > 128 or any(c in salt for c in "@/\\\x00"):
-        raise RequestError("Parameter 'cache_salt' must be at most 128 characters and must not contain "
-                           "'@', '/', '\\' or NUL.", param="cache_salt")
-    return salt
 
 
 class SimReplica:
@@ -92,6 +36,7 @@ class SimReplica:
     def __init__(self, config: ReplicaConfig, tokenizer: SimTokenizer) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self.requests = RequestReader(config, tokenizer)
         self.engine = SimEngine(config.engine, output_token_pool=tokenizer.output_token_pool)
         self.pd = PDSupport(config, self.engine)
         self._token_text = {t: tokenizer.decode([t]) for t in tokenizer.output_token_pool}
@@ -142,9 +87,7 @@ class SimReplica:
         r.add_get("/sim/state", self.sim_state)
         r.add_post(TRANSFER_ROUTE, self.pd.handle_pull)
         r.add_post("/sim/speed", self.sim_speed)
-        from epp.engine.sim.scale_out import ScaleOutRoutes  # it imports this module
-
-        ScaleOutRoutes(self, self.config.enable_scale_out).attach(app)
+        ScaleOutRoutes(self.requests, self.engine.config.max_model_len, self.config.enable_scale_out).attach(app)
         return app
 
     async def start(self) -> None:
@@ -198,88 +141,6 @@ class SimReplica:
     async def _tag_response(self, request: web.Request, response: web.StreamResponse) -> None:
         response.headers[REPLICA_HEADER] = self.config.name
 
-    # -- request parsing ---------------------------------------------------------------------
-    async def _body(self, request: web.Request) -> dict[str, Any]:
-        raw = await request.read()
-        try:
-            body = _json_decode(raw)
-        except msgspec.DecodeError as exc:
-            raise RequestError(f"Invalid JSON body: {exc}") from None
-        if not isinstance(body, dict):
-            raise RequestError("The request body must be a JSON object.")
-        return body
-
-    def _lora_for(self, body: dict[str, Any]) -> tuple[str | None, str | None]:
-        model = body.get("model")
-        if model is None or model == self.config.model:
-            return None, None
-        if model in self.config.lora_modules:
-            return model, self.config.lora_modules[model]
-        raise RequestError(f"The model `{model}` does not exist.", status=404, err_type="NotFoundError",
-                           param="model")
-
-    def _common(self, body: dict[str, Any]) -> tuple[HashContext, bool, bool]:
-        lora_name, lora_path = self._lora_for(body)
-        salt = _validate_salt(body.get("cache_salt"))
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise RequestError("'stream' must be a boolean.", param="stream")
-        opts = body.get("stream_options") or {}
-        if not isinstance(opts, dict):
-            raise RequestError("'stream_options' must be an object.", param="stream_options")
-        if opts and not stream:
-            raise RequestError("Stream options can only be defined when `stream=True`.", param="stream_options")
-        n = body.get("n", 1)
-        if n != 1:
-            raise RequestError("The simulator serves n=1 only.", param="n")
-        return HashContext(cache_salt=salt, lora_name=lora_name, lora_path=lora_path), stream, bool(
-            opts.get("include_usage", False))
-
-    @staticmethod
-    def _int_field(body: dict[str, Any], *names: str) -> int | None:
-        for name in names:
-            v = body.get(name)
-            if v is None:
-                continue
-            if not isinstance(v, int) or isinstance(v, bool):
-                raise RequestError(f"'{name}' must be an integer.", param=name)
-            return v
-        return None
-
-    def _completion_prompt(self, body: dict[str, Any]) -> list[int]:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        add_special = body.get("add_special_tokens", True)
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=bool(add_special))
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)
-        if prompt is None:
-            raise RequestError("Field 'prompt' is required.", param="prompt")
-        raise RequestError("'prompt' must be a string, a list of token ids, or a one-element list of those.",
-                           param="prompt")
-
-    def _chat_prompt(self, body: dict[str, Any]) -> list[int]:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise RequestError("Field 'messages' is required and must be a non-empty list.", param="messages")
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise RequestError("Each message must be an object with a 'role'.", param="messages")
-        kwargs = body.get("chat_template_kwargs") or {}
-        try:
-            return self.tokenizer.encode_chat(
-                messages,
-                add_special_tokens=bool(body.get("add_special_tokens", False)),
-                add_generation_prompt=bool(body.get("add_generation_prompt", True)),
-                continue_final_message=bool(body.get("continue_final_message", False)),
-                tools=body.get("tools"),
-                chat_template_kwargs=kwargs if isinstance(kwargs, dict) else {},
-            )
-        except ChatTemplateError as exc:
-            raise RequestError(f"Chat template error: {exc}", param="messages") from None
-
     def _natural_len(self, prompt_ids: list[int]) -> int:
         lo, hi = self.config.chat_output_len
         return lo + (hash(tuple(prompt_ids)) & 0xFFFF) % (hi - lo + 1)
@@ -288,10 +149,10 @@ class SimReplica:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/completions."""
         try:
-            body = await self._body(request)
-            ctx, stream, include_usage = self._common(body)
-            ids = self._completion_prompt(body)
-            max_tokens = self._int_field(body, "max_tokens")
+            body = await self.requests.body(request)
+            ctx, stream, include_usage = self.requests.common(body)
+            ids = self.requests.completion_prompt(body)
+            max_tokens = self.requests.int_field(body, "max_tokens")
             r = self.engine.new_request(ids, 16 if max_tokens is None else max_tokens, stream=stream, ctx=ctx,
                                         request_id=_request_id(body, "cmpl"))
             self.pd.accept(r, body)
@@ -304,10 +165,10 @@ class SimReplica:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/chat/completions."""
         try:
-            body = await self._body(request)
-            ctx, stream, include_usage = self._common(body)
-            ids = self._chat_prompt(body)
-            max_tokens = self._int_field(body, "max_completion_tokens", "max_tokens")
+            body = await self.requests.body(request)
+            ctx, stream, include_usage = self.requests.common(body)
+            ids = self.requests.chat_prompt(body)
+            max_tokens = self.requests.int_field(body, "max_completion_tokens", "max_tokens")
             r = self.engine.new_request(ids, max_tokens, stream=stream, ctx=ctx,
                                         natural_len=self._natural_len(ids),
                                         request_id=_request_id(body, "chatcmpl"))
@@ -462,10 +323,10 @@ class SimReplica:
     async def tokenize(self, request: web.Request) -> web.Response:
         """POST /tokenize: prompt or messages, with the same defaults as generation."""
         try:
-            body = await self._body(request)
-            self._lora_for(body)
+            body = await self.requests.body(request)
+            self.requests.lora_for(body)
             if "messages" in body:
-                ids = self._chat_prompt(body)
+                ids = self.requests.chat_prompt(body)
             else:
                 prompt = body.get("prompt")
                 if not isinstance(prompt, str):
@@ -481,7 +342,7 @@ class SimReplica:
     async def detokenize(self, request: web.Request) -> web.Response:
         """POST /detokenize."""
         try:
-            body = await self._body(request)
+            body = await self.requests.body(request)
             tokens = body.get("tokens")
             if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
                 raise RequestError("Field 'tokens' must be a list of integers.", param="tokens")

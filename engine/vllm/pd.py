@@ -12,15 +12,13 @@ which must be the address other pods reach this one by.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # pragma: no cover
-    from epp.engine.vllm.launcher import HostResources, LaunchOptions
+from epp.engine.vllm.options import HostResources, LaunchOptions
 
 PD_ROLES = ("prefill", "decode", "both")
 KV_CONNECTORS = {"nixl": "NixlConnector"}
 ROLE_LABEL = "llm-d.ai/role"
-DEFAULT_NIXL_SIDE_CHANNEL_PORT = 5600  # vLLM's default for VLLM_NIXL_SIDE_CHANNEL_PORT
 
 
 def validate_pd(opts: LaunchOptions, host: HostResources) -> list[str]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from epp.config.defaults import DEFAULT_PARSER_TYPE
-from epp.config.pipeline import LoadedConfig, PluginEntry, plugin_kinds
 from epp.config.yaml_reading import yaml_value
 from epp.flowcontrol.config import FEATURE_GATE as FLOW_CONTROL_GATE
 from epp.framework.plugin import Plugin
+from epp.requestcontrol.pipeline import LoadedConfig, PluginEntry, plugin_kinds
 
 
 def _plugin_line(entry: PluginEntry) -> str:
@@ -32,6 +32,10 @@ def describe(loaded: LoadedConfig) -> str:
     entries = {id(e.plugin): e for e in loaded.plugins}
     lines = [f"EndpointPickerConfig {loaded.source}: OK", "", "Plugins:"]
     lines += [f"  - {_plugin_line(e)}" for e in loaded.plugins]
+    mapped = [e for e in loaded.plugins if e.mapping]
+    if mapped:
+        lines += ["", "llm-d plugin types (how each was mapped):"]
+        lines += [f"  - {e.name}: {e.mapping}" for e in mapped]
     lines += ["", "Request pipeline:"]
     lines.append(f"  saturation detector: {loaded.saturation_detector_ref or 'none'}")
     lines.append(f"  admitters: {_names(loaded.admitters)}")
@@ -55,9 +59,11 @@ def describe(loaded: LoadedConfig) -> str:
     lines.append(f"  pre-request hooks: {_names(loaded.pre_request_hooks)}")
     lines.append(f"  response-headers hooks: {_names(loaded.response_headers_hooks)}")
     lines.append(f"  response-complete hooks: {_names(loaded.response_complete_hooks)}")
-    lines.append(f"  parser: {loaded.parser.name if loaded.parser else DEFAULT_PARSER_TYPE + ' (default)'}")
+    lines.append(f"  parsers: {_names(loaded.parsers) if loaded.parsers else DEFAULT_PARSER_TYPE + ' (default)'}; "
+                 "requests on other paths pass through")
     for ds in loaded.data_sources:
         lines.append(f"  data source: {ds.source.name} (extractors: {_names(ds.extractors)})")
+    lines.append(f"  metrics scrape: {loaded.scrape.describe() if loaded.scrape else 'off'}")
     lines.append(f"  feature gates: {', '.join(sorted(loaded.feature_gates)) or 'none'}")
     if loaded.flow_control is not None:
         lines.append("  flow control: on (requests queue in the picker while the pool is saturated)")
@@ -68,5 +74,8 @@ def describe(loaded: LoadedConfig) -> str:
     else:
         lines.append("  flow control: off")
     objectives = ", ".join(f"{k}={v}" for k, v in loaded.objectives.items())
-    lines.append(f"  objectives (x-gateway-inference-objective -> priority): {objectives or 'none'}")
+    lines.append(f"  objectives (x-llm-d-inference-objective -> priority): {objectives or 'none'}")
+    if loaded.notes:
+        lines += ["", "Notes:"]
+        lines += [f"  - {note}" for note in loaded.notes]
     return "\n".join(lines) + "\n"

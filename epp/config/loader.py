@@ -11,21 +11,22 @@ what is allowed there.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 from epp.config.compose import DEFAULT_CONFIG_YAML
 from epp.config.defaults import DEFAULT_SATURATION_DETECTOR_TYPE
-from epp.config.pipeline import LoadedConfig
 from epp.config.plugins import PluginSet
 from epp.config.producers import ProducerWiring
 from epp.config.profiles import ProfileBuilder
+from epp.config.refs import bind_references
 from epp.config.saturation import add_shedding_admitter, flow_controller, saturation_detector
-from epp.config.schema import API_VERSION, KIND, TOP_LEVEL_FIELDS, Document
-from epp.config.sections import data_layer, feature_gates, objectives, parser
+from epp.config.schema import API_VERSION, API_VERSIONS, DEPRECATED_API_VERSION, KIND, TOP_LEVEL_FIELDS, Document
+from epp.config.sections import data_layer, feature_gates, objectives, parsers
 from epp.config.yaml_reading import read_yaml
 from epp.flowcontrol.config import FEATURE_GATE as FLOW_CONTROL_GATE
-from epp.flowcontrol.config import parse_flow_control
+from epp.flowcontrol.config import FLOW_CONTROL_FIELDS, parse_flow_control
 from epp.framework.errors import ConfigError
 from epp.framework.plugin import (
     Admitter,
@@ -37,6 +38,17 @@ from epp.framework.plugin import (
 )
 from epp.framework.registry import PluginRegistry, default_registry
 from epp.framework.scheduler import Scheduler
+from epp.requestcontrol.pipeline import LoadedConfig
+
+log = logging.getLogger(__name__)
+
+# llm-d's flowControl fields this picker cannot act on (the flow controller's own fields are
+# FLOW_CONTROL_FIELDS; `saturationDetector` is the loader's).
+REFUSED_FLOW_CONTROL_FIELDS = {
+    "noEndpointRequestTTL": "a request with no endpoint is answered at once (503), not queued",
+    "defaultNegativePriorityBand": "negative priorities use defaultPriorityBand",
+    "enableEviction": "dispatched requests are never evicted",
+}
 
 
 class _Builder:
@@ -51,31 +63,39 @@ class _Builder:
         if doc is None:
             raise self.doc.fail("", f"the document is empty; expected an {KIND}")
         doc = self.doc.mapping(doc, "", TOP_LEVEL_FIELDS, required=("apiVersion", "kind"))
-        if doc["apiVersion"] != API_VERSION:
-            raise self.doc.fail("apiVersion",
-                                f"unsupported apiVersion {doc['apiVersion']!r}; allowed: {API_VERSION}")
+        if doc["apiVersion"] not in API_VERSIONS:
+            raise self.doc.fail("apiVersion", f"unsupported apiVersion {doc['apiVersion']!r}; allowed: "
+                                f"{', '.join(API_VERSIONS)}")
         if doc["kind"] != KIND:
             raise self.doc.fail("kind", f"unsupported kind {doc['kind']!r}; allowed: {KIND}")
+        if doc["apiVersion"] == DEPRECATED_API_VERSION:
+            # The line llm-d logs, once per load.
+            warning = f"DEPRECATION: apiVersion {DEPRECATED_API_VERSION}/{KIND} is deprecated; use {API_VERSION}"
+            log.warning("%s: %s", self.doc.source, warning)
+            self.doc.note("apiVersion", warning)
         gates = feature_gates(self.doc, doc)
         objective_priorities = objectives(self.doc, doc)
         self.plugins.add_configured(doc)
-        data_sources = data_layer(self.doc, self.plugins, doc)
-        request_parser = parser(self.doc, self.plugins, doc)
+        data_sources, scrape = data_layer(self.doc, self.plugins, doc)
+        request_parsers = parsers(self.doc, self.plugins, doc)
         profile_builder = ProfileBuilder(self.doc, self.plugins)
         profiles = profile_builder.build_profiles(doc)
         handler = profile_builder.profile_handler(profiles)
-        detector = saturation_detector(self.doc, self.plugins, doc)
+        flow_section = self._flow_control_section(doc)
+        detector = saturation_detector(self.doc, self.plugins, *self._detector_ref(doc))
         producers = ProducerWiring(self.doc, self.plugins).producers(profiles)
+        bind_references(self.doc, self.plugins)
         flow_control = None
-        if "flowControl" in doc or FLOW_CONTROL_GATE in gates:
-            flow_control = parse_flow_control(doc.get("flowControl"), source=self.doc.source,
+        if flow_section is not None or FLOW_CONTROL_GATE in gates:
+            flow_control = parse_flow_control(flow_section, source=self.doc.source,
                                               plugins={e.name: e.plugin for e in self.plugins.entries})
             if FLOW_CONTROL_GATE in gates and detector is None:
-                raise self.doc.fail("saturationDetector", "flow control needs a saturation detector (e.g. "
-                                                          f"{DEFAULT_SATURATION_DETECTOR_TYPE}); none is configured")
-        elif detector is not None:
-            # GIE's default admission; with flow control the controller queues instead of shedding.
-            add_shedding_admitter(self.plugins, detector)
+                raise self.doc.fail("flowControl.saturationDetector", "flow control needs a saturation detector "
+                                    f"(e.g. {DEFAULT_SATURATION_DETECTOR_TYPE}); none is configured")
+        if flow_control is None or FLOW_CONTROL_GATE not in gates:
+            if detector is not None:
+                # GIE's default admission; with flow control the controller queues instead of shedding.
+                add_shedding_admitter(self.plugins, detector)
         plugins = [e.plugin for e in self.plugins.entries]
         controller = None
         if flow_control is not None and FLOW_CONTROL_GATE in gates and detector is not None \
@@ -94,11 +114,37 @@ class _Builder:
             objectives=objective_priorities,
             plugins=tuple(self.plugins.entries),
             data_sources=data_sources,
-            parser=request_parser,
+            scrape=scrape,
+            parsers=request_parsers,
             flow_control_section=flow_control,
             capacity_gates=tuple(p for p in plugins if isinstance(p, CapacityGate)),
             flow_controller=controller,
+            notes=tuple(self.doc.notes),
         )
+
+    def _flow_control_section(self, doc: dict) -> dict | None:
+        """The `flowControl` section for the flow controller: llm-d's fields it cannot act on refused."""
+        raw = doc.get("flowControl")
+        if raw is None or not isinstance(raw, dict):
+            return raw
+        for key, reason in REFUSED_FLOW_CONTROL_FIELDS.items():
+            if key in raw and key not in FLOW_CONTROL_FIELDS:
+                raise self.doc.fail(f"flowControl.{key}", f"not supported: {reason}")
+        return {k: v for k, v in raw.items() if k != "saturationDetector"}
+
+    def _detector_ref(self, doc: dict) -> tuple[Any, str]:
+        """`flowControl.saturationDetector`, or the deprecated top-level one (copied as llm-d does)."""
+        nested = doc["flowControl"].get("saturationDetector") if isinstance(doc.get("flowControl"), dict) else None
+        legacy = doc.get("saturationDetector")
+        if legacy is not None:
+            if nested is not None:
+                self.doc.note("saturationDetector", "deprecated; ignored because flowControl.saturationDetector "
+                              "is set (as in llm-d)")
+                return nested, "flowControl.saturationDetector"
+            self.doc.note("saturationDetector", "deprecated; copied into flowControl.saturationDetector (as in "
+                          "llm-d)")
+            return legacy, "saturationDetector"
+        return nested, "flowControl.saturationDetector"
 
 
 def load_config_text(text: str, *, source: str = "<config-text>", registry: PluginRegistry | None = None,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from epp.config.pipeline import PluginEntry
 from epp.config.schema import Document
 from epp.framework.plugin import DataProducer
+from epp.requestcontrol.pipeline import PluginEntry
 
 
 def dependency_order(producers: list[PluginEntry], producer_of: Mapping[str, PluginEntry],

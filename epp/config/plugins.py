@@ -5,11 +5,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from epp.config.pipeline import PluginEntry
+from epp.config.llmd import ALIASES, mapping_line, refused
+from epp.config.llmd_precise import is_llmd_shape, precise_parameters
 from epp.config.schema import PLUGIN_FIELDS, Document
 from epp.framework.errors import ConfigError
 from epp.framework.plugin import Plugin, PluginContext
 from epp.framework.registry import PluginRegistry, did_you_mean
+from epp.requestcontrol.pipeline import PluginEntry
+
+PRECISE_PRODUCER_TYPE = "precise-prefix-cache-producer"
+PRECISE_WRAPPER_TYPE = "precise-prefix-cache-scorer"
+TOKEN_PRODUCER_TYPE = "token-producer"
 
 
 class PluginSet:
@@ -23,22 +29,65 @@ class PluginSet:
         self.by_name: dict[str, PluginEntry] = {}
 
     def add_configured(self, doc: Mapping[str, Any]) -> None:
-        """The configured `plugins[]`, in order."""
+        """The configured `plugins[]`, in order (llm-d's deprecated names and wrapper resolved)."""
+        items = []
         for i, raw in enumerate(self.document.sequence(doc.get("plugins"), "plugins", "plugin definitions")):
             path = f"plugins[{i}]"
             item = self.document.mapping(raw, path, PLUGIN_FIELDS, required=("type",))
             type_name = self.document.string(item["type"], f"{path}.type")
             name = self.document.string(item["name"], f"{path}.name") if item.get("name") is not None else type_name
-            if name in self.by_name:
-                raise self.document.fail(f"{path}.name", f"duplicate plugin name {name!r}; plugin names must be unique "
-                                         "(name defaults to type)")
             params = item.get("parameters")
             if params is not None and not isinstance(params, dict):
                 raise self.document.fail(f"{path}.parameters", f"must be a mapping, got {type(params).__name__}")
-            self.add(type_name, name, params, path)
+            items.append((path, type_name, name, params))
+        token_producer = any(ALIASES.get(t, t) == TOKEN_PRODUCER_TYPE for _, t, _, _ in items)
+        for path, configured_as, name, params in items:
+            if name in self.by_name:
+                raise self.document.fail(f"{path}.name", f"duplicate plugin name {name!r}; plugin names must be unique "
+                                         "(name defaults to type)")
+            type_name = ALIASES.get(configured_as, configured_as)
+            if type_name != configured_as:
+                self.document.note(f"{path}.type", f"{configured_as} is deprecated in llm-d; loaded as {type_name}")
+            if type_name == PRECISE_WRAPPER_TYPE:
+                self._add_precise_wrapper(name, params or {}, path, token_producer)
+                continue
+            reason = refused(type_name, self._registered(type_name))
+            if reason:
+                raise self.document.fail(f"{path}.type", reason)
+            taken = notes = None
+            if type_name == PRECISE_PRODUCER_TYPE and is_llmd_shape(params):
+                params, taken, notes = self._precise(name, params or {}, path, token_producer)
+            self.add(type_name, name, params, path,
+                     mapping=mapping_line(type_name, configured_as, params or {}, taken, notes))
+
+    def _registered(self, type_name: str) -> bool:
+        try:
+            self.registry.get(type_name)
+        except ConfigError:
+            return False
+        return True
+
+    def _precise(self, name: str, params: Mapping[str, Any], path: str,
+                 token_producer: bool) -> tuple[dict[str, Any], list[str], list[str]]:
+        try:
+            return precise_parameters(name, params, token_producer=token_producer)
+        except ConfigError as exc:
+            raise self.document.fail(f"{path}.parameters", str(exc)) from None
+
+    def _add_precise_wrapper(self, name: str, params: Mapping[str, Any], path: str, token_producer: bool) -> None:
+        """llm-d's deprecated `precise-prefix-cache-scorer`: a precise producer and a prefix scorer reading it."""
+        self.document.note(f"{path}.type", f"{PRECISE_WRAPPER_TYPE} is deprecated in llm-d; loaded as a "
+                           f"{PRECISE_PRODUCER_TYPE} and a prefix-cache-scorer named {name!r} that reads it")
+        producer_params, taken, notes = self._precise(name, params, path, token_producer)
+        producer = self.free_name(f"{name}-producer")
+        self.add(PRECISE_PRODUCER_TYPE, producer, producer_params, path,
+                 auto_created=f"the producer half of the deprecated {PRECISE_WRAPPER_TYPE} {name!r}",
+                 mapping=mapping_line(PRECISE_PRODUCER_TYPE, PRECISE_WRAPPER_TYPE, params, taken, notes))
+        self.add("prefix-cache-scorer", name, {"prefixMatchInfoProducerName": producer}, path,
+                 auto_created=f"the scorer half of the deprecated {PRECISE_WRAPPER_TYPE} {name!r}")
 
     def add(self, type_name: str, name: str, parameters: Mapping[str, Any] | None, path: str,
-            auto_created: str | None = None) -> PluginEntry:
+            auto_created: str | None = None, mapping: str | None = None) -> PluginEntry:
         """Build a plugin of a registered type; errors name `path` (its `type` or `parameters`)."""
         fail = self.document.fail
         try:
@@ -49,7 +98,7 @@ class PluginSet:
             plugin = self.registry.build(type_name, name, parameters, self.context)
         except ConfigError as exc:
             raise fail(f"{path}.parameters" if not auto_created else path, str(exc)) from None
-        return self.append(PluginEntry(name, type_name, plugin, dict(parameters or {}), auto_created))
+        return self.append(PluginEntry(name, type_name, plugin, dict(parameters or {}), auto_created, mapping, path))
 
     def append(self, entry: PluginEntry) -> PluginEntry:
         """Add a plugin the loader built itself (not through the registry)."""

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from epp.config.ordering import dependency_order
-from epp.config.pipeline import PluginEntry
 from epp.config.plugins import PluginSet
 from epp.config.schema import Document
 from epp.framework.plugin import DataProducer, Filter, Picker, Plugin, Scorer
 from epp.framework.scheduler import SchedulerProfile
+from epp.requestcontrol.pipeline import PluginEntry
 
 
 class ProducerWiring:

@@ -12,12 +12,12 @@ from epp.config.defaults import (
                                  DEFAULT_PROFILE_NAME,
                                  DEFAULT_SCORER_WEIGHT,
 )
-from epp.config.pipeline import PluginEntry, plugin_kinds
 from epp.config.plugins import PluginSet
 from epp.config.schema import PROFILE_FIELDS, PROFILE_PLUGIN_FIELDS, Document, is_number
 from epp.framework.errors import ConfigError
 from epp.framework.plugin import Filter, Picker, ProfileHandler, Scorer
 from epp.framework.scheduler import SchedulerProfile, WeightedScorer
+from epp.requestcontrol.pipeline import PluginEntry, plugin_kinds
 
 
 class ProfileBuilder:

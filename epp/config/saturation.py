@@ -2,30 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from epp.config.defaults import DEFAULT_SATURATION_DETECTOR_TYPE
-from epp.config.pipeline import PluginEntry
 from epp.config.plugins import PluginSet
 from epp.config.schema import Document
 from epp.flowcontrol.config import FlowControlConfig
 from epp.framework.errors import ConfigError
 from epp.framework.plugin import SaturationDetector
+from epp.requestcontrol.pipeline import PluginEntry
 
 if TYPE_CHECKING:
     from epp.flowcontrol.controller import FlowController
 
 
-def saturation_detector(document: Document, plugins: PluginSet,
-                        doc: Mapping[str, Any]) -> SaturationDetector | None:
-    """The `saturationDetector` plugin, or the default detector (auto-created when registered)."""
-    raw = doc.get("saturationDetector")
+def saturation_detector(document: Document, plugins: PluginSet, raw: Any,
+                        where: str) -> SaturationDetector | None:
+    """The detector `raw` (`{pluginRef}` at `where`) names, or the default one (auto-created when registered)."""
     entry: PluginEntry | None = None
-    path = "saturationDetector"
+    path = where
     if raw is not None:
-        item = document.mapping(raw, "saturationDetector", ("pluginRef",), required=("pluginRef",))
-        path = "saturationDetector.pluginRef"
+        item = document.mapping(raw, where, ("pluginRef",), required=("pluginRef",))
+        path = f"{where}.pluginRef"
         entry = plugins.ref(item["pluginRef"], path)
     else:
         entry = next((e for e in plugins.entries if e.type_name == DEFAULT_SATURATION_DETECTOR_TYPE), None)
@@ -35,7 +33,7 @@ def saturation_detector(document: Document, plugins: PluginSet,
         except ConfigError:
             return None
         entry = plugins.add(DEFAULT_SATURATION_DETECTOR_TYPE, plugins.free_name(DEFAULT_SATURATION_DETECTOR_TYPE),
-                            None, "saturationDetector", auto_created="default saturation detector")
+                            None, where, auto_created="default saturation detector")
     if not isinstance(entry.plugin, SaturationDetector):
         raise document.fail(path, f"plugin {entry.name!r} (type {entry.type_name}) is no saturation detector; "
                             f"allowed: a saturation detector, e.g. {DEFAULT_SATURATION_DETECTOR_TYPE}")

@@ -12,18 +12,29 @@ from typing import Any
 from epp.framework.errors import ConfigError
 from epp.framework.registry import did_you_mean
 
-API_VERSION = "inference.networking.x-k8s.io/v1alpha1"
+# llm-d router's group (current); GIE's old group still loads, with a deprecation warning, as llm-d does.
+API_VERSION = "llm-d.ai/v1alpha1"
+DEPRECATED_API_VERSION = "inference.networking.x-k8s.io/v1alpha1"
+API_VERSIONS = (API_VERSION, DEPRECATED_API_VERSION)
 KIND = "EndpointPickerConfig"
-KNOWN_FEATURE_GATES = ("flowControl", "enableLegacyMetrics", "dataLayer")
-TOP_LEVEL_FIELDS = ("apiVersion", "kind", "plugins", "schedulingProfiles", "saturationDetector", "featureGates",
-                    "dataLayer", "parser", "objectives", "flowControl")
+# Gates that act: flowControl (the flow controller). The others are accepted because what they
+# switch on is always on here; `epp check-config` says so.
+KNOWN_FEATURE_GATES = ("flowControl", "haPopulateNonLeaderDatastore", "enableLegacyMetrics", "dataLayer")
+TOP_LEVEL_FIELDS = ("apiVersion", "kind", "plugins", "schedulingProfiles", "featureGates", "dataLayer",
+                    "flowControl", "requestHandler", "saturationDetector", "parser", "objectives")
 PLUGIN_FIELDS = ("name", "type", "parameters")
 PROFILE_FIELDS = ("name", "plugins")
 PROFILE_PLUGIN_FIELDS = ("pluginRef", "weight")
 OBJECTIVE_FIELDS = ("name", "priority")
-DATA_SOURCE_TYPES = ("metrics-data-source",)
-EXTRACTOR_TYPES = ("core-metrics-extractor",)
-PARSER_TYPES = ("openai-parser",)
+METRICS_SOURCE_TYPE = "metrics-data-source"
+NOTIFICATION_SOURCE_TYPE = "endpoint-notification-source"
+DATA_SOURCE_TYPES = (METRICS_SOURCE_TYPE, NOTIFICATION_SOURCE_TYPE)
+# The extractors each source type takes: the metrics parser, or plugins that follow the pool's endpoints.
+EXTRACTOR_TYPES = {
+    METRICS_SOURCE_TYPE: ("core-metrics-extractor",),
+    NOTIFICATION_SOURCE_TYPE: ("precise-prefix-cache-producer", "inflight-load-producer"),
+}
+PARSER_TYPES = ("openai-parser", "anthropic-parser", "passthrough-parser")
 
 
 def is_number(value: Any) -> bool:
@@ -36,6 +47,13 @@ class Document:
 
     def __init__(self, source: str) -> None:
         self.source = source
+        # What `epp check-config` must say beyond the pipeline: deprecations, fields accepted with no
+        # effect here (and why), differences from llm-d's meaning.
+        self.notes: list[str] = []
+
+    def note(self, path: str, message: str) -> None:
+        """Record a note about the field at `path` (printed by `epp check-config`)."""
+        self.notes.append(f"{path}: {message}" if path else message)
 
     def fail(self, path: str, message: str) -> ConfigError:
         """The error for `path` (a field path; empty: the document)."""
@@ -62,6 +80,14 @@ class Document:
             return []
         if not isinstance(value, list):
             raise self.fail(path, f"must be a list of {what}, got {type(value).__name__}")
+        return value
+
+    def boolean(self, value: Any, path: str, default: bool) -> bool:
+        """`value` as true/false (absent: `default`)."""
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self.fail(path, f"must be true or false, got {value!r}")
         return value
 
     def string(self, value: Any, path: str) -> str:

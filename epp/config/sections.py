@@ -1,31 +1,68 @@
-"""The smaller top-level sections: feature gates, objectives, parser and data layer."""
+"""The smaller top-level sections: feature gates, objectives, request handler (parsers) and data layer.
+
+Each field either acts or is refused with the reason; a field accepted only because what it
+asks for is always the case here gets a note that `epp check-config` prints.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from epp.config.pipeline import DataSourceConfig
 from epp.config.plugins import PluginSet
 from epp.config.schema import (
-                               DATA_SOURCE_TYPES,
-                               EXTRACTOR_TYPES,
-                               KNOWN_FEATURE_GATES,
-                               OBJECTIVE_FIELDS,
-                               PARSER_TYPES,
-                               Document,
+    DATA_SOURCE_TYPES,
+    EXTRACTOR_TYPES,
+    KNOWN_FEATURE_GATES,
+    METRICS_SOURCE_TYPE,
+    OBJECTIVE_FIELDS,
+    PARSER_TYPES,
+    Document,
 )
 from epp.framework.plugin import Plugin
+from epp.requestcontrol.pipeline import DataSourceConfig, PluginEntry, ScrapeSettings
+
+# Gates whose feature is always on here: accepted, with a note.
+ALWAYS_ON_GATES = {
+    "haPopulateNonLeaderDatastore": "every picker replica keeps its endpoints and their metrics, leader or not",
+    "enableLegacyMetrics": "GIE's legacy metrics path reads the same vLLM series this scraper reads",
+    "dataLayer": "GIE's deprecated gate; the data layer is always on",
+}
+DATA_LAYER_FIELDS = ("injectDefaults", "sources", "discovery", "peerDiscovery", "crossReplicaSyncerPluginRef",
+                     "crossReplicaSyncInterval")
+# llm-d data-layer fields this picker cannot act on, and what to use instead.
+_PEER_LINK = ("pickers of one pool share prefix routes, KV claims and scrapes over the peer link (--peers or "
+              "--workers); cross-replica syncer plugins are not supported")
+REFUSED_DATA_LAYER_FIELDS = {
+    "discovery": "endpoints come from the command line (--pool-name or --endpoint-selector for Kubernetes, "
+                 "--endpoints-file, --endpoints); discovery plugins are not supported",
+    "peerDiscovery": "the other pickers of a pool are given with --peers (or --workers); peer discovery plugins "
+                     "are not supported",
+    "crossReplicaSyncerPluginRef": _PEER_LINK,
+    "crossReplicaSyncInterval": _PEER_LINK,
+}
+DEFAULT_PARSER = "openai-parser"
 
 
 def feature_gates(document: Document, doc: Mapping[str, Any]) -> frozenset[str]:
-    """The `featureGates` (only known ones)."""
+    """The `featureGates` that are on: `name`, `name=true` or `name=false`, known gates only."""
     gates = []
-    for i, gate in enumerate(document.sequence(doc.get("featureGates"), "featureGates", "feature gate names")):
+    for i, raw in enumerate(document.sequence(doc.get("featureGates"), "featureGates", "feature gate names")):
+        path = f"featureGates[{i}]"
+        if not isinstance(raw, str):
+            raise document.fail(path, f"must be a gate name, name=true or name=false, got {raw!r}")
+        gate, sep, value = raw.partition("=")
         if gate not in KNOWN_FEATURE_GATES:
-            raise document.fail(f"featureGates[{i}]", f"unknown feature gate {gate!r}; allowed: "
-                                f"{', '.join(KNOWN_FEATURE_GATES)}")
-        gates.append(gate)
+            raise document.fail(path, f"unknown feature gate {gate!r}; allowed: {', '.join(KNOWN_FEATURE_GATES)}")
+        if sep and value not in ("true", "false"):
+            raise document.fail(path, f"gate value must be true or false, got {raw!r}")
+        enabled = value != "false"
+        if gate in ALWAYS_ON_GATES:
+            if not enabled:
+                raise document.fail(path, f"{gate}=false is not supported: {ALWAYS_ON_GATES[gate]}")
+            document.note(path, f"{gate}: no effect ({ALWAYS_ON_GATES[gate]})")
+        if enabled:
+            gates.append(gate)
     return frozenset(gates)
 
 
@@ -45,31 +82,84 @@ def objectives(document: Document, doc: Mapping[str, Any]) -> dict[str, int]:
     return out
 
 
-def parser(document: Document, plugins: PluginSet, doc: Mapping[str, Any]) -> Plugin | None:
-    """The plugin `parser.pluginRef` names, if any."""
-    raw = doc.get("parser")
-    if raw is None:
-        return None
-    item = document.mapping(raw, "parser", ("pluginRef",), required=("pluginRef",))
-    return plugins.typed_ref(item["pluginRef"], "parser.pluginRef", PARSER_TYPES)
+def parsers(document: Document, plugins: PluginSet, doc: Mapping[str, Any]) -> tuple[Plugin, ...]:
+    """`requestHandler.parsers` (or the deprecated `parser`, copied as llm-d does)."""
+    refs: list[tuple[Any, str]] = []
+    raw = doc.get("requestHandler")
+    if raw is not None:
+        item = document.mapping(raw, "requestHandler", ("parsers",))
+        for i, entry in enumerate(document.sequence(item.get("parsers"), "requestHandler.parsers", "parsers")):
+            path = f"requestHandler.parsers[{i}]"
+            refs.append((document.mapping(entry, path, ("pluginRef",), required=("pluginRef",))["pluginRef"],
+                         f"{path}.pluginRef"))
+    legacy = doc.get("parser")
+    if legacy is not None:
+        item = document.mapping(legacy, "parser", ("pluginRef",), required=("pluginRef",))
+        if refs:
+            document.note("parser", "deprecated; ignored because requestHandler.parsers is set (as in llm-d)")
+        else:
+            document.note("parser", "deprecated; copied into requestHandler.parsers (as in llm-d)")
+            refs.append((item["pluginRef"], "parser.pluginRef"))
+    found = tuple(plugins.typed_ref(ref, path, PARSER_TYPES) for ref, path in refs)
+    if found and not any(p.type_name == DEFAULT_PARSER for p in found):
+        raise document.fail(refs[0][1], f"this picker always parses OpenAI requests; list {DEFAULT_PARSER} among "
+                            "the parsers (requests on other paths pass through to any endpoint)")
+    return found
 
 
-def data_layer(document: Document, plugins: PluginSet, doc: Mapping[str, Any]) -> tuple[DataSourceConfig, ...]:
-    """The `dataLayer.sources`, each with its extractors."""
+def _scrape_settings(entry: PluginEntry) -> ScrapeSettings:
+    """The scrape settings a `metrics-data-source` plugin holds."""
+    source: Any = entry.plugin
+    return ScrapeSettings(scheme=source.scheme, path=source.path, insecure_skip_verify=source.insecure_skip_verify,
+                          ca_cert_path=source.ca_cert_path, client_cert_path=source.client_cert_path,
+                          client_key_path=source.client_key_path, interval_s=source.interval_s,
+                          families=source.families)
+
+
+def data_layer(document: Document, plugins: PluginSet,
+               doc: Mapping[str, Any]) -> tuple[tuple[DataSourceConfig, ...], ScrapeSettings | None]:
+    """The `dataLayer.sources` with their extractors, and the scrape settings they make (None: no scraping)."""
     raw = doc.get("dataLayer")
-    if raw is None:
-        return ()
-    item = document.mapping(raw, "dataLayer", ("sources",))
-    sources = []
+    item = document.mapping(raw if raw is not None else {}, "dataLayer", DATA_LAYER_FIELDS)
+    for key, reason in REFUSED_DATA_LAYER_FIELDS.items():
+        if item.get(key) is not None:
+            raise document.fail(f"dataLayer.{key}", f"not supported: {reason}")
+    inject_defaults = document.boolean(item.get("injectDefaults"), "dataLayer.injectDefaults", True)
+    sources: list[DataSourceConfig] = []
+    metrics_sources: list[PluginEntry] = []
     for i, raw_source in enumerate(document.sequence(item.get("sources"), "dataLayer.sources", "data sources")):
         path = f"dataLayer.sources[{i}]"
         source_item = document.mapping(raw_source, path, ("pluginRef", "extractors"), required=("pluginRef",))
-        source = plugins.typed_ref(source_item["pluginRef"], f"{path}.pluginRef", DATA_SOURCE_TYPES)
+        plugins.typed_ref(source_item["pluginRef"], f"{path}.pluginRef", DATA_SOURCE_TYPES)
+        entry = plugins.ref(source_item["pluginRef"], f"{path}.pluginRef")
+        if entry.type_name == METRICS_SOURCE_TYPE and metrics_sources:
+            raise document.fail(path, "only one metrics-data-source is supported: the scraper reads one metrics "
+                                "URL per endpoint")
         extractors = []
         for j, raw_ex in enumerate(document.sequence(source_item.get("extractors"), f"{path}.extractors",
                                                      "extractors")):
             ex_path = f"{path}.extractors[{j}]"
             ex_item = document.mapping(raw_ex, ex_path, ("pluginRef",), required=("pluginRef",))
-            extractors.append(plugins.typed_ref(ex_item["pluginRef"], f"{ex_path}.pluginRef", EXTRACTOR_TYPES))
-        sources.append(DataSourceConfig(source, tuple(extractors)))
-    return tuple(sources)
+            extractors.append(plugins.typed_ref(ex_item["pluginRef"], f"{ex_path}.pluginRef",
+                                                EXTRACTOR_TYPES[entry.type_name]))
+        if entry.type_name == METRICS_SOURCE_TYPE:
+            if not extractors:
+                raise document.fail(f"{path}.extractors", "a metrics source needs core-metrics-extractor: without "
+                                    "an extractor nothing it scrapes is read")
+            metrics_sources.append(entry)
+        sources.append(DataSourceConfig(entry.plugin, tuple(extractors)))
+    if not metrics_sources:
+        # A metrics-data-source in `plugins` but in no `dataLayer.sources` is the source (llm-d
+        # injects one of each default type that is missing).
+        configured = [e for e in plugins.entries if e.type_name == METRICS_SOURCE_TYPE]
+        if len(configured) > 1:
+            raise document.fail("plugins", "several metrics-data-source plugins and no dataLayer.sources naming "
+                                "one; only one metrics source is supported")
+        metrics_sources = configured
+    if metrics_sources:
+        return tuple(sources), _scrape_settings(metrics_sources[0])
+    if not inject_defaults:
+        document.note("dataLayer.injectDefaults", "false and no metrics source: endpoints' /metrics are not "
+                      "scraped (scorers see no queue or KV-cache figures)")
+        return tuple(sources), None
+    return tuple(sources), ScrapeSettings()

@@ -1,5 +1,10 @@
 """An InferencePool and its pods as endpoints: pure translation of API objects, no I/O.
 
+The pool is read as GIE v1.6 defines it (`inference.networking.k8s.io/v1`): a `selector` of 1-64
+labels, 1-8 distinct `targetPorts` (one endpoint per port: data-parallel ranks), `appProtocol`
+`http` (the default) or `kubernetes.io/h2c`, and an optional `endpointPickerRef` whose
+`failureMode` tells the gateway what to do while the picker is down (see `envoy_options`).
+
 Endpoint labels come from pod metadata: every pod label, plus every annotation under
 `llm-epp.io/` with that prefix stripped (e.g. `llm-epp.io/kv-events-port: "5557"` becomes the
 label `kv-events-port`), plus `llm-epp.io/pod` and `llm-epp.io/endpoint` (`<pod>-rank-<i>`).
@@ -7,6 +12,7 @@ label `kv-events-port`), plus `llm-epp.io/pod` and `llm-epp.io/endpoint` (`<pod>
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,9 +26,31 @@ ACTIVE_PORTS_ANNOTATION = "inference.networking.k8s.io/active-ports"
 ANNOTATION_PREFIX = "llm-epp.io/"
 LABEL_POD = "llm-epp.io/pod"
 LABEL_ENDPOINT = "llm-epp.io/endpoint"
-# The openai-parser reads HTTP/1.1 or HTTP/2 OpenAI bodies; `kubernetes.io/h2c` pools are vLLM gRPC.
-SUPPORTED_APP_PROTOCOLS = frozenset({"http"})
+APP_PROTOCOL_HTTP = "http"
+APP_PROTOCOL_H2C = "kubernetes.io/h2c"
+# The gateway's protocol to the model servers; the picker reads the same OpenAI requests either way
+# (Envoy hands ext_proc the same headers and body whatever codec the upstream speaks).
+SUPPORTED_APP_PROTOCOLS = frozenset({APP_PROTOCOL_HTTP, APP_PROTOCOL_H2C})
+FAIL_OPEN = "FailOpen"
+FAIL_CLOSE = "FailClose"
+MAX_SELECTOR_LABELS = 64
+_KIND = re.compile(r"^[a-zA-Z]([-a-zA-Z0-9]*[a-zA-Z0-9])?$")
+_GROUP = re.compile(r"^$|^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
+
+@dataclass(frozen=True)
+class EndpointPickerRef:
+    """Where the gateway reaches the pool's picker, and what it does while the picker is down."""
+
+    name: str
+    group: str = ""
+    kind: str = "Service"
+    port: int | None = None
+    failure_mode: str = FAIL_CLOSE
+
+    @property
+    def fail_open(self) -> bool:
+        return self.failure_mode == FAIL_OPEN
 
 
 @dataclass(frozen=True)
@@ -31,7 +59,8 @@ class PoolView:
 
     selector: Mapping[str, str]
     target_ports: tuple[int, ...]
-    app_protocol: str = "http"
+    app_protocol: str = APP_PROTOCOL_HTTP
+    endpoint_picker: EndpointPickerRef | None = None
 
     def selector_text(self) -> str:
         """The selector as the API's `labelSelector` query (`k=v,k=v`)."""
@@ -76,8 +105,8 @@ class PoolSpecError(ValueError):
 
 
 def pool_view_of(pool: Mapping[str, Any]) -> PoolView:
-    """The view of an InferencePool object: v1 (`selector.matchLabels`, `targetPorts[].number`)
-    or v1alpha2 (`selector` map, `targetPortNumber`)."""
+    """The view of an InferencePool object: v1 (`selector.matchLabels`, `targetPorts[].number`,
+    `endpointPickerRef`) or v1alpha2 (`selector` map, `targetPortNumber`, `extensionRef`)."""
     spec = pool.get("spec")
     if not isinstance(spec, Mapping):
         raise PoolSpecError("spec: missing")
@@ -87,6 +116,9 @@ def pool_view_of(pool: Mapping[str, Any]) -> PoolView:
     if not isinstance(raw_selector, Mapping) or not raw_selector or \
             not all(isinstance(k, str) and isinstance(v, str) for k, v in raw_selector.items()):
         raise PoolSpecError("spec.selector.matchLabels: must map label names to values (non-empty)")
+    if len(raw_selector) > MAX_SELECTOR_LABELS:
+        raise PoolSpecError(f"spec.selector.matchLabels: at most {MAX_SELECTOR_LABELS} labels, "
+                            f"got {len(raw_selector)}")
     if "targetPorts" in spec:
         entries = spec.get("targetPorts")
         if not isinstance(entries, list) or not all(
@@ -98,8 +130,51 @@ def pool_view_of(pool: Mapping[str, Any]) -> PoolView:
     else:
         raise PoolSpecError("spec.targetPorts: missing")
     _check_ports(ports, "spec.targetPorts", PoolSpecError)
-    protocol = spec.get("appProtocol") or "http"
-    return PoolView(dict(raw_selector), tuple(ports), str(protocol))
+    protocol = spec.get("appProtocol") or APP_PROTOCOL_HTTP
+    if not isinstance(protocol, str):
+        raise PoolSpecError(f"spec.appProtocol: must be {APP_PROTOCOL_HTTP!r} or {APP_PROTOCOL_H2C!r}")
+    if "endpointPickerRef" in spec:
+        ref = _picker_ref(spec["endpointPickerRef"], "spec.endpointPickerRef", "port")
+    elif "extensionRef" in spec:  # v1alpha2
+        ref = _picker_ref(spec["extensionRef"], "spec.extensionRef", "portNumber")
+    else:  # optional since v1.6: the pool is served all the same
+        ref = None
+    return PoolView(dict(raw_selector), tuple(ports), protocol, ref)
+
+
+def _picker_ref(raw: Any, where: str, port_field: str) -> EndpointPickerRef:
+    """`endpointPickerRef` (v1: `port: {number}`) or v1alpha2's `extensionRef` (`portNumber`, 9002 if unset)."""
+    if not isinstance(raw, Mapping):
+        raise PoolSpecError(f"{where}: must be an object with at least a name")
+    name = raw.get("name")
+    if not isinstance(name, str) or not 0 < len(name) <= 253:
+        raise PoolSpecError(f"{where}.name: required, the picker's Service name (1-253 characters)")
+    group = raw.get("group", "")
+    if not isinstance(group, str) or not _GROUP.match(group) or len(group) > 253:
+        raise PoolSpecError(f"{where}.group: {group!r} is not an API group (\"\" is the core group)")
+    kind = raw.get("kind") or "Service"
+    if not isinstance(kind, str) or not _KIND.match(kind) or len(kind) > 63:
+        raise PoolSpecError(f"{where}.kind: {kind!r} is not a resource kind")
+    failure_mode = raw.get("failureMode") or FAIL_CLOSE
+    if failure_mode not in (FAIL_OPEN, FAIL_CLOSE):
+        raise PoolSpecError(f"{where}.failureMode: must be {FAIL_OPEN} or {FAIL_CLOSE}, not {failure_mode!r}")
+    port: int | None
+    if port_field == "port":
+        entry = raw.get("port")
+        if entry is None:
+            port = None
+        elif isinstance(entry, Mapping) and _is_port(entry.get("number")):
+            port = int(entry["number"])
+        else:
+            raise PoolSpecError(f"{where}.port.number: must be a port 1-65535")
+        if port is None and kind == "Service":
+            raise PoolSpecError(f"{where}.port.number: required when kind is Service")
+    else:
+        value = raw.get(port_field, 9002 if kind == "Service" else None)
+        if value is not None and not _is_port(value):
+            raise PoolSpecError(f"{where}.{port_field}: must be a port 1-65535")
+        port = value
+    return EndpointPickerRef(name, group, kind, port, failure_mode)
 
 
 def _is_port(value: Any) -> bool:
@@ -153,3 +228,20 @@ def pod_endpoints(pod: Mapping[str, Any], view: PoolView) -> tuple[EndpointSpec,
     return tuple(specs)
 
 
+def envoy_options(view: PoolView, namespace: str | None = None,
+                  cluster_domain: str = "cluster.local") -> dict[str, Any]:
+    """What the pool asks of the Envoy in front of it, as `epp.envoy.render_config` arguments:
+    `upstream_protocol` from `appProtocol`, `failure_mode_allow` from `endpointPickerRef.failureMode`
+    and, when the ref names a core Service, the picker's address (`<name>.<namespace>.svc.<domain>`)."""
+    if view.app_protocol not in SUPPORTED_APP_PROTOCOLS:
+        raise PoolSpecError(f"spec.appProtocol: {view.app_protocol!r} is not supported "
+                            f"({' or '.join(sorted(SUPPORTED_APP_PROTOCOLS))})")
+    options: dict[str, Any] = {
+        "upstream_protocol": "h2c" if view.app_protocol == APP_PROTOCOL_H2C else "http",
+        "failure_mode_allow": view.endpoint_picker is not None and view.endpoint_picker.fail_open,
+    }
+    ref = view.endpoint_picker
+    if ref is not None and ref.kind == "Service" and ref.group == "" and ref.port is not None:
+        options["epp_host"] = f"{ref.name}.{namespace}.svc.{cluster_domain}" if namespace else ref.name
+        options["epp_port"] = ref.port
+    return options

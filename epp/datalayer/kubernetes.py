@@ -199,11 +199,18 @@ class KubernetesDiscovery(Discovery):
         if view.app_protocol not in SUPPORTED_APP_PROTOCOLS:
             # As GIE: a pool whose protocol the request parser cannot read is not served at all.
             self._unusable_pool(f"{self.pool_label}: appProtocol {view.app_protocol!r} is not supported "
-                                f"(the picker parses {sorted(SUPPORTED_APP_PROTOCOLS)}); not ready")
+                                f"(the picker serves {sorted(SUPPORTED_APP_PROTOCOLS)}); not ready")
             return
         self.pool_error = None
         self._last_errors.pop("pool", None)
         old, self.view = self.view, view
+        if old is None or (old.app_protocol, old.endpoint_picker) != (view.app_protocol, view.endpoint_picker):
+            # Both are the gateway's business (its upstream codec, what it does while we are down);
+            # logged so an operator can check the gateway was set up to match.
+            ref = view.endpoint_picker
+            log.info("kubernetes discovery: %s: appProtocol %s, %s", self.pool_label, view.app_protocol,
+                     f"endpointPickerRef {ref.kind} {ref.name}:{ref.port} ({ref.failure_mode})" if ref
+                     else "no endpointPickerRef")
         if old is None or old.selector != view.selector:
             log.info("kubernetes discovery: %s selects %s, target ports %s", self.pool_label,
                      view.selector_text(), list(view.target_ports))

@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 _SCRAPE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 _UNSUPPORTED_PROBE_INTERVAL_S = 30.0
 FAILURE_REASONS = ("connect", "timeout", "http_status", "too_large", "no_metrics", "protocol", "internal")
+# The optional families a `families` list may leave out (metrics-data-source), and the fields they fill.
+_OPTIONAL_FAMILY_FIELDS = {"vllm:prefix_cache_queries": "prefix_cache_queries",
+                           "vllm:prefix_cache_hits": "prefix_cache_hits",
+                           "vllm:engine_sleep_state": "sleeping"}
 # With peers, an endpoint another picker scrapes is scraped here too once nothing fresher than this
 # many intervals came from it (the peer died, cannot reach the endpoint, or sees other peers).
 _FALLBACK_INTERVALS = 3.0
@@ -66,6 +70,19 @@ class _SleepProbe:
     supported: bool = True
 
 
+def scrape_ssl_context(insecure_skip_verify: bool = False, ca_cert_path: str | None = None,
+                       client_cert_path: str | None = None, client_key_path: str | None = None) -> ssl.SSLContext:
+    """The TLS settings of an https scrape: verify against `ca_cert_path` (else the system CAs) unless
+    `insecure_skip_verify`; present a client certificate when given (mTLS)."""
+    context = ssl.create_default_context(cafile=ca_cert_path)
+    if insecure_skip_verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    if client_cert_path is not None:
+        context.load_cert_chain(client_cert_path, client_key_path)
+    return context
+
+
 class MetricsScraper:
     """One asyncio task per endpoint polls `<scheme>://<metrics host:port><path>` and swaps the result
     into the registry. After `failure_threshold` consecutive failures an endpoint is marked
@@ -88,6 +105,10 @@ class MetricsScraper:
         path: str = "/metrics",
         scheme: str = "http",
         insecure_skip_verify: bool = False,
+        ca_cert_path: str | None = None,
+        client_cert_path: str | None = None,
+        client_key_path: str | None = None,
+        families: frozenset[str] | None = None,
         max_body_bytes: int = 4 * 1024 * 1024,
         max_scrapes_per_second: float | None = 2000.0,
         session: aiohttp.ClientSession | None = None,
@@ -107,10 +128,11 @@ class MetricsScraper:
         self.scheme = scheme
         self._ssl_context: ssl.SSLContext | None = None
         if scheme == "https":
-            self._ssl_context = ssl.create_default_context()
-            if insecure_skip_verify:
-                self._ssl_context.check_hostname = False
-                self._ssl_context.verify_mode = ssl.CERT_NONE
+            self._ssl_context = scrape_ssl_context(insecure_skip_verify, ca_cert_path, client_cert_path,
+                                                   client_key_path)
+        # Series of families the config leaves out are dropped, as if the page had none.
+        self._dropped_fields = tuple(field for family, field in _OPTIONAL_FAMILY_FIELDS.items()
+                                     if families is not None and family not in families)
         # Parsing runs on the event loop at ~1 ms per MB; the cap keeps one scrape's stall in the
         # low milliseconds (a single vLLM's page is ~40-100 KB).
         self.max_body_bytes = max_body_bytes
@@ -324,6 +346,8 @@ class MetricsScraper:
         try:
             page = await self._fetch(endpoint)
             values = parse_vllm_metrics(page)
+            if self._dropped_fields:
+                values = dataclasses.replace(values, **dict.fromkeys(self._dropped_fields))
             if not values.found_any:
                 raise ScrapeFailure("no_metrics", "no vLLM series on the page")
             sleeping = None if values.sleeping is not None else await self._probe_sleeping(endpoint)

@@ -35,7 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from epp.fleet.control import ControlError, ReplicaControl
 from epp.framework import PluginParams
-from epp.framework.errors import ConfigError, ErrorCode, InferenceError
+from epp.framework.errors import ConfigError, DropReason, ErrorCode, InferenceError
 from epp.framework.plugin import (
     CapacityGate,
     CycleState,
@@ -204,7 +204,7 @@ class SleepWakePolicy(CapacityGate, PreRequestHook, ResponseCompleteHook):
                 if remaining <= 0:
                     raise InferenceError(ErrorCode.SERVICE_UNAVAILABLE,
                                          f"no replica of model {model_name!r} could be woken within "
-                                         f"{self.max_hold_s:g}s")
+                                         f"{self.max_hold_s:g}s", drop_reason=DropReason.NO_ENDPOINTS)
                 if task is None:
                     # Every sleeping replica's GPU is still busy with another model: look again soon.
                     await asyncio.sleep(min(_RETRY_S, remaining))
@@ -214,9 +214,11 @@ class SleepWakePolicy(CapacityGate, PreRequestHook, ResponseCompleteHook):
                     return await asyncio.wait_for(asyncio.shield(task), remaining)
                 except TimeoutError:
                     raise InferenceError(ErrorCode.SERVICE_UNAVAILABLE,
-                                         f"no replica of model {model_name!r} woke within {self.max_hold_s:g}s") from None
+                                         f"no replica of model {model_name!r} woke within {self.max_hold_s:g}s",
+                                         drop_reason=DropReason.NO_ENDPOINTS) from None
                 except WakeFailed as exc:
-                    raise InferenceError(ErrorCode.SERVICE_UNAVAILABLE, f"waking a replica failed: {exc}") from None
+                    raise InferenceError(ErrorCode.SERVICE_UNAVAILABLE, f"waking a replica failed: {exc}",
+                                         drop_reason=DropReason.NO_ENDPOINTS) from None
         finally:
             child.dec()
 

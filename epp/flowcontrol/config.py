@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from epp.flowcontrol.backlog import PrefillBacklogDetector
 from epp.flowcontrol.fairness import DEFAULT_FAIRNESS_POLICY, FAIRNESS_POLICIES, FairnessPolicy
 from epp.flowcontrol.ordering import DEFAULT_ORDERING_POLICY, ORDERING_POLICIES, OrderingPolicy
 from epp.flowcontrol.usage import DEFAULT_USAGE_LIMIT_POLICY, USAGE_LIMIT_POLICIES, UsageLimitPolicy
@@ -224,7 +225,8 @@ def parse_flow_control(raw: Any, *, source: str = "<config>", plugins: Mapping[s
 
 
 def register(registry: PluginRegistry) -> None:
-    """Entry point of the `epp.plugins` group: the flow-control policies, usable in `plugins`."""
+    """Entry point of the `epp.plugins` group: the flow-control policies and the prefill-backlog detector."""
     for catalogue in (ORDERING_POLICIES, FAIRNESS_POLICIES, USAGE_LIMIT_POLICIES):
         for cls in catalogue.values():
             registry.register_class(cls)
+    registry.register_class(PrefillBacklogDetector)

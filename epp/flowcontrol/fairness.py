@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
-from epp.flowcontrol.ordering import OrderingPolicy
+from epp.flowcontrol.ordering import OrderingPolicy, QueuedRequest
 from epp.framework.plugin import Plugin
 
-if TYPE_CHECKING:
-    from epp.flowcontrol.queues import FlowQueue
+
+class Flow(Protocol):
+    """What a fairness policy sees of one flow's queue (queues.FlowQueue): its size and its next request."""
+
+    requests: int
+
+    def head(self) -> QueuedRequest | None: ...
+
+
+FlowT = TypeVar("FlowT", bound=Flow)  # the band's own queue type, handed back
 
 
 class FairnessPolicy(Plugin):
     """Chooses the next flow among the non-empty flows of a band (it may reorder `flows`)."""
 
-    def pick(self, flows: OrderedDict[str, FlowQueue], ordering: OrderingPolicy) -> FlowQueue | None:
+    def pick(self, flows: OrderedDict[str, FlowT], ordering: OrderingPolicy) -> FlowT | None:
         raise NotImplementedError
 
 
@@ -24,8 +32,8 @@ class GlobalStrictFairnessPolicy(FairnessPolicy):
 
     type_name = "global-strict-fairness-policy"
 
-    def pick(self, flows: OrderedDict[str, FlowQueue], ordering: OrderingPolicy) -> FlowQueue | None:
-        best: FlowQueue | None = None
+    def pick(self, flows: OrderedDict[str, FlowT], ordering: OrderingPolicy) -> FlowT | None:
+        best: FlowT | None = None
         best_key: tuple[float, ...] | None = None
         for flow in flows.values():
             head = flow.head()
@@ -42,7 +50,7 @@ class RoundRobinFairnessPolicy(FairnessPolicy):
 
     type_name = "round-robin-fairness-policy"
 
-    def pick(self, flows: OrderedDict[str, FlowQueue], ordering: OrderingPolicy) -> FlowQueue | None:
+    def pick(self, flows: OrderedDict[str, FlowT], ordering: OrderingPolicy) -> FlowT | None:
         for fairness_id, flow in flows.items():
             if flow.requests:
                 flows.move_to_end(fairness_id)  # served: its next turn comes after every other flow's

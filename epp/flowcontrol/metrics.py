@@ -13,7 +13,7 @@ from epp.metrics import BoundedLabels
 OTHER_FLOWS = "__other__"
 MAX_FAIRNESS_LABEL_CHARS = 64
 DEFAULT_MAX_FLOW_LABELS = 100
-OUTCOMES = ("dispatched", "rejected", "expired", "cancelled")
+OUTCOMES = ("dispatched", "rejected", "expired", "cancelled", "shed")
 # Queue waits range from nothing (room at once) to the TTL (tens of seconds).
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 
@@ -37,12 +37,21 @@ class FlowControlMetrics:
             ["priority", "outcome"], buckets=_WAIT_BUCKETS, registry=r)
         self.outcomes = Counter(
             "inference_extension_flow_control_requests",
-            "Requests through flow control by outcome (dispatched, rejected, expired, cancelled).",
+            "Requests through flow control by outcome (dispatched, rejected, expired, cancelled, shed).",
             ["priority", "outcome"], registry=r)
         self.pool_saturation = Gauge(
             "inference_extension_flow_control_pool_saturation",
             "Pool saturation seen by the last dispatch cycle (>= the band's ceiling: nothing dispatched).",
             registry=r)
+        self.shed = Counter(
+            "epp_flow_control_slo_shed",
+            "Requests answered at once because they could no longer meet their TTFT objective while the pool "
+            "was saturated, by priority and where (admission: 429, queue: 503).", ["priority", "stage"], registry=r)
+        self.longest_wait = Gauge(
+            "epp_flow_control_longest_wait_seconds",
+            "The longest time any request spent in the flow-control queue (any outcome) since the picker started.",
+            registry=r)
+        self._longest_wait = 0.0
 
     @property
     def max_flow_labels(self) -> int:
@@ -68,3 +77,6 @@ class FlowControlMetrics:
         self.outcomes.labels(str(priority), outcome).inc()
         if waited is not None:
             self.queue_duration.labels(str(priority), outcome).observe(waited)
+            if waited > self._longest_wait:
+                self._longest_wait = waited
+                self.longest_wait.set(waited)

@@ -1,15 +1,37 @@
 """The public plugin API of the endpoint picker.
 
 Everything a plugin author needs is importable from here: data types, plugin interfaces and
-their optional capabilities, parameters, the registry, the per-request `CycleState`, the
-in-flight ledger, the pool's endpoints and the helpers plugins share (durations, metrics).
+their optional capabilities, parameters, the registry, the per-request `CycleState` and the
+typed data keys producers publish in it, the in-flight ledger, the pool's endpoints and the
+helpers plugins share (durations, metrics, prompt size, rendezvous homes). The built-in scorers
+import nothing else of `epp` (an import-linter contract in pyproject.toml).
 """
 
+from epp.framework.datakeys import (
+    INFLIGHT_LOAD,
+    PREFIX_CACHE_FREE_BLOCKS,
+    PREFIX_HOME,
+    PREFIX_MATCH_INFO,
+    PREFIX_TIER_MATCH,
+    PROMPT_TOKENS,
+    DataKey,
+    InflightLoad,
+    PrefixMatchInfo,
+    PromptTokens,
+    TierMatch,
+)
 from epp.framework.durations import parse_duration
 from epp.framework.endpoints import EndpointListener, EndpointSource
-from epp.framework.errors import ConfigError, ErrorCode, InferenceError
+from epp.framework.errors import DROP_REASON_HEADER, ConfigError, DropReason, ErrorCode, InferenceError
 from epp.framework.headers import PREFILLER_HOST_PORT_HEADER
-from epp.framework.load import Booking, EndpointLoad, InflightLedger, estimate_prompt_tokens
+from epp.framework.load import (
+    NO_LOAD,
+    Booking,
+    EndpointLoad,
+    InflightLedger,
+    estimate_prompt_tokens,
+    prompt_characters,
+)
 from epp.framework.metrics import once_per_registry
 from epp.framework.params import PluginParams
 from epp.framework.plugin import (
@@ -33,6 +55,7 @@ from epp.framework.plugin import (
     clamp_score,
 )
 from epp.framework.registry import PluginRegistry, PluginSpec, default_registry
+from epp.framework.rendezvous import publish_home
 from epp.framework.sharing import DecisionSharing
 from epp.framework.types import (
     ApiKind,
@@ -43,11 +66,14 @@ from epp.framework.types import (
 )
 
 __all__ = [
-    "Admitter", "ApiKind", "Booking", "CapacityGate", "ConfigError", "CycleState", "DataProducer",
-    "DecisionSharing", "Endpoint", "EndpointListener", "EndpointLoad", "EndpointMetrics", "EndpointSource",
-    "ErrorCode", "Filter", "InferenceError", "InferenceRequest", "InflightLedger", "PREFILLER_HOST_PORT_HEADER",
-    "Picker", "Plugin", "PluginContext", "PluginParams", "PluginRegistry", "PluginSpec", "PreRequestHook",
-    "ProfileHandler", "ProfileRunResult", "ResponseCompleteHook", "ResponseHeadersHook", "ResponseInfo",
-    "SaturationDetector", "SchedulingResult", "ScoredEndpoint", "Scorer", "clamp_score", "default_registry",
-    "estimate_prompt_tokens", "once_per_registry", "parse_duration",
+    "Admitter", "ApiKind", "Booking", "CapacityGate", "ConfigError", "CycleState", "DROP_REASON_HEADER", "DataKey",
+    "DataProducer", "DecisionSharing", "DropReason", "Endpoint", "EndpointListener", "EndpointLoad", "EndpointMetrics",
+    "EndpointSource",
+    "ErrorCode", "Filter", "INFLIGHT_LOAD", "InferenceError", "InferenceRequest", "InflightLedger", "InflightLoad",
+    "NO_LOAD", "PREFILLER_HOST_PORT_HEADER", "PREFIX_CACHE_FREE_BLOCKS", "PREFIX_HOME", "PREFIX_MATCH_INFO",
+    "PREFIX_TIER_MATCH", "PROMPT_TOKENS", "Picker", "Plugin", "PluginContext", "PluginParams", "PluginRegistry", "PluginSpec",
+    "PreRequestHook", "PrefixMatchInfo", "PromptTokens", "ProfileHandler", "ProfileRunResult", "ResponseCompleteHook",
+    "ResponseHeadersHook", "ResponseInfo", "SaturationDetector", "SchedulingResult", "ScoredEndpoint", "Scorer",
+    "TierMatch", "clamp_score", "default_registry", "estimate_prompt_tokens", "once_per_registry", "parse_duration",
+    "prompt_characters", "publish_home",
 ]

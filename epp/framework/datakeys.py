@@ -1,22 +1,23 @@
-"""Data keys that producers publish in `CycleState` and the value types stored under them."""
+"""Data keys that producers publish in `CycleState`, each typed by the values stored under it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
-# Per endpoint: PrefixMatchInfo. Written by approx-prefix-cache-producer or precise-prefix-cache-producer.
-PREFIX_MATCH_INFO = "prefix-cache-match-info"
-# Per endpoint: TierMatch. Written by precise-prefix-cache-producer only.
-PREFIX_TIER_MATCH = "prefix-cache-tier-match"
-# Per endpoint: int, the blocks of its prefix cache its index believes hold no prefix yet (its
-# capacity less the blocks indexed on it; absent when the capacity is unknown). Written by the
-# prefix producers; max-score-picker breaks ties with it.
-PREFIX_CACHE_FREE_BLOCKS = "prefix-cache-free-blocks"
-# Per endpoint: InflightLoad. Written by inflight-load-producer.
-INFLIGHT_LOAD = "inflight-load"
-# Per endpoint: 1.0 on the rendezvous home of a prefix no endpoint holds (see epp.framework.rendezvous).
-# Written by the prefix producers when several pickers route one pool.
-PREFIX_HOME = "prefix-home"
+T = TypeVar("T")
+
+
+class DataKey(str, Generic[T]):
+    """A `CycleState` data key: a plain string (configs and `produces()` name it), typed by its values.
+
+    Reads are typed: `state.endpoint_data(PREFIX_MATCH_INFO, name)` is a `PrefixMatchInfo | None`
+    to a type checker, `state.all_endpoint_data(INFLIGHT_LOAD)` a `Mapping[str, InflightLoad]`.
+    """
+
+    __slots__ = ()
+
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,3 +53,28 @@ class InflightLoad:
 
     requests: int
     tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class PromptTokens:
+    """The prompt's token ids; `exact` when they are the engine's own (its renderer or tokenizer), not estimated."""
+
+    token_ids: tuple[int, ...]
+    exact: bool
+
+
+# Per endpoint. Written by approx-prefix-cache-producer or precise-prefix-cache-producer.
+PREFIX_MATCH_INFO: DataKey[PrefixMatchInfo] = DataKey("prefix-cache-match-info")
+# Per endpoint. Written by precise-prefix-cache-producer only.
+PREFIX_TIER_MATCH: DataKey[TierMatch] = DataKey("prefix-cache-tier-match")
+# Per endpoint: the blocks of its prefix cache its index believes hold no prefix yet (its
+# capacity less the blocks indexed on it; absent when the capacity is unknown). Written by the
+# prefix producers; max-score-picker breaks ties with it.
+PREFIX_CACHE_FREE_BLOCKS: DataKey[int] = DataKey("prefix-cache-free-blocks")
+# Per endpoint. Written by inflight-load-producer.
+INFLIGHT_LOAD: DataKey[InflightLoad] = DataKey("inflight-load")
+# Request-wide (`CycleState.put`/`get` under this key). Written by token-producer.
+PROMPT_TOKENS: DataKey[PromptTokens] = DataKey("prompt-tokens")
+# Per endpoint: 1.0 on the rendezvous home of a prefix no endpoint holds (see epp.framework.rendezvous).
+# Written by the prefix producers when several pickers route one pool.
+PREFIX_HOME: DataKey[float] = DataKey("prefix-home")

@@ -290,6 +290,13 @@ class InflightLedger:
         """Endpoints with work in flight."""
         return list(self._books)
 
+    def debug_state(self) -> dict[str, Any]:
+        """Counts, bounds and the learned prefill speeds, for `GET /debug/state` (per-endpoint loads: `load`)."""
+        return {"bookings": len(self._all), "prefilling": len(self._prefilling), "capacity": self.capacity,
+                "dropped": self.dropped, "request_timeout_s": self.request_timeout_s,
+                "prefill_timeout_s": self.prefill_timeout_s,
+                "learned_prefill_s_per_token": dict(self._s_per_token)}
+
     # -- writing ----------------------------------------------------------------------------
 
     def add_observer(self, observer: Observer) -> None:
@@ -416,6 +423,10 @@ class InflightLedger:
             del self._books[booking.endpoint]
 
 
+# The body fields that hold prompt text: OpenAI's, Anthropic's `system`, rerank's `query` and `documents`.
+_PROMPT_FIELDS = ("system", "prompt", "messages", "input", "instructions", "items", "query", "documents")
+
+
 def _text_length(value: Any, budget: int, depth: int = 0) -> int:
     """Characters of the strings inside `value` (at most `budget`, nesting at most 8 deep)."""
     if isinstance(value, str):
@@ -424,21 +435,50 @@ def _text_length(value: Any, budget: int, depth: int = 0) -> int:
         return 0
     total = 0
     items: Iterable[Any] = value.values() if isinstance(value, Mapping) else value if isinstance(value, list) else ()
+    # Strings and token ids are counted in place, and so is one level of plain dicts: a chat's
+    # messages are hundreds of dicts of strings (a call per value tripled the cost of a long chat).
     for item in items:
         if total >= budget:
             break
-        if isinstance(item, int) and not isinstance(item, bool):
+        cls = type(item)
+        if cls is str:
+            rest = budget - total
+            total += len(item) if len(item) < rest else rest
+        elif cls is dict and depth < 7:
+            for child in item.values():
+                if total >= budget:
+                    break
+                kind = type(child)
+                if kind is str:
+                    rest = budget - total
+                    total += len(child) if len(child) < rest else rest
+                elif kind is int or (isinstance(child, int) and not isinstance(child, bool)):
+                    total += CHARACTERS_PER_TOKEN  # a token id
+                else:
+                    total += _text_length(child, budget - total, depth + 2)
+        elif cls is int or (isinstance(item, int) and not isinstance(item, bool)):
             total += CHARACTERS_PER_TOKEN  # a token id
         else:
             total += _text_length(item, budget - total, depth + 1)
     return total
 
 
-def prompt_characters(request: InferenceRequest, limit: int = 1 << 22) -> int:
-    """Characters of the request's prompt text (strings of prompt/messages/input; a token id counts 4)."""
-    body = request.body
-    parts = [body.get(key) for key in ("prompt", "messages", "input", "instructions", "items") if key in body]
+def body_prompt_characters(body: Mapping[str, Any], limit: int = 1 << 22) -> int:
+    """Characters of a request body's prompt text (strings of its prompt fields, any API; a token id counts 4)."""
+    parts = [body.get(key) for key in _PROMPT_FIELDS if key in body]
     return _text_length(parts, limit)
+
+
+def prompt_characters(request: InferenceRequest, limit: int = 1 << 22) -> int:
+    """Characters of the request's prompt text (strings of its prompt fields, any API; a token id counts 4).
+
+    Counted once per request when the parser did (`request.prompt_chars`): a count below `limit`
+    is what the walk up to `limit` gives too, so only a prompt as long as the limit is walked again.
+    """
+    counted = request.prompt_chars
+    if counted is not None and counted < limit:
+        return counted
+    return body_prompt_characters(request.body, limit)
 
 
 def estimate_prompt_tokens(request: InferenceRequest, limit_tokens: int = 1 << 20) -> int:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
 
+from epp.framework.datakeys import DataKey
 from epp.framework.endpoints import EndpointSource
 from epp.framework.load import InflightLedger
 from epp.framework.sharing import DecisionSharing
@@ -20,6 +21,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from prometheus_client import CollectorRegistry
 
     from epp.framework.params import PluginParams
+
+T = TypeVar("T")
+D = TypeVar("D")
 
 
 def clamp_score(value: float) -> float:
@@ -47,9 +51,21 @@ class CycleState:
         """Publish `value` for endpoint name `endpoint` under data key `key`."""
         self._endpoint_data.setdefault(key, {})[endpoint] = value
 
+    @overload
+    def endpoint_data(self, key: DataKey[T], endpoint: str) -> T | None: ...
+    @overload
+    def endpoint_data(self, key: DataKey[T], endpoint: str, default: D) -> T | D: ...
+    @overload
+    def endpoint_data(self, key: str, endpoint: str, default: Any = None) -> Any: ...
+
     def endpoint_data(self, key: str, endpoint: str, default: Any = None) -> Any:
-        """Read what a producer published for `endpoint` under `key`."""
+        """Read what a producer published for `endpoint` under `key` (typed by a `DataKey`)."""
         return self._endpoint_data.get(key, {}).get(endpoint, default)
+
+    @overload
+    def all_endpoint_data(self, key: DataKey[T]) -> Mapping[str, T]: ...
+    @overload
+    def all_endpoint_data(self, key: str) -> Mapping[str, Any]: ...
 
     def all_endpoint_data(self, key: str) -> Mapping[str, Any]:
         """Everything published under `key`, by endpoint name."""
@@ -143,6 +159,15 @@ class Plugin:
     def describe(self) -> str:
         """The resolved settings on one line for `epp check-config`; empty: the configured parameters."""
         return ""
+
+    def debug_state(self) -> Mapping[str, Any]:
+        """A small JSON-ready summary of this plugin's state for `GET /debug/state`; default: none.
+
+        Sizes, capacities, counts and learned values only, never request content (prompts,
+        session ids, headers). It is called on the event loop only when an operator asks, so it
+        may read the plugin's structures directly, but must stay bounded: no walk over an index.
+        """
+        return {}
 
     async def start(self) -> None:
         """Start background work (called once the server runs); default: nothing."""

@@ -32,6 +32,11 @@ def did_you_mean(word: str, known: Iterable[str]) -> str:
 PluginFactory = Callable[[str, PluginParams, PluginContext], Plugin]
 
 
+def _origin(factory: PluginFactory) -> str:
+    """`module.Name` of a factory (a plugin class or a function), for registration errors."""
+    return f"{getattr(factory, '__module__', '?')}.{getattr(factory, '__qualname__', repr(factory))}"
+
+
 @dataclass(frozen=True)
 class PluginSpec:
     """A registered plugin type: how to build it, and the data keys it produces by default."""
@@ -49,10 +54,16 @@ class PluginRegistry:
         self._specs: dict[str, PluginSpec] = {}
 
     def register(self, spec: PluginSpec) -> None:
-        """Add a plugin type; registering the same name twice is an error."""
-        if spec.type_name in self._specs:
-            raise ValueError(f"plugin type {spec.type_name!r} registered twice")
-        self._specs[spec.type_name] = spec
+        """Add a plugin type; ValueError for an empty type name or one already registered."""
+        name = spec.type_name
+        if not isinstance(name, str) or not name or name != name.strip():
+            raise ValueError(f"{_origin(spec.factory)} has no usable plugin type name ({name!r}): set its "
+                             "`type_name` to the name configs use in `type:`")
+        registered = self._specs.get(name)
+        if registered is not None:
+            raise ValueError(f"plugin type {name!r} registered twice: by {_origin(registered.factory)} and by "
+                             f"{_origin(spec.factory)}")
+        self._specs[name] = spec
 
     def register_class(self, cls: type[Plugin], description: str = "",
                        default_producer_for: Iterable[str] = ()) -> None:
@@ -89,10 +100,14 @@ class PluginRegistry:
         return plugin
 
     def load_entry_points(self, group: str = ENTRY_POINT_GROUP) -> None:
-        """Let every installed package of the group register its plugins."""
+        """Let every installed package of the group register its plugins (ConfigError naming a package that fails)."""
         for ep in sorted(entry_points(group=group), key=lambda e: (e.name != "builtin", e.name)):
             register = ep.load()
-            register(self)
+            try:
+                register(self)
+            except ValueError as exc:
+                raise ConfigError(f"the plugins of entry point {ep.name!r} ({ep.value}) cannot be registered: "
+                                  f"{exc}") from exc
             log.debug("loaded plugins from entry point %s", ep.value)
 
 

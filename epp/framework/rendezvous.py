@@ -25,12 +25,13 @@ same rule). The home is published beside the match info (`PREFIX_HOME`), never i
 match info still says that nothing is cached, for the in-flight bookings and the accounting.
 
 The producers' `rendezvousHome` parameter: `true`, or `false` (the default). It is off even
-for pickers with peers: measured with arrivals as the workload draws them (bench/README.md,
-"Why several pickers lose on no-sharing"), pickers without the home matched one picker on
-no-sharing, shared-prefix and multi-turn, while with it their TTFT p90 on unique prompts was
-1.18-1.45x one picker's and their shared-prefix hit rate 4-5 points lower: the full match it
-scores outvotes queue-scorer's prefill-backlog tie-break on every prompt nobody holds, and
-requests that reach two pickers within the peer link's delay are rare.
+for pickers with peers: measured with arrivals as the workload draws them, pickers without the
+home matched one picker on no-sharing, shared-prefix and multi-turn, while with it their TTFT p90
+on unique prompts was 1.18-1.45x one picker's and their shared-prefix hit rate 4-5 points lower:
+the full match it scores outvotes queue-scorer's prefill-backlog tie-break on every prompt nobody
+holds, and requests that reach two pickers within the peer link's delay are rare
+(docs/scale-out.md#agreeing-before-the-link-can-tell;
+bench/notes/2026-12-cost-and-pickers-issue14-round2-s4-s6.md, "Several pickers, the load generator's arrivals").
 """
 
 from __future__ import annotations

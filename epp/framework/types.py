@@ -76,13 +76,19 @@ class Endpoint:
 
 
 class ApiKind(enum.Enum):
-    """The OpenAI-style API a request uses, chosen from the request path."""
+    """The API a request uses, chosen from the request path."""
 
     COMPLETIONS = "completions"
     CHAT_COMPLETIONS = "chat/completions"
     RESPONSES = "responses"
     CONVERSATIONS = "conversations"
     EMBEDDINGS = "embeddings"
+    # Anthropic's Messages API (`/v1/messages`): `system`, then `messages` of content blocks.
+    MESSAGES = "messages"
+    # vLLM's rerank API (`/rerank`, `/v1/rerank`, `/v2/rerank`): a `query` and its `documents`.
+    RERANK = "rerank"
+    # A path no parser reads: the body is passed on unread, to an endpoint chosen without its prompt.
+    PASSTHROUGH = "passthrough"
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +111,9 @@ class InferenceRequest:
     # Latency objectives of this request in milliseconds (`x-llm-d-slo-ttft-ms`, `-tpot-ms`), if any.
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    # Characters of the prompt text as `epp.framework.load.prompt_characters` counts them, when the
+    # parser measured them already (None: counted on demand); read by every plugin that needs them.
+    prompt_chars: int | None = None
 
     @property
     def prompt(self) -> Any:

@@ -2,6 +2,8 @@
 
 Two backends implement it: `InMemoryKVIndex` (the process-local `KVBlockIndex`, the default) and
 `RedisKVIndex` (epp.kvevents.redis_index: entries in a Redis shared by every picker of a pool).
+Both turn events into holder changes with the one engine map (epp.kvevents.engine_map, through
+their common base epp.kvevents.index_base) and differ only in where the entries live.
 Event application is synchronous (the subscriber applies batches in order; a remote backend
 queues its writes); lookups are coroutines, so a remote backend does network I/O off the hot
 path's critical CPU and never blocks the loop.

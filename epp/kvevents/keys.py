@@ -6,14 +6,21 @@ where root = xxh64("epp-kv", model or LoRA name, cache_salt). Tokens are hashed 
 uint32. Only full blocks get keys (a partial tail block is never cached by the engine either).
 Blocks that carry extra hash inputs we cannot reproduce from text (multimodal ids, prompt
 embeds) mix a hash of those inputs into the seed, so text-only requests never match them.
+
+`BlockKeyCache` keeps the keys of recent prompts: a prompt that repeats the head of one (the next
+turn of a conversation) is keyed from where the shared blocks end, so a 50,000-token turn costs
+the hashing of its new blocks, not of all 3,000.
 """
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import xxhash
+
+from epp.tokenization.prefix_store import PrefixStore, PrefixStoreMetrics, Stored
 
 _xxh64 = xxhash.xxh64_intdigest
 
@@ -61,3 +68,68 @@ class BlockKeyer:
                      cache_salt: str | None = None) -> list[int]:
         """Keys of a prompt's full blocks, from the start of the prompt."""
         return self.chain(self.root(model, cache_salt), tokens)
+
+
+# 4.5 bytes a token (its id, and a key per 16): the prompts of about as many tokens as the
+# tokenization cache holds by default (4M), e.g. 80 conversations of 200 KB.
+DEFAULT_KEY_CACHE_BYTES = 32 * 1024 * 1024
+
+
+class BlockKeyCache:
+    """A `BlockKeyer` that remembers recent prompts' keys and keys a prompt from the blocks it shares with one.
+
+    Entries are a prompt's token ids (its full blocks, after the chain's root) with their keys, in
+    a `PrefixStore` of `capacity_bytes`: the next turn of a conversation finds its previous turn,
+    takes the keys of the blocks both hold word for word and hashes only the rest. The keys are
+    exactly `keyer.request_keys`'s (tests compare them), for any prompt.
+    """
+
+    def __init__(self, keyer: BlockKeyer, capacity_bytes: int = DEFAULT_KEY_CACHE_BYTES, *,
+                 min_tokens: int = 256, metrics: PrefixStoreMetrics | None = None) -> None:
+        self.keyer = keyer
+        self.store: PrefixStore[array] = PrefixStore(capacity_bytes, min_bytes=8 + 4 * min_tokens, metrics=metrics)
+        if metrics is not None:
+            metrics.bind(lambda: self.store.bytes, lambda: len(self.store))
+
+    def start(self, tokens: Sequence[int], model: str | None, cache_salt: str | None = None) -> KeyWork:
+        """Find the keys a prompt shares with a cached one; `finish` hashes the rest (`to_hash` blocks)."""
+        bs = self.keyer.block_size
+        full = len(tokens) // bs * bs
+        words = tokens[:full] if isinstance(tokens, array) and tokens.typecode == "I" else array("I", tokens[:full])
+        root = self.keyer.root(model, cache_salt)
+        data = root.to_bytes(8, "little") + words.tobytes()  # the root first: models and salts never share keys
+        found = self.store.find(data)
+        if found is None:
+            return KeyWork(words, bs, root, data, array("Q"), None)
+        entry, shared = found
+        reused = min(len(entry.value), max(0, shared - 8) // (4 * bs))
+        return KeyWork(words, bs, root, data, entry.value[:reused], entry)
+
+    def finish(self, work: KeyWork) -> array:
+        """The prompt's keys (uint64s, exactly `keyer.request_keys`'s), stored for the prompts that extend it."""
+        keys = work.keys
+        done = len(keys)
+        keys.extend(self.keyer.chain(keys[-1] if done else work.root, work.words[done * work.block_size:]))
+        self.store.put(work.data, keys, 8 * len(keys), supersedes=work.found)
+        return keys[:]  # a copy: the stored keys are never handed out
+
+    def request_keys(self, tokens: Sequence[int], model: str | None, cache_salt: str | None = None) -> array:
+        """Keys of a prompt's full blocks, from the start of the prompt (`start` and `finish` in one)."""
+        return self.finish(self.start(tokens, model, cache_salt))
+
+
+@dataclass(slots=True)
+class KeyWork:
+    """A prompt being keyed: its full blocks' token ids, the keys found so far, the entry they came from."""
+
+    words: array
+    block_size: int
+    root: int
+    data: bytes
+    keys: array
+    found: Stored[array] | None
+
+    @property
+    def to_hash(self) -> int:
+        """Blocks `finish` still hashes."""
+        return len(self.words) // self.block_size - len(self.keys)

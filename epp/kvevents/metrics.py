@@ -29,6 +29,12 @@ class KVIndexMetrics:
             f"{prefix}_events_dropped", "KV events dropped, by reason", ["reason"], **kw)
         self.unknown_fields = Counter(
             f"{prefix}_unknown_fields", "Event fields skipped because we do not know them", **kw)
+        self.speculative = Gauge(
+            f"{prefix}_speculative_entries", "Speculative (key, endpoint) claims held (after picks, until confirmed "
+            "or expired)", **kw)
+        self.speculative_evictions = Counter(
+            f"{prefix}_speculative_evictions", "Live speculative claims dropped by the capacity bound (oldest first)",
+            **kw)
         self.pool_entries = Gauge(
             f"{prefix}_pool_entries", "Confirmed entries held by the endpoints of each pool (P/D role)",
             ["pool"], **kw)
@@ -37,6 +43,10 @@ class KVIndexMetrics:
         """Read the sizes lazily at scrape time (no cost on the hot path)."""
         self.entries.set_function(entries)
         self.keys.set_function(keys)
+
+    def bind_speculative(self, claims: Callable[[], int]) -> None:
+        """Read the number of speculative claims lazily at scrape time."""
+        self.speculative.set_function(claims)
 
     def bind_pool(self, pool: str, entries: Callable[[], int]) -> None:
         """Read one pool's entry count lazily at scrape time."""

@@ -12,10 +12,15 @@ candidate endpoint:
   holding it on that endpoint (`tierWeights`, default gpu 1.0, cpu 0.8, disk 0.5), over the
   prompt's total blocks (the `prefix-cache-scorer` scores `matched / total`);
 - `PREFIX_TIER_MATCH`: the same run in tokens, unweighted, split by tier.
+A conversation's next turn costs what its new part costs: tokenization reuses the previous
+turn's tokens (`tokenizationCacheTokens`), keying its keys (`keyCacheBytes`, epp.kvevents.keys)
+and the lookup its match, walking only the new blocks (`matchMemoBytes`, for at most
+`matchReuseSeconds` after a full walk; in-memory index only; epp.kvevents.match_memo).
 As a pre-request hook it claims the request's blocks on each profile's chosen endpoint for
-`speculativeTTL`, so a burst of same-prefix requests does not scatter before events arrive; with
-peer pickers (`--workers`, `--peers`) each claim goes over the peer link too, and each picker
-claims its peers' picks for its own TTL.
+`speculativeTTL` (those past the run the endpoint holds confirmed already), so a burst of
+same-prefix requests does not scatter before events arrive; with peer pickers (`--workers`,
+`--peers`) each claim goes over the peer link too, and each picker claims its peers' picks for
+its own TTL.
 With `rendezvousHome: true` (default false), when no endpoint holds any block of the prompt, it
 names the prefix's rendezvous home (`epp.framework.rendezvous`), the same in every picker of a pool.
 Topics: vLLM publishes on topic `""` unless `--kv-events-config` sets one. `mode: per-endpoint`
@@ -35,7 +40,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from epp.framework import (
@@ -55,15 +61,20 @@ from epp.framework.datakeys import (
     PREFIX_CACHE_FREE_BLOCKS,
     PREFIX_MATCH_INFO,
     PREFIX_TIER_MATCH,
+    PROMPT_TOKENS,
     PrefixMatchInfo,
+    PromptTokens,
     TierMatch,
 )
 from epp.framework.rendezvous import publish_home
 from epp.kvevents.backend import BACKENDS, InMemoryKVIndex, KVIndexBackend
 from epp.kvevents.decoding import Tier
+from epp.kvevents.keys import DEFAULT_KEY_CACHE_BYTES, BlockKeyCache
+from epp.kvevents.match_memo import MatchMemo, MatchMemoMetrics
 from epp.kvevents.metrics import KVIndexMetrics, KVSubscriberMetrics
 from epp.kvevents.subscriber import MODES, KVEventSubscriber, SubscriberConfig
 from epp.tokenization.pool import TokenizerPool, token_ids_of
+from epp.tokenization.prefix_store import PrefixStoreMetrics
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -71,7 +82,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_TIER_WEIGHTS = {"gpu": 1.0, "cpu": 0.8, "disk": 0.5}
-OFFLOAD_KEYING_TOKENS = 32_768
+OFFLOAD_KEYING_BLOCKS = 2048
+DEFAULT_MATCH_MEMO_BYTES = 4 * 1024 * 1024  # ~1,000 remembered 200 KB prompts on two endpoints each
+DEFAULT_MATCH_REUSE_S = 10.0
 
 
 class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
@@ -124,7 +137,14 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
             # vLLM publishes on topic "" by default, which names no model; with one model
             # configured, that is the model of every event.
             config.default_model = str(next(iter(tokenizer_dirs)))
+        # The tokens of a token-producer (llm-d's shape) instead of our own tokenizer files.
+        self.use_token_producer = params.bool("useTokenProducer", False)
+        if self.use_token_producer and tokenizer_dirs:
+            raise ConfigError(f"plugin {name!r}: useTokenProducer and tokenizers both give the tokens; set one")
         cache_tokens = params.int("tokenizationCacheTokens", 4_000_000, minimum=0)
+        key_cache_bytes = params.int("keyCacheBytes", DEFAULT_KEY_CACHE_BYTES, minimum=0)
+        memo_bytes = params.int("matchMemoBytes", DEFAULT_MATCH_MEMO_BYTES, minimum=0)
+        memo_age = params.duration("matchReuseSeconds", DEFAULT_MATCH_REUSE_S)
         offload_chars = params.int("offloadTokenizationChars", 4096, minimum=0)
 
         backend = params.str("indexBackend", "memory", choices=BACKENDS)
@@ -156,6 +176,17 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
         self.tokenizers = (TokenizerPool(tokenizer_dirs, cache_tokens=cache_tokens, offload_chars=offload_chars,
                                          registry=registry)
                            if tokenizer_dirs else None)
+        # The next turn of a conversation is keyed from where its previous turn's keys end.
+        self.key_cache = BlockKeyCache(
+            self.index.keyer, key_cache_bytes,
+            metrics=once_per_registry(registry, "epp_kv_key_cache",
+                                      lambda r: PrefixStoreMetrics(r, "epp_kv_key_cache"), shared=False))
+        # ... and looked up from where its previous turn's match ends. Not with Redis: there each
+        # lookup is a round trip, and one walk of all blocks costs less than three short ones.
+        self.match_memo = (MatchMemo(memo_bytes, memo_age,
+                                     metrics=once_per_registry(registry, "epp_kv_match_memo", MatchMemoMetrics,
+                                                               shared=False))
+                           if backend == "memory" and memo_bytes > 0 and memo_age > 0 else None)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -172,11 +203,18 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
         if self.tokenizers is not None:
             self.tokenizers.close()
 
+    def debug_state(self) -> Mapping[str, Any]:
+        return {"index_backend": type(self.index).__name__, "block_size_tokens": self.block_size,
+                "engine_blocks": {ep: self.index.engine_blocks(ep) for ep in self.index.endpoints()}}
+
     # ---- producing -----------------------------------------------------------------------------
     def produces(self) -> frozenset[str]:
         return frozenset({PREFIX_MATCH_INFO, PREFIX_TIER_MATCH, PREFIX_CACHE_FREE_BLOCKS})
 
-    async def prompt_tokens(self, request: InferenceRequest) -> list[int] | None:
+    def consumes(self) -> frozenset[str]:
+        return frozenset({PROMPT_TOKENS}) if self.use_token_producer else frozenset()
+
+    async def prompt_tokens(self, request: InferenceRequest) -> Sequence[int] | None:
         """The prompt's token ids as vLLM will see them, or None when they cannot be known."""
         if self.tokenizers is not None:
             return await self.tokenizers.tokenize(request)
@@ -184,25 +222,39 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
 
     async def prepare(self, state: CycleState, request: InferenceRequest,
                       endpoints: Sequence[Endpoint]) -> None:
-        tokens = await self.prompt_tokens(request)
+        tokens: Sequence[int] | None
+        if self.use_token_producer:
+            produced: PromptTokens | None = state.get(PROMPT_TOKENS)
+            # Estimated ids are no engine's: keyed, they would never match an event.
+            tokens = produced.token_ids if produced is not None and produced.exact else None
+        else:
+            tokens = await self.prompt_tokens(request)
         if tokens is None:
             return
         bs = self.block_size
         tokens = tokens[: self.max_blocks * bs]
-        if len(tokens) > OFFLOAD_KEYING_TOKENS:  # ~1 ms per 50k tokens: keep the loop responsive
-            keys = await asyncio.to_thread(self.index.keyer.request_keys, tokens, request.target_model,
-                                           request.cache_salt)
+        work = self.key_cache.start(tokens, request.target_model, request.cache_salt)
+        shared_blocks = len(work.keys)
+        previous_last_key = work.found.value[-1] if work.found is not None and work.found.value else None
+        if work.to_hash > OFFLOAD_KEYING_BLOCKS:  # ~1 ms per 3,000 blocks: keep the loop responsive
+            keys = await asyncio.to_thread(self.key_cache.finish, work)
         else:
-            keys = self.index.keyer.request_keys(tokens, request.target_model, request.cache_salt)
-        state.put(self.name, keys)
-        matches = await self.index.lookup_async(keys, [ep.name for ep in endpoints]) if keys else {}
+            keys = self.key_cache.finish(work)
+        names = [ep.name for ep in endpoints]
+        matches: Mapping[str, Sequence[int]]
+        if not keys:
+            matches = {}
+        elif self.match_memo is not None:
+            matches = await self.match_memo.match(self.index.lookup_async, keys, names, previous_last_key,
+                                                  shared_blocks)
+        else:
+            matches = await self.index.lookup_async(keys, names)
+        state.put(self.name, _Picked(keys, {ep: len(run) for ep, run in matches.items()}))
         weights = self.tier_weights
         total_blocks = len(keys)
         for ep in endpoints:
-            tiers = matches.get(ep.name, ())
-            counts = [0, 0, 0]
-            for tier in tiers:
-                counts[tier] += 1
+            run = matches.get(ep.name, ())
+            counts = (run.count(Tier.GPU), run.count(Tier.CPU), run.count(Tier.DISK)) if run else (0, 0, 0)
             weighted = counts[0] * weights[0] + counts[1] * weights[1] + counts[2] * weights[2]
             state.put_endpoint_data(PREFIX_MATCH_INFO, ep.name, PrefixMatchInfo(weighted, total_blocks, bs))
             state.put_endpoint_data(PREFIX_TIER_MATCH, ep.name, TierMatch(
@@ -215,19 +267,42 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
 
     # ---- after the pick ------------------------------------------------------------------------
     def pre_request(self, state: CycleState, request: InferenceRequest, result: SchedulingResult) -> None:
-        keys = state.get(self.name)
-        if not keys:
+        picked: _Picked | None = state.get(self.name)
+        if picked is None or not picked.keys:
             return
         for profile in result.profile_results.values():
             if profile is not None and profile.targets:
-                self.index.add_speculative(profile.targets[0].name, keys)
-                self.sharing.publish_claim(profile.targets[0].name, keys)
+                target = profile.targets[0].name
+                keys = self._to_claim(picked, target)
+                if keys:
+                    self.index.add_speculative(target, keys)
+                    self.sharing.publish_claim(target, keys)
+
+    def _to_claim(self, picked: _Picked, endpoint: str) -> Sequence[int]:
+        """The keys to claim on `endpoint`: past the run it holds, when the index confirms that run's last block.
+
+        A run the endpoint holds only by an earlier claim (its prefill not confirmed yet) is claimed
+        again, as every block once was: the claim's TTL starts anew with each pick.
+        """
+        run = picked.runs.get(endpoint, 0)
+        tiers_of = getattr(self.index, "tiers_of", None)  # the in-memory index can tell; Redis cannot cheaply
+        if run and tiers_of is not None and tiers_of(picked.keys[run - 1], endpoint):
+            return picked.keys[run:]
+        return picked.keys
 
     def _learn_peer_claim(self, endpoint: str, keys: Sequence[int]) -> None:
         """A peer picker sent a request with these keys to `endpoint`: claim them as if we had."""
         if self._endpoints is not None and self._endpoints.get(endpoint) is None:
             return  # not (or no longer) in this picker's pool
         self.index.add_speculative(endpoint, keys)
+
+
+@dataclass(frozen=True, slots=True)
+class _Picked:
+    """A request's block keys and, per endpoint, how many of them it held from the start when looked up."""
+
+    keys: Sequence[int]
+    runs: Mapping[str, int]
 
 
 def _event_shard(name: str, text: str | None) -> tuple[int, int]:

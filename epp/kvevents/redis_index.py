@@ -6,16 +6,15 @@ that subscribe to KV events write them.
 
 Who holds what:
 - Redis: the entries, the part that grows with the pool (10^8 blocks across thousands of replicas).
-- Each subscribing picker: the engine-hash map of the endpoints it subscribes to (engine block
-  hash → request keys, chain key, partial tail, per-tier counts; bounded FIFO per endpoint, as in
-  the in-memory index), so the dual-key semantics (regrouped block sizes, token-less offload
-  events, chunked offload, removals) are those of `KVBlockIndex`, applied by the same rules.
+- Each subscribing picker: the engine map of the endpoints it subscribes to (`engine_map.py`, the
+  one the in-memory index uses: the same events make the same holder changes, the same bound
+  and trim rule), its holder changes queued as Redis writes.
   Writes are idempotent bit sets and clears, so two pickers applying the same endpoint's events
   leave the same entries (run two writers per endpoint for redundancy; pickers with
   `subscribe: false` only read).
 - Each picker: its own speculative claims (after its picks, short TTL), never written to Redis.
 
-Writes: event application runs the local engine-map rules synchronously and queues bit
+Writes: event application runs the engine map synchronously and queues bit
 operations per (key, endpoint), composed (set then clear = clear); one task flushes them as one
 Lua script call per chunk of `write_chunk` keys (500: Redis runs a script alone, so a chunk
 delays concurrent lookups by its run time, ~1.3 ms at the ~2.5 µs a block measured in
@@ -52,16 +51,16 @@ import itertools
 import logging
 import struct
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from epp.kvevents.decoding import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, Tier
-from epp.kvevents.index import DEFAULT_POOL, ApplyStats, _split_extra_keys
-from epp.kvevents.keys import BlockKeyer
+from epp.kvevents.decoding import DecodedBatch, Tier
+from epp.kvevents.engine_map import ALL_TIERS, BEST_TIER, ApplyStats, tiers_in
+from epp.kvevents.index_base import DEFAULT_POOL, KVIndexBase
 from epp.kvevents.metrics import KVIndexMetrics
-from epp.kvevents.speculative import SpeculativeClaims
+from epp.kvevents.redis_writes import WRITE_LUA, PendingWrites, write_args
 
 try:  # optional dependency: `pip install llm-epp[redis]`
     import redis.asyncio as redis_asyncio
@@ -72,43 +71,17 @@ except ImportError:  # pragma: no cover - exercised only without the extra
 
 log = logging.getLogger(__name__)
 
-_BIT = (1, 2, 4)  # Tier -> bit of the stored mask
 # A write call's deadline: a batch of writes on a busy Redis may take long without Redis being down.
 _WRITE_TIMEOUT_S = 10.0
 _RESYNC_SLICE = 2_000  # engine blocks queued again between yields of the loop
-_ALL = 7
-_BEST_TIER = (Tier.GPU, Tier.GPU, Tier.CPU, Tier.GPU, Tier.DISK, Tier.GPU, Tier.CPU, Tier.GPU)
 # A lookup run's characters (byte values) → tier: '1'..'7' a stored mask's best tier, 'g' a claim (GPU).
 _RUN_TIER: list[Tier | None] = [None] * 256
 for _mask in range(1, 8):
-    _RUN_TIER[ord(str(_mask))] = _BEST_TIER[_mask]
+    _RUN_TIER[ord(str(_mask))] = BEST_TIER[_mask]
 _RUN_TIER[ord("g")] = Tier.GPU
 
-# Scripts take block keys packed (8 bytes each, big-endian) in one argument, and name the Redis
-# keys (prefix + 8 bytes) themselves: encoding one argument instead of one per key is most of the
-# client's cost saved (the keys are not declared, so no Redis Cluster; see the module docstring).
-
-# ARGV[1]: key prefix; then per endpoint: name, packed keys, ops (one byte a key: bits to set +
-# 8 x bits to clear). Idempotent: applying a batch twice leaves the same masks.
-_WRITE_LUA = """
-local prefix = ARGV[1]
-local written = 0
-for g = 2, #ARGV, 3 do
-  local ep, keys, ops = ARGV[g], ARGV[g + 1], ARGV[g + 2]
-  for i = 1, #ops do
-    local k = prefix .. string.sub(keys, 8 * i - 7, 8 * i)
-    local op = string.byte(ops, i)
-    local old = tonumber(redis.call('HGET', k, ep) or '0')
-    local new = bit.bor(bit.band(old, bit.bnot(bit.rshift(op, 3))), bit.band(op, 7))
-    if new ~= old then
-      if new == 0 then redis.call('HDEL', k, ep) else redis.call('HSET', k, ep, new) end
-    end
-    written = written + 1
-  end
-end
-return written
-"""
-
+# The lookup script takes the prompt's block keys packed as the write script does (redis_writes.py):
+# the keys are not declared, so no Redis Cluster (see the module docstring).
 # The in-memory index's run rule, run where the entries are (one round trip, only the runs return).
 # ARGV[1]: key prefix, ARGV[2]: the prompt's packed keys in order, ARGV[3]: candidate endpoints
 # '\n'-joined (empty: every holder of the first key and every endpoint claimed for it),
@@ -188,136 +161,37 @@ class RedisIndexMetrics:
                                **kw)
 
 
-# An engine block's per-tier counts packed in one int (21 bits a tier; GPU is a flag): a GPU-only
-# block's counts are the cached small int 1, where a list of three costs 80 bytes.
-_SHIFT = (0, 21, 42)
-_FIELD = (1 << 21) - 1
-
-
-class _Block:
-    """What an endpoint's engine block maps to: request keys, the chain to continue, tier counts."""
-
-    __slots__ = ("_keys", "chain_key", "counts", "hash", "parent", "tail", "tail_hashes")
-
-    def __init__(self, block_hash: int) -> None:
-        self.hash = block_hash
-        self._keys: int | tuple[int, ...] = ()  # one key unboxed (the common case), else a tuple
-        self.parent: int | None = None
-        self.chain_key = 0
-        self.tail: tuple[int, ...] = ()
-        self.tail_hashes: tuple[int, ...] = ()
-        self.counts = 0
-
-    @property
-    def keys(self) -> tuple[int, ...]:
-        """The request keys this engine block's tokens fall in."""
-        keys = self._keys
-        return (keys,) if keys.__class__ is int else keys  # type: ignore[return-value]
-
-    def add_keys(self, keys: Sequence[int]) -> None:
-        """Add `keys` (each kept once)."""
-        held = self.keys
-        new = held + tuple(k for k in keys if k not in held)
-        self._keys = new[0] if len(new) == 1 else new
-
-    def count(self, tier: Tier) -> int:
-        return (self.counts >> _SHIFT[tier]) & _FIELD
-
-    def set_count(self, tier: Tier, value: int) -> None:
-        shift = _SHIFT[tier]
-        self.counts = (self.counts & ~(_FIELD << shift)) | (min(value, _FIELD) << shift)
-
-    def mask(self) -> int:
-        """The tiers holding this block, as entry bits."""
-        return sum(_BIT[t] for t in Tier if self.count(t))
-
-
-class _PendingWrites:
-    """Bit operations queued for Redis, one per (endpoint, key), composed in order: an op is
-    `set | clear << 3` and applies as `(mask & ~clear) | set` (set then clear = clear)."""
-
-    __slots__ = ("by_endpoint", "size")
-
-    def __init__(self) -> None:
-        self.by_endpoint: dict[str, dict[int, int]] = {}
-        self.size = 0
-
-    def __len__(self) -> int:
-        return self.size
-
-    def add(self, endpoint: str, key: int, set_bits: int, clear_bits: int) -> None:
-        """Queue `(mask & ~clear_bits) | set_bits` after what is queued for (endpoint, key)."""
-        ops = self.by_endpoint.get(endpoint)
-        if ops is None:
-            ops = self.by_endpoint[endpoint] = {}
-        op = ops.get(key)
-        if op is None:
-            self.size += 1
-        else:
-            set_bits |= op & 7 & ~clear_bits
-            clear_bits |= (op >> 3) & ~set_bits
-        ops[key] = set_bits | clear_bits << 3
-
-    def items(self) -> Iterator[tuple[str, int, int]]:
-        """(endpoint, key, op) in queue order per endpoint."""
-        for endpoint, ops in self.by_endpoint.items():
-            for key, op in ops.items():
-                yield endpoint, key, op
-
-
-class RedisKVIndex:
+class RedisKVIndex(KVIndexBase):
     """KV-index backend whose entries live in Redis (shared by pickers); see the module docstring."""
 
-    def __init__(
-        self,
-        url: str,
-        block_size: int = 16,
-        *,
-        key_prefix: str = "epp:kv:",
-        engine_capacity_per_endpoint: int = 200_000,
-        offload_chunk_blocks: int = 1,
-        speculative_ttl_s: float = 2.0,
-        speculative_capacity: int = 200_000,
-        timeout_s: float = 0.05,
-        health_interval_s: float = 0.5,
-        poll_interval_s: float = 5.0,
-        write_chunk: int = 500,
-        max_pending_writes: int = 1_000_000,
-        metrics: KVIndexMetrics | None = None,
-        redis_metrics: RedisIndexMetrics | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, url: str, block_size: int = 16, *, key_prefix: str = "epp:kv:", timeout_s: float = 0.05,
+                 health_interval_s: float = 0.5, poll_interval_s: float = 5.0, write_chunk: int = 500,
+                 max_pending_writes: int = 1_000_000, redis_metrics: RedisIndexMetrics | None = None,
+                 # as the in-memory index's (KVIndexBase):
+                 engine_capacity_per_endpoint: int = 200_000, offload_chunk_blocks: int = 1,
+                 speculative_ttl_s: float = 2.0, speculative_capacity: int = 200_000,
+                 metrics: KVIndexMetrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         if redis_asyncio is None:
             raise RuntimeError("the Redis KV-index backend needs the `redis` package: pip install 'llm-epp[redis]'")
-        if engine_capacity_per_endpoint < 1:
-            raise ValueError("engine_capacity_per_endpoint must be >= 1")
+        super().__init__(block_size, engine_capacity_per_endpoint=engine_capacity_per_endpoint,
+                         offload_chunk_blocks=offload_chunk_blocks, speculative_ttl_s=speculative_ttl_s,
+                         speculative_capacity=speculative_capacity, metrics=metrics, clock=clock)
         self.url = url
-        self.keyer = BlockKeyer(block_size)
-        self.block_size = block_size
         self.prefix = key_prefix.encode()
-        self.engine_capacity = engine_capacity_per_endpoint
-        self.offload_chunk_blocks = max(1, offload_chunk_blocks)
-        self.speculative_ttl_s = speculative_ttl_s
         self.timeout_s = timeout_s
         self.health_interval_s = health_interval_s
         self.poll_interval_s = poll_interval_s
         self.write_chunk = write_chunk
         self.max_pending_writes = max_pending_writes
-        self.metrics = metrics or KVIndexMetrics(None)
         self.redis_metrics = redis_metrics or RedisIndexMetrics(None)
-        self._clock = clock
         # The client fails fast (no retries): the circuit below decides when to try again. Each call
         # has its own deadline (lookups `timeout_s`, writes `_WRITE_TIMEOUT_S`); the socket's is a backstop.
         self._redis = redis_asyncio.Redis.from_url(
             url, socket_timeout=_WRITE_TIMEOUT_S, socket_connect_timeout=max(timeout_s, 1.0),
             retry_on_timeout=False, retry=None)
-        self._write_script = self._redis.register_script(_WRITE_LUA)
+        self._write_script = self._redis.register_script(WRITE_LUA)
         self._lookup_script = self._redis.register_script(_LOOKUP_LUA)
-        self._engine: dict[str, dict[int, _Block]] = {}
-        self._pools: dict[str, str] = {}
-        self._claims = SpeculativeClaims(speculative_capacity)
-        self._spec = self._claims.by_key  # read directly by the hot paths
-        self._ops = _PendingWrites()
+        self._ops = PendingWrites()
         self._ops_ready = asyncio.Event()
         self._writing = asyncio.Lock()  # one flush at a time: a later batch never lands before an earlier one
         self._healthy = False
@@ -373,223 +247,41 @@ class RedisKVIndex:
         """Whether lookups ask Redis now (False: the circuit is open)."""
         return self._healthy
 
-    # ---- sizes and pools -------------------------------------------------------------------------
-    def endpoints(self) -> list[str]:
-        """Endpoints whose events this picker applies (it holds their engine maps)."""
-        return list(self._engine)
-
-    def engine_blocks(self, endpoint: str) -> int:
-        """Engine hashes known for an endpoint (bounded by `engine_capacity_per_endpoint`)."""
-        return len(self._engine.get(endpoint, ()))
-
-    def set_pool(self, endpoint: str, pool: str) -> None:
-        """Put `endpoint` in `pool` (its P/D role), known locally by every picker from its registry."""
-        self._pools[endpoint] = pool
-
-    def pool_of(self, endpoint: str) -> str:
-        """The pool `endpoint` belongs to (`both` unless set)."""
-        return self._pools.get(endpoint, DEFAULT_POOL)
-
     def _redis_key(self, key: int) -> bytes:
         return self.prefix + key.to_bytes(8, "big")
 
-    # ---- events (local engine map, queued Redis writes) ------------------------------------------
+    # ---- events (the engine map, its holder changes queued as Redis writes) -----------------------
     def apply_batch(self, endpoint: str, batch: DecodedBatch, model: str | None) -> ApplyStats:
         """Apply one decoded batch from `endpoint`'s publisher; its entry writes are queued."""
-        stats = ApplyStats()
-        for event in batch.events:
-            if isinstance(event, BlockStored):
-                self._stored(endpoint, event, model, stats)
-            elif isinstance(event, BlockRemoved):
-                self._removed(endpoint, event, stats)
-            elif isinstance(event, AllBlocksCleared):
-                self.clear_endpoint(endpoint)
-                stats.applied += 1
-        if batch.unknown_events:
-            stats.drop("unknown_type", batch.unknown_events)
-        if batch.malformed_events:
-            stats.drop("malformed", batch.malformed_events)
-        self.metrics.record_apply(stats.applied, stats.dropped, batch.unknown_fields)
+        stats = self._engine.apply(endpoint, batch, model)
         self._queued()
         return stats
 
     def _queued(self) -> None:
         if len(self._ops) > self.max_pending_writes:
             self.redis_metrics.dropped_writes.inc(len(self._ops))
-            self._ops = _PendingWrites()
+            self._ops = PendingWrites()
             self._needs_resync = True
         if self._ops:
             self._ops_ready.set()
 
-    def _set(self, key: int, endpoint: str, bit: int) -> None:
-        self._ops.add(endpoint, key, bit, 0)
-        self._claims.confirm(key, endpoint)
+    def hold(self, endpoint: str, keys: Sequence[int], bits: int) -> None:
+        """`endpoint` holds each of `keys` in the tiers of `bits` too: queue the bit sets."""
+        self._ops.add(endpoint, keys, bits, 0)
+        if self._spec:
+            self._confirm_claims(endpoint, keys)
 
-    def _clear(self, key: int, endpoint: str, bits: int) -> None:
-        self._ops.add(endpoint, key, 0, bits)
+    def release(self, endpoint: str, keys: Iterable[int], bits: int) -> None:
+        """`endpoint` no longer holds `keys` in the tiers of `bits`: queue the bit clears."""
+        self._ops.add(endpoint, keys, 0, bits)
 
-    def _stored(self, endpoint: str, ev: BlockStored, model: str | None, stats: ApplyStats) -> None:
-        if (ev.group_idx or 0) != 0 or ev.kv_cache_spec_kind not in (None, "full_attention"):
-            stats.drop("other_kv_group")
-            return
-        engine = self._engine.setdefault(endpoint, {})
-        tier = ev.tier
-        if not ev.token_ids:  # offload placeholder: the GPU blocks' hashes, no tokens
-            for h in ev.block_hashes:
-                chunk = self._offload_chunk(engine, h, tier)
-                if not chunk:
-                    stats.drop("unknown_engine_key")
-                    continue
-                for eb in chunk:
-                    self._add_tier(endpoint, eb, tier)
-            stats.applied += 1
-            return
-        n_blocks = len(ev.block_hashes)
-        if n_blocks == 0:
-            stats.drop("malformed")
-            return
-        esize = ev.block_size or len(ev.token_ids) // n_blocks
-        if esize <= 0 or esize * n_blocks != len(ev.token_ids):
-            stats.drop("malformed")
-            return
-        salt, extras_by_block = _split_extra_keys(ev.extra_keys, ev.lora_name)
-        if ev.parent_block_hash is None:
-            chain = self.keyer.root(ev.lora_name or model, salt)
-            tail: tuple[int, ...] = ()
-            tail_hashes: tuple[int, ...] = ()
-        else:
-            parent = engine.get(ev.parent_block_hash)
-            if parent is None:
-                stats.drop("unknown_parent")
-                return
-            chain, tail, tail_hashes = parent.chain_key, parent.tail, parent.tail_hashes
-        bsize = self.block_size
-        offset = len(tail)
-        combined = tail + tuple(ev.token_ids) if tail else ev.token_ids
-        extras: dict[int, int] | None = None
-        if extras_by_block:  # salt every index block overlapping an engine block with such extras
-            extras = {}
-            for j, value in extras_by_block.items():
-                for k in range((offset + j * esize) // bsize, (offset + (j + 1) * esize - 1) // bsize + 1):
-                    extras[k] = extras.get(k, 0) ^ value
-        keys = self.keyer.chain(chain, combined, extras)
-        keys_by_block: list[list[int]] = [[] for _ in range(n_blocks)]
-        for k, key in enumerate(keys):
-            start, end = k * bsize, (k + 1) * bsize
-            last_j = (end - offset - 1) // esize
-            if start < offset:  # the key starts in the parent's tail: its engine blocks hold it too
-                first_j = 0
-                for th in tail_hashes:
-                    teb = engine.get(th)
-                    if teb is not None:
-                        teb.add_keys((key,))  # so its removal clears the key (set below by this block)
-            else:
-                first_j = (start - offset) // esize
-            for j in range(first_j, last_j + 1):
-                keys_by_block[j].append(key)
-        for j, h in enumerate(ev.block_hashes):
-            block_end = offset + (j + 1) * esize
-            done = block_end // bsize
-            eb: _Block | None = engine.pop(h, None)
-            if eb is None:
-                eb = _Block(h)
-                eb.add_keys(keys_by_block[j])
-            else:  # re-announced: keep keys that children's events added to it
-                eb.add_keys(keys_by_block[j])
-            engine[h] = eb  # newest last, for the FIFO bound
-            eb.parent = ev.parent_block_hash if j == 0 else ev.block_hashes[j - 1]
-            eb.chain_key = keys[done - 1] if done > 0 else chain
-            tail_start = done * bsize
-            eb.tail = tuple(combined[tail_start:block_end])
-            if eb.tail:
-                first_tail_j = (tail_start - offset) // esize if tail_start >= offset else 0
-                eb.tail_hashes = ((tail_hashes if tail_start < offset else ())
-                                  + tuple(ev.block_hashes[first_tail_j:j + 1]))
-            else:
-                eb.tail_hashes = ()
-            self._add_tier(endpoint, eb, tier, force_bits=True)
-        stats.applied += 1
-        if len(engine) > self.engine_capacity:
-            self._trim_engine(endpoint, engine)
-
-    def _add_tier(self, endpoint: str, eb: _Block, tier: Tier, force_bits: bool = False) -> None:
-        count = 1 if tier is Tier.GPU else eb.count(tier) + 1
-        eb.set_count(tier, count)
-        if force_bits or count == 1:
-            for key in eb.keys:
-                self._set(key, endpoint, _BIT[tier])
-
-    def _removed(self, endpoint: str, ev: BlockRemoved, stats: ApplyStats) -> None:
-        if (ev.group_idx or 0) != 0:
-            stats.drop("other_kv_group")
-            return
-        engine = self._engine.get(endpoint)
-        tier = ev.tier
-        for h in ev.block_hashes:
-            chunk = self._offload_chunk(engine, h, tier) if engine else []
-            if not chunk or chunk[0].count(tier) == 0:
-                stats.drop("unknown_engine_key")
-                continue
-            for eb in chunk:
-                count = eb.count(tier)
-                if count == 0:
-                    continue
-                count = 0 if tier is Tier.GPU else count - 1
-                eb.set_count(tier, count)
-                if count == 0:
-                    for key in eb.keys:
-                        self._clear(key, endpoint, _BIT[tier])
-            assert engine is not None
-            for eb in chunk:
-                if not eb.counts and engine.get(eb.hash) is eb:
-                    del engine[eb.hash]
-        stats.applied += 1
-
-    def _offload_chunk(self, engine: dict[int, _Block], h: int, tier: Tier) -> list[_Block]:
-        """The engine blocks an offload event for hash `h` stands for (vLLM names a chunk of
-        `offload_chunk_blocks` GPU blocks by its last block's hash: walk back the chain)."""
-        eb = engine.get(h)
-        if eb is None:
-            return []
-        chunk = [eb]
-        if tier is not Tier.GPU:
-            while len(chunk) < self.offload_chunk_blocks and eb.parent is not None:
-                parent = engine.get(eb.parent)
-                if parent is None:
-                    break
-                eb = parent
-                chunk.append(eb)
-        return chunk
-
-    def _trim_engine(self, endpoint: str, engine: dict[int, _Block]) -> None:
-        evicted = 0
-        while len(engine) > self.engine_capacity:
-            eb = engine.pop(next(iter(engine)))
-            mask = eb.mask()
-            if mask:  # its removal can no longer be seen: stop claiming it
-                for key in eb.keys:
-                    self._clear(key, endpoint, mask)
-            eb.counts = 0  # a resync under way holding it writes nothing for it
-            evicted += 1
-        self.metrics.engine_evictions.inc(evicted)
-
-    def clear_endpoint(self, endpoint: str) -> int:
-        """Forget everything `endpoint` holds that this picker knows of (its engine map's keys)."""
-        engine = self._engine.pop(endpoint, None)
-        cleared = 0
-        for eb in (engine or {}).values():
-            for key in eb.keys:
-                self._clear(key, endpoint, _ALL)
-                cleared += 1
+    def release_endpoint(self, endpoint: str, keys: Iterable[int]) -> int:
+        """`endpoint` holds nothing any more: clear `keys` in every tier, drop this picker's claims on it."""
+        keys = list(keys)
+        self._ops.add(endpoint, keys, 0, ALL_TIERS)
         self._claims.forget_endpoint(endpoint)
         self._queued()
-        return cleared
-
-    def remove_endpoint(self, endpoint: str) -> int:
-        """The endpoint left the pool: clear its entries and forget its engine map and pool."""
-        removed = self.clear_endpoint(endpoint)
-        self._pools.pop(endpoint, None)
-        return removed
+        return len(keys)
 
     async def _resync(self) -> None:
         """Write this picker's whole view again (after lost writes or a Redis that restarted empty),
@@ -597,16 +289,10 @@ class RedisKVIndex:
         self._needs_resync = False
         self.redis_metrics.resyncs.inc()
         try:
-            for endpoint, engine in list(self._engine.items()):
-                blocks = list(engine.values())
-                for i in range(0, len(blocks), _RESYNC_SLICE):
-                    if self._engine.get(endpoint) is not engine:
-                        break  # cleared or removed meanwhile
-                    for eb in blocks[i:i + _RESYNC_SLICE]:
-                        mask = eb.mask()
-                        if mask:
-                            for key in eb.keys:
-                                self._ops.add(endpoint, key, mask, 0)
+            for endpoint in self._engine.endpoints():
+                for held in self._engine.held(endpoint, _RESYNC_SLICE):  # ends if cleared meanwhile
+                    for keys, mask in held:
+                        self._ops.add(endpoint, keys, mask, 0)
                     if len(self._ops) >= 4 * self.write_chunk:
                         await self._flush_once()
                     else:
@@ -641,7 +327,7 @@ class RedisKVIndex:
             await self._write_queued()
 
     async def _write_queued(self) -> None:
-        taken, self._ops = self._ops, _PendingWrites()
+        taken, self._ops = self._ops, PendingWrites()
         pending = taken.items()
         chunk: list[tuple[str, int, int]] = []
         try:
@@ -649,17 +335,12 @@ class RedisKVIndex:
                 chunk = list(itertools.islice(pending, self.write_chunk))
                 if not chunk:
                     return
-                args: list[Any] = [self.prefix]
-                for endpoint, group in itertools.groupby(chunk, key=lambda item: item[0]):
-                    ops = list(group)
-                    args += (endpoint, struct.pack(f">{len(ops)}Q", *(key for _, key, _ in ops)),
-                             bytes(op for _, _, op in ops))
-                await asyncio.wait_for(self._write_script(args=args), _WRITE_TIMEOUT_S)
+                await asyncio.wait_for(self._write_script(args=write_args(self.prefix, chunk)), _WRITE_TIMEOUT_S)
                 self.redis_metrics.written.inc(len(chunk))
         except BaseException:
-            newer, self._ops = self._ops, _PendingWrites()
+            newer, self._ops = self._ops, PendingWrites()
             for endpoint, key, op in itertools.chain(chunk, pending, newer.items()):
-                self._ops.add(endpoint, key, op & 7, op >> 3)
+                self._ops.add(endpoint, (key,), op & 7, op >> 3)
             raise
 
     # ---- health ----------------------------------------------------------------------------------
@@ -683,7 +364,7 @@ class RedisKVIndex:
             self._mark_down("health", exc)
             return
         run_id = info.get("run_id")
-        if self._run_id is not None and run_id != self._run_id and self._engine:
+        if self._run_id is not None and run_id != self._run_id and self._engine.endpoints():
             log.warning("Redis KV index at %s restarted: writing this picker's engine maps again", self.url)
             self._needs_resync = True
         self._run_id = run_id
@@ -738,24 +419,16 @@ class RedisKVIndex:
         if self._run_id is not None and info.get("run_id") != self._run_id:
             await self._check_health()
 
-    # ---- speculative entries (this picker's own) -------------------------------------------------
-    def add_speculative(self, endpoint: str, keys: Sequence[int], ttl_s: float | None = None) -> int:
-        """After a pick: claim `keys` on `endpoint` (as GPU) for a short TTL, in this picker only."""
-        ttl = self.speculative_ttl_s if ttl_s is None else ttl_s
-        if ttl <= 0 or not keys:
-            return 0
-        now = self._clock()
-        self._claims.purge(now)
-        expiry = now + ttl
-        for key in keys:
-            self._claims.claim(endpoint, key, expiry)
-        self._claims.trim()
-        return len(keys)
-
-    def speculative_entries(self) -> int:
-        """Speculative (key, endpoint) claims not yet expired or confirmed."""
-        self._claims.purge(self._clock())
-        return len(self._claims)
+    async def contents(self) -> dict[int, dict[str, frozenset[Tier]]]:
+        """Every request key under this index's prefix with its endpoints and their tiers, as the
+        in-memory index's `contents` (tests and debugging: O(entries), a SCAN of the prefix)."""
+        found: dict[int, dict[str, frozenset[Tier]]] = {}
+        async for name in self._redis.scan_iter(match=self.prefix + b"*", count=1_000):
+            held = await self._redis.hgetall(name)
+            if held:
+                found[int.from_bytes(name[len(self.prefix):], "big")] = {
+                    _text(ep): tiers_in(int(mask)) for ep, mask in held.items()}
+        return found
 
     # ---- lookups ---------------------------------------------------------------------------------
     async def lookup_async(self, keys: Sequence[int], endpoints: Iterable[str] | None = None,

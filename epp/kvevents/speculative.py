@@ -32,11 +32,13 @@ class SpeculativeClaims:
         self.by_key.setdefault(key, {})[endpoint] = expiry
         self.expiries.append((expiry, key, endpoint))
 
-    def trim(self) -> None:
-        """Drop the oldest claims beyond the capacity."""
+    def trim(self) -> int:
+        """Drop the oldest claims beyond the capacity; how many live claims were dropped."""
         expiries = self.expiries
+        dropped = 0
         while len(expiries) > self.capacity:
-            self._drop(*expiries.popleft())
+            dropped += self._drop(*expiries.popleft())
+        return dropped
 
     def purge(self, now: float) -> None:
         """Drop the claims that expired by `now`."""
@@ -57,10 +59,12 @@ class SpeculativeClaims:
         for key in [k for k, claims in self.by_key.items() if endpoint in claims]:
             self.confirm(key, endpoint)
 
-    def _drop(self, expiry: float, key: int, endpoint: str) -> None:
+    def _drop(self, expiry: float, key: int, endpoint: str) -> bool:
         # A newer claim of the same (key, endpoint) has a later expiry and stays.
         claims = self.by_key.get(key)
         if claims is not None and claims.get(endpoint) == expiry:
             del claims[endpoint]
             if not claims:
                 del self.by_key[key]
+            return True
+        return False

@@ -1,10 +1,13 @@
-"""Parse a buffered request body into an `InferenceRequest` (OpenAI completions, chat, responses…)."""
+"""Parse a buffered request body into an `InferenceRequest` (OpenAI completions, chat, responses, Anthropic
+messages, rerank…; a path no parser reads passes through)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
 from typing import Any
+
+import msgspec
 
 from epp.framework.errors import ErrorCode, InferenceError
 from epp.framework.headers import (
@@ -15,8 +18,10 @@ from epp.framework.headers import (
     SLO_TTFT_MS_HEADERS,
     header_value,
 )
+from epp.framework.load import body_prompt_characters
 from epp.framework.types import ApiKind, InferenceRequest
-from epp.limits import DEFAULT_MAX_JSON_DEPTH
+from epp.limits import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_PROMPT_CHARS
+from epp.request.anthropic import messages_body_problem
 from epp.request.jsoncheck import has_lone_surrogate, nesting_exceeds
 
 DEFAULT_FAIRNESS_ID = "default-flow"
@@ -30,16 +35,43 @@ _SUFFIXES: tuple[tuple[str, ApiKind], ...] = (
     ("/chat/completions", ApiKind.CHAT_COMPLETIONS),
     ("/completions", ApiKind.COMPLETIONS),
     ("/embeddings", ApiKind.EMBEDDINGS),
+    ("/messages", ApiKind.MESSAGES),
+    ("/rerank", ApiKind.RERANK),
 )
+DEFAULT_PATH = "/v1/completions"
 
 
 def api_kind_for_path(path: str) -> ApiKind:
-    """The API a path names by its suffix (query string ignored); anything else is completions."""
+    """The API a path names by its suffix (query string ignored); any other path passes through."""
     path = path.split("?", 1)[0].rstrip("/")
     for suffix, kind in _SUFFIXES:
         if path.endswith(suffix):
             return kind
-    return ApiKind.COMPLETIONS
+    return ApiKind.PASSTHROUGH
+
+
+def request_path(headers: Mapping[str, str]) -> str:
+    """The request's path: `:path`, else `x-original-path`, else `x-forwarded-path`, else `/v1/completions`."""
+    return headers.get(":path") or headers.get("x-original-path") or headers.get("x-forwarded-path") \
+        or DEFAULT_PATH
+
+
+# msgspec decodes JSON to the same Python values as json.loads about twice as fast, and refuses
+# more (NaN and Infinity, numbers out of a float's range, lone surrogates, UTF-16/32, a BOM):
+# what it refuses is handed to json.loads, so every body gets the answer it got before.
+_strict_decode = msgspec.json.Decoder().decode
+
+
+def _loads(body: bytes) -> tuple[Any, bool]:
+    """The parsed body, and whether the strict decoder read it (then no string holds a lone surrogate)."""
+    try:
+        return _strict_decode(body), True
+    except msgspec.DecodeError:  # ValidationError (a number out of range) is one too
+        pass
+    try:
+        return json.loads(body), False
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _bad(f"error unmarshaling request bodyMap: {exc}") from None
 
 
 def _bad(message: str) -> InferenceError:
@@ -92,6 +124,13 @@ def _validate_api_fields(api: ApiKind, body: Mapping[str, Any]) -> None:
     elif api is ApiKind.EMBEDDINGS:
         if body.get("input") in (None, "", []):
             raise _bad("invalid embeddings request: must have input field")
+    elif api is ApiKind.MESSAGES:
+        problem = messages_body_problem(body)
+        if problem is not None:
+            raise _bad(f"invalid messages request: {problem}")
+    elif api is ApiKind.RERANK:
+        if body.get("query") in (None, "", []) or body.get("documents") in (None, "", []):
+            raise _bad("invalid rerank request: must have query and documents fields")
 
 
 def slo_ms(headers: Mapping[str, str], names: tuple[str, ...]) -> float | None:
@@ -119,31 +158,37 @@ class RequestParser:
     """Turns a request's headers and body into an `InferenceRequest` and the body to send on."""
 
     def __init__(self, objective_priorities: Mapping[str, int] | None = None, *,
-                 max_json_depth: int = DEFAULT_MAX_JSON_DEPTH) -> None:
+                 max_json_depth: int = DEFAULT_MAX_JSON_DEPTH, max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS) -> None:
         self.objective_priorities = dict(objective_priorities or {})
         self.max_json_depth = max_json_depth
+        self.max_prompt_chars = max_prompt_chars
 
     def parse(self, *, request_id: str, headers: Mapping[str, str], body: bytes,
               subset_hint: tuple[str, ...] | None) -> tuple[InferenceRequest, bytes]:
         """Parse and validate; returns the request and the body to forward (rewritten if needed)."""
+        path = request_path(headers)
+        api = api_kind_for_path(path)
+        if api is ApiKind.PASSTHROUGH:
+            return self._passthrough(request_id, headers, body, subset_hint, path), body
         if nesting_exceeds(body, self.max_json_depth):
             raise _bad(f"request body nests objects/arrays deeper than {self.max_json_depth} levels")
-        try:
-            parsed = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise _bad(f"error unmarshaling request bodyMap: {exc}") from None
+        parsed, strict = _loads(body)
         if not isinstance(parsed, dict):
             raise _bad("error unmarshaling request bodyMap: request body must be a JSON object")
-        if has_lone_surrogate(body, parsed):
+        if not strict and has_lone_surrogate(parsed):
             raise _bad("request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its pair), "
                        "which is not valid Unicode")
-        path = headers.get(":path") or headers.get("x-original-path") or headers.get("x-forwarded-path") \
-            or "/v1/completions"
-        api = api_kind_for_path(path)
         _validate_api_fields(api, parsed)
         model = parsed.get("model")
         if not isinstance(model, str) or not model:
             raise _bad("model not found in request body")
+        # Counted once here for every plugin that reads it, and bounded: tokenizing and hashing a
+        # prompt cost in proportion to it (one past the limit is enough to know it is too long).
+        prompt_chars = body_prompt_characters(parsed, self.max_prompt_chars + 1)
+        if prompt_chars > self.max_prompt_chars:
+            raise InferenceError(ErrorCode.PAYLOAD_TOO_LARGE,
+                                 f"prompt exceeds the limit of {self.max_prompt_chars} characters "
+                                 "(epp serve --max-prompt-chars)")
         target_model = header_value(headers, MODEL_REWRITE_HEADERS) or model
         forwarded = body
         if target_model != model:
@@ -167,5 +212,32 @@ class RequestParser:
             path=path,
             slo_ttft_ms=slo_ms(headers, SLO_TTFT_MS_HEADERS),
             slo_tpot_ms=slo_ms(headers, SLO_TPOT_MS_HEADERS),
+            prompt_chars=prompt_chars,
         )
         return request, forwarded
+
+    def _passthrough(self, request_id: str, headers: Mapping[str, str], body: bytes,
+                     subset_hint: tuple[str, ...] | None, path: str) -> InferenceRequest:
+        """A request on a path no parser reads: its body goes on as it came, unchecked (llm-d's passthrough-parser).
+
+        Its `model` is read when the body is a JSON object naming one (model filters and metrics
+        need it); otherwise it is "". There is no prompt to score: any endpoint the filters keep
+        may be chosen, by load.
+        """
+        model = ""
+        if body[:64].lstrip()[:1] == b"{" and not nesting_exceeds(body, self.max_json_depth):
+            try:
+                parsed = json.loads(body)
+            except (ValueError, UnicodeDecodeError):
+                parsed = None
+            # A name holding a lone surrogate is no model (and could not be hashed): read as none.
+            if isinstance(parsed, dict) and isinstance(parsed.get("model"), str) \
+                    and not has_lone_surrogate(parsed["model"]):
+                model = parsed["model"]
+        objective = header_value(headers, OBJECTIVE_HEADERS)
+        return InferenceRequest(
+            request_id=request_id, api=ApiKind.PASSTHROUGH, model=model, target_model=model, body={},
+            headers=headers, priority=self.objective_priorities.get(objective, 0) if objective else 0,
+            objective=objective, fairness_id=header_value(headers, FAIRNESS_ID_HEADERS) or DEFAULT_FAIRNESS_ID,
+            subset_hint=subset_hint, path=path, slo_ttft_ms=slo_ms(headers, SLO_TTFT_MS_HEADERS),
+            slo_tpot_ms=slo_ms(headers, SLO_TPOT_MS_HEADERS))

@@ -1,4 +1,10 @@
-"""Response-side body handling: model name rewritten back, token usage read from JSON or SSE."""
+"""Response-side body handling: model name rewritten back, token usage read from JSON or SSE.
+
+Anthropic Messages responses are read too: a `message` object's usage, or in its SSE stream the
+`message_delta` event's (the final count; `message_start`'s is taken before any output), with
+`input_tokens` plus the cache read and written counts as the prompt tokens (`prompt_tokens`,
+`completion_tokens`, `prompt_tokens_details.cached_tokens`: what the picker's accounting reads).
+"""
 
 from __future__ import annotations
 
@@ -35,7 +41,9 @@ def parse_usage(body: bytes, *, sse: bool) -> dict[str, Any] | None:
                 raise
             return None
         usage = parsed.get("usage") if isinstance(parsed, dict) else None
-        return usage if isinstance(usage, dict) else None
+        if not isinstance(usage, dict):
+            return None
+        return _from_anthropic(usage) if parsed.get("type") == "message" else usage
     for line in body.split(b"\n"):
         line = line.strip()
         if not line.startswith(b"data:"):
@@ -51,14 +59,46 @@ def parse_usage(body: bytes, *, sse: bool) -> dict[str, Any] | None:
             continue
         if not isinstance(event, dict):
             continue
-        if event.get("type") == "response.completed":
+        kind = event.get("type")
+        if kind == "response.completed":
             inner = event.get("response")
             usage = inner.get("usage") if isinstance(inner, dict) else None
+        elif kind == "message_start":
+            continue  # counted before the output: the message_delta event has the final usage
         else:
             usage = event.get("usage")
         if isinstance(usage, dict):
-            return usage
+            return _from_anthropic(usage) if kind == "message_delta" else usage
     return None
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def _from_anthropic(usage: dict[str, Any]) -> dict[str, Any]:
+    """Anthropic usage with OpenAI's names added (`input_tokens` leave out the tokens read from or written to cache)."""
+    cached = _count(usage.get("cache_read_input_tokens"))
+    out = dict(usage)
+    if "input_tokens" in usage:
+        out["prompt_tokens"] = _count(usage["input_tokens"]) + cached + _count(usage.get("cache_creation_input_tokens"))
+    if "output_tokens" in usage:
+        out["completion_tokens"] = _count(usage["output_tokens"])
+    if "cache_read_input_tokens" in usage:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
+
+
+# Anthropic stream events sent before any generated output.
+_ANTHROPIC_PREAMBLE = frozenset({b"message_start", b"content_block_start", b"ping"})
+
+
+def only_anthropic_preamble(chunk: bytes) -> bool:
+    """Whether every SSE event of a chunk is one Anthropic sends before the first token (message_start...)."""
+    if b"event:" not in chunk:
+        return False
+    names = [line[6:].strip() for line in chunk.split(b"\n") if line.startswith(b"event:")]
+    return bool(names) and all(name in _ANTHROPIC_PREAMBLE for name in names)
 
 
 class ResponseRewriter:

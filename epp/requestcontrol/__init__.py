@@ -1,1 +1,2 @@
-"""Request control: admission, the director that schedules a parsed request, and one request's lifecycle."""
+"""Request control: the pipeline the director runs, admission, the director that schedules a parsed request,
+and one request's lifecycle."""

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from epp.framework import (
     Admitter,
     CycleState,
+    DropReason,
     Endpoint,
     ErrorCode,
     InferenceError,
@@ -71,4 +72,4 @@ class SaturationAdmitter(Admitter):
             self.saturation_gauge.set(saturation)
         if saturation >= 1.0:
             self.shed_requests.inc()
-            raise InferenceError(ErrorCode.RESOURCE_EXHAUSTED, SHED_MESSAGE)
+            raise InferenceError(ErrorCode.RESOURCE_EXHAUSTED, SHED_MESSAGE, drop_reason=DropReason.SATURATED)

@@ -9,19 +9,27 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from epp import tracing
 from epp.datalayer.freshness import prefer_fresh
 from epp.datalayer.registry import EndpointRegistry
 from epp.framework.datakeys import PREFIX_MATCH_INFO, PREFIX_TIER_MATCH, PrefixMatchInfo, TierMatch
-from epp.framework.errors import ErrorCode, InferenceError
-from epp.framework.load import CHARACTERS_PER_TOKEN, Booking, InflightLedger, prompt_characters
+from epp.framework.errors import DropReason, ErrorCode, InferenceError
+from epp.framework.load import (
+    CHARACTERS_PER_TOKEN,
+    Booking,
+    InflightLedger,
+    estimate_prompt_tokens,
+    prompt_characters,
+)
 from epp.framework.plugin import Admitter, CycleState, ResponseCompleteHook, SchedulingResult
+from epp.framework.scheduler import PluginTimer
 from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 from epp.logutil import log_failure
 from epp.metrics import EppMetrics
+from epp.requestcontrol.pipeline import LoadedConfig
 
 if TYPE_CHECKING:
-    from epp.config import LoadedConfig
-    from epp.flowcontrol.controller import Dispatch
+    from epp.flowcontrol.controller import Dispatch, PredictedLatency
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +75,9 @@ class Director:
         self.use_subset_hint = use_subset_hint
         # With scraping on: endpoints without fresh metrics are left out while others have them.
         self.metrics_freshness_s = metrics_freshness_s
+        # What predicts a request's latency before it queues (slo-deadline-ordering-policy): predicted-ttft-scorer.
+        self.latency_predictor = next((e.plugin for e in pipeline.plugins if hasattr(e.plugin, "predict_latency")),
+                                      None)
 
     def candidates(self, request: InferenceRequest) -> list[Endpoint]:
         """Healthy, awake pool endpoints, narrowed by the request's subset hint, known load preferred.
@@ -91,7 +102,8 @@ class Director:
             endpoints = match_subset(endpoints, subset_hint)
             if not endpoints:
                 raise InferenceError(ErrorCode.SERVICE_UNAVAILABLE,
-                                     "failed to find endpoint candidates for serving the request")
+                                     "failed to find endpoint candidates for serving the request",
+                                     drop_reason=DropReason.NO_ENDPOINTS)
         if self.metrics_freshness_s is not None:
             endpoints = prefer_fresh(endpoints, self.metrics_freshness_s)
         return random.choice(endpoints)
@@ -101,7 +113,10 @@ class Director:
         flow_control = self.pipeline.flow_controller
         if flow_control is None:
             return await self._schedule(state, request)
-        dispatch: Dispatch = await flow_control.admit(request, size_bytes)  # waits while the pool is saturated
+        predicted = await self._predict(request) if flow_control.wants_prediction(request) else None
+        # Waits while the pool is saturated; the endpoint is chosen after it (late binding, the view of then).
+        with tracing.of(state).step("epp.flow_control"):
+            dispatch: Dispatch = await flow_control.admit(request, size_bytes, predicted)
         target = None
         try:
             result = await self._schedule(state, request)
@@ -110,21 +125,39 @@ class Director:
         finally:
             dispatch.placed(target)
 
+    async def _predict(self, request: InferenceRequest) -> PredictedLatency:
+        """The request's own prefill and best TTFT now, for the queue's order (a scratch state: scheduling redoes it)."""
+        from epp.flowcontrol.controller import PredictedLatency
+
+        candidates = self.candidates(request)
+        if self.latency_predictor is None or not candidates:
+            tokens = estimate_prompt_tokens(request)
+            return PredictedLatency(tokens * min((self.ledger.prefill_seconds_per_token(ep.name) for ep in candidates),
+                                                 default=self.ledger.prefill_seconds_per_token("")))
+        scratch = CycleState()
+        if self.pipeline.data_producers:
+            await self._prepare_data(scratch, request, candidates, self.metrics.observe_plugin)
+        service_s, ttft_s = self.latency_predictor.predict_latency(scratch, request, candidates)
+        return PredictedLatency(service_s, ttft_s)
+
     async def _schedule(self, state: CycleState, request: InferenceRequest) -> SchedulingResult:
         started = time.perf_counter()
-        timer = self.metrics.observe_plugin
+        trace = tracing.of(state)
+        timer = trace.plugin_timer(self.metrics.observe_plugin)  # the metrics' timer itself when not traced
         try:
             candidates = self.candidates(request)
             for gate in self.pipeline.capacity_gates:
                 candidates = list(await gate.ensure_capacity(state, request, candidates))
-            self._admit(self._admitters_before_data, state, request, candidates)
+            self._admit(self._admitters_before_data, state, request, candidates, timer)
             if not candidates:
                 raise InferenceError(ErrorCode.SERVICE_UNAVAILABLE,
-                                     "failed to find endpoint candidates for serving the request")
+                                     "failed to find endpoint candidates for serving the request",
+                                     drop_reason=DropReason.NO_ENDPOINTS)
             if self.pipeline.data_producers:
-                await self._prepare_data(state, request, candidates)
-            self._admit(self._admitters_after_data, state, request, candidates)
-            result = self.pipeline.scheduler.schedule(state, request, candidates, timer)
+                await self._prepare_data(state, request, candidates, timer)
+            self._admit(self._admitters_after_data, state, request, candidates, timer)
+            result = self.pipeline.scheduler.schedule(state, request, candidates, timer,
+                                                      profile_done=trace.profile_done)
         except InferenceError:
             self.metrics.scheduler_attempts.labels("failure").inc()
             raise
@@ -141,7 +174,7 @@ class Director:
         return result
 
     def _admit(self, admitters: Sequence[Admitter], state: CycleState, request: InferenceRequest,
-               candidates: Sequence[Endpoint]) -> None:
+               candidates: Sequence[Endpoint], timer: PluginTimer) -> None:
         for admitter in admitters:
             t0 = time.perf_counter()
             try:
@@ -152,7 +185,7 @@ class Director:
                 log_failure(log, logging.WARNING, "admitter %s failed", exc, admitter.name)
                 raise InferenceError(ErrorCode.INTERNAL, "request cannot be admitted") from exc
             finally:
-                self.metrics.observe_plugin("Admitter", admitter, time.perf_counter() - t0)
+                timer("Admitter", admitter, time.perf_counter() - t0)
 
     def _book(self, state: CycleState, request: InferenceRequest, result: SchedulingResult) -> None:
         """Book the pick in the ledger: prompt tokens, and those the prefix match says are uncached."""
@@ -180,9 +213,11 @@ class Director:
         """The picked endpoint answered with its first token (`observed`) or a whole response."""
         booking: Booking | None = state.get(BOOKING_STATE_KEY)
         self.ledger.first_token(booking, observed=observed)
+        if self.pipeline.flow_controller is not None:
+            self.pipeline.flow_controller.wake()  # its prefill is done: a held request may fit now
 
     async def _prepare_data(self, state: CycleState, request: InferenceRequest,
-                            candidates: Sequence[Endpoint]) -> None:
+                            candidates: Sequence[Endpoint], timer: PluginTimer) -> None:
         deadline = time.monotonic() + PREPARE_DATA_TIMEOUT_S
         for producer in self.pipeline.data_producers:
             remaining = deadline - time.monotonic()
@@ -197,7 +232,7 @@ class Director:
             except Exception as exc:  # producers are best effort: scoring goes on without their data
                 # Never the message at this level: a UnicodeEncodeError's message quotes the prompt.
                 log_failure(log, logging.WARNING, "data producer %s failed", exc, producer.name)
-            self.metrics.observe_plugin("PrepareData", producer, time.perf_counter() - t0)
+            timer("PrepareData", producer, time.perf_counter() - t0)
 
     def response_headers(self, state: CycleState, request: InferenceRequest,
                          response: ResponseInfo, target: Endpoint | None) -> None:

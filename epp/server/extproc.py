@@ -22,15 +22,17 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf.message import DecodeError
 
-from epp.framework.errors import ErrorCode, InferenceError
+from epp.debug.scores import ENDPOINT_SCORES_KEY, endpoint_scores_of
+from epp.framework.errors import DropReason, ErrorCode, InferenceError
 from epp.limits import Limits
 from epp.logutil import Throttled, log_failure
 from epp.metrics import EppMetrics
 from epp.request.parsing import RequestParser
-from epp.request.response import ResponseRewriter, UnreadableBody, parse_usage
+from epp.request.response import ResponseRewriter, UnreadableBody, only_anthropic_preamble, parse_usage
 from epp.requestcontrol.director import Director
 from epp.requestcontrol.lifecycle import RequestAccounting, RequestLifecycle
 from epp.server import messages
+from epp.tracing import NO_TRACE, NoTrace, RequestTrace, RequestTracing
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +78,9 @@ def carries_token(chunk: bytes) -> bool:
 
     vLLM's first chat chunk carries `"role":"assistant","content":""`; it is sent with the first
     token, but a server may send it earlier, so the first token is timed from the next chunk.
+    Anthropic streams open with `message_start` and `content_block_start` events: not output either.
     """
-    if not chunk.strip():
+    if not chunk.strip() or only_anthropic_preamble(chunk):
         return False
     return not (b'"role"' in chunk and b'"content":""' in chunk and chunk.count(b"data:") <= 1)
 
@@ -90,7 +93,8 @@ class _Stream:
     """
 
     __slots__ = ("service", "life", "headers", "body_parts", "body_size", "subset_hint", "request_id",
-                 "rewriter", "response_parts", "response_size", "passthrough", "rejected", "response_body_sent")
+                 "rewriter", "response_parts", "response_size", "passthrough", "rejected", "response_body_sent",
+                 "trace", "grpc_metadata")
 
     def __init__(self, service: ExtProcService) -> None:
         self.service = service
@@ -107,6 +111,9 @@ class _Stream:
         self.rejected = False
         # Whether Envoy sends the response body (its first message says when it does not).
         self.response_body_sent = True
+        self.trace: RequestTrace | NoTrace = NO_TRACE
+        # The stream's gRPC metadata, kept when tracing: a tracing Envoy puts its own trace context there.
+        self.grpc_metadata: tuple[tuple[str, Any], ...] = ()
 
     @property
     def scheduled(self) -> bool:
@@ -118,11 +125,14 @@ class _Stream:
         self.service.check_request_headers(msg.headers)
         self.headers = _header_map(msg.headers)
         self.request_id = self.headers.get(REQUEST_ID_HEADER) or str(uuid.uuid4())
+        if self.service.tracing is not None:
+            self.trace = self.service.tracing.start(self.headers, self.life.state, self.grpc_metadata)
         if not msg.end_of_stream:
             return []  # held until the body has been scheduled
         target = self.life.route_without_body(self.subset_hint)
         return [messages.request_headers_response(
-            [(messages.DESTINATION_ENDPOINT_HEADER, target.hostport), (REQUEST_ID_HEADER, self.request_id)],
+            [(messages.DESTINATION_ENDPOINT_HEADER, target.hostport), (REQUEST_ID_HEADER, self.request_id),
+             *self.trace.routed((target,))],
             destination=target.hostport)]
 
     async def on_request_body(self, msg: pb.HttpBody) -> list[pb.ProcessingResponse]:
@@ -149,18 +159,25 @@ class _Stream:
     async def _schedule(self, *, end_of_stream: bool) -> list[pb.ProcessingResponse]:
         body = b"".join(self.body_parts)
         self.body_parts = []
-        request, forwarded = self.service.parser.parse(
-            request_id=self.request_id, headers=self.headers, body=body, subset_hint=self.subset_hint)
+        trace = self.trace
+        with trace.step("epp.parse"):
+            request, forwarded = self.service.parser.parse(
+                request_id=self.request_id, headers=self.headers, body=body, subset_hint=self.subset_hint)
+        trace.parsed(request)
         life = self.life
-        targets = (await life.schedule(request, len(body))).targets
+        result = await life.schedule(request, len(body))
+        targets = result.targets
         destination = ",".join(ep.hostport for ep in targets)
-        set_headers = [(messages.DESTINATION_ENDPOINT_HEADER, destination), (REQUEST_ID_HEADER, self.request_id)]
+        set_headers = [(messages.DESTINATION_ENDPOINT_HEADER, destination), (REQUEST_ID_HEADER, self.request_id),
+                       *trace.routed(targets, result.primary_profile)]
         if forwarded:
             set_headers.append(("Content-Length", str(len(forwarded))))
         # Headers the pre-request hooks set (the prefiller's ip:port, say); routing headers stay ours.
         set_headers.extend((k, v) for k, v in life.state.request_headers().items()
                            if k not in (messages.DESTINATION_ENDPOINT_HEADER, REQUEST_ID_HEADER))
         replies = [messages.request_headers_response(set_headers, destination=destination)]
+        if self.service.emit_endpoint_scores and (scores := endpoint_scores_of(life.state)) is not None:
+            messages.set_lb_metadata(replies[0], ENDPOINT_SCORES_KEY, scores)
         replies.extend(messages.request_body_response(piece, eos)
                        for piece, eos in messages.streamed_body_chunks(forwarded, end_of_stream=end_of_stream))
         self.rewriter = ResponseRewriter(request.model, request.target_model)
@@ -179,6 +196,7 @@ class _Stream:
         response.streaming = "text/event-stream" in headers.get("content-type", "") or bool(
             life.request and life.request.stream)
         body_sent = self.response_body_sent
+        self.trace.response_started(response.status)
         life.response_headers(first_token_follows=body_sent)
         # The body is rewritten (its length may change) only when the picker is shown it.
         remove = ["content-length"] if body_sent and self.rewriter is not None and self.rewriter.active else []
@@ -194,6 +212,7 @@ class _Stream:
         if response.streaming or self.passthrough:
             if life.awaiting_first_token and carries_token(chunk):
                 life.first_token()
+                self.trace.first_token()
             if self.rewriter is not None:
                 chunk = self.rewriter.rewrite(chunk)
             if response.streaming and response.usage is None and b"usage" in chunk:
@@ -258,8 +277,13 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
     """`envoy.service.ext_proc.v3.ExternalProcessor` implemented as the GIE endpoint picker."""
 
     def __init__(self, director: Director, parser: RequestParser, metrics: EppMetrics, *,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, limits: Limits | None = None) -> None:
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, limits: Limits | None = None,
+                 emit_endpoint_scores: bool = False, tracing: RequestTracing | None = None) -> None:
         self.director = director
+        # The pick's scores in the headers reply's `envoy.lb` metadata (the scheduler records them).
+        self.emit_endpoint_scores = emit_endpoint_scores
+        # None: tracing is off, and every stream's trace is NO_TRACE (nothing is done per request).
+        self.tracing = tracing
         # Request and token metrics of every stream; label children cached across requests.
         self.accounting = RequestAccounting(metrics)
         self.parser = parser
@@ -299,6 +323,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
 
     async def Process(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         stream = _Stream(self)
+        if self.tracing is not None:
+            stream.grpc_metadata = tuple(context.invocation_metadata() or ())
         metrics = self.metrics
         metrics.streams_active.inc()
         self.active_streams += 1
@@ -319,7 +345,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                 except InferenceError as err:
                     stream.rejected = True
                     stream.life.failed(err.code)
-                    replies = [messages.immediate_response(err.code.http_status, err.body)]
+                    stream.trace.failed(err.code, err.message)
+                    replies = [messages.error_response(err, stream.headers.get(":path"))]
                 except Exception as exc:
                     replies = self._on_failure(stream, req, exc)
                 for reply in replies:
@@ -329,7 +356,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
             if not stream.rejected:
                 err = InferenceError(ErrorCode.REQUEST_TIMEOUT,
                                      f"no request data for {self.limits.stream_idle_timeout_s:g} s")
-                await context.write(messages.immediate_response(err.code.http_status, err.body))
+                stream.trace.failed(err.code, err.message)
+                await context.write(messages.error_response(err, stream.headers.get(":path")))
         except DecodeError:
             # A message that is not a ProcessingRequest: one log line (throttled), no traceback.
             metrics.stream_errors.labels("bad_message").inc()
@@ -343,6 +371,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
             self.active_streams -= 1
             metrics.streams_active.dec()
             stream.life.complete(aborted=True)
+            stream.trace.end(stream.life.response)
 
     async def _refuse(self, context: grpc.aio.ServicerContext, stream: _Stream) -> None:
         """Answer a stream over the concurrency limit with 429 once its first message arrives."""
@@ -351,8 +380,10 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
         if first is grpc.aio.EOF:
             return
         err = InferenceError(ErrorCode.RESOURCE_EXHAUSTED,
-                             f"too many concurrent requests (limit {self.limits.max_concurrent_streams})")
-        await context.write(messages.immediate_response(err.code.http_status, err.body))
+                             f"too many concurrent requests (limit {self.limits.max_concurrent_streams})",
+                             drop_reason=DropReason.SATURATED)
+        path = _header_map(first.request_headers.headers).get(":path") if first.HasField("request_headers") else None
+        await context.write(messages.error_response(err, path))
 
     def _on_failure(self, stream: _Stream, req: pb.ProcessingRequest, exc: Exception) -> list[pb.ProcessingResponse]:
         """An unexpected error: a request gets 500; a response is passed through, never replaced."""
@@ -365,8 +396,9 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
         log_failure(log, logging.ERROR, "ext_proc stream failed (request id %s)", exc, stream.request_id)
         self.metrics.stream_errors.labels("internal").inc()
         stream.rejected = True
-        return [messages.immediate_response(
-            500, InferenceError(ErrorCode.INTERNAL, "internal error while processing request").body)]
+        stream.trace.failed(ErrorCode.INTERNAL, "internal error while processing request")
+        return [messages.error_response(InferenceError(ErrorCode.INTERNAL, "internal error while processing request"),
+                                        stream.headers.get(":path"))]
 
     async def _dispatch(self, stream: _Stream, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         kind = req.WhichOneof("request")

@@ -8,7 +8,9 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 
+from epp.framework.errors import DROP_REASON_HEADER, InferenceError
 from epp.framework.headers import PREFILLER_HOST_PORT_HEADER
+from epp.request.error_body import error_body, is_anthropic_path
 
 # Some Envoy deployments cap streamed body messages at 64 KiB; GIE re-emits bodies in 62,000-byte pieces.
 BODY_CHUNK_LIMIT = 62_000
@@ -59,6 +61,11 @@ def request_headers_response(set_headers: Iterable[tuple[str, str]], *,
         response.dynamic_metadata.fields[LB_METADATA_NAMESPACE].struct_value.fields[
             DESTINATION_ENDPOINT_HEADER].string_value = destination
     return response
+
+
+def set_lb_metadata(response: pb.ProcessingResponse, key: str, value: str) -> None:
+    """Add a string under `envoy.lb` to a reply's dynamic metadata (`--emit-endpoint-scores`)."""
+    response.dynamic_metadata.fields[LB_METADATA_NAMESPACE].struct_value.fields[key].string_value = value
 
 
 def streamed_body_chunks(body: bytes, *, end_of_stream: bool = True,
@@ -116,8 +123,16 @@ def response_trailers_response() -> pb.ProcessingResponse:
     return _RESPONSE_TRAILERS
 
 
-def immediate_response(status: int, body: str) -> pb.ProcessingResponse:
-    """Answer the client directly with `status` and a plain-text body; the request goes nowhere."""
+def error_response(err: InferenceError, path: str | None) -> pb.ProcessingResponse:
+    """Answer the client directly with `err`; the request goes nowhere.
+
+    The body is JSON in the shape client libraries read (Anthropic's on the Messages API, else
+    OpenAI's); a dropped request (429, 503) says why in `x-llm-d-request-dropped-reason`.
+    """
+    headers = [("content-type", "application/json")]
+    reason = err.drop_reason
+    if reason is not None:
+        headers.append((DROP_REASON_HEADER, reason))
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=status), body=body.encode(),
-        headers=header_mutation([("content-type", "text/plain; charset=utf-8")])))
+        status=http_status_pb2.HttpStatus(code=err.code.http_status),
+        body=error_body(err, anthropic=is_anthropic_path(path)), headers=header_mutation(headers)))

@@ -13,12 +13,14 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2_grpc
-from prometheus_client import start_http_server
 
 from epp.config import LoadedConfig, load_config_or_default
 from epp.datalayer.freshness import freshness_window
 from epp.datalayer.objectives import ObjectivePriorities
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
+from epp.debug.explain import ExplainInput, explain
+from epp.debug.http import DebugRoutes, metrics_app, start_metrics_http
+from epp.debug.state import StateSnapshot, collect_state, server_summary
 from epp.framework.plugin import PluginContext, ResponseCompleteHook
 from epp.limits import Limits
 from epp.load_metrics import register_ledger_metrics
@@ -28,6 +30,7 @@ from epp.requestcontrol.director import Director
 from epp.server.extproc import DEFAULT_MAX_BODY_BYTES, ExtProcService
 from epp.server.health import HealthService
 from epp.server.tls import server_credentials
+from epp.tracing import RequestTracing
 
 if TYPE_CHECKING:
     from epp.datalayer.scraper import MetricsScraper
@@ -82,13 +85,23 @@ class ServeOptions:
     worker_peer_link: bool = True
     # With peers: each endpoint is scraped by one picker, which shares the page (False: all scrape all).
     shared_scrapes: bool = True
+    # The pick's scores in the headers reply's `envoy.lb` metadata: None (off), "totals" or "scorers".
+    emit_endpoint_scores: str | None = None
+    # GET /debug/state and POST /debug/explain on the metrics port (epp.debug).
+    enable_debug_endpoint: bool = False
+    # OpenTelemetry spans per request, exported as the OTEL_* environment says (epp.tracing).
+    tracing: bool = False
 
 
 class EppServer:
     """One running picker. `start()` binds every port; `stop()` drains in-flight streams."""
 
-    def __init__(self, options: ServeOptions, *, pipeline: LoadedConfig | None = None) -> None:
+    def __init__(self, options: ServeOptions, *, pipeline: LoadedConfig | None = None,
+                 tracing: RequestTracing | None = None) -> None:
         self.options = options
+        # Tracing given beforehand (tests: an in-memory exporter); else made at start with `options.tracing`.
+        self.tracing = tracing
+        self._owns_tracing = False
         self.metrics = EppMetrics(max_label_value_length=options.limits.max_label_value_length)
         self.endpoints = EndpointRegistry()
         self.context = PluginContext(metrics_registry=self.metrics.registry, endpoints=self.endpoints)
@@ -108,6 +121,7 @@ class EppServer:
         self.leader: Any = None
         self.peer: Any = None
         self._gc_pauses = GcPauseRecorder(self.metrics)
+        self.parser: RequestParser | None = None
 
     def is_ready(self) -> bool:
         """Ready once discovery produced endpoints (and, with leader election, while leader), until shutdown."""
@@ -133,7 +147,8 @@ class EppServer:
         objectives = dict(pipeline.objectives)
         # Static objectives from the config; Kubernetes discovery layers InferenceObjectives over them.
         self.objectives = ObjectivePriorities(objectives)
-        freshness = freshness_window(opts.refresh_metrics_interval_s) if opts.scrape_metrics else None
+        scraping = opts.scrape_metrics and pipeline.scrape is not None
+        freshness = freshness_window(opts.refresh_metrics_interval_s) if scraping else None
         self.director = Director(pipeline, self.endpoints, self.metrics, server_hooks=(self._accounting(),),
                                  use_subset_hint=not opts.disable_endpoint_subset_filter,
                                  metrics_freshness_s=freshness, ledger=self.context.load)
@@ -153,11 +168,18 @@ class EppServer:
                 await self.peer.start()
             except OSError as exc:
                 raise BindError(str(exc)) from None
+        if opts.tracing and self.tracing is None:
+            self.tracing, self._owns_tracing = RequestTracing.from_environment(), True
         limits = opts.limits
-        parser = RequestParser(objectives, max_json_depth=limits.max_json_depth)
+        parser = RequestParser(objectives, max_json_depth=limits.max_json_depth,
+                               max_prompt_chars=limits.max_prompt_chars)
         parser.objective_priorities = self.objectives  # a live view: InferenceObjectives change at run time
+        self.parser = parser
+        if opts.emit_endpoint_scores is not None:
+            pipeline.scheduler.record_scores(detailed=opts.emit_endpoint_scores == "scorers")
         service = ExtProcService(self.director, parser, self.metrics, max_body_bytes=opts.max_body_bytes,
-                                 limits=limits)
+                                 limits=limits, emit_endpoint_scores=opts.emit_endpoint_scores is not None,
+                                 tracing=self.tracing)
         # Large bodies arrive in Envoy-sized pieces; the cap on whole messages only needs headroom.
         grpc_options = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
                         ("grpc.max_send_message_length", 64 * 1024 * 1024)]
@@ -176,9 +198,10 @@ class EppServer:
                                  "--grpc-health-port")
         await self._grpc.start()
         await self._health.start()
+        debug = self._debug_routes() if opts.enable_debug_endpoint else None
         try:
-            self._metrics_http, _thread = start_http_server(0 if worker else opts.metrics_port, private_host,
-                                                            registry=self.metrics.registry)
+            self._metrics_http = start_metrics_http(private_host, 0 if worker else opts.metrics_port,
+                                                    metrics_app(self.metrics.registry, debug))
         except OSError as exc:
             raise BindError(f"cannot listen on {opts.bind_address}:{opts.metrics_port} (--metrics-port): "
                             f"{exc.strerror or exc}") from None
@@ -188,6 +211,21 @@ class EppServer:
             lambda: sum(1 for ep in self.endpoints.snapshot() if ep.healthy))
         log.info("epp serving ext_proc on :%d, health on :%d, metrics on :%d, %d endpoint(s)",
                  self.grpc_port, self.health_port, self.metrics_port, len(self.endpoints))
+
+    def _debug_routes(self) -> DebugRoutes:
+        """The `/debug` routes, run on this server's event loop."""
+        assert self.pipeline is not None and self.director is not None and self.parser is not None
+        pipeline, director, parser = self.pipeline, self.director, self.parser
+
+        async def state() -> StateSnapshot:
+            summary = server_summary(pipeline, ready=self.is_ready(), draining=self.draining)
+            return collect_state(pipeline, self.endpoints, director.ledger,
+                                 freshness_s=director.metrics_freshness_s, server=summary)
+
+        async def explained(given: ExplainInput) -> dict[str, Any]:
+            return await explain(director, parser, given)
+
+        return DebugRoutes(asyncio.get_running_loop(), state, explained)
 
     @property
     def scraper(self) -> MetricsScraper | None:
@@ -210,15 +248,18 @@ class EppServer:
         return self.accounting
 
     async def _start_discovery(self) -> None:
-        from epp.server.pipeline import start_data_layer
+        from epp.server.datalayer_startup import start_data_layer
 
         sharing = self.peer if self.peer is not None and self.options.shared_scrapes else None
+        scrape = self.pipeline.scrape if self.pipeline is not None else None
         self._background.extend(await start_data_layer(self.options, self.endpoints, self.metrics, self.objectives,
-                                                       sharing=sharing))
+                                                       sharing=sharing, scrape=scrape))
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop taking new streams, let in-flight ones finish within `grace` seconds, then stop all."""
         self.draining = True
+        if self.pipeline is not None and self.pipeline.flow_controller is not None:
+            self.pipeline.flow_controller.close()  # queued requests are answered now, not cut off after the drain
         if self.leader is not None:  # hand the lease over first: a standby becomes ready meanwhile
             await self.leader.stop()
         grace = self.options.grace_period_s if grace is None else grace
@@ -237,6 +278,8 @@ class EppServer:
             self._metrics_http.server_close()
         if self._gc_pauses in gc.callbacks:
             gc.callbacks.remove(self._gc_pauses)
+        if self._owns_tracing and self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # exports the spans still pending
 
     async def wait(self) -> None:
         if self._grpc is not None:
@@ -288,7 +331,8 @@ def freeze_startup_heap() -> None:
     """Keep what start-up allocated (modules, config, plugins, indexes) out of every later garbage collection.
 
     It lives as long as the process; without this each full collection walks all of it again
-    (1-12 % of the CPU per routed request in bench/extproc_cpu.py, bench/README.md). Only for
+    (1-12 % of the CPU per routed request in bench/extproc_cpu.py:
+    bench/notes/2026-12-cost-and-pickers-issue14-round2-s4-s6.md, "A quiet machine"). Only for
     processes that serve until they exit: a reference cycle among frozen objects is never collected.
     """
     gc.collect()

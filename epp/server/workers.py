@@ -28,6 +28,8 @@ import grpc
 from aiohttp import web
 from grpc_health.v1 import health_pb2_grpc
 
+from epp.debug.http import MAX_EXPLAIN_BYTES
+from epp.debug.supervisor import add_debug_routes
 from epp.server.event_loop import run_event_loop
 from epp.server.health import HealthService
 from epp.server.metrics_merge import merge_pages
@@ -203,9 +205,10 @@ class WorkerSupervisor:
         await self._health.start()
         # Within Prometheus' default scrape timeout (10 s), with room for a loaded worker.
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
-        app = web.Application()
+        app = web.Application(client_max_size=MAX_EXPLAIN_BYTES)
         app.router.add_get("/metrics", self._serve_metrics)
         app.router.add_get("/", self._serve_metrics)
+        add_debug_routes(app, self.workers, self._http, enabled=opts.enable_debug_endpoint)
         self._metrics_runner = web.AppRunner(app, access_log=None)
         await self._metrics_runner.setup()
         site = web.TCPSite(self._metrics_runner, opts.bind_address, opts.metrics_port)

@@ -4,7 +4,7 @@
   token-id prompts are used as they are; a list of prompts routes by its first one.
 - Chat: messages are rendered with the model's chat template (`add_generation_prompt` true by
   default) and tokenized without adding special tokens (vLLM's chat default), since the template
-  writes them itself.
+  writes them itself. Anthropic Messages bodies are mapped onto chat messages as vLLM does first.
 - Prompts longer than `offload_chars` are rendered and tokenized in a worker thread (the
   `tokenizers` batch call releases the GIL), so the event loop never stalls on a 256 KB prompt.
 A model directory holds `tokenizer.json` and `tokenizer_config.json` (chat template, special
@@ -22,6 +22,7 @@ import json
 import logging
 import threading
 import time
+from array import array
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,10 +33,13 @@ from tokenizers import Tokenizer
 
 from epp.framework.metrics import once_per_registry
 from epp.framework.types import ApiKind, InferenceRequest
-from epp.tokenization.chat_template import ChatTemplate
+from epp.tokenization.chat_template import ChatTemplate, anthropic_chat_body
 from epp.tokenization.prefix_cache import TokenizationCache
+from epp.tokenization.prefix_store import PrefixStoreMetrics
 
 log = logging.getLogger(__name__)
+# APIs whose prompt is rendered by the chat template.
+_CHAT_APIS = frozenset({ApiKind.CHAT_COMPLETIONS, ApiKind.MESSAGES})
 
 class TokenizationMetrics:
     """Cache outcomes, reused tokens, tokens held, and tokenizations by where they ran."""
@@ -50,6 +54,8 @@ class TokenizationMetrics:
                             ["where"], **kw)
         self.failures = Counter(f"{prefix}_failures", "Prompts that could not be tokenized, by reason",
                                 ["reason"], **kw)
+        # The caches' storage: bytes held, evictions (the outcomes above are the tokenization's own).
+        self.store = PrefixStoreMetrics(registry, f"{prefix}_cache_store")
 
     def outcome(self, outcome: str, reused: int) -> None:
         self.outcomes.labels(outcome).inc()
@@ -90,8 +96,8 @@ class ModelTokenizer:
         mask = probe.special_tokens_mask
         first = mask.index(0) if 0 in mask else len(mask)
         last = len(mask) - mask[::-1].index(0) if 0 in mask else len(mask)
-        self.special_prefix = list(probe.ids[:first])
-        self.special_suffix = list(probe.ids[last:])
+        self.special_prefix = array("I", probe.ids[:first])
+        self.special_suffix = array("I", probe.ids[last:])
 
     def _raw(self, text: str):
         # encode_batch releases the GIL, so other threads (and the event loop) keep running.
@@ -99,7 +105,7 @@ class ModelTokenizer:
         offsets = enc.offsets
         return enc.ids, [o[0] for o in offsets], [o[1] for o in offsets]
 
-    def encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
+    def encode_text(self, text: str, add_special_tokens: bool) -> array:
         """Token ids of a text as vLLM computes them, through the tokenization cache."""
         ids = self.cache.encode(text, self._raw)
         if add_special_tokens and (self.special_prefix or self.special_suffix):
@@ -120,7 +126,7 @@ class ModelTokenizer:
             chat_template_kwargs=kwargs if isinstance(kwargs, Mapping) else None,
         )
 
-    def encode_chat(self, body: Mapping[str, Any]) -> list[int]:
+    def encode_chat(self, body: Mapping[str, Any]) -> array:
         """Token ids of a chat request (vLLM: `add_special_tokens` false unless the body says so)."""
         return self.encode_text(self.render_chat(body), bool(body.get("add_special_tokens", False)))
 
@@ -144,6 +150,8 @@ class TokenizerPool:
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="epp-tokenize")
         self.metrics.cached_tokens.set_function(
             lambda: sum(t.cache.tokens for t in list(self._tokenizers.values())))
+        self.metrics.store.bind(lambda: sum(t.cache.bytes for t in list(self._tokenizers.values())),
+                                lambda: sum(len(t.cache) for t in list(self._tokenizers.values())))
 
     def _dir_for(self, model: str) -> tuple[str, Path] | None:
         if model in self.model_dirs:
@@ -166,7 +174,7 @@ class TokenizerPool:
             if failed is not None and time.monotonic() - failed < self.retry_s:
                 return None
             cache = TokenizationCache(self.cache_tokens, min_chars=self.cache_min_chars,
-                                      on_outcome=self.metrics.outcome)
+                                      on_outcome=self.metrics.outcome, store_metrics=self.metrics.store)
             try:
                 tok = ModelTokenizer(path, cache)
             except Exception as exc:  # noqa: BLE001 - missing/corrupt files: serve on without this tokenizer
@@ -187,16 +195,20 @@ class TokenizerPool:
         for model in self.model_dirs:
             await loop.run_in_executor(self._executor, self.load, model)
 
-    def _tokenize_sync(self, request: InferenceRequest) -> list[int] | None:
+    def _tokenize_sync(self, request: InferenceRequest) -> Sequence[int] | None:
         tok = self.load(request.target_model)
         if tok is None:
             unavailable = self._dir_for(request.target_model) is not None
             self.metrics.failures.labels("tokenizer_unavailable" if unavailable else "no_tokenizer").inc()
             return None
-        if request.api is ApiKind.CHAT_COMPLETIONS:
-            if tok.chat_template is None:
+        if request.api in _CHAT_APIS:
+            template = tok.chat_template
+            if template is None:
                 self.metrics.failures.labels("no_chat_template").inc()
                 return None
+            if request.api is ApiKind.MESSAGES:
+                return tok.encode_chat(anthropic_chat_body(
+                    request.body, merge_inline_system=not template.accepts_inline_system))
             return tok.encode_chat(request.body)
         prompt = request.prompt
         if isinstance(prompt, list) and prompt:
@@ -206,14 +218,15 @@ class TokenizerPool:
             return tok.encode_text(prompt, add_special)
         return None
 
-    async def tokenize(self, request: InferenceRequest) -> list[int] | None:
-        """The prompt token ids vLLM will see for `request`, or None when we cannot know them."""
+    async def tokenize(self, request: InferenceRequest) -> Sequence[int] | None:
+        """The prompt token ids vLLM will see for `request` (an `array("I")` when tokenized here), or None."""
         direct = token_ids_of(request)
         if direct is not None:
             return direct
-        if request.api not in (ApiKind.COMPLETIONS, ApiKind.CHAT_COMPLETIONS):
+        if request.api is not ApiKind.COMPLETIONS and request.api not in _CHAT_APIS:
             return None
-        size = _prompt_chars(request)
+        # The parser's count (role names included) when it made one: a walk of the messages saved.
+        size = request.prompt_chars if request.prompt_chars is not None else _prompt_chars(request)
         loaded = self._dir_for(request.target_model)
         cold = loaded is not None and loaded[0] not in self._tokenizers
         try:
@@ -246,7 +259,7 @@ def token_ids_of(request: InferenceRequest) -> list[int] | None:
 
 
 def _prompt_chars(request: InferenceRequest) -> int:
-    if request.api is ApiKind.CHAT_COMPLETIONS:
+    if request.api in _CHAT_APIS:
         total = 0
         for message in request.messages or ():
             content = message.get("content") if isinstance(message, Mapping) else None

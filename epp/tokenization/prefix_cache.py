@@ -1,37 +1,43 @@
 """Incremental tokenization: reuse the tokens of a cached prompt that the new prompt extends.
 
 A multi-turn conversation re-sends the whole history each turn; tokenizing only the new suffix
-makes that cheap. BPE merges and pre-tokenizer rules may cross the join, so the reuse stops a
+makes that cheap (and a turn that changes the end of the last one, a regenerated answer, reuses
+what comes before). BPE merges and pre-tokenizer rules may cross the join, so the reuse stops a
 few tokens before the end of the cached text (`drop_tokens`), the text from a further
 `overlap_tokens` back is re-tokenized, and the result is accepted only when the window's
 tokens agree with the cached ones on the overlap and both put a token boundary at the cut;
 otherwise the whole prompt is tokenized. Property tests check equality with full tokenization.
 
-Entries are found by a hash of their first `anchor_chars` characters; the cache is an LRU
-bounded by the total number of tokens held, and is thread-safe (tokenization runs in threads).
+Entries live in a `PrefixStore` keyed by the text's UTF-8 bytes (found for any text that starts
+with one, however many conversations share a head), charged what they hold (the text's bytes
+and 12 bytes a token) against `capacity_tokens` x `BYTES_PER_TOKEN` bytes; a turn's entry
+replaces the previous turn's, so a conversation holds one. Thread-safe (tokenization runs in threads).
+Token ids come back as `array("I")`: a 50,000-token prompt is never turned into Python ints.
 """
 
 from __future__ import annotations
 
 import threading
 from array import array
-from collections import OrderedDict
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import xxhash
+from epp.tokenization.prefix_store import PrefixStore, PrefixStoreMetrics, Stored
 
 # raw encoder: text -> (ids, char starts, char ends), without special tokens added
 RawEncoder = Callable[[str], tuple[Sequence[int], Sequence[int], Sequence[int]]]
+# The byte budget per token of `capacity_tokens`: its id, start and end (uint32 each) and ~4 bytes of text.
+BYTES_PER_TOKEN = 16
+_ARRAY_BYTES_PER_TOKEN = 12
 
 
 @dataclass(slots=True)
-class _Entry:
-    text: str
+class _Tokens:
     ids: array
     starts: array
     ends: array
-    anchor: int
+    chars: int  # of the text they tokenize
 
 
 @dataclass
@@ -46,52 +52,69 @@ class CacheStats:
 
 
 class TokenizationCache:
-    """LRU of past tokenizations, bounded by `capacity_tokens`; reuses them for extensions."""
+    """Past tokenizations, bounded by `capacity_tokens`; reuses them for texts that extend them."""
 
     def __init__(self, capacity_tokens: int = 4_000_000, *, min_chars: int = 512, anchor_chars: int = 256,
                  drop_tokens: int = 8, overlap_tokens: int = 16, min_agree: int = 4, bucket_size: int = 32,
-                 on_outcome: Callable[[str, int], None] | None = None) -> None:
+                 on_outcome: Callable[[str, int], None] | None = None,
+                 store_metrics: PrefixStoreMetrics | None = None) -> None:
         self.capacity_tokens = capacity_tokens
         self.min_chars = max(min_chars, anchor_chars)
-        self.anchor_chars = anchor_chars
         self.drop_tokens = drop_tokens
         self.overlap_tokens = overlap_tokens
         self.min_agree = min_agree
-        self.bucket_size = bucket_size
         self.stats = CacheStats()
         self._on_outcome = on_outcome or (lambda outcome, reused: None)
-        self._lock = threading.Lock()
-        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # id(entry) -> entry, LRU order
-        self._by_anchor: dict[int, list[_Entry]] = {}
+        self._store: PrefixStore[_Tokens] = PrefixStore(
+            capacity_tokens * BYTES_PER_TOKEN, min_bytes=anchor_chars, bucket_size=bucket_size,
+            metrics=store_metrics, on_evict=self._evicted)
         self._tokens = 0
+        self._count_lock = threading.Lock()
 
     @property
     def tokens(self) -> int:
         """Tokens held now."""
         return self._tokens
 
-    def __len__(self) -> int:
-        return len(self._entries)
+    @property
+    def bytes(self) -> int:
+        """Bytes charged for what is held now."""
+        return self._store.bytes
 
-    def encode(self, text: str, raw: RawEncoder) -> list[int]:
+    def __len__(self) -> int:
+        return len(self._store)
+
+    def _evicted(self, entry: Stored[_Tokens]) -> None:
+        with self._count_lock:
+            self._tokens -= len(entry.value.ids)
+
+    def encode(self, text: str, raw: RawEncoder) -> array:
         """Token ids of `text` (as `raw` would give them), reusing a cached prefix when possible."""
         if len(text) < self.min_chars:
-            return list(raw(text)[0])
-        anchor = xxhash.xxh64_intdigest(text[: self.anchor_chars].encode())
-        base = self._find(text, anchor)
-        if base is not None and len(base.text) == len(text):
-            self._outcome("full_hit", len(base.ids))
-            return base.ids.tolist()
-        result = self._extend(text, base, raw) if base is not None else None
+            return array("I", raw(text)[0])
+        data = text.encode("utf-8", "surrogatepass")
+        found = self._store.find(data)
+        base = None if found is None else found[0]
+        result = None
+        if found is not None:
+            entry, shared = found
+            if shared == len(data) == len(entry.data):
+                self._outcome("full_hit", len(entry.value.ids))
+                return entry.value.ids[:]  # a copy: the cached ids are never handed out
+            # Characters of the shared head (a character cut at its end is not shared).
+            chars = entry.value.chars if shared == len(entry.data) else len(data[:shared].decode("utf-8", "ignore"))
+            result = self._extend(text, entry.value, chars, raw)
         if result is None:
             ids, starts, ends = raw(text)
-            ids, starts, ends = array("I", ids), array("I", starts), array("I", ends)
+            tokens = _Tokens(array("I", ids), array("I", starts), array("I", ends), len(text))
             self._outcome("miss" if base is None else "fallback", 0)
         else:
-            ids, starts, ends, reused = result
+            tokens, reused = result
             self._outcome("prefix_hit", reused)
-        self._store(_Entry(text, ids, starts, ends, anchor))
-        return ids.tolist()
+        if self._store.put(data, tokens, len(tokens.ids) * _ARRAY_BYTES_PER_TOKEN, supersedes=base) is not None:
+            with self._count_lock:
+                self._tokens += len(tokens.ids)
+        return tokens.ids[:]
 
     def _outcome(self, outcome: str, reused: int) -> None:
         if outcome == "full_hit":
@@ -105,21 +128,11 @@ class TokenizationCache:
         self.stats.reused_tokens += reused
         self._on_outcome(outcome, reused)
 
-    def _find(self, text: str, anchor: int) -> _Entry | None:
-        with self._lock:
-            best = None
-            for entry in self._by_anchor.get(anchor, ()):
-                if len(entry.text) <= len(text) and (best is None or len(entry.text) > len(best.text)) \
-                        and text.startswith(entry.text):
-                    best = entry
-            if best is not None:
-                self._entries.move_to_end(id(best))
-            return best
-
-    def _extend(self, text: str, base: _Entry, raw: RawEncoder):
-        n = len(base.ids)
+    def _extend(self, text: str, base: _Tokens, shared_chars: int, raw: RawEncoder) -> tuple[_Tokens, int] | None:
+        """The tokens of `text` from those of `base`, whose first `shared_chars` characters it repeats, or None."""
         starts, ends = base.starts, base.ends
-        ip = n - self.drop_tokens
+        # The base's tokens that end inside the shared head, less the last few (merges may cross the join).
+        ip = bisect_right(ends, shared_chars) - self.drop_tokens
         while ip > 0 and ends[ip - 1] > starts[ip]:  # never cut inside a character
             ip -= 1
         iq = ip - self.overlap_tokens
@@ -146,28 +159,4 @@ class TokenizationCache:
         new_starts.extend(s + q for s in w_starts[j:])
         new_ends = base.ends[:ip]
         new_ends.extend(e + q for e in w_ends[j:])
-        return ids, new_starts, new_ends, ip
-
-    def _store(self, entry: _Entry) -> None:
-        size = len(entry.ids)
-        if size > self.capacity_tokens:
-            return
-        with self._lock:
-            # Older turns stay: other conversations may extend the same shared prefix.
-            bucket = self._by_anchor.setdefault(entry.anchor, [])
-            bucket.append(entry)
-            self._entries[id(entry)] = entry
-            self._tokens += size
-            if len(bucket) > self.bucket_size:  # bounds the cost of a lookup
-                self._remove(bucket[0])
-            while self._tokens > self.capacity_tokens:
-                self._remove(next(iter(self._entries.values())))
-
-    def _remove(self, entry: _Entry) -> None:
-        self._entries.pop(id(entry), None)
-        bucket = self._by_anchor.get(entry.anchor)
-        if bucket is not None:
-            bucket.remove(entry)
-            if not bucket:
-                del self._by_anchor[entry.anchor]
-        self._tokens -= len(entry.ids)
+        return _Tokens(ids, new_starts, new_ends, len(text)), ip

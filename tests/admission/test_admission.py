@@ -29,7 +29,7 @@ from epp.requestcontrol.admission import SHED_MESSAGE, SaturationAdmitter
 from epp.requestcontrol.director import Director
 from epp.scorers import register_builtin_plugins
 from epp.scorers.saturation import UtilizationDetector
-from tests.configs import endpoint_picker_config
+from tests.support.configs import endpoint_picker_config
 
 
 def endpoints(*queues: int) -> list[Endpoint]:

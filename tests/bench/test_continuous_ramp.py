@@ -9,7 +9,7 @@ from aiohttp import web
 
 from bench.routing.loadgen import Stage, drain_inflight, run_stage
 from bench.routing.workloads import NoSharing
-from tests.backends import completions_backend
+from tests.support.backends import completions_backend
 
 
 async def test_stages_do_not_wait_for_in_flight_requests_and_the_end_drains_them():

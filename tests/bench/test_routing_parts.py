@@ -13,7 +13,7 @@ from bench.routing.loadgen import Stage, build_ahead, ramp, run_stage, send_time
 from bench.routing.measure import counter_sum, histogram, percentile
 from bench.routing.oracle import belady_hits, oracle_hits, prompt_token_ids
 from bench.routing.workloads import Agentic, MultiTurn, NoSharing, SharedPrefix
-from tests.backends import completions_backend
+from tests.support.backends import completions_backend
 
 
 def test_workloads_are_reproducible_from_their_seed():

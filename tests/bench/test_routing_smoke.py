@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from bench.routing.contenders import CONTENDERS, peers_venv
 from bench.routing.report import write_report
 from bench.routing.runner import ContenderResult, run_contender, run_scenario
 from bench.routing.scenarios import get_scenario
+from tests.support.require import under_ci
 
 # The module fixture runs every contender once (~4 s each) inside the first test: its limit grows with the list.
 pytestmark = [pytest.mark.envoy, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -31,7 +31,7 @@ def _peers_installed() -> bool:
 def smoke(tmp_path_factory) -> tuple[dict[str, ContenderResult], Path]:
     out = tmp_path_factory.mktemp("routing-smoke")
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)  # peers' HTTP/2 probes
-    names = [n for n, c in CONTENDERS.items() if not c.is_peer or _peers_installed() or os.environ.get("CI")]
+    names = [n for n, c in CONTENDERS.items() if not c.is_peer or _peers_installed() or under_ci()]
     scenario = get_scenario("shared-prefix", "tiny")
     results = asyncio.run(run_scenario(scenario, names, out, progress=False, keep_raw=False))
     write_report(scenario, results, out, "pytest smoke", "now")

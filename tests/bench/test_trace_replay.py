@@ -21,7 +21,7 @@ from bench.routing.oracle import prompt_token_ids
 from bench.routing.runner import run_scenario
 from bench.routing.scenarios import get_scenario
 from bench.routing.traces import TraceFormatError, TraceReplay, conversations, load_trace
-from tests.backends import completions_backend
+from tests.support.backends import completions_backend
 
 
 def write_trace(path: Path, rows: list[dict]) -> str:

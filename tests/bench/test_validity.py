@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 
 import pytest
 
@@ -21,6 +20,7 @@ from bench.routing.report import summary_row, write_report
 from bench.routing.runner import ContenderResult, StageSummary, run_scenario
 from bench.routing.scenarios import get_scenario
 from bench.routing.validity import check, metric_sum
+from tests.support.require import under_ci
 
 
 def _result(name: str, metrics: dict[str, float], requests: int = 100, oracle: float = 0.5) -> ContenderResult:
@@ -105,7 +105,7 @@ def _peers_installed() -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _peers_installed() and not os.environ.get("CI"),
+@pytest.mark.skipif(not _peers_installed() and not under_ci(),
                     reason="peer routers not installed (run bench/setup-peers)")
 def test_kv_aware_is_valid_on_the_empty_topic_and_caught_invalid_on_another(tmp_path, monkeypatch):
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)

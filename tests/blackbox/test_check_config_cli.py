@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.configs import endpoint_picker_config, objectives, plugin
+from tests.support.configs import endpoint_picker_config, objectives, plugin
 
 EPP = Path(sys.executable).with_name("epp")
 
@@ -82,9 +82,9 @@ INVALID = [
      VALID.replace("priority: -1", "priority: low"),
      "objectives[0].priority: must be an integer (negative = sheddable), got 'low'"),
     ("apiVersion",
-     VALID.replace("x-k8s.io/v1alpha1", "x-k8s.io/v9"),
-     ("apiVersion: unsupported apiVersion 'inference.networking.x-k8s.io/v9'; "
-      "allowed: inference.networking.x-k8s.io/v1alpha1")),
+     VALID.replace("llm-d.ai/v1alpha1", "llm-d.ai/v9"),
+     ("apiVersion: unsupported apiVersion 'llm-d.ai/v9'; "
+      "allowed: llm-d.ai/v1alpha1, inference.networking.x-k8s.io/v1alpha1")),
 ]
 
 

@@ -24,10 +24,11 @@ from aiohttp import web
 
 from epp.datalayer.registry import EndpointSpec
 from epp.envoy import EnvoyProcess, render_config
-from tests.backends import EchoBackend
-from tests.blackbox.pods import start_picker, wait_until
-from tests.conftest import free_port
-from tests.datalayer.vllm_page import VllmState, vllm_metrics_page
+from tests.support.backends import EchoBackend
+from tests.support.pods import start_picker
+from tests.support.ports import free_port
+from tests.support.vllm_metrics import VllmState, vllm_metrics_page
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.envoy
 

@@ -11,15 +11,17 @@ import json
 
 import pytest
 
-from tests.blackbox.calls import gie_body, immediate, route
-from tests.blackbox.pods import FakeVllmPod, start_picker, start_pods, wait_for_scraped
-from tests.configs import gie_test_config, objectives
-from tests.extproc_support import (
+from tests.support.configs import gie_test_config, objectives
+from tests.support.extproc import (
     ExtProcClient,
+    gie_body,
+    immediate,
     request_body,
     request_headers,
+    route,
     subset_metadata,
 )
+from tests.support.pods import FakeVllmPod, start_picker, start_pods, wait_for_scraped
 
 # GIE's integration-test config: queue + kv + prefix + lora at weight 1, max-score picker.
 # `critical` is a non-sheddable objective (priority 2), as in "no shedding at priority 2";

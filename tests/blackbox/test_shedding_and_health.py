@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from tests.blackbox.calls import gie_body, immediate, route
-from tests.blackbox.pods import start_picker, start_pods, wait_for_scraped, wait_until
-from tests.configs import endpoint_picker_config, objectives, plugin
-from tests.extproc_support import ExtProcClient, request_body, request_headers
+from tests.support.configs import endpoint_picker_config, objectives, plugin
+from tests.support.extproc import (
+    ExtProcClient,
+    drop_reason_of,
+    error_of,
+    gie_body,
+    immediate,
+    request_body,
+    request_headers,
+    route,
+)
+from tests.support.pods import start_picker, start_pods, wait_for_scraped
+from tests.support.wait import wait_until
 
 # Staleness is widened from GIE's 200 ms to 1 s so that a busy test machine (the scraper shares
 # the event loop with the gRPC server) cannot make a healthy pool look saturated.
@@ -43,8 +52,9 @@ async def test_sheddable_request_gets_429_only_while_the_pool_is_saturated(pool)
     for pod in pods:
         pod.set(6, .9)
     await wait_for_scraped(server, pods)
-    status_body = await immediate(client, [request_headers(extra=[BATCH]), request_body(gie_body("m"))])
-    assert status_body == SHED
+    [reply] = await client.exchange([request_headers(extra=[BATCH]), request_body(gie_body("m"))], expect=1)
+    assert error_of(reply) == SHED
+    assert drop_reason_of(reply) == "rejected-saturated"
     assert shed_count(server) == 1
     # Requests without a sheddable objective are still served.
     for extra in ([], [CRITICAL]):

@@ -11,7 +11,7 @@ import pytest
 
 from epp.cli import main
 from epp.netutil import free_ports
-from tests.configs import endpoint_picker_config
+from tests.support.configs import endpoint_picker_config
 
 EPP = [sys.executable, "-m", "epp.cli"]
 

@@ -1,7 +1,7 @@
 """`epp check-config FILE`: prints the resolved pipeline (exit 0) or the error (exit 1)."""
 
 from epp.config.check import check_config_main
-from tests.configs import endpoint_picker_config
+from tests.support.configs import endpoint_picker_config
 
 GOOD = endpoint_picker_config(["queue-scorer", "prefix-cache-scorer"], {"queue-scorer": 2, "prefix-cache-scorer": 3})
 

@@ -193,16 +193,18 @@ INVALID = [
     ("", "epp.yaml: the document is empty; expected an EndpointPickerConfig"),
     ("plugins: [\n", "epp.yaml: invalid YAML:"),
     ("- a\n", "epp.yaml: must be a mapping with fields ['apiVersion', 'kind', 'plugins', 'schedulingProfiles', "
-              "'saturationDetector', 'featureGates', 'dataLayer', 'parser', 'objectives', 'flowControl'], got list"),
+              "'featureGates', 'dataLayer', 'flowControl', 'requestHandler', 'saturationDetector', 'parser', "
+              "'objectives'], got list"),
     ("kind: EndpointPickerConfig\n", "epp.yaml: apiVersion: is required"),
     ("apiVersion: v1\nkind: EndpointPickerConfig\n",
-     "epp.yaml: apiVersion: unsupported apiVersion 'v1'; allowed: inference.networking.x-k8s.io/v1alpha1"),
+     "epp.yaml: apiVersion: unsupported apiVersion 'v1'; allowed: llm-d.ai/v1alpha1, "
+     "inference.networking.x-k8s.io/v1alpha1"),
     ("apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: Pod\n",
      "epp.yaml: kind: unsupported kind 'Pod'; allowed: EndpointPickerConfig"),
     (HEADER + "pluginz: []\n",
      "epp.yaml: pluginz: unknown field (did you mean 'plugins'?); allowed fields: apiVersion, kind, plugins, "
-     "schedulingProfiles, "
-     "saturationDetector, featureGates, dataLayer, parser, objectives"),
+     "schedulingProfiles, featureGates, dataLayer, flowControl, requestHandler, saturationDetector, parser, "
+     "objectives"),
     (HEADER + "plugins:\n- type: queue-scorer\n  weight: 2\n",
      "epp.yaml: plugins[0].weight: unknown field; allowed fields: name, type, parameters"),
     (HEADER + "plugins:\n- name: x\n", "epp.yaml: plugins[0].type: is required"),
@@ -256,8 +258,8 @@ INVALID = [
      "epp.yaml: schedulingProfiles: profile handler 'single-profile-handler': single-profile-handler requires "
      "exactly one scheduling profile, got 2: ['a', 'b']"),
     (HEADER + "featureGates: [flowcontrol]\n",
-     "epp.yaml: featureGates[0]: unknown feature gate 'flowcontrol'; allowed: flowControl, enableLegacyMetrics, "
-     "dataLayer"),
+     "epp.yaml: featureGates[0]: unknown feature gate 'flowcontrol'; allowed: flowControl, "
+     "haPopulateNonLeaderDatastore, enableLegacyMetrics, dataLayer"),
     (HEADER + "objectives:\n- {name: a, priority: high}\n",
      "epp.yaml: objectives[0].priority: must be an integer (negative = sheddable), got 'high'"),
     (HEADER + "objectives:\n- {name: a}\n- {name: a}\n",
@@ -267,7 +269,8 @@ INVALID = [
     (HEADER + P + "saturationDetector: {pluginRef: detector}\n",
      "epp.yaml: saturationDetector.pluginRef: unknown plugin 'detector'; defined plugins: queue-scorer"),
     (HEADER + P + "parser: {pluginRef: queue-scorer}\n",
-     "epp.yaml: parser.pluginRef: plugin 'queue-scorer' has type queue-scorer; allowed types: openai-parser"),
+     "epp.yaml: parser.pluginRef: plugin 'queue-scorer' has type queue-scorer; allowed types: openai-parser, "
+     "anthropic-parser, passthrough-parser"),
     (HEADER + P + "dataLayer:\n  sources:\n  - pluginRef: queue-scorer\n",
      "epp.yaml: dataLayer.sources[0].pluginRef: plugin 'queue-scorer' has type queue-scorer; allowed types: "
      "metrics-data-source"),

@@ -10,6 +10,8 @@ import textwrap
 from importlib.metadata import entry_points
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "outside_scorer"
 
@@ -59,6 +61,7 @@ def run(cmd, **kwargs):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, **kwargs)
 
 
+@pytest.mark.slow
 def test_outside_scorer_package_installs_and_schedules(tmp_path):
     source = tmp_path / "outside_scorer"
     shutil.copytree(EXAMPLE, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))

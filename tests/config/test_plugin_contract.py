@@ -17,7 +17,7 @@ from epp.framework import (
     once_per_registry,
 )
 from epp.scorers import register_builtin_plugins
-from tests.configs import endpoint_picker_config
+from tests.support.configs import endpoint_picker_config
 
 
 class ConstantScorer(Scorer):

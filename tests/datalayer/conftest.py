@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from .metrics_server import MetricsServer
+from bench.support.metrics_server import MetricsServer
 
 
 @pytest.fixture

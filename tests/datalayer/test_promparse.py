@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from epp.datalayer.promparse import parse_labels, parse_vllm_metrics
-
-from .vllm_page import VllmState, vllm_metrics_page
+from tests.support.vllm_metrics import VllmState, vllm_metrics_page
 
 
 def test_full_vllm_page_yields_every_field():
@@ -28,7 +27,7 @@ def test_full_vllm_page_yields_every_field():
 
 
 def test_similar_names_are_not_taken_for_the_wanted_ones():
-    # waiting_by_reason says 99/98 on the generated page; the plain gauge says 2.
+    # vllm:num_requests_waiting_by_reason (capacity 2, deferred 0) shares the wanted name's prefix.
     m = parse_vllm_metrics(vllm_metrics_page(VllmState(waiting=2)))
     assert m.waiting == 2
     page = "vllm:num_requests_waiting_by_reason{reason=\"capacity\"} 9\nvllm:num_requests_waitingX 8\n"

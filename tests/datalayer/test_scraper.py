@@ -10,20 +10,12 @@ from prometheus_client import CollectorRegistry
 
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
 from epp.datalayer.scraper import MetricsScraper
-
-from .vllm_page import VllmState, vllm_metrics_page
+from tests.support.vllm_metrics import VllmState, vllm_metrics_page
+from tests.support.wait import wait_until
 
 
 def spec_for(server, **labels) -> EndpointSpec:
     return EndpointSpec("127.0.0.1", server.port, labels)
-
-
-async def wait_until(predicate, timeout: float = 3.0, step: float = 0.01) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(step)
 
 
 def errors(metrics: CollectorRegistry, endpoint: str, reason: str) -> float:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections import Counter
 
 from epp.datalayer.registry import parse_endpoint_list
 from epp.server.runner import EppServer, ServeOptions
-from tests.datalayer.vllm_page import VllmState, vllm_metrics_page
-from tests.extproc_support import ExtProcClient, headers_of, request_body, request_headers
+from tests.support.extproc import ExtProcClient, headers_of, request_body, request_headers
+from tests.support.vllm_metrics import VllmState, vllm_metrics_page
+from tests.support.wait import wait_until
 
 BODY = json.dumps({"model": "tiny", "prompt": "hello"}).encode()
 
@@ -27,13 +27,6 @@ async def picks(client: ExtProcClient, count: int) -> Counter:
         replies = await client.exchange([request_headers(), request_body(BODY)], expect=2)
         seen[headers_of(replies[0].request_headers.response.header_mutation)["x-gateway-destination-endpoint"]] += 1
     return seen
-
-
-async def wait_until(condition, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 async def test_never_scraped_and_newly_hanging_endpoints_lose_their_share(metrics_servers):

@@ -25,7 +25,8 @@ from epp.kvevents.index import KVBlockIndex
 from epp.kvevents.metrics import KVIndexMetrics, KVSubscriberMetrics
 from epp.kvevents.subscriber import KVEventSubscriber, SubscriberConfig
 from epp.netutil import free_ports
-from tests.conftest import consecutive_free_ports
+from tests.support.ports import consecutive_free_ports
+from tests.support.wait import wait_until
 
 KB = 1024
 GPU_HOST = HostResources(mem_available_bytes=64 << 30, disk_free_bytes=lambda p: 1 << 40, platform="gpu")
@@ -34,14 +35,6 @@ BLOCK = 16
 
 def tokens_of(i: int) -> list[int]:
     return [1000 * (i + 1) + t for t in range(BLOCK)]
-
-
-async def until(predicate, what: str, timeout: float = 15.0) -> None:
-    for _ in range(int(timeout / 0.05)):
-        if predicate():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 async def until_ready(session: aiohttp.ClientSession, url: str, timeout: float = 30.0) -> None:
@@ -112,8 +105,8 @@ async def test_the_picker_stops_seeing_disk_blocks_the_planned_manager_deletes(t
         # down to 50 %. Before the fix nothing told the picker.
         for i in range(12):
             write_block(root, i, 10 * KB, age_s=1000 - i)
-        await until(lambda: sum(Tier.DISK not in index.tiers_of(k, "127.0.0.1:8000") for k in keys) >= 7,
-                    "the picker to drop the deleted disk blocks")
+        await wait_until(lambda: sum(Tier.DISK not in index.tiers_of(k, "127.0.0.1:8000") for k in keys) >= 7,
+                         "the picker to drop the deleted disk blocks", timeout=15.0)
         gone = {i for i in range(12) if not any(root.rglob(f"{(i.to_bytes(4, 'big') * 8).hex()}.bin"))}
         assert len(gone) == 7  # 120 KB -> at most 50 KB
         assert gone == {i for i, k in enumerate(keys) if Tier.DISK not in index.tiers_of(k, "127.0.0.1:8000")}

@@ -10,6 +10,7 @@ from disk_tier_files import block_hash_int, write_block
 from epp.engine.disk_tier.manager import DiskTierConfig, DiskTierManager
 from epp.engine.disk_tier.membership import ChunkMembership, follow_vllm_events
 from epp.engine.kv_publisher import MEDIUM_GPU, MEDIUM_STORAGE, BlockStored, KVEventPublisher
+from tests.support.wait import wait_until
 
 KB = 1024
 
@@ -27,13 +28,6 @@ def _stored(hashes, medium, group=0):
                        block_size=32, lora_id=None, medium=medium, lora_name=None, group_idx=group)
 
 
-async def _wait_for(predicate, timeout=5.0):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.02)
-
-
 async def test_removal_of_a_chunk_file_names_every_block_vllm_stored_in_it(tmp_path):
     # "vLLM": a publisher announcing chunk (b0, b1, b2) on disk; the file is named by b2.
     vllm = KVEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", topic="kv@h:1@m")
@@ -45,9 +39,9 @@ async def test_removal_of_a_chunk_file_names_every_block_vllm_stored_in_it(tmp_p
     follower = asyncio.create_task(follow_vllm_events(
         membership, vllm.bound_endpoint, stop, topic="kv@h:1@m", replay_endpoint=vllm.replay_bound_endpoint))
     try:
-        await _wait_for(lambda: len(membership) == 1)
+        await wait_until(lambda: len(membership) == 1, "the chunk to be learnt")
         vllm.publish([_stored([block_hash_int(200), block_hash_int(3)], MEDIUM_STORAGE)])  # live
-        await _wait_for(lambda: len(membership) == 2)
+        await wait_until(lambda: len(membership) == 2, "the second chunk to be learnt")
     finally:
         stop.set()
         await follower

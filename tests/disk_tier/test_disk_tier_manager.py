@@ -166,6 +166,7 @@ async def test_directory_that_turns_read_only_is_skipped_without_crash(tmpfs):
     assert report.healthy and len(report.evicted) == 4 and len(sink.hashes) == 4
 
 
+@pytest.mark.slow
 async def test_budget_smaller_than_the_writes_keeps_serving(tmpfs):
     """A writer fills a 2 MiB tmpfs like vLLM (temp file, then rename) far beyond a 512 KiB budget."""
     stop = threading.Event()

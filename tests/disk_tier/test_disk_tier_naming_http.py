@@ -14,7 +14,7 @@ from epp.engine.disk_tier.http import build_app
 from epp.engine.disk_tier.manager import DiskTierConfig, DiskTierManager
 from epp.engine.disk_tier.naming import BlockFileKey, is_temp_name, vllm_fs_block_key
 from epp.engine.kv_publisher import KVEventPublisher
-from epp.engine.vllm.testing import free_ports
+from epp.netutil import free_ports
 
 
 def test_vllm_fs_layout_maps_to_digest_group_and_event_hash():

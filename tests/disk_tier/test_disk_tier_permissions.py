@@ -20,6 +20,7 @@ import pytest
 from disk_tier_files import write_block
 
 from epp.netutil import free_ports
+from tests.support.require import unavailable
 
 KB = 1024
 NOBODY = 65534
@@ -31,7 +32,7 @@ def unprivileged_prefix() -> list[str]:
         return []
     setpriv = shutil.which("setpriv")
     if setpriv is None:
-        pytest.skip("running as root without setpriv: cannot drop privileges")
+        unavailable("running as root without setpriv: cannot drop privileges")
     return [setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
 
 

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from epp.engine.disk_tier.naming import BlockFileKey, is_temp_name, vllm_fs_block_key
-from epp.engine.vllm.testing import require_vllm_python
+from tests.support.vllm import require_vllm_python
 
 pytestmark = pytest.mark.vllm
 

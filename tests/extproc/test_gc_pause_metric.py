@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from tests.extproc_support import started
+from tests.support.extproc import started
 
 
 def _full_collections(server) -> float:

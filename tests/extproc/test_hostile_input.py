@@ -10,9 +10,10 @@ import urllib.request
 import grpc
 import pytest
 
-from epp.config.compose import endpoint_picker_config
 from epp.server.runner import EppServer
-from tests.extproc_support import (
+from tests.support.configs import PREFIX_CONFIG
+from tests.support.extproc import (
+    error_of,
     headers_of,
     options,
     request_body,
@@ -22,10 +23,6 @@ from tests.extproc_support import (
     serving,
     simple_pipeline,
 )
-
-PREFIX_SCORERS = ("prefix-home-scorer", "queue-scorer", "kv-cache-utilization-scorer", "max-score-picker")
-PREFIX_CONFIG = endpoint_picker_config(["approx-prefix-cache-producer", "prefix-cache-scorer", *PREFIX_SCORERS],
-                                       {"prefix-cache-scorer": 3, **dict.fromkeys(PREFIX_SCORERS)})
 
 
 @pytest.fixture
@@ -46,8 +43,8 @@ def nested(depth: int, leaf: str = "1") -> str:
 
 async def rejected(client, body: bytes, path: str = "/v1/completions", extra=()) -> tuple[int, str]:
     [reply] = await client.exchange([request_headers(path, extra), request_body(body)], expect=1)
-    assert reply.HasField("immediate_response"), reply
-    return reply.immediate_response.status.code, reply.immediate_response.body.decode()
+    status, message = error_of(reply)
+    return status, message.decode()
 
 
 def streamed_bodies(replies) -> bytes:

@@ -1,4 +1,4 @@
-"""Each limit of epp/limits.py reached gives its defined answer (README "Limits")."""
+"""Each limit of epp/limits.py reached gives its defined answer (docs/operations.md#limits)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import pytest
 
 from epp.limits import Limits
 from epp.server.runner import EppServer
-from tests.extproc_support import (
+from tests.support.extproc import (
     ExtProcClient,
+    drop_reason_of,
+    error_of,
     no_reply_within,
     options,
     request_body,
@@ -33,8 +35,8 @@ async def with_limits(**limits) -> AsyncIterator[tuple[EppServer, ExtProcClient]
 
 
 def immediate(reply) -> tuple[int, str]:
-    assert reply.HasField("immediate_response"), reply
-    return reply.immediate_response.status.code, reply.immediate_response.body.decode()
+    status, message = error_of(reply)
+    return status, message.decode()
 
 
 async def test_a_stream_over_the_concurrency_limit_gets_429_and_the_slot_comes_back():
@@ -46,6 +48,7 @@ async def test_a_stream_over_the_concurrency_limit_gets_429_and_the_slot_comes_b
         replies = await client.exchange([request_headers(), request_body(BODY)], expect=1)
         assert immediate(replies[0]) == (429, "inference error: ResourceExhausted - too many concurrent requests "
                                               "(limit 2)")
+        assert drop_reason_of(replies[0]) == "rejected-saturated"
         for call in held:
             await call.write(request_body(BODY))
             assert (await asyncio.wait_for(call.read(), 5)).HasField("request_headers")
@@ -104,6 +107,19 @@ async def test_json_depth_limit_is_configurable():
                                               "deeper than 4 levels")
 
 
+async def test_a_prompt_past_the_character_limit_gets_413_naming_the_limit():
+    async with with_limits(max_prompt_chars=1000) as (server, client):
+        chat = {"model": "m", "messages": [{"role": "user", "content": "x" * 996}]}  # 4 ("user") + 996
+        replies = await client.exchange([request_headers("/v1/chat/completions"),
+                                         request_body(json.dumps(chat).encode())], expect=2)
+        assert replies[0].HasField("request_headers")
+        chat["messages"].append({"role": "user", "content": "one more"})
+        replies = await client.exchange([request_headers("/v1/chat/completions"),
+                                         request_body(json.dumps(chat).encode())], expect=1)
+        assert immediate(replies[0]) == (413, "inference error: PayloadTooLarge - prompt exceeds the limit of "
+                                              "1000 characters (epp serve --max-prompt-chars)")
+
+
 async def test_label_value_length_limit_cuts_model_labels():
     async with with_limits(max_label_value_length=16) as (server, client):
         body = json.dumps({"model": "a-rather-long-model-name-indeed", "prompt": "x"}).encode()
@@ -119,11 +135,14 @@ def test_limits_reject_nonsense_values():
         Limits(max_json_depth=513)  # the parser would recurse too close to the interpreter's limit
     with pytest.raises(ValueError, match="stream_idle_timeout_s"):
         Limits(stream_idle_timeout_s=0)
+    with pytest.raises(ValueError, match="max_prompt_chars"):
+        Limits(max_prompt_chars=0)
 
 
 @pytest.mark.parametrize("flag,value,name", [("--max-json-depth", "0", "max_json_depth"),
                                              ("--stream-idle-timeout", "-1", "stream_idle_timeout_s"),
-                                             ("--max-concurrent-streams", "0", "max_concurrent_streams")])
+                                             ("--max-concurrent-streams", "0", "max_concurrent_streams"),
+                                             ("--max-prompt-chars", "0", "max_prompt_chars")])
 def test_serve_refuses_nonsense_limits_with_exit_2(capsys, flag, value, name):
     from epp.cli import main
 

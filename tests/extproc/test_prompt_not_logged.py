@@ -17,8 +17,8 @@ import pytest
 from epp.config import LoadedConfig
 from epp.framework.plugin import DataProducer, PreRequestHook, ResponseCompleteHook, ResponseHeadersHook
 from epp.server.runner import EppServer
-from tests.extproc.test_hostile_input import PREFIX_CONFIG
-from tests.extproc_support import (
+from tests.support.configs import PREFIX_CONFIG
+from tests.support.extproc import (
     options,
     pipeline_of,
     request_body,

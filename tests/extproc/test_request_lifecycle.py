@@ -16,7 +16,7 @@ from epp.framework.types import ApiKind, InferenceRequest
 from epp.metrics import EppMetrics
 from epp.requestcontrol.director import Director
 from epp.requestcontrol.lifecycle import RequestAccounting, RequestLifecycle
-from tests.extproc_support import simple_pipeline
+from tests.support.extproc import simple_pipeline
 
 
 def _director(endpoints: str = "10.0.0.1:8000,10.0.0.2:8000") -> Director:

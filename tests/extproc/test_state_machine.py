@@ -12,8 +12,10 @@ from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import Proces
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epp.framework.plugin import ResponseCompleteHook, ResponseHeadersHook
-from tests.extproc_support import (
+from tests.support.extproc import (
     ExtProcClient,
+    drop_reason_of,
+    error_of,
     headers_of,
     no_reply_within,
     request_body,
@@ -116,8 +118,10 @@ async def test_request_id_is_generated_when_absent(picker):
 async def test_bad_bodies_get_400(picker, body, path, message):
     _, client = picker
     [reply] = await client.exchange([request_headers(path), request_body(body)], expect=1)
-    assert reply.immediate_response.status.code == 400
-    assert reply.immediate_response.body.decode().startswith("inference error: BadRequest - " + message)
+    status, text = error_of(reply)
+    assert status == 400
+    assert text.decode().startswith("inference error: BadRequest - " + message)
+    assert drop_reason_of(reply) is None  # not a drop: the request itself is wrong
 
 
 async def test_body_over_the_cap_gets_413_without_buffering_the_rest():
@@ -129,8 +133,8 @@ async def test_body_over_the_cap_gets_413_without_buffering_the_rest():
         await call.write(request_body(b"x" * 600, False))
         await call.write(request_body(b"x" * 600, False))
         reply = await asyncio.wait_for(call.read(), 5)
-        assert reply.immediate_response.status.code == 413
-        assert reply.immediate_response.body == b"inference error: PayloadTooLarge - request body exceeds the limit of 1000 bytes"
+        assert error_of(reply) == (
+            413, b"inference error: PayloadTooLarge - request body exceeds the limit of 1000 bytes")
         await call.write(request_body(b"x" * 600, True))  # the rest is dropped, not answered
         await no_reply_within(call, 0.3)
         call.cancel()
@@ -150,9 +154,9 @@ async def test_subset_hint_list_string_and_empty(picker):
     for value in ([], ["192.168.1.99:8000"]):
         hint = subset_metadata(value)
         [reply] = await client.exchange([request_headers(metadata=hint), request_body(BODY)], expect=1)
-        assert reply.immediate_response.status.code == 503
-        assert reply.immediate_response.body == (
-            b"inference error: ServiceUnavailable - failed to find endpoint candidates for serving the request")
+        assert error_of(reply) == (
+            503, b"inference error: ServiceUnavailable - failed to find endpoint candidates for serving the request")
+        assert drop_reason_of(reply) == "rejected-no-endpoints"
 
 
 async def test_no_endpoints_header_only_is_500():
@@ -160,8 +164,7 @@ async def test_no_endpoints_header_only_is_500():
     client = ExtProcClient(server.grpc_port)
     try:
         [reply] = await client.exchange([request_headers(end_of_stream=True)], expect=1)
-        assert reply.immediate_response.status.code == 500
-        assert reply.immediate_response.body == b"inference error: Internal - no pods available in datastore"
+        assert error_of(reply) == (500, b"inference error: Internal - no pods available in datastore")
     finally:
         await client.close()
         await server.stop(0)
@@ -327,7 +330,7 @@ async def test_a_failing_plugin_ends_only_its_stream():
     client = ExtProcClient(server.grpc_port)
     try:
         [reply] = await client.exchange([request_headers(), request_body(BODY)], expect=1)
-        assert reply.immediate_response.status.code == 500
+        assert error_of(reply) == (500, b"inference error: Internal - internal error while processing request")
         replies = await client.exchange([request_headers(), request_body(BODY)], expect=2)
         assert_routed(replies[0], "10.0.0.1:8000", BODY)
     finally:

@@ -11,7 +11,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from epp.server.runner import EppServer
 from epp.server.tls import self_signed_pair
-from tests.extproc_support import options, request_body, request_headers, simple_pipeline
+from tests.support.extproc import options, request_body, request_headers, simple_pipeline
 
 BODY = b'{"model":"m","prompt":"hello"}'
 

@@ -10,7 +10,6 @@ import ssl
 import subprocess
 import sys
 import time
-import urllib.request
 
 import grpc
 import pytest
@@ -20,34 +19,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from epp.netutil import free_ports
 from epp.server.metrics_merge import merge_pages
 from epp.server.workers import worker_count
-from tests.configs import plugin, scorer_then_max_score
-from tests.extproc_support import ExtProcClient, headers_of, request_body, request_headers
+from tests.support.configs import plugin, scorer_then_max_score
+from tests.support.extproc import ExtProcClient, headers_of, metric_samples, request_body, request_headers
+from tests.support.wait import wait_until_blocking
 
 ENDPOINTS = "127.0.0.1:1,127.0.0.1:2,127.0.0.1:3,127.0.0.1:4"
 BODY = json.dumps({"model": "m", "prompt": "hello", "max_tokens": 1}).encode()
 DESTINATION = "x-gateway-destination-endpoint"
-
-
-def metric_samples(port: int) -> dict[str, float]:
-    """The pod's one metrics page as {'name{labels}': value}."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        page = resp.read().decode()
-    samples = {}
-    for line in page.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            samples[key] = float(value)
-    return samples
-
-
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def ready_workers(metrics_port: int) -> float:
@@ -85,8 +63,8 @@ def two_workers(request):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         # The pod is ready with one worker ready; tests that kill a worker need the other one ready too.
-        wait_until(lambda: readiness(health_port) == health_pb2.HealthCheckResponse.SERVING
-                   and ready_workers(metrics_port) == 2, 60, "the two workers to be ready")
+        wait_until_blocking(lambda: readiness(health_port) == health_pb2.HealthCheckResponse.SERVING
+                            and ready_workers(metrics_port) == 2, "the two workers to be ready", 60)
         yield proc, grpc_port, health_port, metrics_port
     finally:
         if proc.poll() is None:
@@ -132,7 +110,7 @@ async def test_two_workers_share_one_port_and_all_answer(two_workers):
         page = metric_samples(metrics_port)
         return page if all(f'epp_worker_requests{{worker="{w}"}}' in page for w in ("0", "1")) else None
 
-    samples = await asyncio.to_thread(wait_until, page_with_both_workers, 20, "a page with both workers")
+    samples = await asyncio.to_thread(wait_until_blocking, page_with_both_workers, "a page with both workers", 20)
     taken = {w: samples[f'epp_worker_requests{{worker="{w}"}}'] for w in ("0", "1")}
     assert all(count > 0 for count in taken.values()), f"a worker took no request: {taken}"
     # Counters from both workers add up on the one page; gauges stay per worker.
@@ -143,6 +121,7 @@ async def test_two_workers_share_one_port_and_all_answer(two_workers):
     assert len(set(pids.values())) == 2 and proc.pid not in pids.values()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("two_workers", ["approximate"], indirect=True)
 async def test_a_killed_worker_is_replaced_while_the_other_keeps_serving(two_workers):
     _proc, grpc_port, health_port, metrics_port = two_workers
@@ -171,8 +150,9 @@ async def test_a_killed_worker_is_replaced_while_the_other_keeps_serving(two_wor
     assert answered > 0
     samples = metric_samples(metrics_port)
     assert samples["epp_worker_restarts_total"] == 1
-    await asyncio.to_thread(wait_until, lambda: metric_samples(metrics_port)['epp_workers{state="ready"}'] == 2,
-                            30, "the new worker to be ready")
+    await asyncio.to_thread(wait_until_blocking,
+                            lambda: metric_samples(metrics_port)['epp_workers{state="ready"}'] == 2,
+                            "the new worker to be ready", 30)
     # The replacement caught up from its sibling's snapshot before it reported ready.
     assert metric_samples(metrics_port)['epp_peer_snapshot_blocks{worker="0"}'] > 0
     # The replacement takes its share of new connections.
@@ -182,6 +162,7 @@ async def test_a_killed_worker_is_replaced_while_the_other_keeps_serving(two_wor
     assert metric_samples(metrics_port)['epp_worker_requests{worker="0"}'] > taken_before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("two_workers", ["approximate"], indirect=True)
 async def test_workers_share_prefix_homes_so_a_group_stays_on_one_endpoint(two_workers):
     _proc, grpc_port, _health_port, metrics_port = two_workers
@@ -194,13 +175,15 @@ async def test_workers_share_prefix_homes_so_a_group_stays_on_one_endpoint(two_w
         await asyncio.sleep(0.1)  # staleness bound with room to spare on a loaded machine
     # Each worker applies the other's routes (waited for: a loaded machine delays the last ones).
     received = 'epp_peer_decisions_received_total{kind="prefix_routed"}'
-    samples = await asyncio.to_thread(wait_until, lambda: (page := metric_samples(metrics_port)).get(received) == 30
-                                      and page, 20, "each worker to apply the other's routes")
+    samples = await asyncio.to_thread(wait_until_blocking,
+                                      lambda: (page := metric_samples(metrics_port)).get(received) == 30 and page,
+                                      "each worker to apply the other's routes", 20)
     assert all(samples[f'epp_worker_requests{{worker="{w}"}}'] > 0 for w in ("0", "1"))
     # Each group kept one home whichever worker routed it.
     assert all(len(homes) == 1 for homes in placed.values()), placed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("two_workers", ["nolink"], indirect=True)
 async def test_workers_without_the_peer_link_share_nothing(two_workers):
     _proc, grpc_port, _health_port, metrics_port = two_workers
@@ -211,13 +194,14 @@ async def test_workers_without_the_peer_link_share_nothing(two_workers):
     assert not any(key.startswith("epp_peer_") for key in samples)
 
 
+@pytest.mark.slow
 def test_sigterm_stops_every_worker(two_workers):
     proc, _grpc_port, _health_port, metrics_port = two_workers
     pids = worker_pids(metrics_port)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=20) == 0
     for pid in pids.values():
-        wait_until(lambda pid=pid: not os.path.exists(f"/proc/{pid}"), 10, f"worker {pid} to exit")
+        wait_until_blocking(lambda pid=pid: not os.path.exists(f"/proc/{pid}"), f"worker {pid} to exit", 10)
 
 
 def test_workers_flag_takes_a_number_or_auto():
@@ -239,6 +223,7 @@ def test_merged_page_sums_counters_and_histograms_and_labels_gauges_by_worker():
     assert sum(line.startswith("# TYPE reqs_total") for line in merged.splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_a_config_no_worker_can_load_stops_the_supervisor_with_the_reason():
     proc = subprocess.run([sys.executable, "-m", "epp.cli", "serve", "--workers", "2", "--config-text", "kind: Nope",
                            "--grpc-port", "0", "--grpc-health-port", "0", "--metrics-port", "0",
@@ -248,6 +233,7 @@ def test_a_config_no_worker_can_load_stops_the_supervisor_with_the_reason():
     assert "invalid configuration" in proc.stderr
 
 
+@pytest.mark.slow
 def test_workers_serve_tls_with_one_self_signed_certificate():
     grpc_port, health_port, metrics_port = free_ports(3)
     proc = subprocess.Popen(
@@ -256,7 +242,7 @@ def test_workers_serve_tls_with_one_self_signed_certificate():
          "127.0.0.1", "--endpoints", ENDPOINTS, "--refresh-metrics-interval", "60", "--grace-period", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        wait_until(lambda: readiness(health_port) == health_pb2.HealthCheckResponse.SERVING, 60, "ready")
+        wait_until_blocking(lambda: readiness(health_port) == health_pb2.HealthCheckResponse.SERVING, "ready", 60)
         # Every fresh connection (the kernel spreads them over both workers) shows the same certificate,
         # so a client that pins it reaches either worker.
         certificates = {ssl.get_server_certificate(("127.0.0.1", grpc_port)) for _ in range(16)}

@@ -34,8 +34,9 @@ from epp.config.compose import endpoint_picker_config, plugin
 from epp.engine.sim import FleetConfig, SimFleet
 from epp.envoy import EnvoyProcess, render_config
 from epp.kvevents.decoding import Tier
-from tests.conftest import free_port
-from tests.precise.support import Picker, fleet_specs, wait_until
+from tests.support.ports import free_port
+from tests.support.precise import Picker, fleet_specs
+from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.envoy, pytest.mark.timeout(60)]
 

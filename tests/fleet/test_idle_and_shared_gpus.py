@@ -16,10 +16,11 @@ from epp.fleet.sleepwake import SleepWakePolicy
 from epp.framework import PluginParams
 from epp.framework.plugin import CycleState, PluginContext, ProfileRunResult, SchedulingResult
 from epp.framework.types import ResponseInfo
-from tests.blackbox.pods import start_picker, wait_until
-from tests.conftest import free_port
 from tests.fleet.support import config, spec, start_fleet
 from tests.fleet.test_sleep_routing import request_for
+from tests.support.pods import start_picker
+from tests.support.ports import free_port
+from tests.support.wait import wait_until
 
 
 def policy_of(epp) -> SleepWakePolicy:
@@ -71,6 +72,7 @@ async def test_a_replica_with_requests_in_flight_is_not_put_to_sleep():
 SHARED_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "fleet" / "shared-gpus.yaml"
 
 
+@pytest.mark.envoy
 async def test_two_models_sharing_gpus_take_turns():
     """GPU g0 and g1 each hold a model-a and a model-b replica; only one per GPU is awake."""
     fleet_a = await start_fleet(2, model="model-a", name_prefix="a")

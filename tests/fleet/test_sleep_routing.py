@@ -15,9 +15,10 @@ from epp.datalayer.scraper import MetricsScraper
 from epp.framework.errors import InferenceError
 from epp.framework.plugin import CycleState
 from epp.framework.types import ApiKind, EndpointMetrics, InferenceRequest
-from tests.blackbox.pods import start_picker, wait_until
-from tests.conftest import free_port
 from tests.fleet.support import config, spec, start_fleet
+from tests.support.pods import start_picker
+from tests.support.ports import free_port
+from tests.support.wait import wait_until
 
 SLEEP_PAGE = """# TYPE vllm:engine_sleep_state gauge
 vllm:engine_sleep_state{{engine="0",model_name="m",sleep_state="awake"}} {awake}
@@ -62,6 +63,7 @@ async def test_scraper_sees_a_simulated_replica_fall_asleep_and_wake_within_two_
         await fleet.stop()
 
 
+@pytest.mark.slow
 async def test_without_the_sleep_series_the_scraper_asks_is_sleeping():
     """A server whose /metrics lacks vllm:engine_sleep_state is asked GET /is_sleeping instead."""
     state = {"sleeping": False, "probes": 0}

@@ -10,9 +10,10 @@ import pytest
 
 from epp.config.compose import PluginDef, plugin
 from epp.envoy import EnvoyProcess, render_config
-from tests.blackbox.pods import start_picker, wait_until
-from tests.conftest import free_port
 from tests.fleet.support import config, set_wake_seconds, spec, start_fleet
+from tests.support.pods import start_picker
+from tests.support.ports import free_port
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.envoy
 

@@ -13,7 +13,7 @@ from epp.flowcontrol.fairness import GlobalStrictFairnessPolicy, RoundRobinFairn
 from epp.flowcontrol.ordering import EDFOrderingPolicy, FCFSOrderingPolicy
 from epp.flowcontrol.usage import StaticUsageLimitPolicy
 from epp.framework.errors import ConfigError
-from tests.configs import endpoint_picker_config
+from tests.support.configs import endpoint_picker_config
 
 HEAD = endpoint_picker_config(["queue-scorer"])  # the flowControl sections the tests check follow as YAML
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "configs" / "flow-control.yaml"

@@ -191,3 +191,18 @@ async def test_a_lower_ceiling_holds_room_back_for_higher_bands():
     assert high.done()  # priority 10 keeps the default ceiling 1.0
     for t in (*low, high):
         t.cancel()
+
+
+async def test_closing_answers_every_queued_request_and_each_new_one_503():
+    fc = controller(Pool(5))  # saturated: everything queues
+    waiting = [asyncio.ensure_future(fc.admit(request(str(i), priority=i % 2, tenant=f"t{i}"), 10)) for i in range(4)]
+    await asyncio.sleep(0)
+    assert fc.queued_requests == 4
+    fc.close()
+    for item in waiting:
+        with pytest.raises(InferenceError) as caught:
+            await item
+        assert (caught.value.code.http_status, caught.value.drop_reason) == (503, "rejected-shutting-down")
+    assert (fc.queued_requests, fc.queued_bytes) == (0, 0)
+    with pytest.raises(InferenceError, match="shutting down"):
+        await fc.admit(request("late"), 10)

@@ -17,10 +17,19 @@ import pytest
 
 from epp.config.compose import endpoint_picker_config, plugin
 from epp.server.runner import EppServer
-from tests.blackbox.pods import FakeVllmPod, wait_until
-from tests.configs import objectives
-from tests.conftest import free_port
-from tests.extproc_support import ExtProcClient, no_reply_within, options, request_body, request_headers
+from tests.support.configs import objectives
+from tests.support.extproc import (
+    ExtProcClient,
+    drop_reason_of,
+    error_of,
+    no_reply_within,
+    options,
+    request_body,
+    request_headers,
+)
+from tests.support.pods import FakeVllmPod
+from tests.support.ports import free_port
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -107,8 +116,8 @@ async def test_a_request_waiting_past_the_ttl_gets_503(replica):
         call = await send(client)
         reply = await asyncio.wait_for(call.read(), 5)
         waited = time.monotonic() - started
-        assert reply.immediate_response.status.code == 503
-        assert reply.immediate_response.body == b"inference error: ServiceUnavailable - request timed out in queue"
+        assert error_of(reply) == (503, b"inference error: ServiceUnavailable - request timed out in queue")
+        assert drop_reason_of(reply) == "rejected-ttl-expired"
         assert 0.45 <= waited < 1.5
         assert sample(server, "inference_extension_flow_control_requests_total", priority="0", outcome="expired") == 1
         assert sample(server, "inference_extension_flow_control_queue_size", priority="0",
@@ -122,9 +131,9 @@ async def test_over_capacity_is_rejected_at_once_with_429(replica):
         held = [await no_reply_within(call, 0.2) for call in queued]
         for extra in (await send(client, "interactive"), await send(client, "batch")):  # band full, then global full
             reply = await asyncio.wait_for(extra.read(), 1.0)
-            assert reply.immediate_response.status.code == 429
-            assert reply.immediate_response.body == (b"inference error: ResourceExhausted - request rejected by flow "
-                                                     b"control: queue capacity exceeded")
+            assert error_of(reply) == (429, b"inference error: ResourceExhausted - request rejected by flow "
+                                            b"control: queue capacity exceeded")
+            assert drop_reason_of(reply) == "rejected-saturated"
         assert sample(server, "inference_extension_flow_control_requests_total", priority="10",
                       outcome="rejected") == 1
         assert sample(server, "inference_extension_flow_control_requests_total", priority="0", outcome="rejected") == 1
@@ -166,3 +175,17 @@ async def test_without_the_feature_gate_requests_go_on_to_a_saturated_replica(re
         assert reply.HasField("request_headers")
         call.cancel()
 
+
+
+async def test_a_picker_shutting_down_answers_its_queued_requests_at_once(replica):
+    async with picker(replica, {"defaultRequestTTL": "30s"}) as (server, client):
+        queued = [await send(client), await send(client, "interactive")]
+        reads = [asyncio.ensure_future(await no_reply_within(call, 0.2)) for call in queued]
+        stopping = asyncio.ensure_future(server.stop(10))  # a long drain: the answers must not wait for it
+        async with asyncio.timeout(3):
+            replies = await asyncio.gather(*reads)
+        for reply in replies:
+            assert error_of(reply) == (503, b"inference error: ServiceUnavailable - the endpoint picker is shutting "
+                                             b"down")
+            assert drop_reason_of(reply) == "rejected-shutting-down"
+        await stopping

@@ -1,14 +1,16 @@
-"""Ordering and fairness policies, as tables: which request a band dispatches next."""
+"""Ordering and fairness policies, as tables: which request a band dispatches next (and the SLO policy's aging bound)."""
 
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
 from epp.flowcontrol.fairness import GlobalStrictFairnessPolicy, RoundRobinFairnessPolicy
-from epp.flowcontrol.ordering import EDFOrderingPolicy, FCFSOrderingPolicy, QueuedRequest
+from epp.flowcontrol.ordering import EDFOrderingPolicy, FCFSOrderingPolicy, QueuedRequest, SLODeadlineOrderingPolicy
 from epp.flowcontrol.queues import PriorityBand
+from epp.framework import ConfigError, PluginParams
 
 INF = math.inf
 
@@ -93,3 +95,70 @@ def test_band_limits_count_requests_and_bytes():
     assert band.has_room(15) and not band.has_room(16)
     band.push(QueuedRequest("b", "f", 0, 10, 2, 2))
     assert not band.has_room(0)  # the third request is over maxRequests
+
+
+# -- slo-deadline-ordering-policy ---------------------------------------------------------------
+
+def slo_band(requests: list[tuple[str, float, float, float]], policy: SLODeadlineOrderingPolicy) -> PriorityBand:
+    """A band holding `(id, enqueued, predicted prefill s, TTFT objective s or INF)` requests of one flow."""
+    band = PriorityBand(0, max_requests=0, max_bytes=0, ordering=policy, fairness=GlobalStrictFairnessPolicy())
+    for seq, (rid, enqueued, service, objective) in enumerate(requests):
+        band.push(QueuedRequest(rid, "f", 0, 10, enqueued, seq, service_s=service, ttft_deadline=enqueued + objective))
+    return band
+
+
+SLO = SLODeadlineOrderingPolicy(aging_window_s=5.0, service_weight=10.0)
+
+
+@pytest.mark.parametrize("requests, expected", [
+    # Shortest predicted prefill first among requests that arrived together.
+    ([("long", 0.0, 0.4, INF), ("short", 0.0, 0.05, INF), ("mid", 0.0, 0.2, INF)], ["short", "mid", "long"]),
+    # Aging: a long request (charged the whole 5 s window) is overtaken only by requests that arrive
+    # less than 5 s after it, whatever their size.
+    ([("long", 0.0, 3.0, INF), ("s1", 1.0, 0.01, INF), ("s2", 4.8, 0.01, INF), ("s3", 5.1, 0.0, INF),
+      ("s4", 9.0, 0.0, INF)], ["s1", "s2", "long", "s3", "s4"]),
+    # Equal predictions: first come, first served.
+    ([("a", 0.0, 0.1, INF), ("b", 0.5, 0.1, INF)], ["a", "b"]),
+    # Unknown prediction (0): FCFS ahead of any predicted work that arrived with it.
+    ([("known", 0.0, 0.1, INF), ("unknown", 0.0, 0.0, INF)], ["unknown", "known"]),
+    # A TTFT objective moves a request up to its latest start (objective - prefill): 0.5 - 0.3 = 0.2
+    # after arrival, ahead of a shorter request charged 0.1 x 10 = 1 s.
+    ([("short", 0.0, 0.1, INF), ("urgent", 0.0, 0.3, 0.5)], ["urgent", "short"]),
+    # ... but not past its own place by size: a loose objective changes nothing.
+    ([("short", 0.0, 0.05, INF), ("loose", 0.0, 0.1, 30.0)], ["short", "loose"]),
+    # A request that cannot meet its objective any more (prefill 2 s > objective 1 s) keeps its place by size.
+    ([("hopeless", 0.0, 2.0, 1.0), ("short", 0.0, 0.1, INF)], ["short", "hopeless"]),
+])
+def test_slo_deadline_ordering(requests, expected):
+    assert drain(slo_band(requests, SLO)) == expected
+
+
+@pytest.mark.parametrize("window", [0.0, 1.0, 5.0])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_no_request_is_overtaken_by_one_that_arrived_more_than_the_aging_window_later(window, seed):
+    rng = random.Random(seed)
+    policy = SLODeadlineOrderingPolicy(aging_window_s=window, service_weight=rng.choice([1.0, 10.0, 100.0]))
+    requests = [(f"r{i}", rng.uniform(0, 20), rng.choice([0.0, 0.01, 0.3, 2.0, 8.0]),
+                 rng.choice([INF, 0.5, 2.0, 10.0])) for i in range(200)]
+    requests.sort(key=lambda r: r[1])
+    arrival = {rid: enqueued for rid, enqueued, _, _ in requests}
+    order = drain(slo_band(requests, policy))
+    for i, rid in enumerate(order):
+        for later in order[i + 1:]:  # rid went first, so it arrived at most `window` after `later`
+            assert arrival[rid] <= arrival[later] + window + 1e-9, (rid, later)
+
+
+def test_with_a_zero_window_the_slo_policy_is_first_come_first_served():
+    policy = SLODeadlineOrderingPolicy(aging_window_s=0.0)
+    requests = [("a", 0.0, 5.0, 0.5), ("b", 1.0, 0.0, INF), ("c", 2.0, 0.1, 1.0)]
+    assert drain(slo_band(requests, policy)) == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"agingWindow": "-1s"}, "agingWindow"),
+    ({"ttftObjective": "0s"}, "ttftObjective"),
+    ({"serviceWeight": -1}, "serviceWeight"),
+])
+def test_slo_policy_parameters_are_checked(params, message):
+    with pytest.raises(ConfigError, match=message):
+        SLODeadlineOrderingPolicy("p", PluginParams("p", params))

@@ -1,23 +1,26 @@
 """Fuzz the ext_proc server over real gRPC: a few thousand seeded random streams, every invariant held.
 
-bench/fuzz.py runs the same harness for 100,000+ streams against an `epp serve` process.
+bench/fuzz.py runs the same harness (bench/support/fuzz_harness.py) for 100,000+ streams against an
+`epp serve` process.
 """
 
 from __future__ import annotations
 
 import logging
 
+import pytest
+
+from bench.support.fuzz_harness import PREFIX_CONFIG, Fuzzer, Target
 from epp.limits import Limits
 from epp.server.runner import EppServer
-from tests.extproc.test_hostile_input import PREFIX_CONFIG
-from tests.extproc_support import options
-from tests.fuzz.harness import Fuzzer, Target
+from tests.support.extproc import options
 
 POOL = ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000")
 STREAMS = 2500
 SEED = 18
 
 
+@pytest.mark.slow
 async def test_seeded_random_streams_keep_every_invariant(caplog):
     caplog.set_level(logging.WARNING)
     limits = Limits(stream_idle_timeout_s=1.0)

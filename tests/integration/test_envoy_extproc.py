@@ -14,9 +14,9 @@ import pytest_asyncio
 from epp.datalayer.registry import parse_endpoint_list
 from epp.envoy import EnvoyProcess, render_config
 from epp.server.runner import EppServer, ServeOptions
-from tests.backends import EchoBackend
-from tests.configs import endpoint_picker_config
-from tests.conftest import free_port
+from tests.support.backends import EchoBackend
+from tests.support.configs import endpoint_picker_config
+from tests.support.ports import free_port
 
 pytestmark = [pytest.mark.envoy, pytest.mark.asyncio(loop_scope="module")]
 
@@ -102,11 +102,14 @@ async def test_sse_arrives_chunk_by_chunk(stack):
 
 
 async def test_malformed_body_gets_the_400_body(stack):
-    status, _, body = await post(stack.url + "/v1/completions", b"no healthy upstream")
-    assert status == 400
-    assert body.startswith(b"inference error: BadRequest - error unmarshaling request bodyMap")
+    status, headers, body = await post(stack.url + "/v1/completions", b"no healthy upstream")
+    assert (status, headers["Content-Type"]) == (400, "application/json")
+    assert json.loads(body)["error"]["message"].startswith(
+        "inference error: BadRequest - error unmarshaling request bodyMap")
     status, _, body = await post(stack.url + "/v1/completions", {"prompt": "hello world"})
-    assert (status, body) == (400, b"inference error: BadRequest - model not found in request body")
+    assert (status, json.loads(body)) == (400, {"error": {
+        "message": "inference error: BadRequest - model not found in request body", "type": "invalid_request_error",
+        "param": None, "code": "BadRequest"}})
 
 
 async def test_subset_hint_header_is_obeyed(stack):
@@ -115,9 +118,10 @@ async def test_subset_hint_header_is_obeyed(stack):
         status, headers, _ = await post(stack.url + "/v1/completions", {"model": "m", "prompt": f"s{i}"},
                                         {"x-gateway-destination-endpoint-subset": target.hostport})
         assert status == 200 and headers["x-backend"] == target.name
-    status, _, body = await post(stack.url + "/v1/completions", {"model": "m", "prompt": "x"},
-                                 {"x-gateway-destination-endpoint-subset": "127.0.0.1:1"})
+    status, headers, body = await post(stack.url + "/v1/completions", {"model": "m", "prompt": "x"},
+                                       {"x-gateway-destination-endpoint-subset": "127.0.0.1:1"})
     assert status == 503 and b"failed to find endpoint candidates" in body
+    assert headers["x-llm-d-request-dropped-reason"] == "rejected-no-endpoints"
 
 
 async def test_header_only_request_is_routed(stack):
@@ -140,11 +144,13 @@ async def test_picker_down_follows_failure_mode_allow(stack, fail_open):
                 # (tests/integration/test_open_proxy.py), so Envoy has no upstream for it.
                 assert r.status == (503 if fail_open else 500)
                 assert "x-backend" not in r.headers
-        # With FULL_DUPLEX_STREAMED bodies Envoy (1.40) fails closed even when failure_mode_allow
-        # is true: the body is already handed to the processor when the stream fails.
+        # With FULL_DUPLEX_STREAMED bodies Envoy (1.40) fails closed for a request whose body was
+        # already streamed when the stream failed; the fail-open config ejects the picker at the
+        # first failure (and health-checks it), so this later one fails open, to no upstream either
+        # (tests/blackbox/test_gie_conformance.py: the first request is the one that fails closed).
         status, _, _ = await post(f"http://127.0.0.1:{port}/v1/completions", {"model": "m", "prompt": "x"},
                                   own_route)
-        assert status == 500
+        assert status == (503 if fail_open else 500)
     finally:
         await envoy.stop()
 

@@ -23,10 +23,11 @@ from epp.datalayer.registry import parse_endpoint_list
 from epp.engine.sim import FleetConfig, SimFleet
 from epp.engine.sim.fleet import default_tokenizer_dir
 from epp.envoy import EnvoyProcess, render_config
-from tests.blackbox.pods import start_picker, wait_until
-from tests.configs import endpoint_picker_config, plugin
-from tests.conftest import free_port
-from tests.precise.support import prompt_of
+from tests.support.configs import endpoint_picker_config, plugin
+from tests.support.pods import start_picker
+from tests.support.ports import free_port
+from tests.support.precise import prompt_of
+from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.envoy, pytest.mark.timeout(90)]
 

@@ -19,8 +19,8 @@ import yaml
 from epp.datalayer.registry import parse_endpoint_list
 from epp.envoy import CLIENT_STRIPPED_HEADERS, RESPONSE_MODES, EnvoyProcess, render_config
 from epp.server.runner import EppServer, ServeOptions
-from tests.backends import EchoBackend
-from tests.conftest import free_port
+from tests.support.backends import EchoBackend
+from tests.support.ports import free_port
 
 pytestmark = [pytest.mark.envoy]
 module_loop = pytest.mark.asyncio(loop_scope="module")

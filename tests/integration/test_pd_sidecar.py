@@ -24,11 +24,12 @@ from epp.engine.sim.fleet import FleetConfig, SimFleet, default_tokenizer_dir
 from epp.engine.sim.server import REPLICA_HEADER
 from epp.envoy import EnvoyProcess, render_config
 from epp.framework import PREFILLER_HOST_PORT_HEADER
-from tests.backends import EchoBackend
-from tests.blackbox.pods import start_picker, wait_until
-from tests.configs import pd_config
-from tests.conftest import free_port
-from tests.datalayer.vllm_page import VllmState, vllm_metrics_page
+from tests.support.backends import EchoBackend
+from tests.support.configs import pd_config
+from tests.support.pods import start_picker
+from tests.support.ports import free_port
+from tests.support.vllm_metrics import VllmState, vllm_metrics_page
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.envoy
 

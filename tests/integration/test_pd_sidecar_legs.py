@@ -19,7 +19,7 @@ from epp.engine.pd_sidecar import (
 from epp.engine.sim.fleet import FleetConfig, SimFleet, default_tokenizer_dir
 from epp.engine.sim.server import REPLICA_HEADER
 from epp.framework import PREFILLER_HOST_PORT_HEADER
-from tests.conftest import free_port
+from tests.support.ports import free_port
 
 PROMPT = "a long shared document about KV caches " * 20
 CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": PROMPT}], "max_completion_tokens": 6}

@@ -1,11 +1,11 @@
-"""Fixtures: a local API server (tests/kubernetes/apiserver.py) and a kubeconfig pointing at it."""
+"""Fixtures: a local API server (bench/support/k8s_apiserver.py) and a kubeconfig pointing at it."""
 
 from __future__ import annotations
 
 import pytest
 import pytest_asyncio
 
-from tests.kubernetes.apiserver import FakeApiServer
+from bench.support.k8s_apiserver import FakeApiServer
 
 
 @pytest_asyncio.fixture

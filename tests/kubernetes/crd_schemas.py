@@ -1,5 +1,5 @@
 """JSON schemas of the custom resources deploy/kubernetes ships, written from their API fields
-(GIE InferencePool v1 and InferenceObjective v1alpha2, Gateway API HTTPRoute v1, KEDA
+(GIE InferencePool v1 as of GIE v1.6, and InferenceObjective v1alpha2, Gateway API HTTPRoute v1, KEDA
 ScaledObject v1alpha1, Prometheus Operator PodMonitor/ServiceMonitor v1). Closed objects
 (`additionalProperties: false`) so that a misspelt or outdated field fails the test, as the API
 server's structural schema would prune or reject it."""
@@ -32,15 +32,28 @@ def resource(api_version: str, kind: str, spec: dict[str, Any]) -> dict[str, Any
                    "spec": spec}, ("apiVersion", "kind", "metadata", "spec"))
 
 
-INFERENCE_POOL = resource("inference.networking.k8s.io/v1", "InferencePool", closed({
-    "selector": closed({"matchLabels": {**STRING_MAP, "minProperties": 1}}, ("matchLabels",)),
-    "targetPorts": {"type": "array", "minItems": 1, "maxItems": 8, "items": closed({"number": PORT}, ("number",))},
-    "appProtocol": {"enum": ["http", "kubernetes.io/h2c"]},
-    "endpointPickerRef": closed({
-        "group": STRING, "kind": STRING, "name": {"type": "string", "minLength": 1},
+# InferencePool as of GIE v1.6: 1-64 selector labels, 1-8 distinct target ports, appProtocol, and an
+# optional endpointPickerRef whose port is required when it names a Service (the CRD's CEL rule).
+_LABEL_VALUE = {"type": "string", "maxLength": 63, "pattern": r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"}
+_ENDPOINT_PICKER_REF = {
+    **closed({
+        "group": {"type": "string", "maxLength": 253,
+                  "pattern": r"^$|^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"},
+        "kind": {"type": "string", "minLength": 1, "maxLength": 63, "pattern": r"^[a-zA-Z]([-a-zA-Z0-9]*[a-zA-Z0-9])?$"},
+        "name": {"type": "string", "minLength": 1, "maxLength": 253},
         "port": closed({"number": PORT}, ("number",)),
         "failureMode": {"enum": ["FailOpen", "FailClose"]},
     }, ("name",)),
+    "if": {"properties": {"kind": {"const": "Service"}}},  # also when kind is omitted (its default)
+    "then": {"required": ["port"]},
+}
+INFERENCE_POOL = resource("inference.networking.k8s.io/v1", "InferencePool", closed({
+    "selector": closed({"matchLabels": {"type": "object", "additionalProperties": _LABEL_VALUE,
+                                        "minProperties": 1, "maxProperties": 64}}, ("matchLabels",)),
+    "targetPorts": {"type": "array", "minItems": 1, "maxItems": 8, "uniqueItems": True,
+                    "items": closed({"number": PORT}, ("number",))},
+    "appProtocol": {"enum": ["http", "kubernetes.io/h2c"]},
+    "endpointPickerRef": _ENDPOINT_PICKER_REF,
 }, ("selector", "targetPorts")))
 
 INFERENCE_OBJECTIVE = resource("inference.networking.x-k8s.io/v1alpha2", "InferenceObjective", closed({

@@ -9,29 +9,20 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from epp.datalayer.inference_pool import PoolSpecError, parse_selector, parse_target_ports, pool_view_of
+from bench.support.k8s_apiserver import PODS, FakeApiServer, inference_objective, inference_pool, pod
+from epp.datalayer.inference_pool import (
+    EndpointPickerRef,
+    PoolSpecError,
+    envoy_options,
+    parse_selector,
+    parse_target_ports,
+    pool_view_of,
+)
 from epp.datalayer.kubernetes import KubernetesDiscovery
 from epp.datalayer.objectives import ObjectivePriorities
 from epp.datalayer.registry import EndpointRegistry
 from epp.kube.client import KubernetesError
-from tests.kubernetes.apiserver import (
-    PODS,
-    FakeApiServer,
-    inference_objective,
-    inference_pool,
-    pod,
-)
-
-
-async def wait_for(condition, timeout: float = 5.0, what: str = "condition") -> float:
-    """Seconds until `condition()` holds; fails after `timeout`."""
-    loop = asyncio.get_running_loop()
-    start = loop.time()
-    while not condition():
-        if loop.time() - start > timeout:
-            raise AssertionError(f"{what} not met within {timeout}s")
-        await asyncio.sleep(0.005)
-    return loop.time() - start
+from tests.support.wait import wait_until
 
 
 def names(registry: EndpointRegistry) -> set[str]:
@@ -88,7 +79,7 @@ async def test_ready_pods_of_the_pool_become_endpoints_with_their_metadata(api, 
     assert r.metric("epp_kubernetes_pool_synced") == 1
     # The pods were listed with the pool's selector, then watched from the list's resourceVersion.
     assert api.list_requests("pods")[0]["labelSelector"] == "app=vllm"
-    await wait_for(lambda: any(q.get("labelSelector") == "app=vllm" for q in api.watch_requests()), 2.0, "pod watch")
+    await wait_until(lambda: any(q.get("labelSelector") == "app=vllm" for q in api.watch_requests()), "pod watch", 2.0)
     watch = next(q for q in api.watch_requests() if q.get("labelSelector") == "app=vllm")
     assert watch["allowWatchBookmarks"] == "True" and int(watch["resourceVersion"]) > 1000
 
@@ -101,10 +92,10 @@ async def test_pod_turning_ready_is_routable_within_two_seconds(api, rig):
     assert await r.discovery.start(5.0)
     assert names(r.registry) == {"10.1.0.1:8000"}
     api.apply(pod("b", "10.1.0.2", ready=True))
-    took = await wait_for(lambda: "10.1.0.2:8000" in names(r.registry), 2.0, "pod b routable")
-    assert took < 2.0
+    await wait_until(lambda: "10.1.0.2:8000" in names(r.registry), "pod b routable", 2.0)
 
 
+@pytest.mark.slow
 async def test_deleted_or_unready_pod_is_dropped_at_once_and_never_comes_back(api, rig):
     api.apply(inference_pool("pool", {"app": "vllm"}, [8000]))
     for i in range(3):
@@ -115,7 +106,7 @@ async def test_deleted_or_unready_pod_is_dropped_at_once_and_never_comes_back(ap
     assert await r.discovery.start(5.0)
     api.delete(pod("p0", None))
     api.apply(pod("p1", "10.1.0.2", terminating=True))
-    await wait_for(lambda: names(r.registry) == {"10.1.0.3:8000"}, 2.0, "p0 and p1 gone")
+    await wait_until(lambda: names(r.registry) == {"10.1.0.3:8000"}, "p0 and p1 gone", 2.0)
     assert sorted(removed) == ["10.1.0.1:8000", "10.1.0.2:8000"]
     # Through watch restarts (the server ends each watch after 1 s) and a relist, they stay gone.
     seen: set[str] = set()
@@ -135,14 +126,14 @@ async def test_pool_selector_and_target_port_changes_apply_live(api, rig):
     assert await r.discovery.start(5.0)
     assert names(r.registry) == {"10.1.0.1:8000"}
     api.apply(inference_pool("pool", {"app": "green"}, [8000]))
-    await wait_for(lambda: names(r.registry) == {"10.1.0.2:8000"}, 2.0, "selector switched to green")
+    await wait_until(lambda: names(r.registry) == {"10.1.0.2:8000"}, "selector switched to green", 2.0)
     api.apply(inference_pool("pool", {"app": "green"}, [9000, 9001]))
-    await wait_for(lambda: names(r.registry) == {"10.1.0.2:9000", "10.1.0.2:9001"}, 2.0, "ports switched")
+    await wait_until(lambda: names(r.registry) == {"10.1.0.2:9000", "10.1.0.2:9001"}, "ports switched", 2.0)
     # A pod relabelled out of the selector leaves (the API server sends DELETED to the filtered watch).
     api.apply(pod("green", "10.1.0.2", labels={"app": "blue"}))
-    await wait_for(lambda: names(r.registry) == set(), 2.0, "relabelled pod gone")
+    await wait_until(lambda: names(r.registry) == set(), "relabelled pod gone", 2.0)
     api.apply(pod("green", "10.1.0.2", labels={"app": "green"}))
-    await wait_for(lambda: names(r.registry) == {"10.1.0.2:9000", "10.1.0.2:9001"}, 2.0, "relabelled back")
+    await wait_until(lambda: names(r.registry) == {"10.1.0.2:9000", "10.1.0.2:9001"}, "relabelled back", 2.0)
 
 
 async def test_a_dropped_watch_resumes_from_its_resource_version_without_relisting(api, rig):
@@ -150,14 +141,14 @@ async def test_a_dropped_watch_resumes_from_its_resource_version_without_relisti
     api.apply(pod("a", "10.1.0.1"))
     r = rig()
     assert await r.discovery.start(5.0)
-    await wait_for(lambda: len(api.watchers) == 3, 2.0, "pool, pod and objective watches open")
+    await wait_until(lambda: len(api.watchers) == 3, "pool, pod and objective watches open", 2.0)
     pod_lists = len(api.list_requests("pods"))
     last_rv = api.rv
     assert api.drop_watches() == 3
     # Changes while no watch is open arrive through the resumed watch.
     api.apply(pod("b", "10.1.0.2"))
     api.delete(pod("a", None))
-    await wait_for(lambda: names(r.registry) == {"10.1.0.2:8000"}, 3.0, "changes made while disconnected")
+    await wait_until(lambda: names(r.registry) == {"10.1.0.2:8000"}, "changes made while disconnected", 3.0)
     resumed = [q for q in api.watch_requests() if q.get("labelSelector") == "app=vllm"][-1]
     assert int(resumed["resourceVersion"]) >= last_rv
     assert len(api.list_requests("pods")) == pod_lists
@@ -173,7 +164,7 @@ async def test_410_gone_relists_with_no_endpoint_lost_or_duplicated(api, rig):
     r.registry.add_listener(lambda added, gone: changes.append(({e.name for e in added}, {e.name for e in gone})))
     assert await r.discovery.start(5.0)
     changes.clear()
-    await wait_for(lambda: len(api.watchers) == 3, 2.0, "watches open")
+    await wait_until(lambda: len(api.watchers) == 3, "watches open", 2.0)
     # Disconnect, change things, and compact history in one go: the resumed watch gets 410 Gone.
     api.drop_watches()
     api.delete(pod("p0", None))
@@ -181,8 +172,8 @@ async def test_410_gone_relists_with_no_endpoint_lost_or_duplicated(api, rig):
     api.apply(pod("new", "10.1.0.99"))
     api.compact()
     expected = {f"10.1.0.{i + 1}:8000" for i in range(2, 20)} | {"10.1.0.99:8000"}
-    await wait_for(lambda: r.metric("epp_kubernetes_lists_total", {"resource": "pods"}) == 2, 3.0, "relist")
-    await wait_for(lambda: names(r.registry) == expected, 2.0, "relisted view")
+    await wait_until(lambda: r.metric("epp_kubernetes_lists_total", {"resource": "pods"}) == 2, "relist", 3.0)
+    await wait_until(lambda: names(r.registry) == expected, "relisted view", 2.0)
     assert r.metric("epp_kubernetes_watch_restarts_total", {"resource": "pods", "reason": "expired"}) == 1
     assert len(r.registry.snapshot()) == len(expected)  # no duplicates
     # Kept endpoints were never removed and re-added: only the real differences were announced.
@@ -191,9 +182,10 @@ async def test_410_gone_relists_with_no_endpoint_lost_or_duplicated(api, rig):
     assert added == {"10.1.0.99:8000"} and gone == {"10.1.0.1:8000", "10.1.0.2:8000"}
     # And the watch goes on from the relist.
     api.apply(pod("later", "10.1.0.100"))
-    await wait_for(lambda: "10.1.0.100:8000" in names(r.registry), 2.0, "watch after relist")
+    await wait_until(lambda: "10.1.0.100:8000" in names(r.registry), "watch after relist", 2.0)
 
 
+@pytest.mark.slow
 async def test_api_errors_back_off_and_recover(api, rig):
     api.apply(inference_pool("pool", {"app": "vllm"}, [8000]))
     api.apply(pod("a", "10.1.0.1"))
@@ -216,11 +208,11 @@ async def test_a_pool_that_does_not_exist_is_a_clear_error_and_not_ready(api, ri
     # Created later, it is picked up by the pool watch.
     api.apply(pod("a", "10.1.0.1"))
     api.apply(inference_pool("missing", {"app": "vllm"}, [8000]))
-    await wait_for(lambda: names(r.registry) == {"10.1.0.1:8000"}, 3.0, "pool created")
+    await wait_until(lambda: names(r.registry) == {"10.1.0.1:8000"}, "pool created", 3.0)
     assert r.discovery.pool_error is None
     # Deleted again: no endpoints, so the picker is not ready.
     api.delete(inference_pool("missing", {}, []))
-    await wait_for(lambda: len(r.registry) == 0, 2.0, "pool deleted")
+    await wait_until(lambda: len(r.registry) == 0, "pool deleted", 2.0)
     assert r.metric("epp_kubernetes_pool_synced") == 0
 
 
@@ -287,15 +279,15 @@ async def test_inference_objectives_set_priorities_over_the_static_fallback(api,
     api.apply(inference_objective("elsewhere", 99, "other-pool"))
     r = rig()
     assert await r.discovery.start(5.0)
-    await wait_for(lambda: "critical" in r.objectives, 2.0, "objectives listed")
+    await wait_until(lambda: "critical" in r.objectives, "objectives listed", 2.0)
     assert dict(r.objectives) == {"static-objective": 7, "critical": 10, "batch": -1, "no-priority": 0}
     api.apply(inference_objective("critical", 20, "pool"))
     api.apply(inference_objective("static-objective", 1, "pool"))
-    await wait_for(lambda: r.objectives.get("critical") == 20 and r.objectives.get("static-objective") == 1,
-                   2.0, "objectives modified")
+    await wait_until(lambda: r.objectives.get("critical") == 20 and r.objectives.get("static-objective") == 1,
+                     "objectives modified", 2.0)
     api.delete(inference_objective("static-objective", 1, "pool"))
     api.delete(inference_objective("batch", -1, "pool"))
-    await wait_for(lambda: "batch" not in r.objectives, 2.0, "objective deleted")
+    await wait_until(lambda: "batch" not in r.objectives, "objective deleted", 2.0)
     assert r.objectives.get("static-objective") == 7  # back to the config's value
     assert r.metric("epp_kubernetes_objectives") == 2
 
@@ -333,22 +325,42 @@ async def test_a_thousand_pods_churning_end_in_exactly_the_ready_set(api, rig):
             api.drop_watches()
             api.compact()
         await asyncio.sleep(0.05)
-    await wait_for(lambda: names(r.registry) == set(ready.values()), 5.0, "final ready set")
+    await wait_until(lambda: names(r.registry) == set(ready.values()), "final ready set", 5.0)
     assert len(r.registry.snapshot()) == len(ready)
     assert r.metric("epp_kubernetes_discovered_endpoints") == len(ready)
 
 
 async def test_a_pool_with_an_unsupported_app_protocol_is_not_served(api, rig):
     pool = inference_pool("pool", {"app": "vllm"}, [8000])
-    pool["spec"]["appProtocol"] = "kubernetes.io/h2c"
+    pool["spec"]["appProtocol"] = "kubernetes.io/ws"
     api.apply(pool)
     api.apply(pod("a", "10.1.0.1"))
     r = rig()
     assert await r.discovery.start(1.0) is False
-    assert "appProtocol 'kubernetes.io/h2c' is not supported" in r.discovery.pool_error
+    assert "appProtocol 'kubernetes.io/ws' is not supported" in r.discovery.pool_error
     pool["spec"]["appProtocol"] = "http"
     api.apply(pool)
-    await wait_for(lambda: names(r.registry) == {"10.1.0.1:8000"}, 3.0, "pool served once it speaks http")
+    await wait_until(lambda: names(r.registry) == {"10.1.0.1:8000"}, "pool served once it speaks http", 3.0)
+
+
+async def test_h2c_pools_and_pools_without_a_picker_ref_are_served(api, rig):
+    """GIE v1.6: `appProtocol: kubernetes.io/h2c` only changes what the gateway speaks upstream, and
+    `endpointPickerRef` is optional; discovery serves both pools as any other."""
+    pool = inference_pool("pool", {"app": "vllm"}, [8000, 8001])
+    pool["spec"]["appProtocol"] = "kubernetes.io/h2c"
+    del pool["spec"]["endpointPickerRef"]
+    api.apply(pool)
+    api.apply(pod("a", "10.1.0.1"))
+    r = rig()
+    assert await r.discovery.start(5.0)
+    assert names(r.registry) == {"10.1.0.1:8000", "10.1.0.1:8001"}
+    assert r.discovery.pool_error is None
+    assert (r.discovery.view.app_protocol, r.discovery.view.endpoint_picker) == ("kubernetes.io/h2c", None)
+    pool["spec"]["endpointPickerRef"] = {"name": "epp", "port": {"number": 9002}, "failureMode": "FailOpen"}
+    api.apply(pool)
+    await wait_until(lambda: r.discovery.view.endpoint_picker is not None, "the ref to be read", 2.0)
+    assert r.discovery.view.endpoint_picker == EndpointPickerRef("epp", port=9002, failure_mode="FailOpen")
+    assert names(r.registry) == {"10.1.0.1:8000", "10.1.0.1:8001"}
 
 
 async def test_v1alpha2_pools_are_read_with_pool_group_x_k8s(api, rig):
@@ -365,13 +377,57 @@ async def test_v1alpha2_pools_are_read_with_pool_group_x_k8s(api, rig):
 
 
 def test_pool_specs_that_cannot_be_used_name_the_field():
+    base = {"selector": {"matchLabels": {"a": "b"}}, "targetPorts": [{"number": 8000}]}
+    ref = {"name": "epp", "port": {"number": 9002}}
     for spec, field in (({"targetPorts": [{"number": 8000}]}, "spec.selector"),
                         ({"selector": {"matchLabels": {"a": "b"}}}, "spec.targetPorts"),
-                        ({"selector": {"matchLabels": {"a": "b"}}, "targetPorts": [{"number": 0}]}, "spec.targetPorts"),
-                        ({"selector": {"matchLabels": {"a": "b"}},
-                          "targetPorts": [{"number": 8000}, {"number": 8000}]}, "spec.targetPorts")):
-        with pytest.raises(PoolSpecError, match=field):
+                        ({**base, "targetPorts": [{"number": 0}]}, "spec.targetPorts"),
+                        ({**base, "targetPorts": [{"number": 8000}, {"number": 8000}]}, "spec.targetPorts"),
+                        ({**base, "targetPorts": [{"number": 8000 + i} for i in range(9)]}, "spec.targetPorts"),
+                        ({**base, "selector": {"matchLabels": {f"l{i}": "v" for i in range(65)}}},
+                         "spec.selector.matchLabels"),
+                        ({**base, "appProtocol": 2}, "spec.appProtocol"),
+                        ({**base, "endpointPickerRef": "epp"}, "spec.endpointPickerRef"),
+                        ({**base, "endpointPickerRef": {"port": {"number": 9002}}}, "spec.endpointPickerRef.name"),
+                        ({**base, "endpointPickerRef": {"name": "epp"}}, "spec.endpointPickerRef.port.number"),
+                        ({**base, "endpointPickerRef": {**ref, "port": {"number": 70000}}},
+                         "spec.endpointPickerRef.port.number"),
+                        ({**base, "endpointPickerRef": {**ref, "failureMode": "failopen"}},
+                         "spec.endpointPickerRef.failureMode"),
+                        ({**base, "endpointPickerRef": {**ref, "kind": "Not A Kind"}}, "spec.endpointPickerRef.kind"),
+                        ({**base, "endpointPickerRef": {**ref, "group": "Upper.Case"}},
+                         "spec.endpointPickerRef.group"),
+                        ({**base, "extensionRef": {"name": "epp", "portNumber": "9002"}}, "spec.extensionRef.portNumber")):
+        with pytest.raises(PoolSpecError, match=field.replace(".", r"\.")):
             pool_view_of({"spec": spec})
+
+
+def test_the_endpoint_picker_ref_and_its_defaults():
+    base = {"selector": {"matchLabels": {"a": "b"}}, "targetPorts": [{"number": 8000}]}
+    view = pool_view_of({"spec": {**base, "endpointPickerRef": {"name": "epp", "port": {"number": 9002}}}})
+    assert view.endpoint_picker == EndpointPickerRef("epp", group="", kind="Service", port=9002,
+                                                     failure_mode="FailClose")
+    assert view.app_protocol == "http" and not view.endpoint_picker.fail_open
+    # Another kind needs no port (the gateway derives it from the referent).
+    other = pool_view_of({"spec": {**base, "endpointPickerRef": {"name": "x", "kind": "Backend",
+                                                                 "group": "gateway.example.io"}}})
+    assert other.endpoint_picker == EndpointPickerRef("x", "gateway.example.io", "Backend", None, "FailClose")
+    # v1alpha2 `extensionRef`: `portNumber`, 9002 when unset for a Service.
+    old = pool_view_of({"spec": {"selector": {"a": "b"}, "targetPortNumber": 8000,
+                                 "extensionRef": {"name": "epp", "failureMode": "FailOpen"}}})
+    assert old.endpoint_picker == EndpointPickerRef("epp", port=9002, failure_mode="FailOpen")
+
+
+def test_what_a_pool_asks_of_envoy():
+    base = {"selector": {"matchLabels": {"a": "b"}}, "targetPorts": [{"number": 8000}]}
+    h2c_open = pool_view_of({"spec": {**base, "appProtocol": "kubernetes.io/h2c", "endpointPickerRef": {
+        "name": "epp", "port": {"number": 9102}, "failureMode": "FailOpen"}}})
+    assert envoy_options(h2c_open, "llm") == {"upstream_protocol": "h2c", "failure_mode_allow": True,
+                                              "epp_host": "epp.llm.svc.cluster.local", "epp_port": 9102}
+    assert envoy_options(h2c_open)["epp_host"] == "epp"  # no namespace known: the Service's short name
+    assert envoy_options(pool_view_of({"spec": base})) == {"upstream_protocol": "http", "failure_mode_allow": False}
+    with pytest.raises(PoolSpecError, match="spec.appProtocol: 'kubernetes.io/ws' is not supported"):
+        envoy_options(pool_view_of({"spec": {**base, "appProtocol": "kubernetes.io/ws"}}))
 
 
 async def test_an_expired_continue_token_restarts_the_list(api, rig):
@@ -396,6 +452,6 @@ async def test_pod_metadata_changes_reach_the_endpoint_labels(api, rig):
     untouched = r.registry.get("10.1.0.2:8000")
     api.apply(pod("a", "10.1.0.1", labels={"app": "vllm", "role": "prefill"},
                   annotations={"llm-epp.io/kv-events-port": "6000"}))
-    await wait_for(lambda: r.registry.get("10.1.0.1:8000").labels.get("kv-events-port") == "6000", 2.0, "relabel")
+    await wait_until(lambda: r.registry.get("10.1.0.1:8000").labels.get("kv-events-port") == "6000", "relabel", 2.0)
     assert r.registry.get("10.1.0.1:8000").labels["role"] == "prefill"
     assert r.registry.get("10.1.0.2:8000") is untouched  # the other endpoint (and its metrics) kept as it was

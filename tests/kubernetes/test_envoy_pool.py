@@ -17,13 +17,13 @@ import pytest
 from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.support.k8s_apiserver import inference_objective, inference_pool, pod
 from epp.config.compose import endpoint_picker_config
 from epp.envoy import EnvoyProcess, render_config
 from epp.netutil import free_ports
 from epp.server.runner import EppServer, ServeOptions
-from tests.configs import objectives
-from tests.conftest import free_port
-from tests.kubernetes.apiserver import inference_objective, inference_pool, pod
+from tests.support.configs import objectives
+from tests.support.ports import free_port
 
 pytestmark = [pytest.mark.envoy]
 
@@ -190,3 +190,94 @@ async def test_epp_serve_stays_not_serving_until_the_pool_exists(api, kubeconfig
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+def envoy_config(argv: list[str], capsys) -> tuple[int, str, str]:
+    from epp.cli import main
+
+    code = main(["envoy-config", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def envoy_accepts(config: str, tmp_path) -> None:
+    import subprocess
+
+    from epp.envoy import envoy_binary
+
+    path = tmp_path / "envoy.yaml"
+    path.write_text(config)
+    out = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_envoy_config_from_an_inference_pool_file(capsys, tmp_path):
+    """`epp envoy-config --inference-pool`: appProtocol and endpointPickerRef become the upstream
+    codec, the picker's address and the failure mode; explicit flags win; Envoy accepts the result."""
+    import yaml
+
+    pool = inference_pool("vllm-pool", {"app": "vllm"}, [8000, 8001], namespace="llm")
+    pool["spec"]["appProtocol"] = "kubernetes.io/h2c"
+    pool["spec"]["endpointPickerRef"] = {"name": "epp", "port": {"number": 9002}, "failureMode": "FailOpen"}
+    path = tmp_path / "pool.yaml"
+    path.write_text(yaml.safe_dump_all([{"apiVersion": "v1", "kind": "Service", "metadata": {"name": "x"}}, pool]))
+    code, out, _ = envoy_config(["--inference-pool", str(path),
+                                 "--fail-open-endpoints", "vllm-pool-pods.llm.svc.cluster.local:8000"], capsys)
+    assert code == 0
+    config = yaml.safe_load(out)
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    h2 = {"explicit_http_config": {"http2_protocol_options": {}}}
+    options = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    for name in ("original_destination_cluster", "fail_open"):
+        assert {k: v for k, v in clusters[name]["typed_extension_protocol_options"][options].items()
+                if k != "@type"} == h2
+    assert clusters["fail_open"]["type"] == "STRICT_DNS"
+    address = clusters["epp"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+    assert address["socket_address"] == {"address": "epp.llm.svc.cluster.local", "port_value": 9002}
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    ext_proc = next(f for f in manager["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
+    assert ext_proc["typed_config"]["failure_mode_allow"] is True
+    routes = manager["route_config"]["virtual_hosts"][0]["routes"]
+    assert [r["route"]["cluster"] for r in routes] == ["original_destination_cluster", "fail_open"]
+    envoy_accepts(out, tmp_path)
+
+    code, out, _ = envoy_config(["--inference-pool", str(path), "--upstream-protocol", "http",
+                                 "--epp-host", "10.0.0.9", "--fail-open-endpoints", "10.1.0.1:8000"], capsys)
+    clusters = {c["name"]: c for c in yaml.safe_load(out)["static_resources"]["clusters"]}
+    assert code == 0 and "typed_extension_protocol_options" not in clusters["original_destination_cluster"]
+    assert clusters["epp"]["type"] == "STATIC" and clusters["fail_open"]["type"] == "STATIC"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--upstream-protocol", "h3"], None),  # argparse's own choice error
+    (["--fail-open-endpoints", "10.1.0.1:8000"], "fail-open endpoints need FailOpen"),
+    (["--failure-mode-allow", "--fail-open-endpoints", "10.1.0.1"], "'10.1.0.1': expected host:port"),
+    (["--inference-pool", "/nonexistent/pool.yaml"], "No such file"),
+])
+def test_envoy_config_refusals_name_what_is_wrong(argv, message, capsys):
+    if message is None:
+        with pytest.raises(SystemExit) as exit_info:
+            envoy_config(argv, capsys)
+        assert exit_info.value.code == 2 and "--upstream-protocol" in capsys.readouterr().err
+        return
+    code, out, err = envoy_config(argv, capsys)
+    assert (code, out) == (2, "") and message in err and err.startswith("epp envoy-config: ")
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"appProtocol": "kubernetes.io/ws"}, "spec.appProtocol: 'kubernetes.io/ws' is not supported"),
+    ({"endpointPickerRef": {"name": "epp", "port": {"number": 9002}, "failureMode": "Open"}},
+     "spec.endpointPickerRef.failureMode: must be FailOpen or FailClose, not 'Open'"),
+])
+def test_envoy_config_refuses_a_pool_it_cannot_honour(spec, message, capsys, tmp_path):
+    import yaml
+
+    pool = inference_pool("p", {"app": "vllm"}, [8000])
+    pool["spec"].update(spec)
+    path = tmp_path / "pool.yaml"
+    path.write_text(yaml.safe_dump(pool))
+    code, _, err = envoy_config(["--inference-pool", str(path)], capsys)
+    assert code == 2 and f"--inference-pool {path}: {message}" in err
+    path.write_text(yaml.safe_dump({"kind": "Service"}))
+    assert "expected one InferencePool, found 0" in envoy_config(["--inference-pool", str(path)], capsys)[2]

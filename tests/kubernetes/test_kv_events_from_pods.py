@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
+from bench.support.k8s_apiserver import inference_pool, pod
 from epp.datalayer.kubernetes import KubernetesDiscovery
 from epp.datalayer.registry import EndpointRegistry
 from epp.kvevents.index import KVBlockIndex
 from epp.kvevents.metrics import KVIndexMetrics, KVSubscriberMetrics
 from epp.kvevents.subscriber import KVEventSubscriber, SubscriberConfig
-from tests.kubernetes.apiserver import inference_pool, pod
-from tests.kubernetes.test_discovery import wait_for
 from tests.kvevents.publisher import FakePublisher
 from tests.kvevents.test_subscriber import BS, MODEL, block_event, tokens_of
+from tests.support.wait import wait_until
 
 
 async def test_kv_event_ports_come_from_pod_annotations_and_removal_drops_entries(api, kubeconfig):
@@ -33,11 +33,11 @@ async def test_kv_event_ports_come_from_pod_annotations_and_removal_drops_entrie
         await pub.heartbeat_until(
             lambda: (metrics.get_sample_value("epp_kv_events_messages_total", {"source": "live"}) or 0) > 0)
         await pub.publish([block_event(1, 0)])
-        await wait_for(lambda: index.lookup(keys) != {}, 3.0, "block indexed from the pod's KV events")
+        await wait_until(lambda: index.lookup(keys) != {}, "block indexed from the pod's KV events", 3.0)
         assert list(index.lookup(keys)) == ["127.0.0.1:9000"]
         # The pod stops being Ready: its endpoint leaves and its index entries go with it.
         api.apply(pod("p0", "127.0.0.1", ready=False, annotations={"llm-epp.io/kv-events-port": str(pub.port)}))
-        await wait_for(lambda: index.lookup(keys) == {}, 3.0, "index entries dropped")
+        await wait_until(lambda: index.lookup(keys) == {}, "index entries dropped", 3.0)
         assert metrics.get_sample_value("epp_kv_events_subscriptions") == 0
     finally:
         await subscriber.stop()

@@ -12,20 +12,13 @@ from epp.kvevents.decoding import Tier
 from epp.kvevents.index import KVBlockIndex
 from epp.kvevents.metrics import KVIndexMetrics, KVSubscriberMetrics
 from epp.kvevents.subscriber import KVEventSubscriber, SubscriberConfig
+from tests.support.wait import wait_until
 
 kv_publisher = pytest.importorskip("epp.engine.kv_publisher")
 
 TOPIC = "kv@127.0.0.1:8000@m"
 TOKENS = list(range(1, 33))
 ENDPOINT = "127.0.0.1:8000"
-
-
-async def until(predicate, timeout: float = 5.0) -> None:
-    for _ in range(int(timeout / 0.02)):
-        if predicate():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not reached")
 
 
 @pytest.fixture
@@ -56,18 +49,18 @@ async def test_disk_removals_from_the_manager_update_the_engines_blocks(setup):
     engine, disk, index, registry, sub = setup
     engine.publish([kv_publisher.BlockStored([11, 12], None, TOKENS, 16, None, "GPU", None),
                     kv_publisher.BlockStored([11, 12], None, TOKENS, 16, None, "STORAGE", None)])
-    await until(lambda: len(tiers(index)) == 2 and index.tiers_of(index.keyer.request_keys(TOKENS, "m")[0],
+    await wait_until(lambda: len(tiers(index)) == 2 and index.tiers_of(index.keyer.request_keys(TOKENS, "m")[0],
                                                                     ENDPOINT) == {Tier.GPU, Tier.DISK})
     disk.publish([kv_publisher.BlockRemoved([11, 12], "STORAGE")])
     key = index.keyer.request_keys(TOKENS, "m")[0]
-    await until(lambda: index.tiers_of(key, ENDPOINT) == {Tier.GPU})
+    await wait_until(lambda: index.tiers_of(key, ENDPOINT) == {Tier.GPU})
     assert len(tiers(index)) == 2  # the GPU copies stay routable
 
 
 async def test_a_restarted_disk_manager_never_clears_the_engines_view(setup):
     engine, disk, index, registry, sub = setup
     engine.publish([kv_publisher.BlockStored([11, 12], None, TOKENS, 16, None, "GPU", None)])
-    await until(lambda: len(tiers(index)) == 2)
+    await wait_until(lambda: len(tiers(index)) == 2)
     for _ in range(60):  # a long history, so the restarted publisher's sequence clearly goes back
         disk.publish([kv_publisher.BlockRemoved([999], "STORAGE")])
     await asyncio.sleep(0.2)

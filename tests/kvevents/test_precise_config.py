@@ -6,7 +6,7 @@ from epp.config.compose import endpoint_picker_config, plugin
 from epp.framework.types import ApiKind, Endpoint, InferenceRequest
 from epp.kvevents.decoding import decode_batch
 from tests.kvevents import wire
-from tests.scheduling.sched_fixtures import DirectorHarness
+from tests.support.scheduling import DirectorHarness
 
 
 def config(cpu_weight: float) -> str:

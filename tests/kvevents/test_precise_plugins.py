@@ -132,6 +132,24 @@ async def test_pre_request_claims_the_prefix_on_the_chosen_endpoint_for_the_ttl(
     assert (await produce(prod0)).endpoint_data(PREFIX_MATCH_INFO, B.name).matched_blocks == 0
 
 
+async def test_claims_skip_the_run_the_endpoint_holds_confirmed_and_renew_a_run_held_by_claims_only():
+    prod = producer(speculativeTTL="2s")
+    feed(prod, A, wire.stored([1, 2, 3, 4], TOKENS[:16], block_size=BS))  # A holds the first 4 blocks
+    claimed: list[tuple[str, list[int]]] = []
+    prod.sharing.publish_claim = lambda endpoint, keys: claimed.append((endpoint, list(keys)))
+    state = await produce(prod)
+    prod.pre_request(state, request(), SchedulingResult({"default": ProfileRunResult((A,))}, "default"))
+    keys = list(prod.index.keyer.request_keys(TOKENS, "m"))
+    assert claimed == [(A.name, keys[4:])]  # the 4 held blocks are not claimed again
+    claimed.clear()
+    state = await produce(prod)  # B holds nothing; after the claim on it, it holds all 8 by claim
+    prod.pre_request(state, request(), SchedulingResult({"default": ProfileRunResult((B,))}, "default"))
+    state = await produce(prod)
+    assert state.endpoint_data(PREFIX_MATCH_INFO, B.name).matched_blocks == 8
+    prod.pre_request(state, request(), SchedulingResult({"default": ProfileRunResult((B,))}, "default"))
+    assert claimed == [(B.name, keys), (B.name, keys)]  # a run held by claims alone is claimed anew
+
+
 async def test_two_producers_share_one_metrics_registry(tmp_path):
     context = PluginContext(metrics_registry=CollectorRegistry())
     model_dir = write_tiny_model(tmp_path / "tiny", weights=False)
@@ -160,7 +178,7 @@ async def test_string_prompts_are_tokenized_with_the_models_tokenizer(tmp_path):
         req = InferenceRequest("r", ApiKind.COMPLETIONS, "tiny", "tiny", {"prompt": "the cache block " * 20})
         tokens = await prod.prompt_tokens(req)
         assert tokens and tokens[0] == prod.tokenizers.load("tiny").special_prefix[0]
-        prod.index.apply_batch(A.name, decode_batch(wire.encode_batch([wire.stored([1], tokens[:BS])])), "tiny")
+        prod.index.apply_batch(A.name, decode_batch(wire.encode_batch([wire.stored([1], list(tokens[:BS]))])), "tiny")
         state = CycleState()
         await prod.prepare(state, req, [A])
         assert state.endpoint_data(PREFIX_MATCH_INFO, A.name).matched_blocks == 1

@@ -8,6 +8,7 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry
 
+from bench.support.redis_server import RedisServer
 from epp.config.loader import load_config_text
 from epp.framework.datakeys import PREFIX_MATCH_INFO
 from epp.framework.errors import ConfigError
@@ -17,11 +18,10 @@ from epp.framework.types import ApiKind, Endpoint, InferenceRequest
 from epp.kvevents import producer as precise_prefix
 from epp.kvevents.decoding import decode_batch
 from epp.kvevents.redis_index import RedisKVIndex
-from epp.kvevents.redis_server import RedisServer, redis_server_binary
 from epp.scorers import register_builtin_plugins
 from tests.kvevents import wire
 
-pytestmark = pytest.mark.skipif(redis_server_binary() is None, reason="redis-server not installed (CI installs it)")
+pytestmark = pytest.mark.redis  # needs redis-server: skipped locally without it, a failure under CI
 
 CONFIG = """
 apiVersion: inference.networking.x-k8s.io/v1alpha1

@@ -14,6 +14,7 @@ from epp.kvevents.metrics import KVIndexMetrics, KVSubscriberMetrics
 from epp.kvevents.subscriber import KVEventSubscriber, SubscriberConfig
 from tests.kvevents import wire
 from tests.kvevents.publisher import FakePublisher
+from tests.support.wait import wait_until
 
 MODEL = "m"
 BS = 4
@@ -28,15 +29,6 @@ def block_event(prompt: int, block: int):
     toks = tokens_of(prompt, block + 1)[block * BS:]
     parent = None if block == 0 else prompt * 100 + block - 1
     return wire.stored([prompt * 100 + block], toks, parent=parent, block_size=BS)
-
-
-async def wait_for(condition, timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        if loop.time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
 
 
 class Rig:
@@ -67,7 +59,7 @@ class Rig:
     async def connect(self):
         await self.sub.start()
         await self.pub.heartbeat_until(lambda: self.metric("epp_kv_events_messages_total", {"source": "live"}) > 0)
-        await wait_for(lambda: not self.sub._streams[self.name].repairing)
+        await wait_until(lambda: not self.sub._streams[self.name].repairing)
 
     async def close(self):
         await self.sub.stop()
@@ -93,7 +85,7 @@ async def test_in_order_batches_are_applied_without_replay(rig_factory):
     await rig.connect()
     for block in range(3):
         await rig.pub.publish([block_event(1, block)])
-    await wait_for(lambda: rig.matched(1, 3) == 3)
+    await wait_until(lambda: rig.matched(1, 3) == 3)
     assert rig.metric("epp_kv_events_sequence_gaps_total") == 0
 
 
@@ -103,7 +95,7 @@ async def test_a_sequence_gap_is_repaired_through_the_replay_socket(rig_factory)
     await rig.pub.publish([block_event(1, 0)])
     await rig.pub.publish([block_event(1, 1)], send=False)  # lost on the wire
     await rig.pub.publish([block_event(1, 2)])
-    await wait_for(lambda: rig.matched(1, 3) == 3)
+    await wait_until(lambda: rig.matched(1, 3) == 3)
     assert rig.metric("epp_kv_events_sequence_gaps_total") == 1
     assert rig.metric("epp_kv_events_replays_total", {"outcome": "ok"}) == 2  # initial + gap
     assert rig.metric("epp_kv_events_endpoint_resets_total", {"reason": "gap_unrepairable"}) == 0
@@ -113,11 +105,11 @@ async def test_a_publisher_restart_clears_the_endpoint_and_rebuilds_from_replay(
     rig = rig_factory(cooldown=0.0)
     await rig.connect()
     await rig.pub.publish([block_event(1, 0), block_event(1, 1)])
-    await wait_for(lambda: rig.matched(1, 2) == 2)
+    await wait_until(lambda: rig.matched(1, 2) == 2)
     rig.pub.restart()
     await rig.pub.publish([block_event(2, 0)], send=False)  # seq 0 of the new process, missed
     await rig.pub.publish([block_event(2, 1)])
-    await wait_for(lambda: rig.matched(2, 2) == 2)
+    await wait_until(lambda: rig.matched(2, 2) == 2)
     assert rig.matched(1, 2) == 0  # the old process's cache is gone
     assert rig.metric("epp_kv_events_publisher_restarts_total") == 1
 
@@ -127,7 +119,7 @@ async def test_a_late_starting_subscriber_rebuilds_its_view_from_replay(rig_fact
     for block in range(4):  # published before anyone listens
         await rig.pub.publish([block_event(3, block)])
     await rig.connect()
-    await wait_for(lambda: rig.matched(3, 4) == 4)
+    await wait_until(lambda: rig.matched(3, 4) == 4)
     assert rig.metric("epp_kv_index_events_dropped_total", {"reason": "unknown_parent"}) == 0
 
 
@@ -152,11 +144,11 @@ async def test_an_unrepairable_gap_drops_the_endpoints_entries_and_says_so(rig_f
     rig = rig_factory(buffer_steps=1)  # the publisher keeps only the newest batch
     await rig.connect()
     await rig.pub.publish([block_event(1, 0), block_event(1, 1)])
-    await wait_for(lambda: rig.matched(1, 2) == 2)
+    await wait_until(lambda: rig.matched(1, 2) == 2)
     await rig.pub.publish([block_event(2, 0)], send=False)
     await rig.pub.publish([block_event(4, 0)])
-    await wait_for(lambda: rig.metric("epp_kv_events_endpoint_resets_total", {"reason": "gap_unrepairable"}) == 1)
-    await wait_for(lambda: rig.matched(4, 1) == 1)
+    await wait_until(lambda: rig.metric("epp_kv_events_endpoint_resets_total", {"reason": "gap_unrepairable"}) == 1)
+    await wait_until(lambda: rig.matched(4, 1) == 1)
     assert rig.matched(1, 2) == 0
     assert rig.metric("epp_kv_events_replays_total", {"outcome": "failed"}) == 1
 
@@ -165,10 +157,10 @@ async def test_gap_without_a_replay_socket_is_a_reset(rig_factory):
     rig = rig_factory(replay=False)
     await rig.connect()
     await rig.pub.publish([block_event(1, 0)])
-    await wait_for(lambda: rig.matched(1, 1) == 1)
+    await wait_until(lambda: rig.matched(1, 1) == 1)
     await rig.pub.publish([], send=False)
     await rig.pub.publish([block_event(4, 0)])
-    await wait_for(lambda: rig.matched(4, 1) == 1)
+    await wait_until(lambda: rig.matched(4, 1) == 1)
     assert rig.matched(1, 1) == 0
     assert rig.metric("epp_kv_events_endpoint_resets_total", {"reason": "gap_unrepairable"}) == 1
 
@@ -177,9 +169,9 @@ async def test_endpoint_removal_closes_the_subscription_and_drops_entries(rig_fa
     rig = rig_factory()
     await rig.connect()
     await rig.pub.publish([block_event(1, 0)])
-    await wait_for(lambda: rig.matched(1, 1) == 1)
+    await wait_until(lambda: rig.matched(1, 1) == 1)
     rig.endpoints.set_endpoints([])
-    await wait_for(lambda: rig.matched(1, 1) == 0)
+    await wait_until(lambda: rig.matched(1, 1) == 0)
     assert rig.metric("epp_kv_events_subscriptions") == 0
 
 
@@ -204,7 +196,7 @@ async def test_centralized_mode_binds_and_routes_by_topic():
         await pubs[1].publish([block_event(2, 0), block_event(2, 1)])
         keys1 = index.keyer.request_keys(tokens_of(1, 1), MODEL)
         keys2 = index.keyer.request_keys(tokens_of(2, 2), MODEL)
-        await wait_for(lambda: index.lookup(keys2) == {"127.0.0.2:9002": [Tier.GPU, Tier.GPU]})
+        await wait_until(lambda: index.lookup(keys2) == {"127.0.0.2:9002": [Tier.GPU, Tier.GPU]})
         assert index.lookup(keys1) == {"127.0.0.1:9001": [Tier.GPU]}
     finally:
         await sub.stop()

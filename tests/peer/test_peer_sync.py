@@ -12,10 +12,9 @@ from epp.datalayer.registry import parse_endpoint_list
 from epp.netutil import free_ports
 from epp.scorers.approx_prefix import ApproxPrefixCacheProducer
 from epp.server.runner import EppServer, ServeOptions
-from tests.blackbox.calls import route
-from tests.configs import plugin, scorer_then_max_score
-from tests.extproc_support import ExtProcClient
-from tests.precise.support import wait_until
+from tests.support.configs import plugin, scorer_then_max_score
+from tests.support.extproc import ExtProcClient, route
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -229,6 +228,7 @@ async def test_a_picker_that_starts_late_catches_up_from_a_peer_snapshot_and_the
                 await picker.stop()
 
 
+@pytest.mark.slow
 async def test_a_picker_whose_peers_are_all_down_starts_alone_within_the_catch_up_timeout():
     port_a, port_gone = free_ports(2)
     a = await RoutingPicker.start(port_a, (port_gone,))
@@ -245,7 +245,7 @@ QUEUE_CONFIG = scorer_then_max_score(None, "queue-scorer")
 
 
 async def test_in_flight_bookings_of_a_peer_count_in_the_other_pickers_load_until_released():
-    from tests.extproc_support import request_body, request_headers
+    from tests.support.extproc import request_body, request_headers
 
     port_a, port_b = free_ports(2)
     pickers = []

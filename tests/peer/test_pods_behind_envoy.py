@@ -24,8 +24,9 @@ from epp.engine.sim import FleetConfig, SimFleet
 from epp.engine.sim.fleet import default_tokenizer_dir
 from epp.envoy import EnvoyProcess, render_config
 from epp.netutil import free_ports
-from tests.extproc.test_workers import metric_samples
-from tests.precise.support import prompt_of, wait_until
+from tests.support.extproc import metric_samples
+from tests.support.precise import prompt_of
+from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.envoy, pytest.mark.timeout(180)]
 

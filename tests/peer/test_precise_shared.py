@@ -14,8 +14,9 @@ from epp.engine.sim import FleetConfig, SimFleet
 from epp.engine.sim.fleet import default_tokenizer_dir
 from epp.netutil import free_ports
 from epp.server.runner import EppServer, ServeOptions
-from tests.configs import plugin, scorer_then_max_score
-from tests.precise.support import Picker, fleet_specs, post_completion, prompt_of, wait_until
+from tests.support.configs import plugin, scorer_then_max_score
+from tests.support.precise import Picker, fleet_specs, post_completion, prompt_of
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -47,9 +48,15 @@ async def test_two_pickers_fed_the_same_traffic_hold_the_same_precise_index_and_
                 return len(first) > 0 and first == second
 
             await wait_until(same_and_full, "both pickers' indexes to hold the same keys, endpoints and tiers", 10)
-            # Same index, same decisions: each group's next request goes to the same replica from either picker.
+            # Same index, same decisions: each group's next request goes to the replica holding the most
+            # of it from either picker (the same one where one holds most; a tie breaks at random).
+            names = [spec.name for spec in specs]
             for prompt in groups:
-                assert await pickers[0].route(MODEL, prompt) == await pickers[1].route(MODEL, prompt)
+                held = await pickers[0].held_blocks(MODEL, prompt, names)
+                assert held == await pickers[1].held_blocks(MODEL, prompt, names)
+                best = {ep for ep, blocks in held.items() if blocks == max(held.values())}
+                routes = {await pickers[0].route(MODEL, prompt), await pickers[1].route(MODEL, prompt)}
+                assert routes <= best and (len(best) > 1 or len(routes) == 1), (held, routes)
         finally:
             for picker in pickers:
                 await picker.stop()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from epp.peer.ledger import SharedInflightLedger
-from tests.scheduling.sched_fixtures import endpoint
+from tests.support.scheduling import endpoint
 
 
 class Recorder:

@@ -18,8 +18,9 @@ from epp.datalayer.registry import EndpointSpec
 from epp.engine.sim import FleetConfig, SimFleet
 from epp.engine.sim.fleet import default_tokenizer_dir
 from epp.netutil import free_ports
-from tests.configs import plugin, scorer_then_max_score
-from tests.precise.support import Picker, fleet_specs, post_completion, prompt_of, wait_until
+from tests.support.configs import plugin, scorer_then_max_score
+from tests.support.precise import Picker, fleet_specs, post_completion, prompt_of
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,14 +15,9 @@ import pytest
 from epp.engine.sim import FleetConfig, SimFleet
 from epp.engine.sim.fleet import default_tokenizer_dir
 from epp.kvevents.decoding import Tier
-from tests.configs import endpoint_picker_config, plugin
-from tests.precise.support import (
-    Picker,
-    fleet_specs,
-    post_completion,
-    prompt_of,
-    wait_until,
-)
+from tests.support.configs import endpoint_picker_config, plugin
+from tests.support.precise import Picker, fleet_specs, post_completion, prompt_of
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -18,11 +18,12 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import pytest
 
 from epp.datalayer.registry import parse_endpoint_list
-from epp.engine.vllm.testing import TinyVllmServer, require_vllm_python, start_tiny_vllm
-from tests.configs import endpoint_picker_config, plugin
-from tests.precise.support import Picker, completion_body, prompt_of, wait_until
+from tests.support.configs import endpoint_picker_config, plugin
+from tests.support.precise import Picker, completion_body, prompt_of
+from tests.support.vllm import TinyVllmServer, require_vllm_python, start_tiny_vllm
+from tests.support.wait import wait_until
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]
 
 MODEL = "tiny"
 BLOCK = 32

@@ -1,6 +1,6 @@
 """A model-server stand-in in its own process, so a test can kill it mid-request (SIGKILL).
 
-Serves SSE completions (one event every `delay` seconds) and a vLLM-shaped `/metrics`;
+Serves SSE completions (one event every `delay` seconds) and vLLM's `/metrics` page;
 `POST /fault {"metrics": MODE}` makes `/metrics` misbehave from then on: "hang" (never answers),
 "garbage" (200 with bytes that are no Prometheus text), "huge" (200 with a 5 MB page), "500",
 or "ok" again.
@@ -15,8 +15,9 @@ import sys
 
 from aiohttp import web
 
-METRICS = ("vllm:num_requests_waiting{model_name=\"m\"} 0\nvllm:num_requests_running{model_name=\"m\"} 0\n"
-           "vllm:kv_cache_usage_perc{model_name=\"m\"} 0.1\n")
+from tests.support.vllm_metrics import VllmState, vllm_metrics_page
+
+METRICS = vllm_metrics_page(VllmState(model="m", kv_usage=0.1))
 
 
 def main(port: int, name: str) -> None:

@@ -1,5 +1,6 @@
-"""The fault table (bench/README.md "Fault table"): each fault under load through real Envoy, its outcome, and
-how many requests fail. Only requests in flight on the part that died may fail."""
+"""The fault table (bench/notes/2026-12-hostile-input-faults-soak-issue18.md#fault-table): each fault under
+load through real Envoy, its outcome, and how many requests fail. Only requests in flight on the part that
+died may fail."""
 
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ from epp.engine.sim.fleet import default_tokenizer_dir
 from epp.envoy import EnvoyProcess, render_config
 from epp.netutil import free_ports
 from epp.server.runner import EppServer, ServeOptions
-from tests.configs import endpoint_picker_config, plugin
-from tests.precise.support import fleet_specs
 from tests.reliability.test_faults import Backend, eventually_zero_running
+from tests.support.configs import endpoint_picker_config, plugin
+from tests.support.precise import fleet_specs
 
 pytestmark = [pytest.mark.envoy, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]

@@ -16,7 +16,7 @@ from epp.framework import (
 )
 from epp.framework.datakeys import INFLIGHT_LOAD, PREFIX_MATCH_INFO, InflightLoad, PrefixMatchInfo
 from epp.scorers.inflight_tracker import InflightTracker
-from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
+from tests.support.scheduling import endpoint, make_plugin, request
 
 EPS = [endpoint(0), endpoint(1), endpoint(2)]
 

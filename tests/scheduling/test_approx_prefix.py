@@ -11,7 +11,7 @@ from epp.framework import ApiKind, ConfigError, CycleState, PluginContext, Profi
 from epp.framework.datakeys import PREFIX_CACHE_FREE_BLOCKS, PREFIX_MATCH_INFO
 from epp.scorers.prefix_index import PrefixIndex
 from epp.scorers.prompt_text import user_input_bytes
-from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
+from tests.support.scheduling import endpoint, make_plugin, request
 
 
 def reference_chain(data: bytes, block: int, model: str, salt: str = "") -> list[int]:
@@ -182,6 +182,10 @@ def test_producer_parameters_are_validated(params, message):
      b'[{"instructions":"be brief"},{"tools":null},{"input":"x"}]'),
     (ApiKind.CONVERSATIONS, {"items": [{"type": "message"}]}, b'[{"type":"message"}]'),
     (ApiKind.EMBEDDINGS, {"input": ["a", "b"]}, b'["a","b"]'),
+    (ApiKind.MESSAGES, {"system": "be brief", "messages": [{"role": "user", "content": "hi"}]},
+     b'[{"system":"be brief"},{"tools":null},{"role":"user","content":"hi"}]'),
+    (ApiKind.RERANK, {"query": "q", "documents": ["a", "b"]}, b'[{"query":"q"},{"documents":["a","b"]}]'),
+    (ApiKind.PASSTHROUGH, {}, b""),
 ])
 def test_user_input_bytes_per_api(api, body, expected):
     assert user_input_bytes(request(api=api, body={"model": "m", **body})) == expected
@@ -193,6 +197,9 @@ def test_user_input_bytes_per_api(api, body, expected):
                                              {"role": "user", "content": [{"type": "text", "text": "t" * 9000}]}]}),
     (ApiKind.EMBEDDINGS, {"input": ["a" * 7000, "b" * 7000]}),
     (ApiKind.COMPLETIONS, {"prompt": "ü" * 9000}),
+    (ApiKind.MESSAGES, {"system": [{"type": "text", "text": "s" * 6000}], "messages": [
+        {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": "A" * 9000}},
+                                     {"type": "text", "text": "é" * 4000}]}] * 40}),
 ])
 def test_user_input_bytes_with_a_limit_is_the_prefix_of_the_full_input(api, body):
     req = request(api=api, body={"model": "m", **body})

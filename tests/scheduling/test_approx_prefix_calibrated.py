@@ -6,7 +6,7 @@ import pytest
 
 from epp.framework import CycleState, PluginContext, ProfileRunResult, ResponseInfo, SchedulingResult
 from epp.framework.datakeys import PREFIX_TIER_MATCH
-from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
+from tests.support.scheduling import endpoint, make_plugin, request
 
 
 def completed(context: PluginContext, characters: int, prompt_tokens: int) -> None:

@@ -7,7 +7,7 @@ import pytest
 from epp.framework import ApiKind, CycleState, PluginContext, ProfileRunResult, SchedulingResult
 from epp.framework.datakeys import PREFIX_MATCH_INFO, PREFIX_TIER_MATCH
 from epp.scorers.prefix_index import PrefixIndex
-from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
+from tests.support.scheduling import endpoint, make_plugin, request
 
 
 def test_chain_aware_index_evicts_a_chains_tail_first():

@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, generate_latest, start_http_ser
 
 from epp.calibration_cli import calibration_main, format_table, read_calibration
 from epp.framework import PluginContext
-from tests.scheduling.sched_fixtures import make_plugin
+from tests.support.scheduling import make_plugin
 
 
 def learned_registry() -> tuple[CollectorRegistry, object]:

@@ -3,7 +3,7 @@
 import pytest
 
 from epp.framework import ConfigError, CycleState, ResponseInfo
-from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
+from tests.support.scheduling import endpoint, make_plugin, request
 
 
 def kept(flt, endpoints, req=None):
@@ -36,26 +36,49 @@ def test_by_label_parameters(params, message):
         make_plugin("by-label", params)
 
 
-def test_by_label_selector_needs_every_pair():
-    flt = make_plugin("by-label-selector", {"matchLabels": {ROLE: "other", "tier": "gold"}})
+def test_label_selector_needs_every_pair():
+    flt = make_plugin("label-selector-filter", {"matchLabels": {ROLE: "other", "tier": "gold"}})
     assert kept(flt, POOL) == [POOL[4].name]
-    flt = make_plugin("by-label-selector", {"matchLabels": {ROLE: "decode", "tier": "gold"}})
+    flt = make_plugin("label-selector-filter", {"matchLabels": {ROLE: "decode", "tier": "gold"}})
     assert kept(flt, POOL) == []
 
 
+@pytest.mark.parametrize("expressions, expected", [
+    ([{"key": ROLE, "operator": "In", "values": ["prefill", "decode"]}], [0, 1]),
+    ([{"key": ROLE, "operator": "NotIn", "values": ["prefill", "decode"]}], [2, 3, 4]),  # no label: not in
+    ([{"key": "tier", "operator": "Exists"}], [4]),
+    ([{"key": ROLE, "operator": "DoesNotExist"}], [3]),
+    ([{"key": ROLE, "operator": "Exists"}, {"key": ROLE, "operator": "NotIn", "values": ["other"]}], [0, 1, 2]),
+])
+def test_label_selector_match_expressions_as_kubernetes_reads_them(expressions, expected):
+    flt = make_plugin("label-selector-filter", {"matchExpressions": expressions})
+    assert kept(flt, POOL) == [POOL[i].name for i in expected]
+
+
 @pytest.mark.parametrize("params, message", [
-    ({}, "'matchLabels' is required"),
-    ({"matchLabels": {"a": "b"}, "matchExpressions": [{"key": "a"}]}, "'matchExpressions' is not supported"),
+    ({}, "'matchLabels' or 'matchExpressions' is required"),
+    ({"matchExpressions": [{"key": "a", "operator": "Near"}]}, r"'matchExpressions\[0\]': 'operator' must be one of"),
+    ({"matchExpressions": [{"key": "a", "operator": "In"}]}, "operator In needs at least one value"),
+    ({"matchExpressions": [{"key": "a", "operator": "Exists", "values": ["x"]}]}, "operator Exists takes no values"),
+    ({"matchExpressions": [{"key": "a", "operator": "In", "values": ["x"], "valuez": 1}]}, "must be a mapping with "
+     "fields key, operator, values"),
     ({"matchLabels": {"a": 1}}, "must map strings to strings"),
 ])
-def test_by_label_selector_parameters(params, message):
+def test_label_selector_parameters(params, message):
     with pytest.raises(ConfigError, match=message):
-        make_plugin("by-label-selector", params)
+        make_plugin("label-selector-filter", params)
 
 
 def test_decode_and_prefill_filters_use_the_role_label():
     assert kept(make_plugin("decode-filter"), POOL) == [POOL[i].name for i in (1, 2, 3)]
-    assert kept(make_plugin("prefill-filter"), POOL) == [POOL[0].name]
+    assert kept(make_plugin("prefill-filter"), POOL) == [POOL[i].name for i in (0, 2)]
+
+
+def test_role_filters_take_llm_d_combined_roles():
+    roles = ["prefill-decode", "encode-prefill", "encode-prefill-decode", "encode"]
+    pool = [endpoint(i, labels={ROLE: role}) for i, role in enumerate(roles)]
+    assert kept(make_plugin("decode-filter"), pool) == [pool[0].name, pool[2].name]
+    assert kept(make_plugin("prefill-filter"), pool) == [pool[0].name, pool[1].name, pool[2].name]
 
 
 @pytest.mark.parametrize("header, expected", [

@@ -10,9 +10,9 @@ import pytest
 from epp.config.compose import endpoint_picker_config
 from epp.framework import CycleState, Endpoint, EndpointMetrics, InflightLedger, PluginContext
 from epp.framework.load import estimate_prompt_tokens
-from tests.scheduling.sched_fixtures import DirectorHarness, endpoint, make_plugin, request
+from tests.support.scheduling import DirectorHarness, endpoint, make_plugin, request
 
-SCRAPED_AT = 1.0  # sched_fixtures' endpoints were scraped at t = 1.0
+SCRAPED_AT = 1.0  # tests/support/scheduling's endpoints were scraped at t = 1.0
 
 
 def loads(ledger, endpoints, now):

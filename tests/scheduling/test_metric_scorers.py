@@ -4,7 +4,7 @@ import pytest
 
 from epp.framework import ConfigError, CycleState
 from epp.framework.datakeys import INFLIGHT_LOAD, InflightLoad
-from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
+from tests.support.scheduling import endpoint, make_plugin, request
 
 
 def scores(type_name, endpoints, params=None, req=None, state=None):
@@ -49,9 +49,9 @@ def test_load_aware_scorer(params, queues, expected):
     assert scores("load-aware-scorer", [endpoint(i, queue=q) for i, q in enumerate(queues)], params) == expected
 
 
-def test_load_aware_threshold_must_be_positive():
-    with pytest.raises(ConfigError, match="'threshold' must be >= 1, got 0"):
-        make_plugin("load-aware-scorer", {"threshold": 0})
+@pytest.mark.parametrize("threshold", [0, -5])
+def test_load_aware_threshold_of_zero_or_less_is_the_default_as_in_llm_d(threshold):
+    assert make_plugin("load-aware-scorer", {"threshold": threshold}).threshold == 128
 
 
 @pytest.mark.parametrize("active, waiting, max_active, expected", [

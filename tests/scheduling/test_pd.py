@@ -16,8 +16,8 @@ from epp.framework import (
 )
 from epp.framework.datakeys import PREFIX_MATCH_INFO, PREFIX_TIER_MATCH, PrefixMatchInfo, TierMatch
 from epp.scorers.pd import uncached_prompt_tokens
-from tests.configs import as_yaml, pd_config, sample_config
-from tests.scheduling.sched_fixtures import DirectorHarness, builtin_registry, endpoint, make_plugin, request
+from tests.support.configs import as_yaml, pd_config, sample_config
+from tests.support.scheduling import DirectorHarness, builtin_registry, endpoint, make_plugin, request
 
 ROLE = "llm-d.ai/role"
 PREFILL = [endpoint(0, labels={ROLE: "prefill"}), endpoint(1, labels={ROLE: "prefill"})]
@@ -97,11 +97,13 @@ async def test_decisions_are_counted():
     assert registry.get_sample_value("epp_pd_decisions_total", {"decision": "decode-only"}) == 1
 
 
-async def test_unlabelled_and_both_replicas_decode_but_never_prefill():
+async def test_unlabelled_replicas_only_decode_and_both_replicas_take_either_role():
+    # llm-d's roles: no role label means decode only; the deprecated `both` is prefill and decode.
     pool = [endpoint(0), endpoint(1, labels={ROLE: "both"})]
     result, state = await load(0).cycle(request(prompt(2000)), pool)
     assert picked(result, "decode") in {ep.name for ep in pool}
-    assert picked(result, "prefill") is None and not state.request_headers()
+    assert picked(result, "prefill") == pool[1].name
+    assert state.request_headers()[PREFILLER_HOST_PORT_HEADER] == pool[1].hostport
 
 
 async def test_only_prefill_replicas_is_unschedulable():

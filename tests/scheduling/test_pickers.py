@@ -7,7 +7,7 @@ import pytest
 from epp.config.compose import endpoint_picker_config
 from epp.framework import ConfigError, CycleState, ScoredEndpoint
 from epp.framework.datakeys import PREFIX_CACHE_FREE_BLOCKS
-from tests.scheduling.sched_fixtures import DirectorHarness, endpoint, make_plugin, request
+from tests.support.scheduling import DirectorHarness, endpoint, make_plugin, request
 
 
 def scored(*values):

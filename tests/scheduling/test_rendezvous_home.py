@@ -87,7 +87,7 @@ def test_the_home_is_published_beside_the_match_info_not_in_it():
 async def test_the_approximate_producer_names_a_home_only_while_no_endpoint_holds_the_prefix():
     from epp.framework import ProfileRunResult, SchedulingResult
     from epp.framework.datakeys import PREFIX_MATCH_INFO
-    from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
+    from tests.support.scheduling import endpoint, make_plugin, request
 
     producer = make_plugin("approx-prefix-cache-producer", {"autoTune": False, "rendezvousHome": True})
     scorer = make_plugin("prefix-cache-scorer")
@@ -116,7 +116,7 @@ async def test_the_approximate_producer_names_a_home_only_while_no_endpoint_hold
 @pytest.mark.parametrize("params", [{"rendezvousHome": False}, {}], ids=["off", "default"])
 async def test_rendezvous_home_off_or_by_default_names_no_home(params):
     # Without the home new prefixes are placed by load, as GIE does.
-    from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
+    from tests.support.scheduling import endpoint, make_plugin, request
 
     producer = make_plugin("approx-prefix-cache-producer", {"autoTune": False, **params})
     state = CycleState()
@@ -131,7 +131,7 @@ async def test_rendezvous_home_off_or_by_default_names_no_home(params):
 async def test_a_picker_with_peers_names_homes_only_when_asked(params, homes):
     from epp.framework import PluginContext
     from epp.framework.sharing import DecisionSharing
-    from tests.scheduling.sched_fixtures import endpoint, make_plugin, request
+    from tests.support.scheduling import endpoint, make_plugin, request
 
     class Linked(DecisionSharing):
         """Stands for the peer link (epp.peer.PeerNode): a sharing service with peers."""

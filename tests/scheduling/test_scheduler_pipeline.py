@@ -5,8 +5,8 @@ from collections import Counter
 import pytest
 
 from epp.framework import ErrorCode, InferenceError
-from tests.configs import endpoint_picker_config, gie_test_config, plugin
-from tests.scheduling.sched_fixtures import DirectorHarness, builtin_registry, endpoint, request
+from tests.support.configs import endpoint_picker_config, gie_test_config, plugin
+from tests.support.scheduling import DirectorHarness, builtin_registry, endpoint, request
 
 GIE_TEST_CONFIG = gie_test_config()
 

@@ -15,7 +15,7 @@ import aiohttp
 
 from epp.engine.sim import FleetConfig, SimFleet
 from epp.engine.sim.fleet import default_tokenizer_dir
-from tests.conftest import consecutive_free_ports
+from tests.support.ports import consecutive_free_ports
 
 ENDPOINTS = re.compile(r"^127\.0\.0\.1:\d+(,127\.0\.0\.1:\d+)*$")
 

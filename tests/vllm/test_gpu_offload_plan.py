@@ -64,3 +64,19 @@ def test_pd_table_reports_correctness_and_ttft():
     assert "| greedy output, P/D = prefiller alone | True |" in text
     assert "| TTFT median, disaggregated (prefill on the prefiller) | 0.300 s |" in text
     assert "| TTFT median, prefilled on the decoder | 0.600 s |" in text
+
+
+def test_check_names_what_a_machine_without_a_gpu_lacks_and_fails(capsys, tmp_path):
+    bench = _bench_module()
+    assert bench.main(["--check", "--python", sys.executable, "--disk-path", str(tmp_path)]) == 2
+    out = capsys.readouterr().out
+    assert "MISSING  GPU visible to torch" in out
+    assert "MISSING  CUDA build of vLLM >= 0.32" in out
+
+
+def test_a_real_run_stops_at_the_preflight_before_starting_anything(capsys, tmp_path):
+    bench = _bench_module()
+    assert bench.main(["--python", "/nonexistent/python", "--disk-path", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert "cannot run the validation" in captured.err
+    assert "startup_s" not in captured.out

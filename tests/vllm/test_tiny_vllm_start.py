@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from epp.engine.vllm import testing
 from epp.engine.vllm.process import VllmStartError
+from tests.support import vllm as testing
 
 PORT_TAKEN = "vLLM exited with 1 during start-up:\nzmq.error.ZMQError: Address already in use (addr='tcp://*:33967')"
 

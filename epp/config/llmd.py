@@ -1,0 +1,219 @@
+"""llm-d router plugin types: what each maps to here, the deprecated names, and those refused.
+
+Facts from llm-d-router's registered plugins (`cmd/epp/runner/runner.go`) and their READMEs. A
+type of `LLMD_TYPES` loads with llm-d's meaning (the `differences` say where ours is not the
+same); a type of `REFUSED_TYPES` fails with its reason instead of "unknown plugin type";
+`ALIASES` are llm-d's deprecated names, loaded as the current type with a note. `epp check-config`
+prints the mapping line of every llm-d type a config uses; docs/llm-d-compatibility.md is the
+same table for people.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class LlmdType:
+    """How one llm-d plugin type is served here."""
+
+    meaning: str  # what it does (here and in llm-d)
+    differences: str = ""  # where ours differs from llm-d's meaning
+
+
+LLMD_TYPES: Mapping[str, LlmdType] = {
+    # Data producers
+    "approx-prefix-cache-producer": LlmdType(
+        "hashes the prompt into blocks, matches them against what each endpoint was sent, records the pick",
+        "defaults are GIE's (maxPrefixBlocksToMatch 256, maxPrefixTokensToMatch 0) where llm-d's are 2048 and "
+        "131072; characters per token are learned from responses (charsPerToken: 4 gives llm-d's fixed 4) and "
+        "a chain's tail is evicted first (chainAware: false gives llm-d's LRU); gie-approx-prefix-cache-producer "
+        "is the unmodified algorithm"),
+    "precise-prefix-cache-producer": LlmdType(
+        "prefix match per endpoint from the replicas' vLLM KV events (GPU, CPU and disk tiers)",
+        "one KV-event subscription per pool endpoint (not per pod label); the index counts entries, not "
+        "bytes; matched blocks are weighted by tier (kvCacheBackendConfigs -> tierWeights); tokens only from a "
+        "token-producer with real tokens (vllm or local backend) or our `tokenizers`"),
+    "token-producer": LlmdType(
+        "the prompt's token ids, for the precise producer and context-length-aware",
+        "backends: vllm (render API, or /tokenize where vLLM refuses it), local (our tokenizer files, "
+        "`tokenizers`) and estimate; the data producers of a request have 400 ms in all here, so a slower "
+        "render leaves it without tokens; vllm.endpointDiscovery, messagesRenderMode other than auto and the "
+        "estimate backend's multimodal settings are refused"),
+    "inflight-load-producer": LlmdType("requests and estimated tokens this picker has in flight per endpoint"),
+    # Scorers
+    "prefix-cache-scorer": LlmdType(
+        "(1 - matchLengthWeight) x matched/total blocks + matchLengthWeight x min(1, matched tokens / "
+        "matchLengthScaleTokens)^2",
+        "one producer per data key: a scorer that names no producer reads the configured one (llm-d would "
+        "auto-create an approximate producer beside a precise one)"),
+    "precise-prefix-cache-scorer": LlmdType(
+        "deprecated wrapper: loaded as a precise-prefix-cache-producer plus a prefix-cache-scorer reading it"),
+    "queue-scorer": LlmdType("shorter waiting queue scores higher (min-max over the candidates)",
+                             "the queue includes this picker's requests sent since the last scrape "
+                             "(useInflight: false: the scrape only)"),
+    "kv-cache-utilization-scorer": LlmdType("1 - KV-cache usage",
+                                            "usage includes this picker's requests in prefill (useInflight: false: "
+                                            "the scrape only)"),
+    "running-requests-size-scorer": LlmdType("fewer running requests scores higher (min-max)"),
+    "lora-affinity-scorer": LlmdType("1 for an active adapter, 0.8 with a free slot, 0.6 waiting, else 0"),
+    "token-load-scorer": LlmdType("1 - min(1, in-flight tokens / queueThresholdTokens)"),
+    "load-aware-scorer": LlmdType("0.5 on an empty queue, falling linearly to 0 at `threshold` waiting requests",
+                                  "the queue includes this picker's requests sent since the last scrape"),
+    "active-request-scorer": LlmdType(
+        "1 at or under idleThreshold requests in flight, else (max - n) / max x maxBusyScore",
+        "requestTimeout (ignored by llm-d) bounds how long a request without an answer counts"),
+    "no-hit-lru-scorer": LlmdType("a request no endpoint holds goes to the least recently cold-picked endpoint",
+                                  "prefixPluginType and prefixPluginName have no effect: the match info is read "
+                                  "from the prefix producer (prefixMatchInfoProducerName)"),
+    "session-affinity-scorer": LlmdType(
+        "1 for the endpoint the session names (x-session-token, or a session id's last pick), else 0",
+        "not gated behind --allow-experimental-plugins (alpha in llm-d); session ids from request attributes "
+        "are refused (headers only)"),
+    "context-length-aware": LlmdType(
+        "prefers (or, with enableFiltering, keeps only) endpoints whose context-length range label fits the prompt",
+        "reusableTokensProducerName (P2P cache subtraction) is refused"),
+    # Filters
+    "label-selector-filter": LlmdType("keeps endpoints matching matchLabels and matchExpressions"),
+    "by-label-selector": LlmdType("deprecated name of label-selector-filter"),
+    "by-label": LlmdType("keeps endpoints whose label has one of validValues (label-less with allowsNoLabel)"),
+    "decode-filter": LlmdType("keeps endpoints whose llm-d.ai/role includes decode (or `both`), and unlabelled ones"),
+    "prefill-filter": LlmdType("keeps endpoints whose llm-d.ai/role includes prefill (or `both`)"),
+    "header-based-testing-filter": LlmdType("keeps the endpoints named in test-epp-endpoint-selection"),
+    # Pickers
+    "max-score-picker": LlmdType(
+        "the highest total score; maxNumOfEndpoints targets",
+        "ties go to the endpoint whose prefix cache has most room, then at random (tieBreak: random is llm-d's)"),
+    "random-picker": LlmdType("uniformly random targets"),
+    "weighted-random-picker": LlmdType("random in proportion to score (A-Res)"),
+    # Profile handlers and deciders
+    "single-profile-handler": LlmdType("runs the one profile"),
+    "disagg-profile-handler": LlmdType(
+        "runs decode, then prefill when the prefill decider approves; names the prefill pick in "
+        "x-prefiller-host-port",
+        "encode stages and stageOrder prefill-first are refused"),
+    "prefix-based-pd-decider": LlmdType(
+        "disaggregate when the decode pick's uncached prompt is at least nonCachedTokens (0: never)",
+        "with precise KV events the cached tokens are exact (any tier) rather than matched blocks x block size"),
+    "always-disagg-pd-decider": LlmdType("disaggregate every request"),
+    "pd-profile-handler": LlmdType(
+        "deprecated in llm-d; here our own P/D handler (threshold, decodeProfile, prefillProfile)",
+        "llm-d's deciderPluginName, primaryPort and prefixMatchInfoProducerName are refused: use "
+        "disagg-profile-handler"),
+    "data-parallel-profile-handler": LlmdType(
+        "sends the request to the picked pod's primaryPort with the picked rank in x-data-parallel-host-port",
+        "as in llm-d, hooks that record the pick see the primary port; per-rank endpoints (InferencePool "
+        "targetPorts) need no handler"),
+    "prefill-header-handler": LlmdType("names the prefill pick in x-prefiller-host-port (deprecated in llm-d)"),
+    # Saturation, flow control
+    "utilization-detector": LlmdType("mean over endpoints of max(queue/5, kv/0.8); >= 1 is saturated"),
+    "fcfs-ordering-policy": LlmdType("first come, first served within a flow"),
+    "edf-ordering-policy": LlmdType("earliest deadline first within a flow"),
+    "slo-deadline-ordering-policy": LlmdType(
+        "orders a flow by the requests' TTFT objectives (`x-llm-d-slo-ttft-ms`)",
+        "shortest predicted prefill first, a TTFT objective's latest start, bounded by agingWindow; it can shed "
+        "a request that can no longer meet its objective (docs/slo-dispatch.md)"),
+    "global-strict-fairness-policy": LlmdType("one queue for every flow of a band"),
+    "round-robin-fairness-policy": LlmdType("flows of a band take turns"),
+    "static-usage-limit-policy": LlmdType("a fixed saturation ceiling per band"),
+    # Data layer, parsers, test plugins
+    "metrics-data-source": LlmdType("where endpoints' metrics are scraped: scheme, path, TLS, interval"),
+    "core-metrics-extractor": LlmdType("reads vLLM's queue, running, KV-cache, LoRA and cache-config series",
+                                       "vLLM series only: engineConfigs and engineLabelKey are refused"),
+    "endpoint-notification-source": LlmdType("endpoint add/remove events to producers",
+                                             "always on: producers follow the pool's endpoints"),
+    "openai-parser": LlmdType("OpenAI completions, chat, responses, conversations and embeddings by path; "
+                              "vLLM's rerank too"),
+    "anthropic-parser": LlmdType("Anthropic Messages (/v1/messages): system, messages of content blocks",
+                                 "always on, like openai-parser"),
+    "passthrough-parser": LlmdType("requests on other paths pass through to any endpoint (always on here)"),
+    "destination-endpoint-served-verifier": LlmdType("echoes the served endpoint in x-conformance-test-served-endpoint"),
+}
+
+# llm-d's deprecated names: loaded as the current type, with a note.
+ALIASES: Mapping[str, str] = {
+    "by-label-selector": "label-selector-filter",
+    "tokenizer": "token-producer",
+}
+
+_PREDICTED = "predicted-ttft-scorer weighs queue wait against uncached prefill, with costs learned online"
+REFUSED_TYPES: Mapping[str, str] = {
+    "encode-filter": "no encode (E/PD) stage: multimodal encoders are not disaggregated here",
+    "always-disagg-multimodal-decider": "no encode (E/PD) stage",
+    "disagg-headers-handler": "deprecated in llm-d; disagg-profile-handler sets x-prefiller-host-port itself",
+    "prefix-cache-affinity-filter": f"needs llm-d's latency predictor; {_PREDICTED}",
+    "slo-headroom-tier-filter": f"needs llm-d's latency predictor; {_PREDICTED}",
+    "latency-scorer": f"needs llm-d's latency predictor sidecar; {_PREDICTED}",
+    "predicted-latency-producer": f"needs llm-d's latency predictor sidecar; {_PREDICTED}",
+    "latency-slo-admitter": "sheddable requests (priority < 0) are shed by the saturation admitter while the pool "
+                            "is saturated; no latency predictor here",
+    "probabilistic-admitter": "not implemented; flow control (featureGates: [flowControl]) queues instead",
+    "session-affinity-filter": "alpha in llm-d; use session-affinity-scorer with a high weight",
+    "multicluster-session-affinity-filter": "no multi-cluster pools",
+    "endpoint-attribute-filter": "alpha in llm-d, not implemented",
+    "endpoint-attribute-scorer": "alpha in llm-d, not implemented",
+    "topology-affinity-filter": "alpha in llm-d, not implemented",
+    "topology-affinity-scorer": "alpha in llm-d, not implemented",
+    "utilization-filter": "alpha in llm-d; utilization-detector placed in a profile filters saturated endpoints",
+    "header-label-affinity-scorer": "alpha in llm-d, not implemented",
+    "header-profile-handler": "alpha in llm-d, not implemented",
+    "mm-embeddings-cache-scorer": "multimodal embedding caches are not tracked",
+    "mm-embeddings-cache-producer": "multimodal embedding caches are not tracked",
+    "session-id-producer": "session-affinity-scorer reads the session id header itself",
+    "burst-prefix-cache-producer": "alpha in llm-d; the approximate producer records each pick at once",
+    "p2p-source-producer": "alpha in llm-d; no peer-to-peer KV transfer",
+    "multicluster-approx-prefix-cache-producer": "no multi-cluster pools",
+    "multicluster-queue-scorer": "no multi-cluster pools",
+    "multicluster-kv-cache-utilization-scorer": "no multi-cluster pools",
+    "multicluster-prefix-cache-scorer": "no multi-cluster pools",
+    "multicluster-metrics-data-source": "no multi-cluster pools",
+    "multicluster-metrics-extractor": "no multi-cluster pools",
+    "multicluster-file-discovery": "no multi-cluster pools",
+    "disaggregatedset-rollout-screener": "alpha in llm-d, not implemented",
+    "models-data-source": "the served models are read from the replicas by the fleet plugins (served-model-filter)",
+    "models-data-extractor": "the served models are read from the replicas by the fleet plugins (served-model-filter)",
+    "k8s-notification-source": "Kubernetes objects are watched by the discovery (--pool-name), not by plugins",
+    "file-discovery": "endpoints from a file: --endpoints-file",
+    "topology-extractor": "alpha in llm-d, not implemented",
+    "dcgm-data-source": "alpha in llm-d; GPU telemetry is not read",
+    "dcgm-extractor": "alpha in llm-d; GPU telemetry is not read",
+    "request-attribute-reporter": "not implemented (CEL over usage into dynamic metadata)",
+    "agent-identity": "alpha in llm-d, not implemented",
+    "vllmhttp-parser": "not implemented; vLLM's /v1 OpenAI paths go through openai-parser",
+    "vllmgrpc-parser": "no gRPC model servers (HTTP only)",
+    "vertexai-parser": "not implemented",
+    "sglanghttp-parser": "SGLang is not supported (vLLM metrics and KV events only)",
+    "program-aware-fairness": "not implemented; round-robin-fairness-policy shares a band between flows",
+    "priority-holdback-policy": "alpha in llm-d, not implemented",
+    "soft-reflective-ceiling-policy": "alpha in llm-d, not implemented",
+    "sheddable-eviction-filter": "alpha in llm-d; no eviction of dispatched requests",
+    "priority-then-time-eviction-order-policy": "alpha in llm-d; no eviction of dispatched requests",
+    "concurrency-detector": "not registered in this build; utilization-detector rates saturation",
+}
+
+
+def mapping_line(type_name: str, configured_as: str, parameters: Mapping[str, Any],
+                 taken: list[str] | None = None, notes: list[str] | None = None) -> str | None:
+    """What `epp check-config` prints for an llm-d type: meaning, parameters taken, differences."""
+    info = LLMD_TYPES.get(configured_as)
+    if info is None:
+        return None
+    target = type_name if type_name == configured_as else f"{type_name} (configured as {configured_as})"
+    line = f"llm-d {configured_as} -> {target}: {info.meaning}"
+    keys = taken if taken is not None else list(parameters)
+    line += f"; parameters taken: {', '.join(keys) if keys else 'none'}"
+    if info.differences:
+        line += f"; differences: {info.differences}"
+    for note in notes or ():
+        line += f"; {note}"
+    return line
+
+
+def refused(type_name: str, registered: bool) -> str | None:
+    """Why an llm-d type is refused, or None (a type registered here by a plugin package is not refused)."""
+    if registered:
+        return None
+    reason = REFUSED_TYPES.get(type_name)
+    return f"llm-d plugin type {type_name!r} is not supported here: {reason}" if reason else None

@@ -1,0 +1,257 @@
+"""llm-d's nested `precise-prefix-cache-producer` parameters, mapped onto the producer's own.
+
+llm-d configures the producer with `tokenProcessorConfig`, `indexerConfig`, `kvEventsConfig`,
+`speculativeIndexing` and `speculativeTTL` (R `requestcontrol/dataproducer/preciseprefixcache`).
+A document in that shape gets llm-d's defaults (topic filter `kv@`, speculative indexing off);
+the flat parameters of our own shape (`tokenizers`, `tierWeights`, ...) may sit beside them.
+Every llm-d field maps onto a producer parameter, is accepted with a note saying why it has no
+effect here, or is refused naming the field; unknown fields are refused, as llm-d's strict
+decoder does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from epp.framework.errors import ConfigError
+
+LLMD_FIELDS = ("tokenProcessorConfig", "indexerConfig", "kvEventsConfig", "speculativeIndexing", "speculativeTTL",
+               "sessionManager")
+# The fields that mark a document in llm-d's shape (speculativeTTL is a parameter of ours too).
+_LLMD_MARKERS = ("tokenProcessorConfig", "indexerConfig", "kvEventsConfig", "speculativeIndexing", "sessionManager")
+TOKEN_PROCESSOR_FIELDS = ("blockSizeTokens", "blockSize", "hashSeed", "hashAlgorithm")
+INDEXER_FIELDS = ("kvBlockIndexConfig", "kvCacheBackendConfigs", "tokenizersPoolConfig", "prefixStoreConfig")
+BLOCK_INDEX_FIELDS = ("inMemoryConfig", "redisConfig", "costAwareMemoryConfig", "enableMetrics",
+                      "metricsLoggingInterval")
+KV_EVENTS_FIELDS = ("zmqEndpoint", "topicFilter", "concurrency", "engineType", "discoverPods", "podDiscoveryConfig",
+                    "tracing")
+POD_DISCOVERY_FIELDS = ("podLabelSelector", "podNamespace", "socketPort", "replaySocketPort")
+HASH_ALGORITHMS = ("cbor-fnv", "xxh64")
+TIERS = ("gpu", "cpu", "disk")
+LLMD_TOPIC_FILTER = "kv@"
+_KEYS_NOTE = ("no effect: block keys are computed by the picker from token ids on both sides (the prompt and "
+              "the KV events' token_ids), so they need not match the engine, as llm-d's README says")
+
+
+def is_llmd_shape(params: Mapping[str, Any] | None) -> bool:
+    """Whether these producer parameters use llm-d's nested fields."""
+    return bool(params) and any(key in params for key in _LLMD_MARKERS)  # type: ignore[operator]
+
+
+class _Mapper:
+    """One translation; `fail(field, message)` raises the error naming the parameter path."""
+
+    def __init__(self, name: str, raw: Mapping[str, Any]) -> None:
+        self.name = name
+        self.out: dict[str, Any] = {k: v for k, v in raw.items() if k not in LLMD_FIELDS}
+        self.notes: list[str] = []
+        self.taken: list[str] = []
+
+    def fail(self, path: str, message: str) -> ConfigError:
+        return ConfigError(f"plugin {self.name!r}: parameter {path!r}: {message}")
+
+    def mapping(self, value: Any, path: str, allowed: tuple[str, ...]) -> Mapping[str, Any]:
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise self.fail(path, f"must be a mapping with fields {list(allowed)}, got {value!r}")
+        for key in value:
+            if key not in allowed:
+                raise self.fail(f"{path}.{key}", f"unknown field; allowed: {', '.join(allowed)}")
+        return value
+
+    def typed(self, value: Any, path: str, kind: type | tuple[type, ...], what: str) -> Any:
+        if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+            raise self.fail(path, f"must be {what}, got {value!r}")
+        if not isinstance(value, kind):
+            raise self.fail(path, f"must be {what}, got {value!r}")
+        return value
+
+    def set(self, key: str, value: Any, path: str) -> None:
+        """Our parameter `key` from llm-d's `path`; the same parameter set twice is an error."""
+        if key in self.out:
+            raise self.fail(path, f"sets {key!r}, which the parameters also give directly; set it once")
+        self.out[key] = value
+        self.taken.append(path)
+
+    def note(self, path: str, message: str) -> None:
+        self.taken.append(path)
+        self.notes.append(f"{path}: {message}")
+
+
+def precise_parameters(name: str, raw: Mapping[str, Any], *, token_producer: bool
+                       ) -> tuple[dict[str, Any], list[str], list[str]]:
+    """(our parameters, the llm-d fields taken, notes) for llm-d-shaped producer parameters.
+
+    `token_producer`: the document configures a `token-producer`, which then supplies the tokens
+    (unless the parameters give our own `tokenizers`).
+    """
+    m = _Mapper(name, raw)
+    _token_processor(m, raw.get("tokenProcessorConfig"))
+    _indexer(m, raw.get("indexerConfig"))
+    _kv_events(m, raw.get("kvEventsConfig"))
+    speculative = raw.get("speculativeIndexing")
+    if speculative is not None:
+        m.typed(speculative, "speculativeIndexing", bool, "true or false")
+        m.taken.append("speculativeIndexing")
+    if raw.get("speculativeTTL") is not None:
+        m.set("speculativeTTL", raw["speculativeTTL"], "speculativeTTL")
+    if not speculative:
+        # llm-d's default: no speculative entries (our own shape claims picks for speculativeTTL).
+        m.out["speculativeTTL"] = 0
+        if raw.get("speculativeTTL") is not None:
+            m.notes.append("speculativeTTL: no effect while speculativeIndexing is false")
+    if raw.get("sessionManager") is not None:
+        raise m.fail("sessionManager", "not supported: no session cache manager is registered here (llm-d ships "
+                     "none either)")
+    if token_producer and "tokenizers" not in m.out:
+        m.out["useTokenProducer"] = True
+    elif "tokenizers" not in m.out:
+        m.notes.append("no token source: llm-d would auto-create a token-producer with the `estimate` backend, "
+                       "whose token ids never match the engine's; here only requests that carry token ids are "
+                       "matched. Add a token-producer with the vllm backend, or our `tokenizers` parameter")
+    return m.out, m.taken, m.notes
+
+
+def _token_processor(m: _Mapper, raw: Any) -> None:
+    item = m.mapping(raw, "tokenProcessorConfig", TOKEN_PROCESSOR_FIELDS)
+    if item.get("blockSizeTokens") is not None and item.get("blockSize") is not None:
+        raise m.fail("tokenProcessorConfig.blockSize", "is the deprecated name of blockSizeTokens; set one of them")
+    for key in ("blockSizeTokens", "blockSize"):
+        if item.get(key) is not None:
+            path = f"tokenProcessorConfig.{key}"
+            value = m.typed(item[key], path, int, "a positive integer (tokens per block)")
+            if value < 1:
+                raise m.fail(path, f"must be >= 1, got {value}")
+            m.set("blockSizeTokens", value, path)
+            if key == "blockSize":
+                m.notes.append(f"{path}: deprecated in llm-d; read as blockSizeTokens")
+    if item.get("hashSeed") is not None:
+        m.typed(item["hashSeed"], "tokenProcessorConfig.hashSeed", str, "a string")
+        m.note("tokenProcessorConfig.hashSeed", _KEYS_NOTE)
+    if item.get("hashAlgorithm") is not None:
+        value = m.typed(item["hashAlgorithm"], "tokenProcessorConfig.hashAlgorithm", str, "a string")
+        if value not in HASH_ALGORITHMS:
+            raise m.fail("tokenProcessorConfig.hashAlgorithm", f"must be one of {list(HASH_ALGORITHMS)}, got {value!r}")
+        m.note("tokenProcessorConfig.hashAlgorithm", _KEYS_NOTE)
+
+
+def _indexer(m: _Mapper, raw: Any) -> None:
+    item = m.mapping(raw, "indexerConfig", INDEXER_FIELDS)
+    if item.get("tokenizersPoolConfig") is not None:
+        raise m.fail("indexerConfig.tokenizersPoolConfig", "not supported (llm-d's producer rejects it too): give "
+                     "the tokenizer files with our `tokenizers: {model: directory}` parameter, or configure a "
+                     "token-producer (vllm backend)")
+    if item.get("prefixStoreConfig") is not None:
+        raise m.fail("indexerConfig.prefixStoreConfig", "not supported: llm-d removed it (no prefix store; prompts "
+                     "are tokenized whole)")
+    index = m.mapping(item.get("kvBlockIndexConfig"), "indexerConfig.kvBlockIndexConfig", BLOCK_INDEX_FIELDS)
+    base = "indexerConfig.kvBlockIndexConfig"
+    if index.get("costAwareMemoryConfig") is not None:
+        raise m.fail(f"{base}.costAwareMemoryConfig", "not supported: the in-memory index is bounded by its entry "
+                     "count (inMemoryConfig.size), not by bytes")
+    in_memory = m.mapping(index.get("inMemoryConfig"), f"{base}.inMemoryConfig", ("size", "podCacheSize"))
+    redis = m.mapping(index.get("redisConfig"), f"{base}.redisConfig", ("address",))
+    if redis.get("address") is not None:
+        address = m.typed(redis["address"], f"{base}.redisConfig.address", str, "a Redis address")
+        m.set("indexBackend", "redis", f"{base}.redisConfig")
+        m.set("redisUrl", address if "://" in address else f"redis://{address}", f"{base}.redisConfig.address")
+        if in_memory:
+            m.notes.append(f"{base}.inMemoryConfig: no effect, redisConfig wins (as in llm-d)")
+    elif index.get("redisConfig") is not None:
+        raise m.fail(f"{base}.redisConfig.address", "is required (redis://host:port)")
+    else:
+        if in_memory.get("size") is not None:
+            size = m.typed(in_memory["size"], f"{base}.inMemoryConfig.size", int, "a positive integer (block keys)")
+            if size < 1:
+                raise m.fail(f"{base}.inMemoryConfig.size", f"must be >= 1, got {size}")
+            m.set("indexCapacity", size, f"{base}.inMemoryConfig.size")
+    if in_memory.get("podCacheSize") is not None:
+        m.typed(in_memory["podCacheSize"], f"{base}.inMemoryConfig.podCacheSize", int, "a positive integer")
+        m.note(f"{base}.inMemoryConfig.podCacheSize", "no effect: a block key lists every endpoint holding it "
+               "(bounded by the pool), not the last podCacheSize pods")
+    for key in ("enableMetrics", "metricsLoggingInterval"):
+        if index.get(key) is not None:
+            m.note(f"{base}.{key}", "no effect: the index's metrics are always on the metrics port "
+                   "(epp_kv_index_*)")
+    backends = item.get("kvCacheBackendConfigs")
+    if backends is not None:
+        path = "indexerConfig.kvCacheBackendConfigs"
+        if not isinstance(backends, list):
+            raise m.fail(path, f"must be a list of {{name, weight}}, got {backends!r}")
+        weights: dict[str, float] = {}
+        for i, raw_backend in enumerate(backends):
+            backend = m.mapping(raw_backend, f"{path}[{i}]", ("name", "weight"))
+            tier = backend.get("name")
+            if tier not in TIERS:
+                raise m.fail(f"{path}[{i}].name", f"must be one of {list(TIERS)}, got {tier!r}")
+            weight = m.typed(backend.get("weight", 1.0), f"{path}[{i}].weight", (int, float), "a number >= 0")
+            weights[tier] = float(weight)
+        m.set("tierWeights", weights, path)
+
+
+def _kv_events(m: _Mapper, raw: Any) -> None:
+    item = m.mapping(raw, "kvEventsConfig", KV_EVENTS_FIELDS)
+    engine = item.get("engineType")
+    if engine is not None and engine != "vllm":
+        raise m.fail("kvEventsConfig.engineType", f"{engine!r} is not supported: the subscriber decodes vLLM's KV "
+                     "events only; allowed: vllm")
+    if engine is not None:
+        m.taken.append("kvEventsConfig.engineType")
+    if item.get("topicFilter") is not None:
+        m.set("topicFilter", m.typed(item["topicFilter"], "kvEventsConfig.topicFilter", str, "a string"),
+              "kvEventsConfig.topicFilter")
+    else:
+        m.out.setdefault("topicFilter", LLMD_TOPIC_FILTER)  # llm-d's default
+    if item.get("concurrency") is not None:
+        value = m.typed(item["concurrency"], "kvEventsConfig.concurrency", int, "a positive integer")
+        if value < 1:
+            raise m.fail("kvEventsConfig.concurrency", f"must be >= 1, got {value}")
+        m.note("kvEventsConfig.concurrency", "no effect: each endpoint's events are applied in order on the event "
+               "loop; the index is the same for any number of llm-d workers")
+    if item.get("tracing") is not None:
+        m.typed(item["tracing"], "kvEventsConfig.tracing", bool, "true or false")
+        if item["tracing"]:
+            raise m.fail("kvEventsConfig.tracing", "not supported: KV events are not traced here")
+        m.taken.append("kvEventsConfig.tracing")
+    discover = item.get("discoverPods")
+    if discover is not None:
+        m.typed(discover, "kvEventsConfig.discoverPods", bool, "true or false")
+    zmq_endpoint = item.get("zmqEndpoint")
+    pods = m.mapping(item.get("podDiscoveryConfig"), "kvEventsConfig.podDiscoveryConfig", POD_DISCOVERY_FIELDS)
+    if zmq_endpoint is not None:
+        m.typed(zmq_endpoint, "kvEventsConfig.zmqEndpoint", str, "a ZMQ endpoint such as tcp://*:5557")
+        if discover:
+            raise m.fail("kvEventsConfig.discoverPods", "true with zmqEndpoint: set one of them (zmqEndpoint: one "
+                         "socket the replicas publish to; discoverPods: a subscription to each endpoint)")
+        m.set("mode", "centralized", "kvEventsConfig.zmqEndpoint")
+        m.set("zmqEndpoint", zmq_endpoint, "kvEventsConfig.zmqEndpoint")
+        if pods:
+            raise m.fail("kvEventsConfig.podDiscoveryConfig", "applies to discoverPods, not to zmqEndpoint")
+        return
+    if discover is False:
+        m.set("subscribe", False, "kvEventsConfig.discoverPods")
+        m.notes.append("kvEventsConfig: no zmqEndpoint and discoverPods false: no KV events are received, the "
+                       "index holds speculative entries only")
+        return
+    m.set("mode", "per-endpoint", "kvEventsConfig.discoverPods")
+    base = "kvEventsConfig.podDiscoveryConfig"
+    if pods.get("socketPort") is not None:
+        m.set("eventsPort", _port(m, pods["socketPort"], f"{base}.socketPort"), f"{base}.socketPort")
+    if pods.get("replaySocketPort") is not None:
+        m.set("replayPort", _port(m, pods["replaySocketPort"], f"{base}.replaySocketPort"),
+              f"{base}.replaySocketPort")
+    for key in ("podLabelSelector", "podNamespace"):
+        if pods.get(key) is not None:
+            m.typed(pods[key], f"{base}.{key}", str, "a string")
+            m.note(f"{base}.{key}", "no effect: every endpoint of the pool is subscribed to (the pool's own "
+                   "selector already chose its pods)")
+
+
+def _port(m: _Mapper, value: Any, path: str) -> int:
+    port: int = m.typed(value, path, int, "a port number")
+    if not 1 <= port <= 65535:
+        raise m.fail(path, f"must be a port number (1-65535), got {port}")
+    return port
+
