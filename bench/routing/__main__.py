@@ -40,8 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--concurrency", help="closed loop instead: comma-separated client counts, one stage each")
     run.add_argument("--continuous", action="store_true",
                      help="continuous ramp: no draining between stages (in-flight requests run into the next)")
-    trace = run.add_argument_group("trace scenario (Mooncake JSONL replayed at its timestamps)")
-    trace.add_argument("--trace", metavar="PATH", help="the trace file: Mooncake JSONL (timestamp, input_length, output_length, hash_ids)")
+    trace = run.add_argument_group("trace scenario (Mooncake or Bailian JSONL replayed at its timestamps)")
+    trace.add_argument("--trace", metavar="PATH", help="the trace file: Mooncake JSONL (timestamp, input_length, output_length, hash_ids) "
+                       "or Bailian JSONL (chat_id, parent_chat_id, timestamp, ..., hash_ids)")
     trace.add_argument("--trace-block-tokens", type=int, help="tokens per 512-token hash block of the trace")
     trace.add_argument("--trace-max-prompt", type=int, help="cap on prompt tokens (longer prompts keep their first blocks)")
     trace.add_argument("--trace-max-output", type=int, help="cap on output tokens")
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in SCENARIOS:
             for scale in SCALES:
                 if name == "trace":
-                    print(f"{name:14s} {scale:7s} a Mooncake JSONL trace (--trace PATH), knobs {TRACE_KNOBS[scale]}")
+                    print(f"{name:14s} {scale:7s} a Mooncake or Bailian JSONL trace (--trace PATH), knobs {TRACE_KNOBS[scale]}")
                     continue
                 print(f"{name:14s} {scale:7s} {get_scenario(name, scale).workload.describe()}")
         for c in CONTENDERS.values():

@@ -309,6 +309,11 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
                 f"epp-{prefix}-headers scraping every {ms} ms (`--refresh-metrics-interval`)", default=False,
                 responses="headers", serve_args=("--refresh-metrics-interval", f"{ms / 1000:g}"))
       for prefix in ("approx", "precise") for ms in (200, 500)),
+    *(Contender(f"epp-{prefix}-scrape{ms}", "epp", prefix,
+                f"epp-{prefix} scraping every {ms} ms (`--refresh-metrics-interval`; a real vLLM's /metrics page "
+                "costs its API server ~5 ms of CPU)", default=False,
+                serve_args=("--refresh-metrics-interval", f"{ms / 1000:g}"))
+      for prefix in ("approx", "precise") for ms in (200, 500)),
     Contender("epp-approx-w2", "epp", "approx", "epp-approx with --workers 2 (two pickers sharing decisions)",
               default=False, workers=2),
     Contender("epp-precise-w2", "epp", "precise", "epp-precise with --workers 2 (two pickers sharing decisions)",

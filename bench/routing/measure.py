@@ -106,6 +106,61 @@ class CpuMeter:
         return {name: (after[name] - before.get(name, 0.0)) / span for name in after}
 
 
+_LE = re.compile(r'le="([^"]+)"')
+
+
+@dataclass(frozen=True, slots=True)
+class Histogram:
+    """One Prometheus histogram summed over its label sets: cumulative bucket counts by upper bound, sum, count."""
+
+    buckets: tuple[tuple[float, float], ...]
+    total: float
+    count: float
+
+    def minus(self, before: Histogram) -> Histogram:
+        """The observations made since `before`."""
+        earlier = dict(before.buckets)
+        return Histogram(tuple((le, n - earlier.get(le, 0.0)) for le, n in self.buckets),
+                         self.total - before.total, self.count - before.count)
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.count if self.count > 0 else None
+
+    def quantile(self, q: float) -> float | None:
+        """The q-th quantile (0..1), interpolated linearly within its bucket as Prometheus does."""
+        if self.count <= 0 or not self.buckets:
+            return None
+        rank = q * self.count
+        lower_le, lower_n = 0.0, 0.0
+        for le, n in self.buckets:
+            if n >= rank:
+                if le == float("inf"):
+                    return lower_le
+                span = n - lower_n
+                return lower_le + (le - lower_le) * ((rank - lower_n) / span if span > 0 else 1.0)
+            lower_le, lower_n = le, n
+        return lower_le
+
+
+def histogram(text: str, name: str) -> Histogram:
+    """Histogram `name` of a Prometheus text page, summed over every label set (empty when absent)."""
+    buckets: dict[float, float] = {}
+    total = count = 0.0
+    for match in _SAMPLE.finditer(text):
+        series, labels, value = match.group(1), match.group(2) or "", float(match.group(3))
+        if series == name + "_bucket":
+            le = _LE.search(labels)
+            if le:
+                bound = float(le.group(1))
+                buckets[bound] = buckets.get(bound, 0.0) + value
+        elif series == name + "_sum":
+            total += value
+        elif series == name + "_count":
+            count += value
+    return Histogram(tuple(sorted(buckets.items())), total, count)
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """The q-th percentile (0..100) by linear interpolation; None for no values."""
     if not values:
@@ -119,5 +174,5 @@ def percentile(values: list[float], q: float) -> float | None:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-__all__ = ["CpuMeter", "ReplicaCounters", "counter_sum", "percentile", "process_cpu_seconds", "scrape_fleet",
-           "scrape_replica"]
+__all__ = ["CpuMeter", "Histogram", "ReplicaCounters", "counter_sum", "histogram", "percentile", "process_cpu_seconds",
+           "scrape_fleet", "scrape_replica"]

@@ -35,6 +35,11 @@ def _cpu(s: StageSummary) -> str:
     return " / ".join(f"{s.cpu.get(k, 0.0):.2f}" for k in ("router", "fleet", "loadgen")) if s.cpu else "-"
 
 
+def is_distribution(series: str) -> bool:
+    """A histogram bucket or per-plugin timing among a router's counters (read by real_vllm, not listed)."""
+    return "_bucket{" in series or series.startswith("inference_extension_plugin_duration_seconds")
+
+
 SUMMARY_HEADER = ("| contender | output tok/s | req/s | TTFT mean (s) | p50 | p90 | p99 | ITL p50 (ms) | ITL p99 (ms) "
                   "| hit rate | oracle | spread | errors | CPU router/fleet/loadgen | check |")
 SUMMARY_COLUMNS = SUMMARY_HEADER.count("|") - 1
@@ -284,7 +289,8 @@ def write_report(scenario: Scenario, results: list[ContenderResult], out_dir: Pa
     if with_metrics:
         lines += ["## Router-side cache counters (end of run)", ""]
         for r in with_metrics:
-            lines.append(f"- {r.name}: " + ", ".join(f"`{k}` {v:g}" for k, v in sorted(r.router_metrics.items())))
+            lines.append(f"- {r.name}: " + ", ".join(f"`{k}` {v:g}" for k, v in sorted(r.router_metrics.items())
+                                                     if not is_distribution(k)))
         lines.append("")
     unavailable = [r for r in results if r.overall is None]
     if unavailable:

@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -182,9 +182,11 @@ async def run_contender(scenario: Scenario, contender: Contender, workdir: Path,
 
 
 async def run_contender_on(scenario: Scenario, contender: Contender, fleet: Any, workdir: Path, *,
-                           progress: bool = True, raw_dir: Path | None = None) -> ContenderResult:
+                           progress: bool = True, raw_dir: Path | None = None,
+                           stage_hook: Callable[[int, str], Awaitable[None]] | None = None) -> ContenderResult:
     """One contender through `scenario` on `fleet` (anything with `endpoints` and `info`, left running),
-    or on a fresh simulated fleet when `fleet` is None; the result carries its validity check."""
+    or on a fresh simulated fleet when `fleet` is None; the result carries its validity check.
+    `stage_hook(i, "start" | "end")` is awaited around stage i (what the caller measures per stage)."""
     result = ContenderResult(contender.name, contender.description)
     tuning = tuning_for(scenario)
     requests = build_ahead(scenario.workload.requests(tuning.tokenizer_dir), list(scenario.stages))
@@ -224,6 +226,8 @@ async def run_contender_on(scenario: Scenario, contender: Contender, fleet: Any,
                 meter.sample()
                 inflight: set[asyncio.Task] | None = set() if scenario.continuous else None
                 for i, stage in enumerate(scenario.stages):
+                    if stage_hook is not None:
+                        await stage_hook(i, "start")
                     sr = await run_stage(session, router.base_url, requests, stage, i, drain=scenario.drain,
                                          request_timeout=scenario.request_timeout, progress=progress,
                                          issued=issued, inflight=inflight, objectives=scenario.objectives)
@@ -231,6 +235,8 @@ async def run_contender_on(scenario: Scenario, contender: Contender, fleet: Any,
                         await drain_inflight(inflight, [r for s, _, _ in stage_results for r in s.records]
                                              + sr.records, scenario.drain)
                         sr.finished = time.perf_counter()
+                    if stage_hook is not None:
+                        await stage_hook(i, "end")
                     cpu = meter.sample()
                     after = await scrape_fleet(scrape, fleet.info)
                     stage_results.append((sr, (before, after), cpu))
@@ -286,7 +292,10 @@ _ROUTER_SERIES = ("kv_placement_lookups_total", "kv_routing_inputs_total", "pref
                   "epp_worker_requests{",  # how the streams spread over `--workers` processes
                   "epp_metrics_scrapes_total{", "epp_metrics_peer_scrapes_total{",  # shared scraping
                   "inference_extension_scheduler_e2e_duration_seconds_sum",  # the picker's own time per pick
-                  "inference_extension_scheduler_e2e_duration_seconds_count")
+                  "inference_extension_scheduler_e2e_duration_seconds_count",
+                  "inference_extension_scheduler_e2e_duration_seconds_bucket",  # its distribution
+                  "inference_extension_plugin_duration_seconds_sum",  # where a pick's time goes, per plugin
+                  "inference_extension_plugin_duration_seconds_count")
 
 
 async def _router_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:

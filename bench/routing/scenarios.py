@@ -8,7 +8,7 @@ rates in wall-clock requests/s stay within what the machine can drive; every lat
 results is wall-clock (divide by `time_scale` for simulated-GPU seconds).
 Cache sizing follows llm-d's "73-capacity" experiment: the groups' shared prefixes fill
 about 73 % of the fleet's KV cache and several times one replica's.
-The `trace` scenario replays a Mooncake JSONL file (`--trace PATH`, bench/routing/traces.py)
+The `trace` scenario replays a Mooncake or Bailian JSONL file (`--trace PATH`, bench/routing/traces.py)
 at its own timestamps; its knobs (`TRACE_KNOBS`) shrink it to what the machine can drive.
 """
 
@@ -129,9 +129,9 @@ TRACE_KNOBS: dict[str, dict[str, float]] = {
 
 
 def trace(scale: str, path: str | None = None, **knobs: float | None) -> Scenario:
-    """A Mooncake trace replayed at its timestamps (one timed stage); `knobs` override TRACE_KNOBS."""
+    """A Mooncake or Bailian trace replayed at its timestamps (one timed stage); `knobs` override TRACE_KNOBS."""
     if not path:
-        raise ValueError("the trace scenario needs --trace PATH (a Mooncake JSONL file: timestamp, "
+        raise ValueError("the trace scenario needs --trace PATH (a Mooncake or Bailian JSONL file: timestamp, "
                          "input_length, output_length, hash_ids)")
     params = {**TRACE_KNOBS[scale], **{k: v for k, v in knobs.items() if v is not None}}
     for k in ("block_tokens", "max_prompt_tokens", "max_output_tokens"):

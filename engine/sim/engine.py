@@ -349,7 +349,8 @@ class SimEngine:
                     self._allocate(r, r.num_computed + chunk)
                     self._cache_full_blocks(r, r.num_computed + chunk)
             prefill_tokens = sum(c for _, c in prefill)
-            step = max(self.profile.step_time(prefill_tokens, len(decoding), load_time), 1e-9)
+            context = sum(r.num_computed for r, _ in prefill)  # KV each chunk's attention reads (before it)
+            step = max(self.profile.step_time(prefill_tokens, len(decoding), load_time, context), 1e-9)
             start = self._clock
             # Whatever still waits after _admit stays blocked until a finish or an arrival, and
             # both end a jump early, so a batch of pure decodes can jump to its next finish.

@@ -2,7 +2,10 @@
 
 A step (one forward pass of the continuous batch) costs
 ``step_overhead + forward_base + decode_per_seq * decoding_seqs + prefill_per_token * prefill_tokens
-+ load costs of blocks promoted from the CPU / disk tiers`` seconds of simulated time.
++ load costs of blocks promoted from the CPU / disk tiers`` seconds of simulated time, plus
+``prefill_overhead`` when the step prefills and ``prefill_per_context_token`` for each token
+already in the KV cache before a prefill chunk (what the chunk's attention reads: a prefix hit
+is not free). Both are 0 for the GPU profiles; the vLLM-CPU one is measured.
 
 The ``h100-llama3-8b`` numbers are a roofline derivation from public datasheets, not a
 measurement: Llama-3.1-8B in bf16 has 8.03 B parameters (16.1 GB of weights) and 128 KiB of KV
@@ -47,6 +50,8 @@ class LatencyProfile:
     # P/D: moving prompt KV from a prefill replica (NIXL); not scaled with the GPU (it is the network).
     kv_transfer_base: float = 1.0e-3
     kv_transfer_per_token: float = 3.3e-6
+    prefill_overhead: float = 0.0  # added to a step that prefills any tokens
+    prefill_per_context_token: float = 0.0  # per token cached or computed before a prefill chunk
 
     def kv_transfer_time(self, tokens: int) -> float:
         """Seconds to receive `tokens` tokens of KV from a remote prefiller (0 when nothing moves)."""
@@ -54,12 +59,14 @@ class LatencyProfile:
     # Seconds `/wake_up` takes to bring a level-1 sleeping engine back (weights CPU -> GPU).
     wake_seconds: float = 0.0
 
-    def step_time(self, prefill_tokens: int, decoding_seqs: int, load_time: float = 0.0) -> float:
-        """Duration of one forward pass with this much work."""
+    def step_time(self, prefill_tokens: int, decoding_seqs: int, load_time: float = 0.0,
+                  context_tokens: int = 0) -> float:
+        """Duration of one forward pass with this much work (`context_tokens`: before its prefill chunks)."""
         if prefill_tokens == 0 and decoding_seqs == 0:
             return 0.0
         return (self.step_overhead + self.forward_base + self.decode_per_seq * decoding_seqs
-                + self.prefill_per_token * prefill_tokens + load_time)
+                + self.prefill_per_token * prefill_tokens + load_time
+                + (self.prefill_overhead + self.prefill_per_context_token * context_tokens if prefill_tokens else 0.0))
 
     def scaled(self, factor: float) -> LatencyProfile:
         """The same profile with every time multiplied by `factor` (a slower or faster GPU)."""
@@ -70,6 +77,8 @@ class LatencyProfile:
             forward_base=self.forward_base * factor,
             decode_per_seq=self.decode_per_seq * factor,
             step_overhead=self.step_overhead * factor,
+            prefill_overhead=self.prefill_overhead * factor,
+            prefill_per_context_token=self.prefill_per_context_token * factor,
             cpu_load_per_token=self.cpu_load_per_token * factor,
             disk_load_per_token=self.disk_load_per_token * factor,
         )
@@ -111,7 +120,35 @@ FAST = LatencyProfile(
     wake_seconds=0.05,
 )
 
-PROFILES: dict[str, LatencyProfile] = {p.name: p for p in (H100_LLAMA3_8B, FAST)}
+# Measured, not derived: 2 vllm-cpu 0.32 replicas serving the random-weight tiny Llama that
+# bench/routing/real_vllm.py writes (hidden 512, 6 layers, 8 heads, bfloat16, block size 32, 64 KV
+# blocks), each pinned to one core of this 2-core VM under a CFS quota of 0.85 core (bench/cgroups.py),
+# timed through its HTTP API with unique prompts (run 1 of bench/notes/2026-12-real-vllm.md):
+# 28 / 90 / 187 / 334 ms for 64 / 256 / 576 / 896 prompt tokens and one output token (least squares:
+# 363 us a token; its intercept is below a decode step, so a prefill step costs the step plus its
+# tokens), 11.6 ms a decode step alone and 10.3 ms beside three others (batching adds nothing
+# measurable at this size). A prefix hit is not free on CPU: attention over the cached context adds
+# about 30 us per cached token (fitted on run 1's round-robin hits; later runs measure it directly).
+# Token budget and batch size are vllm-cpu's API-server defaults (2048, 128).
+# tests/sim/test_vllm_timing_fidelity.py checks it against a recorded real run (within 15 %);
+# `python -m bench.routing.real_vllm` prints each run's own fit beside it.
+VLLM_CPU_TINY_H512 = LatencyProfile(
+    name="vllm-cpu-tiny-h512",
+    prefill_per_token=0.363e-3,
+    forward_base=11.6e-3,
+    decode_per_seq=0.0,
+    step_overhead=0.0,
+    cpu_load_per_token=0.0,
+    disk_load_per_token=0.0,
+    num_gpu_blocks=64,
+    block_size=32,
+    max_num_seqs=128,
+    max_num_batched_tokens=2048,
+    max_model_len=1536,
+    prefill_per_context_token=30e-6,
+)
+
+PROFILES: dict[str, LatencyProfile] = {p.name: p for p in (H100_LLAMA3_8B, FAST, VLLM_CPU_TINY_H512)}
 
 
 def get_profile(name: str) -> LatencyProfile:

@@ -6,10 +6,11 @@ import asyncio
 import itertools
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from bench.routing.loadgen import Stage, build_ahead, ramp, run_stage, send_times
-from bench.routing.measure import counter_sum, percentile
+from bench.routing.measure import counter_sum, histogram, percentile
 from bench.routing.oracle import belady_hits, oracle_hits, prompt_token_ids
 from bench.routing.workloads import Agentic, MultiTurn, NoSharing, SharedPrefix
 from tests.support.backends import completions_backend
@@ -168,3 +169,24 @@ def test_lru_sizing_contenders_change_only_the_approximate_producers_sizing():
         assert producer["parameters"] == parameters, name
         assert [p for p in doc["plugins"] if p is not producer] == base["plugins"]
         assert doc["schedulingProfiles"] == base["schedulingProfiles"]
+
+
+def test_histogram_of_a_page_sums_label_sets_subtracts_and_interpolates_quantiles():
+    def page(a: tuple[int, int, int], b: tuple[int, int, int]) -> str:
+        lines = []
+        for replica, counts in (("0", a), ("1", b)):
+            for le, n in zip(("0.1", "0.5", "+Inf"), counts):
+                lines.append(f'vllm:time_to_first_token_seconds_bucket{{engine="{replica}",le="{le}"}} {n}')
+            lines.append(f'vllm:time_to_first_token_seconds_sum{{engine="{replica}"}} {counts[-1] * 0.2}')
+            lines.append(f'vllm:time_to_first_token_seconds_count{{engine="{replica}"}} {counts[-1]}')
+        return "\n".join(lines) + "\n"
+
+    before = histogram(page((1, 2, 2), (0, 0, 0)), "vllm:time_to_first_token_seconds")
+    after = histogram(page((5, 8, 8), (2, 6, 12)), "vllm:time_to_first_token_seconds")
+    delta = after.minus(before)
+    assert delta.buckets == ((0.1, 6.0), (0.5, 12.0), (float("inf"), 18.0)) and delta.count == 18
+    assert delta.mean == pytest.approx(0.2)
+    assert delta.quantile(0.25) == pytest.approx(0.075)  # 4.5 of the 6 observations under 0.1
+    assert delta.quantile(0.5) == pytest.approx(0.1 + 0.4 * 3 / 6)
+    assert delta.quantile(0.9) == pytest.approx(0.5)  # in the +Inf bucket: its lower bound
+    assert histogram("", "vllm:time_to_first_token_seconds").quantile(0.5) is None

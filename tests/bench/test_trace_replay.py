@@ -112,6 +112,82 @@ def test_caps_sampling_and_start_offset(tmp_path):
         TraceReplay(path, start_s=100.0, common_share=0.5).selected()
 
 
+def bailian_rows(conversations: int = 3, turns: int = 3, gap_s: float = 0.5) -> list[dict]:
+    """Bailian lines: each turn names its previous turn and resends its blocks plus two new 16-token ones."""
+    rows = []
+    next_block, next_chat = 1, 0
+    for c in range(conversations):
+        ids, parent = [0], -1
+        for t in range(1, turns + 1):
+            ids = ids + [next_block, next_block + 1]
+            next_block += 2
+            rows.append({"chat_id": next_chat, "parent_chat_id": parent, "timestamp": round(c * 0.1 + t * gap_s, 3),
+                         "input_length": 16 * len(ids) - 5, "output_length": 7, "type": "text", "turn": t,
+                         "hash_ids": list(ids)})
+            parent, next_chat = next_chat, next_chat + 1
+    rows.sort(key=lambda r: r["timestamp"])
+    return rows
+
+
+def test_bailian_trace_conversations_are_its_parent_chains_and_timestamps_are_seconds(tmp_path):
+    rows = bailian_rows(conversations=3, turns=3)
+    # A turn whose parent is outside the file starts a conversation of its own.
+    rows.append({"chat_id": 99, "parent_chat_id": 42, "timestamp": 5.0, "input_length": 20, "output_length": 3,
+                 "type": "search", "turn": 4, "hash_ids": [50, 51]})
+    records = load_trace(write_trace(tmp_path / "qwen.jsonl", rows))
+    assert [r.format for r in records] == ["bailian"] * 10
+    assert records[0].timestamp_ms == pytest.approx(500.0) and records[0].block_tokens == 16
+    assert records[-1].kind == "search" and records[-1].turn == 4
+    conv = conversations(records)
+    chains: dict[int, set[int]] = {}
+    by_chat = {r.chat_id: c for r, c in zip(records, conv)}
+    for r in records:
+        if r.parent_chat_id in by_chat:
+            assert by_chat[r.chat_id] == by_chat[r.parent_chat_id]
+        chains.setdefault(by_chat[r.chat_id], set()).add(r.chat_id)
+    assert sorted(len(c) for c in chains.values()) == [1, 3, 3, 3]
+    # The common first block (0, in every request) links nothing: conversations follow the parents only.
+    assert len(set(conv)) == 4
+
+
+def test_bailian_prompts_keep_their_16_token_blocks_and_share_each_chain_s_history(tmp_path):
+    replay = TraceReplay(write_trace(tmp_path / "qwen.jsonl", bailian_rows(conversations=2, turns=3)),
+                         block_tokens=16, max_prompt_tokens=10_000, max_output_tokens=64)
+    reqs = list(replay.requests())
+    assert "bailian trace qwen.jsonl" in replay.describe() and "(16 in the trace)" in replay.describe()
+    for req, rec in zip(reqs, replay.selected()):
+        assert len(prompt_token_ids(req)) == 1 + rec.input_length  # BOS + exactly the trace's tokens
+        assert req.max_tokens == 7
+        assert req.at == pytest.approx((rec.timestamp_ms - replay.selected()[0].timestamp_ms) / 1000)
+    turns = [prompt_token_ids(r) for r in reqs if r.group == reqs[0].group]
+    # Each turn starts with the whole previous turn (its partial last block is the start of the same block).
+    assert len(turns) == 3 and all(b[:len(a)] == a for a, b in zip(turns, turns[1:]))
+    # Scaled replay: 4 tokens per 16-token block shrinks prompts and outputs by the same factor.
+    small = TraceReplay(replay.path, block_tokens=4, max_prompt_tokens=10_000)
+    assert [small.prompt_tokens(r) for r in small.selected()] == [4 * (len(r.hash_ids) - 1) + 3
+                                                                   for r in small.selected()]
+    assert all(r.max_tokens == 2 for r in small.requests())
+
+
+def test_a_bad_bailian_line_is_named_and_formats_do_not_mix(tmp_path):
+    good = bailian_rows(conversations=1, turns=1)[0]
+    cases = [({k: v for k, v in good.items() if k != "turn"}, "missing turn .*Bailian format"),
+             ({**good, "parent_chat_id": -2}, "'parent_chat_id' must be a chat_id or -1"),
+             ({**good, "type": 3}, "'type' must be a string"),
+             ({**good, "timestamp": "soon"}, "'timestamp' must be a non-negative number of seconds"),
+             ({**good, "chat_id": -1}, "'chat_id' must be a non-negative integer")]
+    for row, message in cases:
+        path = tmp_path / "bad.jsonl"
+        path.write_text(json.dumps({**good, "chat_id": 7}) + "\n" + json.dumps(row) + "\n")
+        with pytest.raises(TraceFormatError, match=f"bad.jsonl:2: {message}"):
+            load_trace(path)
+    with pytest.raises(TraceFormatError, match="repeats chat_id 0"):
+        load_trace(write_trace(tmp_path / "dup.jsonl", [good, {**good, "timestamp": 9.0}]))
+    mooncake = {"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}
+    with pytest.raises(TraceFormatError, match="mixes the Mooncake and Bailian formats"):
+        load_trace(write_trace(tmp_path / "mixed.jsonl", [good, mooncake]))
+
+
 async def test_trace_arrivals_send_each_request_at_its_own_offset(tmp_path):
     sent_at: list[float] = []
 
