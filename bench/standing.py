@@ -146,6 +146,17 @@ class Results:
         values = self.load(folder + "/table.json")["workloads"][workload][name]["real"]["ttft_p90"]
         return float(values[run] if run is not None else statistics.median(values))
 
+    def qps(self, folder: str, router: str, rate: float) -> dict[str, Any]:
+        """One rate's step of a sustained-QPS router row."""
+        for row in self.load(folder):
+            if row["router"] == router:
+                return next(step for step in row["steps"] if step["rate"] == rate)
+        raise StandingError(f"no router {router} in bench/results/{folder}")
+
+    def held(self, folder: str, router: str) -> float:
+        """The highest rate a sustained-QPS router row held within its bound."""
+        return float(next(row["highest_rate_held"] for row in self.load(folder) if row["router"] == router))
+
     def cpu(self, folder: str, name: str, part: str = "router") -> float:
         return float(self.run(folder, name)["cpu"][part])
 
@@ -180,7 +191,8 @@ class Results:
         return d >= -0.02 and r <= 1.10 + 1e-9
 
 
-READERS = ("load", "runs", "run", "gp", "gap", "truth", "p90", "hit", "oracle", "tok", "cpu", "peers", "best_peer", "mean_of", "vs_one",
+READERS = ("load", "runs", "run", "gp", "gap", "truth", "qps", "held",
+           "p90", "hit", "oracle", "tok", "cpu", "peers", "best_peer", "mean_of", "vs_one",
            "cell", "cell_met")
 EXPRESSION = re.compile(r"\{([^{}]+)\}")
 NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
@@ -777,6 +789,17 @@ ROWS: list[Row] = [
                 "between runs than the gaps (2026-12-real-vllm.md)",
         command="python -m bench.routing.real_vllm combine RUN1 RUN2 RUN3 --out bench/results/real-vllm-truth",
         date="2026-12-04"),
+    Row(COST, "through Envoy: ≥ 200 routed 200 KB multi-turn requests per picker CPU-second (precise), and the "
+              "highest rate held with p99 added ≤ 10 ms (#34)",
+        "precise {fmt(1e6 / qps(G, 'epp precise', 80)['picker_cpu_us'])} per CPU-second at 80 req/s (default "
+        "{fmt(1e6 / qps(G, 'epp default', 80)['picker_cpu_us'])}); held at 2 KB: default "
+        "{fmt(held(F, 'epp default'))} req/s, approximate with 2 workers {fmt(held(F, 'epp approximate --workers 2'))}; "
+        "at 200 KB: approximate {fmt(held(G, 'epp approximate'))}",
+        ("pick-cost-2k", "pick-cost-200k"),
+        met="1e6 / qps(G, 'epp precise', 80)['picker_cpu_us'] >= 200",
+        verdict="fake replicas send no KV events, so the precise picker renews every claim (an upper bound); "
+                "the CPU counts 50 ms scraping of 8 replicas",
+        command="python bench/sustained_qps.py --sizes 2,200 --workers 2 --rates ... --seconds 4", date="2026-12-04"),
 ]
 
 
