@@ -800,6 +800,12 @@ ROWS: list[Row] = [
         verdict="fake replicas send no KV events, so the precise picker renews every claim (an upper bound); "
                 "the CPU counts 50 ms scraping of 8 replicas",
         command="python bench/sustained_qps.py --sizes 2,200 --workers 2 --rates ... --seconds 4", date="2026-12-04"),
+    Row(ROUTING, "no-sharing with SLO-aware dispatch: TTFT p90 within 5 % of round-robin (#33)",
+        "`epp-approx-ttft` {sec(p90(F, 'epp-approx-ttft'))}, `epp-slo` {sec(p90(F, 'epp-slo'))} "
+        "({gp(F, 'epp-slo', 'rejected')} shed), `epp-slo-precise` {sec(p90(F, 'epp-slo-precise'))} against round-robin "
+        "{sec(p90(F, 'round-robin'))}",
+        ("slo-no-sharing",),
+        met="all(p90(F, n) <= 1.05 * p90(F, 'round-robin') for n in ('epp-approx-ttft', 'epp-slo', 'epp-slo-precise'))"),
 ]
 
 
