@@ -73,6 +73,11 @@ async def linked_pickers(specs_a: list[EndpointSpec], specs_b: list[EndpointSpec
         await a.stop()
 
 
+# Enough endpoints that each of two pickers owns some: rendezvous hashing leaves all of them to one
+# picker with probability 2 / 2**16 (with 6, one run in 32 did, on random ports).
+SPREAD = 16
+
+
 async def _pool(metrics_servers, endpoints: int):
     servers = [await metrics_servers(vllm_metrics_page(VllmState(waiting=i, kv_usage=i / 10)))
                for i in range(endpoints)]
@@ -81,9 +86,7 @@ async def _pool(metrics_servers, endpoints: int):
 
 
 async def test_two_linked_pickers_scrape_each_endpoint_once_and_both_see_every_endpoint(metrics_servers):
-    # 16 endpoints: rendezvous hashing over two pickers leaves all of them to one picker with
-    # probability 2 / 2**16 (with 6, one run in 32 did, on random ports).
-    servers, specs, names = await _pool(metrics_servers, 16)
+    servers, specs, names = await _pool(metrics_servers, SPREAD)
     async with linked_pickers(specs, specs) as (a, b):
         # They agree who scrapes what, and share the pool between them.
         owners = {name: (a.node.scrapes(name), b.node.scrapes(name)) for name in names}
@@ -108,7 +111,7 @@ async def test_two_linked_pickers_scrape_each_endpoint_once_and_both_see_every_e
 
 
 async def test_when_a_peer_stops_the_survivor_scrapes_its_endpoints_again(metrics_servers):
-    servers, specs, names = await _pool(metrics_servers, 6)
+    servers, specs, names = await _pool(metrics_servers, SPREAD)
     async with linked_pickers(specs, specs) as (a, b):
         assert [name for name in names if not a.node.scrapes(name)]
         await b.stop()
@@ -120,7 +123,7 @@ async def test_when_a_peer_stops_the_survivor_scrapes_its_endpoints_again(metric
 
 
 async def test_a_peer_that_publishes_nothing_for_its_endpoints_is_covered_by_fallback_scrapes(metrics_servers):
-    servers, specs, names = await _pool(metrics_servers, 6)
+    servers, specs, names = await _pool(metrics_servers, SPREAD)
     # b is linked but scrapes nothing and shares nothing (a peer whose scrapes cannot get through).
     async with linked_pickers(specs, [], share_b=False) as (a, _):
         theirs = [name for name in names if not a.node.scrapes(name)]
