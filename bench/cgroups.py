@@ -294,8 +294,11 @@ class CpuGroups:
 
 
 def interrupt_on_sigterm() -> None:
-    """Make SIGTERM unwind the main thread like Ctrl-C, so `finally` blocks stop processes and remove groups."""
+    """Make SIGTERM and SIGINT unwind the main thread like Ctrl-C, so `finally` blocks stop processes and remove groups."""
     signal.signal(signal.SIGTERM, _interrupt)
+    # A run started as a background job of a non-interactive shell (`nohup ... &`) inherits SIGINT
+    # ignored, and Python then installs no Ctrl-C handler: a SIGINT would leave the groups behind.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _interrupt(signum: int, frame: object) -> None:
