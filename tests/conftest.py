@@ -4,7 +4,9 @@ marker's requirement checked before its tests run (tests/support/require.py)."""
 from __future__ import annotations
 
 import pytest
+import pytest_asyncio
 
+from bench.support.k8s_apiserver import FakeApiServer
 from tests.support.markers import FIXTURE_MARKERS, PROCESS_MARKERS, SpawnWatch
 from tests.support.require import REQUIREMENTS, require
 
@@ -41,3 +43,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         else:
             report.sections.append(("unmarked real processes", message))
     return report
+
+
+@pytest_asyncio.fixture
+async def api():
+    """A local Kubernetes API server (bench/support/k8s_apiserver.py)."""
+    server = FakeApiServer(bookmark_interval=0.2)
+    await server.start()
+    yield server
+    await server.stop()
+
+
+@pytest.fixture
+def kubeconfig(api, tmp_path) -> str:
+    """A kubeconfig pointing at `api`."""
+    return api.write_kubeconfig(str(tmp_path / "kubeconfig"))

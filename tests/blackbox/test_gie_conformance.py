@@ -85,19 +85,6 @@ class Reply:
 
 
 @pytest.fixture
-async def api():
-    server = FakeApiServer(bookmark_interval=0.2)
-    await server.start()
-    yield server
-    await server.stop()
-
-
-@pytest.fixture
-def kubeconfig(api, tmp_path) -> str:
-    return api.write_kubeconfig(str(tmp_path / "kubeconfig"))
-
-
-@pytest.fixture
 async def servers():
     """Start EchoPorts as the test asks for them; all stopped at the end."""
     started: list[EchoPort] = []

@@ -13,30 +13,15 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+
+from bench.support.vllm_page import VllmState  # one state for both pages; tests import it from here
 
 CAPTURED_PAGE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_capture" / "metrics_after.txt"
 CAPTURED_MODEL = "tiny"
 
 _SAMPLE = re.compile(r"^(?P<name>[^{ ]+)(?P<labels>\{.*\})? (?P<value>\S+)$")
-
-
-@dataclass
-class VllmState:
-    """What one vLLM server reports; `engines` > 1 repeats every per-engine series (DP ranks)."""
-
-    waiting: float = 0
-    running: float = 0
-    kv_usage: float = 0.0
-    model: str = "tiny"
-    engines: int = 1
-    block_size: int = 16
-    num_gpu_blocks: int | None = 1024
-    lora: list[tuple[str, str, int, float]] | None = None  # (running, waiting, max_lora, value)
-    prefix_queries: float = 0.0
-    prefix_hits: float = 0.0
-    extra_lines: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
