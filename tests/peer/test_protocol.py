@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import filecmp
+import re
+import tomllib
 import subprocess
 import sys
 from pathlib import Path
@@ -21,14 +22,46 @@ ROOT = Path(__file__).resolve().parents[2]
 GENERATED = ("peer_pb2.py", "peer_pb2.pyi", "peer_pb2_grpc.py")
 
 
+# Lines of the generated code that name the generator's or the runtime's version: they change with every
+# grpcio-tools release and say nothing about the protocol, so the comparison leaves them out.
+_VERSION_STAMP = re.compile(rb"^(# Protobuf Python Version:.*|GRPC_GENERATED_VERSION = .*|\s+\d+,)$", re.M)
+
+
+def _without_version_stamps(path: Path) -> bytes:
+    return _VERSION_STAMP.sub(b"", path.read_bytes())
+
+
 def test_checked_in_code_is_what_proto_generate_makes(tmp_path):
     pytest.importorskip("grpc_tools", reason="grpcio-tools (test extras) regenerates the code")
     subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT / 'proto'}", f"--python_out={tmp_path}",
                     f"--pyi_out={tmp_path}", f"--grpc_python_out={tmp_path}",
                     str(ROOT / "proto/epp/peer/v1/peer.proto")], check=True)
     for name in GENERATED:
-        assert filecmp.cmp(tmp_path / "epp/peer/v1" / name, ROOT / "epp/peer/v1" / name, shallow=False), \
-            f"epp/peer/v1/{name} is stale: run proto/generate.sh"
+        assert _without_version_stamps(tmp_path / "epp/peer/v1" / name) \
+            == _without_version_stamps(ROOT / "epp/peer/v1" / name), f"epp/peer/v1/{name} is stale: run proto/generate.sh"
+
+
+def test_the_checked_in_code_registers_the_peer_protocol():
+    # The descriptor the checked-in code registers is the .proto's, whatever generator made it.
+    source = (ROOT / "epp/peer/v1/peer_pb2_grpc.py").read_bytes()
+    assert re.findall(rb"^GRPC_GENERATED_VERSION = '([0-9.]+)'$", source, re.M), "the grpc stub names its version"
+    assert pb.DESCRIPTOR.name == "epp/peer/v1/peer.proto"
+    assert [m.name for m in pb.DESCRIPTOR.services_by_name["PickerPeers"].methods] == ["Subscribe", "Snapshot"]
+
+
+def test_the_runtime_pins_cover_what_the_checked_in_code_requires():
+    # The generated stub refuses to import under an older grpcio, the messages under an older protobuf:
+    # pyproject's lower bounds must be at least those the code names.
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    lower_bounds = dict(re.fullmatch(r"([a-z0-9-]+)>=([0-9.]+).*", d).groups() for d in dependencies if ">=" in d)
+    grpc_needed = re.search(rb"GRPC_GENERATED_VERSION = '([0-9.]+)'",
+                            (ROOT / "epp/peer/v1/peer_pb2_grpc.py").read_bytes()).group(1).decode()
+    proto_needed = re.search(rb"Protobuf Python Version: ([0-9.]+)",
+                             (ROOT / "epp/peer/v1/peer_pb2.py").read_bytes()).group(1).decode()
+    for name, needed in (("grpcio", grpc_needed), ("protobuf", proto_needed)):
+        lowest = tuple(int(part) for part in lower_bounds[name].split("."))
+        assert lowest >= tuple(int(part) for part in needed.split(".")), \
+            f"pyproject allows {name}>={lower_bounds[name]} but epp/peer/v1 needs >={needed}"
 
 
 async def test_a_peer_of_another_protocol_version_is_refused():
