@@ -114,6 +114,10 @@ class InferenceRequest:
     # Characters of the prompt text as `epp.framework.load.prompt_characters` counts them, when the
     # parser measured them already (None: counted on demand); read by every plugin that needs them.
     prompt_chars: int | None = None
+    # The conversation or agent session the body names, as its API spells it (OpenAI's
+    # `prompt_cache_key`, else `user`; Anthropic's `metadata.user_id`), if any. Session headers are
+    # read by the session plugins, which combine them with this.
+    body_session: str | None = None
 
     @property
     def prompt(self) -> Any:

@@ -133,6 +133,20 @@ def _validate_api_fields(api: ApiKind, body: Mapping[str, Any]) -> None:
             raise _bad("invalid rerank request: must have query and documents fields")
 
 
+# A session named in a body longer than this is not an identifier: it is cut (the session plugins bound it too).
+MAX_SESSION_CHARS = 256
+
+
+def _body_session(api: ApiKind, body: Mapping[str, Any]) -> str | None:
+    """The session a body names: Anthropic's `metadata.user_id`, else OpenAI's `prompt_cache_key`, then `user`."""
+    if api is ApiKind.MESSAGES:
+        metadata = body.get("metadata")
+        value = metadata.get("user_id") if isinstance(metadata, Mapping) else None
+    else:
+        value = body.get("prompt_cache_key") or body.get("user")
+    return value[:MAX_SESSION_CHARS] if isinstance(value, str) and value else None
+
+
 def slo_ms(headers: Mapping[str, str], names: tuple[str, ...]) -> float | None:
     """A latency objective in milliseconds from a header (current name, then aliases); 400 when malformed."""
     text = header_value(headers, names)
@@ -213,6 +227,7 @@ class RequestParser:
             slo_ttft_ms=slo_ms(headers, SLO_TTFT_MS_HEADERS),
             slo_tpot_ms=slo_ms(headers, SLO_TPOT_MS_HEADERS),
             prompt_chars=prompt_chars,
+            body_session=_body_session(api, parsed),
         )
         return request, forwarded
 

@@ -119,3 +119,17 @@ def test_the_prompt_count_equals_the_one_call_per_value_walk_at_any_depth_and_bu
         for budget in (0, 1, 5, 40, 1 << 22):
             parts = [body["messages"]]
             assert body_prompt_characters(body, budget) == _reference_text_length(parts, budget)
+
+
+@pytest.mark.parametrize(("path", "body", "session"), [
+    ("/v1/chat/completions", {"prompt_cache_key": "conv-7", "user": "alice"}, "conv-7"),
+    ("/v1/chat/completions", {"user": "alice"}, "alice"),
+    ("/v1/responses", {"input": "hi", "prompt_cache_key": "agent-1"}, "agent-1"),
+    ("/v1/messages", {"max_tokens": 8, "metadata": {"user_id": "user_abc_session_9"}}, "user_abc_session_9"),
+    ("/v1/messages", {"max_tokens": 8, "metadata": "not an object"}, None),
+    ("/v1/chat/completions", {"user": 7}, None),
+    ("/v1/chat/completions", {"user": "x" * 1000}, "x" * 256),
+])
+def test_the_session_a_body_names_is_read_as_its_api_spells_it(path, body, session):
+    fields = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}
+    assert parse(json.dumps(fields).encode(), {":path": path}).body_session == session
