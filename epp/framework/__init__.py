@@ -14,10 +14,12 @@ from epp.framework.datakeys import (
     PREFIX_MATCH_INFO,
     PREFIX_TIER_MATCH,
     PROMPT_TOKENS,
+    SESSION,
     DataKey,
     InflightLoad,
     PrefixMatchInfo,
     PromptTokens,
+    SessionKey,
     TierMatch,
 )
 from epp.framework.durations import parse_duration
@@ -73,7 +75,7 @@ __all__ = [
     "NO_LOAD", "PREFILLER_HOST_PORT_HEADER", "PREFIX_CACHE_FREE_BLOCKS", "PREFIX_HOME", "PREFIX_MATCH_INFO",
     "PREFIX_TIER_MATCH", "PROMPT_TOKENS", "Picker", "Plugin", "PluginContext", "PluginParams", "PluginRegistry", "PluginSpec",
     "PreRequestHook", "PrefixMatchInfo", "PromptTokens", "ProfileHandler", "ProfileRunResult", "ResponseCompleteHook",
-    "ResponseHeadersHook", "ResponseInfo", "SaturationDetector", "SchedulingResult", "ScoredEndpoint", "Scorer",
-    "TierMatch", "clamp_score", "default_registry", "estimate_prompt_tokens", "once_per_registry", "parse_duration",
+    "ResponseHeadersHook", "ResponseInfo", "SESSION", "SaturationDetector", "SchedulingResult", "ScoredEndpoint", "Scorer",
+    "SessionKey", "TierMatch", "clamp_score", "default_registry", "estimate_prompt_tokens", "once_per_registry", "parse_duration",
     "prompt_characters", "publish_home",
 ]

@@ -63,6 +63,17 @@ class PromptTokens:
     exact: bool
 
 
+@dataclass(frozen=True, slots=True)
+class SessionKey:
+    """The agent session (conversation, program) a request belongs to, and the session that spawned it, if named."""
+
+    session: str
+    # A sub-agent's parent session (from an operator-configured header), else None.
+    parent: str | None = None
+    # Where the key was read: a header name, or a body field such as `prompt_cache_key`.
+    source: str = ""
+
+
 # Per endpoint. Written by approx-prefix-cache-producer or precise-prefix-cache-producer.
 PREFIX_MATCH_INFO: DataKey[PrefixMatchInfo] = DataKey("prefix-cache-match-info")
 # Per endpoint. Written by precise-prefix-cache-producer only.
@@ -78,3 +89,5 @@ PROMPT_TOKENS: DataKey[PromptTokens] = DataKey("prompt-tokens")
 # Per endpoint: 1.0 on the rendezvous home of a prefix no endpoint holds (see epp.framework.rendezvous).
 # Written by the prefix producers when several pickers route one pool.
 PREFIX_HOME: DataKey[float] = DataKey("prefix-home")
+# Request-wide (`CycleState.put`/`get` under this key). Written by the session producers (agent-identity).
+SESSION: DataKey[SessionKey] = DataKey("session")
