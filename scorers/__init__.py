@@ -32,15 +32,15 @@ def register_builtin_plugins(registry: PluginRegistry) -> None:
         context_length.ContextLengthAware, disagg.DisaggProfileHandler, disagg.PrefixBasedPDDecider,
         disagg.AlwaysDisaggPDDecider, disagg.DataParallelProfileHandler,
         datalayer_compat.MetricsDataSource, datalayer_compat.CoreMetricsExtractor,
-        datalayer_compat.EndpointNotificationSource, datalayer_compat.OpenAIParser, datalayer_compat.AnthropicParser,
-        datalayer_compat.PassthroughParser,
+        datalayer_compat.EndpointNotificationSource,
     ):
         registry.register_class(cls)
     registry.register_class(approx_prefix.ApproxPrefixCacheProducer, default_producer_for=[PREFIX_MATCH_INFO])
     registry.register_class(inflight.InflightLoadProducer, default_producer_for=[INFLIGHT_LOAD])
     # Plugins of modules that register themselves, each exporting `register(registry)`.
-    from epp.scorers import pd, predicted_ttft, prefix_home, saturation
+    from epp.scorers import parsers, pd, predicted_ttft, prefix_home, saturation
 
+    parsers.register(registry)  # one module per request API format (epp.scorers.parsers)
     saturation.register(registry)
     prefix_home.register(registry)
     predicted_ttft.register(registry)

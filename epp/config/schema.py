@@ -34,7 +34,6 @@ EXTRACTOR_TYPES = {
     METRICS_SOURCE_TYPE: ("core-metrics-extractor",),
     NOTIFICATION_SOURCE_TYPE: ("precise-prefix-cache-producer", "inflight-load-producer"),
 }
-PARSER_TYPES = ("openai-parser", "anthropic-parser", "passthrough-parser")
 
 
 def is_number(value: Any) -> bool:

@@ -167,7 +167,7 @@ async def explain(director: Director, parser: RequestParser, given: ExplainInput
     state = CycleState()
     candidates = director.candidates(request)
     answer: dict[str, Any] = {
-        "request": {"model": request.model, "target_model": request.target_model, "api": request.api.value,
+        "request": {"model": request.model, "target_model": request.target_model, "api": request.api,
                     "path": request.path, "objective": request.objective, "priority": request.priority,
                     "fairness_id": request.fairness_id, "stream": request.stream,
                     "slo_ttft_ms": request.slo_ttft_ms, "slo_tpot_ms": request.slo_tpot_ms},

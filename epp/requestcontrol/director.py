@@ -55,6 +55,16 @@ def match_subset(endpoints: Sequence[Endpoint], hint: Sequence[str]) -> list[End
     return [ep for ep in endpoints if ep.hostport in exact or ep.address in hosts]
 
 
+def _pinned(endpoints: Sequence[Endpoint], name: str) -> list[Endpoint]:
+    """The one endpoint a request is pinned to (its parser said it holds the state the request continues)."""
+    found = [ep for ep in endpoints if ep.name == name]
+    if not found:
+        raise InferenceError(ErrorCode.SERVICE_UNAVAILABLE,
+                             f"the request continues state held only by replica {name}, which is not ready to serve "
+                             "(unhealthy or asleep); retry later", drop_reason=DropReason.NO_ENDPOINTS)
+    return found
+
+
 class Director:
     """Runs admission, candidate selection, producers, scheduling and hooks for each request."""
 
@@ -87,6 +97,8 @@ class Director:
         forgotten in a GIE config; this cannot), exactly like unhealthy ones.
         """
         endpoints = [ep for ep in self.endpoints.snapshot() if ep.healthy and not ep.metrics.sleeping]
+        if request.pinned_endpoint is not None:
+            endpoints = _pinned(endpoints, request.pinned_endpoint)
         if self.use_subset_hint and request.subset_hint is not None:
             endpoints = match_subset(endpoints, request.subset_hint)
         if self.metrics_freshness_s is not None:
@@ -195,7 +207,9 @@ class Director:
         tier: TierMatch | None = state.endpoint_data(PREFIX_TIER_MATCH, target.name)
         cpu = disk = 0
         characters = prompt_characters(request)
-        if tier is not None and tier.total_tokens > 0:
+        if not request.generates:  # a token count, say: the replica runs no prefill for it
+            prompt = uncached = 0
+        elif tier is not None and tier.total_tokens > 0:
             prompt, uncached = tier.total_tokens, tier.total_tokens - tier.cached_tokens
             cpu, disk = tier.cpu_tokens, tier.disk_tokens
         else:

@@ -24,11 +24,13 @@ from google.protobuf.message import DecodeError
 
 from epp.debug.scores import ENDPOINT_SCORES_KEY, endpoint_scores_of
 from epp.framework.errors import DropReason, ErrorCode, InferenceError
+from epp.framework.jsonbody import UnreadableResponse
+from epp.framework.types import InferenceRequest
 from epp.limits import Limits
 from epp.logutil import Throttled, log_failure
 from epp.metrics import EppMetrics
 from epp.request.parsing import RequestParser
-from epp.request.response import ResponseRewriter, UnreadableBody, only_anthropic_preamble, parse_usage
+from epp.request.response import ResponseRewriter
 from epp.requestcontrol.director import Director
 from epp.requestcontrol.lifecycle import RequestAccounting, RequestLifecycle
 from epp.server import messages
@@ -73,16 +75,14 @@ def served_endpoint_of(req: pb.ProcessingRequest) -> str | None:
     return namespace.fields[SERVED_ENDPOINT_KEY].string_value or None
 
 
-def carries_token(chunk: bytes) -> bool:
-    """Whether a streamed response chunk holds generated output, not only the role announcement.
+def carries_token(request: InferenceRequest | None, chunk: bytes) -> bool:
+    """Whether a streamed response chunk holds generated output, as the request's API format reads it.
 
-    vLLM's first chat chunk carries `"role":"assistant","content":""`; it is sent with the first
-    token, but a server may send it earlier, so the first token is timed from the next chunk.
-    Anthropic streams open with `message_start` and `content_block_start` events: not output either.
+    A request routed without a body (no parser read it): any non-empty chunk.
     """
-    if not chunk.strip() or only_anthropic_preamble(chunk):
-        return False
-    return not (b'"role"' in chunk and b'"content":""' in chunk and chunk.count(b"data:") <= 1)
+    if request is None or request.format is None:
+        return bool(chunk.strip())
+    return request.format.carries_token(request, chunk)
 
 
 class _Stream:
@@ -209,14 +209,15 @@ class _Stream:
         chunk = msg.body
         life = self.life
         response = life.response
+        request = life.request
         if response.streaming or self.passthrough:
-            if life.awaiting_first_token and carries_token(chunk):
+            if life.awaiting_first_token and carries_token(request, chunk):
                 life.first_token()
                 self.trace.first_token()
             if self.rewriter is not None:
                 chunk = self.rewriter.rewrite(chunk)
-            if response.streaming and response.usage is None and b"usage" in chunk:
-                response.usage = self._usage_of(chunk, sse=True)
+            if response.streaming and request is not None and request.format is not None:
+                self._read_streamed(request, chunk)
             replies = [messages.response_body_response(chunk, msg.end_of_stream)]
         # Held parts are dropped only once their reply is built: `pass_through` re-sends them on a failure.
         elif self.response_size + len(chunk) > self.service.max_body_bytes:
@@ -234,7 +235,8 @@ class _Stream:
             body = b"".join(self.response_parts) + chunk
             if self.rewriter is not None:
                 body = self.rewriter.rewrite(body)
-            response.usage = self._usage_of(body, sse=False)
+            if request is not None and request.format is not None:
+                self._read_whole(request, body)
             replies = [messages.response_body_response(piece, eos)
                        for piece, eos in messages.streamed_body_chunks(body)]
             self.response_parts = []
@@ -251,13 +253,29 @@ class _Stream:
         if not self.response_body_sent and self.life.response.status:
             self.life.complete()
 
-    def _usage_of(self, body: bytes, *, sse: bool) -> dict[str, Any] | None:
-        """Token usage of a response body; a body the picker cannot read is counted and passed on."""
+    def _read_streamed(self, request: InferenceRequest, chunk: bytes) -> None:
+        """Usage and the stored response's id from one streamed chunk, as the request's format reads them."""
+        fmt = request.format
+        assert fmt is not None
+        response = self.life.response
         try:
-            return parse_usage(body, sse=sse)
-        except UnreadableBody:
+            if response.usage is None:
+                response.usage = fmt.usage(request, chunk, streamed=True)
+            if response.response_id is None:
+                response.response_id = fmt.response_id(request, chunk, streamed=True)
+        except UnreadableResponse:
             self.service.unreadable_response("too_deep")
-            return None
+
+    def _read_whole(self, request: InferenceRequest, body: bytes) -> None:
+        """Usage and the stored response's id of a whole response; a body the picker cannot read is counted."""
+        fmt = request.format
+        assert fmt is not None
+        response = self.life.response
+        try:
+            response.usage = fmt.usage(request, body, streamed=False)
+            response.response_id = fmt.response_id(request, body, streamed=False)
+        except UnreadableResponse:
+            self.service.unreadable_response("too_deep")
 
     def pass_through(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         """The reply to a response message the picker failed on: the model server's bytes, unchanged."""
@@ -346,7 +364,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                     stream.rejected = True
                     stream.life.failed(err.code)
                     stream.trace.failed(err.code, err.message)
-                    replies = [messages.error_response(err, stream.headers.get(":path"))]
+                    replies = [self._error(err, stream.headers.get(":path"))]
                 except Exception as exc:
                     replies = self._on_failure(stream, req, exc)
                 for reply in replies:
@@ -357,7 +375,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                 err = InferenceError(ErrorCode.REQUEST_TIMEOUT,
                                      f"no request data for {self.limits.stream_idle_timeout_s:g} s")
                 stream.trace.failed(err.code, err.message)
-                await context.write(messages.error_response(err, stream.headers.get(":path")))
+                await context.write(self._error(err, stream.headers.get(":path")))
         except DecodeError:
             # A message that is not a ProcessingRequest: one log line (throttled), no traceback.
             metrics.stream_errors.labels("bad_message").inc()
@@ -383,7 +401,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                              f"too many concurrent requests (limit {self.limits.max_concurrent_streams})",
                              drop_reason=DropReason.SATURATED)
         path = _header_map(first.request_headers.headers).get(":path") if first.HasField("request_headers") else None
-        await context.write(messages.error_response(err, path))
+        await context.write(self._error(err, path))
 
     def _on_failure(self, stream: _Stream, req: pb.ProcessingRequest, exc: Exception) -> list[pb.ProcessingResponse]:
         """An unexpected error: a request gets 500; a response is passed through, never replaced."""
@@ -397,8 +415,12 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
         self.metrics.stream_errors.labels("internal").inc()
         stream.rejected = True
         stream.trace.failed(ErrorCode.INTERNAL, "internal error while processing request")
-        return [messages.error_response(InferenceError(ErrorCode.INTERNAL, "internal error while processing request"),
-                                        stream.headers.get(":path"))]
+        return [self._error(InferenceError(ErrorCode.INTERNAL, "internal error while processing request"),
+                            stream.headers.get(":path"))]
+
+    def _error(self, err: InferenceError, path: str | None) -> pb.ProcessingResponse:
+        """The immediate answer to `err`, its body in the shape the path's API's clients read."""
+        return messages.error_response(err, self.parser.error_body(err, path))
 
     async def _dispatch(self, stream: _Stream, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         kind = req.WhichOneof("request")

@@ -98,7 +98,8 @@ schedulingProfiles:
     assert [p.name for p in loaded.data_producers] == ["approx-prefix-cache-producer"]
     assert loaded.data_producers[0].block_size_tokens == 32
     assert [p.name for p in loaded.pre_request_hooks] == ["approx-prefix-cache-producer", "active-request-scorer"]
-    assert [p.name for p in loaded.response_complete_hooks] == ["active-request-scorer"]
+    # openai-parser learns which replica stored each Responses response from its completion.
+    assert [p.name for p in loaded.response_complete_hooks] == ["active-request-scorer", "openai-parser"]
     assert [p.name for p in loaded.response_headers_hooks] == ["destination-endpoint-served-verifier"]
     assert loaded.parser.name == "openai-parser"
     text = describe(loaded)
@@ -269,8 +270,8 @@ INVALID = [
     (HEADER + P + "saturationDetector: {pluginRef: detector}\n",
      "epp.yaml: saturationDetector.pluginRef: unknown plugin 'detector'; defined plugins: queue-scorer"),
     (HEADER + P + "parser: {pluginRef: queue-scorer}\n",
-     "epp.yaml: parser.pluginRef: plugin 'queue-scorer' has type queue-scorer; allowed types: openai-parser, "
-     "anthropic-parser, passthrough-parser"),
+     "epp.yaml: parser.pluginRef: plugin 'queue-scorer' has type queue-scorer, which is not a request parser; "
+     "parser types: anthropic-parser, openai-parser, passthrough-parser, sglanghttp-parser, vllmhttp-parser"),
     (HEADER + P + "dataLayer:\n  sources:\n  - pluginRef: queue-scorer\n",
      "epp.yaml: dataLayer.sources[0].pluginRef: plugin 'queue-scorer' has type queue-scorer; allowed types: "
      "metrics-data-source"),
