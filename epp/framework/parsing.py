@@ -82,6 +82,12 @@ class Parser(Plugin, RequestFormat):
         """Read a request body of `api`; raise `InferenceError` (400) when it is not a valid one."""
         raise NotImplementedError
 
+    def path_affinity(self, path: str) -> str | None:
+        """The endpoint a request on `path` without a body must go to (one that names stored state in its path,
+        such as `GET /v1/responses/{id}`), or None: any endpoint. May raise `InferenceError` when that state's
+        endpoint has left the pool. Default: None."""
+        return None
+
     def with_model(self, parsed: ParsedBody, model: str) -> tuple[Mapping[str, Any], bytes] | None:
         """The body (and its bytes) to forward with the model renamed to `model` (`x-llm-d-model-name-rewrite`).
 

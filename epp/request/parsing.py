@@ -118,6 +118,15 @@ class RequestParser:
             self._by_path[path] = found
         return found
 
+    def path_affinity(self, path: str) -> str | None:
+        """The endpoint a request without a body must go to, when a parser says its path names stored state."""
+        bare = bare_path(path)
+        for parser in self.parsers:
+            endpoint = parser.path_affinity(bare)
+            if endpoint is not None:
+                return endpoint
+        return None
+
     def error_body(self, err: InferenceError, path: str | None) -> bytes:
         """The body of an error answer in the shape the path's API's clients read (OpenAI's when none claims it)."""
         found = self.parser_for(path) if path else None

@@ -105,11 +105,13 @@ class Director:
             endpoints = prefer_fresh(endpoints, self.metrics_freshness_s)
         return endpoints
 
-    def random_endpoint(self, subset_hint: Sequence[str] | None = None) -> Endpoint:
-        """Any healthy, awake endpoint (within the subset hint), for requests without a body."""
+    def random_endpoint(self, subset_hint: Sequence[str] | None = None, pinned: str | None = None) -> Endpoint:
+        """Any healthy, awake endpoint (within the subset hint), for requests without a body; `pinned`: that one."""
         endpoints = [ep for ep in self.endpoints.snapshot() if ep.healthy and not ep.metrics.sleeping]
         if not endpoints:
             raise InferenceError(ErrorCode.INTERNAL, "no pods available in datastore")
+        if pinned is not None:
+            endpoints = _pinned(endpoints, pinned)
         if self.use_subset_hint and subset_hint is not None:
             endpoints = match_subset(endpoints, subset_hint)
             if not endpoints:

@@ -127,9 +127,10 @@ class RequestLifecycle:
         """Scheduled, and no first token (or whole response) seen yet."""
         return self.scheduled and not self.first_token_seen
 
-    def route_without_body(self, subset_hint: Sequence[str] | None) -> Endpoint:
-        """A request that ended with its headers goes to any eligible endpoint (GIE does the same)."""
-        self.target = self.director.random_endpoint(subset_hint)
+    def route_without_body(self, subset_hint: Sequence[str] | None, pinned: str | None = None) -> Endpoint:
+        """A request that ended with its headers goes to any eligible endpoint (GIE does the same), or to the
+        one its path's state is held on (`pinned`: a stored response's `GET`)."""
+        self.target = self.director.random_endpoint(subset_hint, pinned)
         self.scheduled = True
         return self.target
 

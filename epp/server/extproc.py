@@ -129,7 +129,8 @@ class _Stream:
             self.trace = self.service.tracing.start(self.headers, self.life.state, self.grpc_metadata)
         if not msg.end_of_stream:
             return []  # held until the body has been scheduled
-        target = self.life.route_without_body(self.subset_hint)
+        pinned = self.service.parser.path_affinity(self.headers.get(":path") or "")
+        target = self.life.route_without_body(self.subset_hint, pinned)
         return [messages.request_headers_response(
             [(messages.DESTINATION_ENDPOINT_HEADER, target.hostport), (REQUEST_ID_HEADER, self.request_id),
              *self.trace.routed((target,))],

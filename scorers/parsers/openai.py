@@ -23,6 +23,7 @@ like any request, and the replica it reaches answers as it does for an unknown i
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -70,6 +71,8 @@ MEDIA_PARTS = {"image_url": "image", "input_image": "image", "input_audio": "aud
 # The render API path of each API vLLM renders (`vllm serve`, or `vllm launch render`).
 RENDER_PATHS = {COMPLETIONS: "/v1/completions/render", CHAT: "/v1/chat/completions/render",
                 RESPONSES: "/v1/responses/render"}
+# A stored response's own paths: retrieve, delete, cancel, its input items (requests without a body).
+STORED_RESPONSE_PATH = re.compile(r"/responses/([^/]+)(?:/cancel|/input_items)?$")
 # GenAI semantic conventions' operation names of the APIs that have one.
 OPERATIONS = {CHAT: "chat", COMPLETIONS: "text_completion", EMBEDDINGS: "embeddings"}
 
@@ -291,7 +294,7 @@ class OpenAIParser(Parser, ResponseCompleteHook):
             prompt_chars=body_prompt_characters(parsed, limits.max_prompt_chars + 1, PROMPT_FIELDS),
             pinned_endpoint=pinned)
 
-    def _pinned(self, previous: Any) -> str | None:
+    def _pinned(self, previous: Any, param: str = "previous_response_id") -> str | None:
         """The endpoint a follow-up must go to; 404 when the one that stored its previous response left the pool."""
         if not isinstance(previous, str):
             return None
@@ -304,9 +307,14 @@ class OpenAIParser(Parser, ResponseCompleteHook):
             raise InferenceError(
                 ErrorCode.NOT_FOUND,
                 f"previous response {previous[:64]!r} was stored by replica {endpoint}, which has left the pool: "
-                "it cannot be continued (send the conversation as input instead)", param="previous_response_id")
+                "it cannot be continued (send the conversation as input instead)", param=param)
         self.responses.counted("pinned")
         return endpoint
+
+    def path_affinity(self, path: str) -> str | None:
+        """`GET`/`DELETE /v1/responses/{id}` (and its `/cancel`, `/input_items`) go where that response is stored."""
+        found = STORED_RESPONSE_PATH.search(path)
+        return self._pinned(found.group(1), param="response_id") if found else None
 
     # -- normalised views -----------------------------------------------------------------------
 

@@ -48,6 +48,7 @@ class ResponsesReplica:
     async def start(self) -> None:
         app = web.Application()
         app.router.add_post("/v1/responses", self.create)
+        app.router.add_get("/v1/responses/{id}", self.retrieve)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
@@ -55,6 +56,12 @@ class ResponsesReplica:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+
+    async def retrieve(self, request: web.Request) -> web.Response:
+        found = self.stored.get(request.match_info["id"])
+        if found is None:
+            return web.json_response({"error": {"message": "not found"}}, status=404, headers={"x-backend": self.name})
+        return web.json_response(found, headers={"x-backend": self.name})
 
     async def create(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -159,6 +166,16 @@ async def test_follow_ups_reach_the_replica_that_stored_the_previous_response(st
         assert answer["turns"] == turn  # the replica continued its own stored conversation
         previous = answer["id"]
     assert stack.lookups("pinned") - pinned == FOLLOW_UPS
+
+
+async def test_retrieving_a_stored_response_goes_to_the_replica_that_holds_it(stack):
+    status, headers, body = await post(stack.url, {"model": "m", "input": "hello"})
+    home, stored = headers["x-backend"], json.loads(body)["id"]
+    async with aiohttp.ClientSession() as session:
+        for _ in range(FOLLOW_UPS):  # a GET has no body: without the path's affinity it goes anywhere
+            async with session.get(f"{stack.url}/{stored}") as r:
+                assert (r.status, r.headers["x-backend"]) == (200, home)
+                assert (await r.json())["id"] == stored
 
 
 async def test_a_streamed_response_is_learned_from_its_response_created_event(stack):

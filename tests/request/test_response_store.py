@@ -118,3 +118,17 @@ async def test_the_director_sends_a_pinned_request_only_to_its_endpoint_and_says
     assert caught.value.code is ErrorCode.SERVICE_UNAVAILABLE
     assert caught.value.drop_reason == DropReason.NO_ENDPOINTS
     assert f"held only by replica {pool[1].name}, which is not ready" in caught.value.message
+
+
+def test_a_stored_responses_own_paths_go_where_it_is_stored():
+    reader, openai, pool = parser_with_pool("10.0.0.1:8000", "10.0.0.2:8000")
+    openai.responses.learn("resp_1", "10.0.0.2:8000")
+    for path in ("/v1/responses/resp_1", "/v1/responses/resp_1/", "/v1/responses/resp_1/cancel?x=1",
+                 "/v1/responses/resp_1/input_items"):
+        assert reader.path_affinity(path) == "10.0.0.2:8000", path
+    assert reader.path_affinity("/v1/responses/resp_2") is None  # unknown: any endpoint
+    assert reader.path_affinity("/v1/models") is None
+    pool.set_endpoints(parse_endpoint_list("10.0.0.1:8000"))
+    with pytest.raises(InferenceError) as caught:
+        reader.path_affinity("/v1/responses/resp_1")
+    assert (caught.value.code, caught.value.param) == (ErrorCode.NOT_FOUND, "response_id")
