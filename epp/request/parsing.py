@@ -93,8 +93,6 @@ class RequestParser:
         self.max_prompt_chars = max_prompt_chars
         self.parsers = tuple(parsers) if parsers else default_parsers()
         self.fallback = next((p for p in self.parsers if p.fallback), None)
-        # Paths repeat (a route serves a few): the parser and API of each, bounded (other paths are looked up anew).
-        self._by_path: dict[str, tuple[Parser, str] | None] = {}
 
     @property
     def limits(self) -> ParseLimits:
@@ -103,20 +101,13 @@ class RequestParser:
 
     def parser_for(self, path: str) -> tuple[Parser, str] | None:
         """The parser that reads `path` and the API it names, or None when none claims it and there is no fallback."""
-        found = self._by_path.get(path)
-        if found is not None or path in self._by_path:
-            return found
+        # A few suffix comparisons per parser: cheaper than any cache of paths would be to bound.
         bare = bare_path(path)
         for parser in self.parsers:
             api = parser.api_for(bare)
             if api is not None:
-                found = (parser, api)
-                break
-        else:
-            found = (self.fallback, PASSTHROUGH_API) if self.fallback is not None else None
-        if len(self._by_path) < 256:
-            self._by_path[path] = found
-        return found
+                return parser, api
+        return (self.fallback, PASSTHROUGH_API) if self.fallback is not None else None
 
     def path_affinity(self, path: str) -> str | None:
         """The endpoint a request without a body must go to, when a parser says its path names stored state."""
