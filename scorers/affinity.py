@@ -27,7 +27,7 @@ from epp.framework import (
     Scorer,
     once_per_registry,
 )
-from epp.scorers.prefix import check_prefix_producer, producer_reference
+from epp.scorers.prefix import prefix_source
 
 SESSION_HEADER = "x-session-token"
 SESSION_ID_HEADER = "x-session-id"
@@ -194,7 +194,7 @@ class NoHitLRUScorer(Scorer, PreRequestHook):
         self.prefix_plugin_name = params.str("prefixPluginName", "prefix-cache-scorer")
         self.prefix_plugin_type = params.str("prefixPluginType", "prefix-cache-scorer")
         self.lru_size = params.int("lruSize", 1024, minimum=1)
-        self.refs = producer_reference(params)
+        self.source = prefix_source(params)
         self._lru: OrderedDict[str, None] = OrderedDict()  # least recently cold-picked first
 
     def describe(self) -> str:
@@ -210,14 +210,14 @@ class NoHitLRUScorer(Scorer, PreRequestHook):
 
     def plugin_refs(self) -> Mapping[str, str]:
         """The producer `prefixMatchInfoProducerName` names (resolved by the loader)."""
-        return self.refs
+        return self.source.refs()
 
     def bind_plugins(self, plugins: Mapping[str, Plugin]) -> None:
-        check_prefix_producer(self.name, plugins)
+        self.source.bind(self.name, plugins)
 
     def score(self, state: CycleState, request: InferenceRequest,
               endpoints: Sequence[Endpoint]) -> Mapping[str, float]:
-        data = state.all_endpoint_data(PREFIX_MATCH_INFO)
+        data = state.all_endpoint_data(self.source.read_key)
         cold = not any(info.matched_blocks > 0 for info in data.values())
         state.put(self.name, cold)
         if not cold:

@@ -21,7 +21,7 @@ from epp.framework.load import (
     estimate_prompt_tokens,
     prompt_characters,
 )
-from epp.framework.plugin import Admitter, CycleState, ResponseCompleteHook, SchedulingResult
+from epp.framework.plugin import Admitter, CycleState, FirstTokenHook, ResponseCompleteHook, SchedulingResult
 from epp.framework.scheduler import PluginTimer
 from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 from epp.logutil import log_failure
@@ -68,6 +68,7 @@ class Director:
         # Admitters that read no producer data refuse before the producers run (tokenization costs).
         self._admitters_before_data = tuple(a for a in pipeline.admitters if not a.consumes())
         self._admitters_after_data = tuple(a for a in pipeline.admitters if a.consumes())
+        self._first_token_hooks = pipeline.plugins_of(FirstTokenHook)
         # Every pick is booked here so that load-aware scorers see work the scrape cannot show yet.
         self.ledger = ledger if ledger is not None else InflightLedger()
         self.endpoints = endpoints
@@ -209,10 +210,19 @@ class Director:
             waiting=target.metrics.waiting_queue_size,
             prompt_characters=characters))
 
-    def first_token(self, state: CycleState, *, observed: bool = True) -> None:
+    def first_token(self, state: CycleState, *, observed: bool = True, request: InferenceRequest | None = None,
+                    target: Endpoint | None = None) -> None:
         """The picked endpoint answered with its first token (`observed`) or a whole response."""
         booking: Booking | None = state.get(BOOKING_STATE_KEY)
         self.ledger.first_token(booking, observed=observed)
+        if observed and request is not None:
+            for hook in self._first_token_hooks:
+                t0 = time.perf_counter()
+                try:
+                    hook.on_first_token(state, request, target)
+                except Exception as exc:
+                    log_failure(log, logging.ERROR, "first-token hook %s failed", exc, hook.name)
+                self.metrics.observe_plugin("FirstToken", hook, time.perf_counter() - t0)
         if self.pipeline.flow_controller is not None:
             self.pipeline.flow_controller.wake()  # its prefill is done: a held request may fit now
 

@@ -165,7 +165,7 @@ class RequestLifecycle:
     def first_token(self) -> None:
         """The first generated output of a streamed response went by."""
         self.first_token_seen = True
-        self.director.first_token(self.state)
+        self.director.first_token(self.state, request=self.request, target=self.target)
 
     def complete(self, *, aborted: bool = False) -> None:
         """Finish the request once: metrics and completion hooks (also when the stream died)."""
