@@ -42,7 +42,12 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
         "`tokenizers`) and estimate; the data producers of a request have 400 ms in all here, so a slower "
         "render leaves it without tokens; vllm.endpointDiscovery, messagesRenderMode other than auto and the "
         "estimate backend's multimodal settings are refused"),
-    "inflight-load-producer": LlmdType("requests and estimated tokens this picker has in flight per endpoint"),
+    "inflight-load-producer": LlmdType(
+        "requests and uncached prompt tokens (plus estimated output with addEstimatedOutputTokens) this picker has "
+        "in flight per endpoint; prompt tokens released at a stream's first token",
+        "prompt tokens from a token-producer when one is configured, else characters / 4 (llm-d auto-creates a "
+        "token-producer); syncCrossReplicaState has no effect (each picker counts its own); requestTimeout (ours) "
+        "bounds how long an unanswered request counts"),
     # Scorers
     "prefix-cache-scorer": LlmdType(
         "(1 - matchLengthWeight) x matched/total blocks + matchLengthWeight x min(1, matched tokens / "
@@ -59,7 +64,8 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
                                             "the scrape only)"),
     "running-requests-size-scorer": LlmdType("fewer running requests scores higher (min-max)"),
     "lora-affinity-scorer": LlmdType("1 for an active adapter, 0.8 with a free slot, 0.6 waiting, else 0"),
-    "token-load-scorer": LlmdType("1 - min(1, in-flight tokens / queueThresholdTokens)"),
+    "token-load-scorer": LlmdType("1 - min(1, (in-flight tokens + the request's own uncached tokens) / "
+                                  "queueThresholdTokens)"),
     "load-aware-scorer": LlmdType("0.5 on an empty queue, falling linearly to 0 at `threshold` waiting requests",
                                   "the queue includes this picker's requests sent since the last scrape"),
     "active-request-scorer": LlmdType(
@@ -76,6 +82,13 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
         "prefers (or, with enableFiltering, keeps only) endpoints whose context-length range label fits the prompt",
         "reusableTokensProducerName (P2P cache subtraction) is refused"),
     # Filters
+    "prefix-cache-affinity-filter": LlmdType(
+        "keeps the endpoints holding >= affinityThreshold of the prompt (all when none does, or on exploration) "
+        "unless the best of them trails the best other endpoint by more than maxTTFTPenaltyMs of estimated TTFT "
+        "(in-flight tokens / peakPrefillThroughput) or maxTokensInFlightPenalty in-flight tokens",
+        "ttftSource: latencyPredictor reads this picker's own self-calibrating predicted TTFT (predicted-ttft-"
+        "scorer's model), not llm-d's latency-predictor sidecar; latencyPredictionInfoProducerName is refused; "
+        "maxTokensInFlightPenalty follows llm-d's tests of it (min sticky minus min other in-flight tokens)"),
     "label-selector-filter": LlmdType("keeps endpoints matching matchLabels and matchExpressions"),
     "by-label-selector": LlmdType("deprecated name of label-selector-filter"),
     "by-label": LlmdType("keeps endpoints whose label has one of validValues (label-less with allowsNoLabel)"),
@@ -143,7 +156,6 @@ REFUSED_TYPES: Mapping[str, str] = {
     "encode-filter": "no encode (E/PD) stage: multimodal encoders are not disaggregated here",
     "always-disagg-multimodal-decider": "no encode (E/PD) stage",
     "disagg-headers-handler": "deprecated in llm-d; disagg-profile-handler sets x-prefiller-host-port itself",
-    "prefix-cache-affinity-filter": f"needs llm-d's latency predictor; {_PREDICTED}",
     "slo-headroom-tier-filter": f"needs llm-d's latency predictor; {_PREDICTED}",
     "latency-scorer": f"needs llm-d's latency predictor sidecar; {_PREDICTED}",
     "predicted-latency-producer": f"needs llm-d's latency predictor sidecar; {_PREDICTED}",

@@ -210,8 +210,8 @@ REFUSED = [
     (LLMD + P + "    tokenProcessorConfig: {blockSizeTokens: 16}\n    blockSizeTokens: 32\n",
      "epp.yaml: plugins[0].parameters: plugin 'precise-prefix-cache-producer': parameter "
      "'tokenProcessorConfig.blockSizeTokens': sets 'blockSizeTokens', which the parameters also give directly"),
-    (LLMD + "plugins:\n- type: prefix-cache-affinity-filter\n",
-     "epp.yaml: plugins[0].type: llm-d plugin type 'prefix-cache-affinity-filter' is not supported here: needs "
+    (LLMD + "plugins:\n- type: slo-headroom-tier-filter\n",
+     "epp.yaml: plugins[0].type: llm-d plugin type 'slo-headroom-tier-filter' is not supported here: needs "
      "llm-d's latency predictor"),
     (LLMD + "plugins:\n- type: encode-filter\n",
      "epp.yaml: plugins[0].type: llm-d plugin type 'encode-filter' is not supported here: no encode (E/PD) stage"),
