@@ -193,7 +193,8 @@ class NoHitLRUScorer(Scorer, PreRequestHook):
         # Accepted for llm-d config compatibility: here the prefix data comes by data key, not plugin name.
         self.prefix_plugin_name = params.str("prefixPluginName", "prefix-cache-scorer")
         self.prefix_plugin_type = params.str("prefixPluginType", "prefix-cache-scorer")
-        self.lru_size = params.int("lruSize", 1024, minimum=1)
+        lru_size = params.int("lruSize", 1024)
+        self.lru_size = lru_size if lru_size > 0 else 1024  # as llm-d: 0 or less is the default
         self.source = prefix_source(params)
         self._lru: OrderedDict[str, None] = OrderedDict()  # least recently cold-picked first
 
@@ -222,14 +223,18 @@ class NoHitLRUScorer(Scorer, PreRequestHook):
         state.put(self.name, cold)
         if not cold:
             return {ep.name: 0.5 for ep in endpoints}
-        names = {ep.name for ep in endpoints}
-        used = [name for name in self._lru if name in names]
-        used_set = set(used)
-        ranked = [ep.name for ep in endpoints if ep.name not in used_set] + used
-        n = len(ranked)
+        n = len(endpoints)
         if n == 1:
-            return {ranked[0]: 1.0}
-        return {name: 1.0 - rank / (n - 1) for rank, name in enumerate(ranked)}
+            return {endpoints[0].name: 1.0}
+        # As llm-d: never cold-picked endpoints first, in candidate order, then the remembered ones by their
+        # place among everything remembered (least recent first), so a score may skip and floors at 0.
+        position = {name: i for i, name in enumerate(self._lru)}
+        never = [ep.name for ep in endpoints if ep.name not in position]
+        out = {name: 1.0 - rank / (n - 1) for rank, name in enumerate(never)}
+        for ep in endpoints:
+            if ep.name in position:
+                out[ep.name] = max(0.0, 1.0 - (len(never) + position[ep.name]) / (n - 1))
+        return out
 
     def pre_request(self, state: CycleState, request: InferenceRequest, result: SchedulingResult) -> None:
         if not state.get(self.name):
