@@ -20,6 +20,7 @@ def register_builtin_plugins(registry: PluginRegistry) -> None:
         pickers,
         prefix,
         profile_handlers,
+        utilization_filter,
     )
 
     for cls in (
@@ -35,6 +36,7 @@ def register_builtin_plugins(registry: PluginRegistry) -> None:
         datalayer_compat.MetricsDataSource, datalayer_compat.CoreMetricsExtractor,
         datalayer_compat.EndpointNotificationSource, datalayer_compat.OpenAIParser, datalayer_compat.AnthropicParser,
         datalayer_compat.PassthroughParser, affinity_filter.PrefixCacheAffinityFilter,
+        affinity.SessionAffinityFilter, utilization_filter.UtilizationFilter, profile_handlers.HeaderProfileHandler,
     ):
         registry.register_class(cls)
     registry.register_class(approx_prefix.ApproxPrefixCacheProducer, default_producer_for=[PREFIX_MATCH_INFO])

@@ -74,10 +74,24 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
     "no-hit-lru-scorer": LlmdType("a request no endpoint holds goes to the least recently cold-picked endpoint",
                                   "prefixPluginType and prefixPluginName have no effect: the match info is read "
                                   "from the prefix producer (prefixMatchInfoProducerName)"),
+    "session-affinity-filter": LlmdType(
+        "only the endpoint the session names when it is a candidate (x-session-token, or a session id's last "
+        "pick), else all",
+        "not gated behind --allow-experimental-plugins (alpha in llm-d); the token is base64 of the endpoint's "
+        "ip:port (llm-d's: of the pod's namespace/name); attribute sources: agent-identity only (the session the "
+        "session producer found)"),
+    "utilization-filter": LlmdType(
+        "keeps the endpoints within every cap of conditions (active-requests in flight, scraped running-requests, "
+        "waiting-queue, kv-cache-utilization); none kept: all with fallbackOnEmpty",
+        "not gated behind --allow-experimental-plugins (alpha in llm-d)"),
+    "header-profile-handler": LlmdType(
+        "runs the one profile the headerName header (EPP-Profile) names, defaultProfile (decode) without one",
+        "a header naming no profile is answered 400 (llm-d answers 429); not gated behind "
+        "--allow-experimental-plugins (alpha in llm-d)"),
     "session-affinity-scorer": LlmdType(
         "1 for the endpoint the session names (x-session-token, or a session id's last pick), else 0",
-        "not gated behind --allow-experimental-plugins (alpha in llm-d); session ids from request attributes "
-        "are refused (headers only)"),
+        "not gated behind --allow-experimental-plugins (alpha in llm-d); the token is base64 of the endpoint's "
+        "ip:port; attribute sources: agent-identity only (the session the session producer found)"),
     "context-length-aware": LlmdType(
         "prefers (or, with enableFiltering, keeps only) endpoints whose context-length range label fits the prompt",
         "reusableTokensProducerName (P2P cache subtraction) is refused"),
@@ -162,15 +176,12 @@ REFUSED_TYPES: Mapping[str, str] = {
     "latency-slo-admitter": "sheddable requests (priority < 0) are shed by the saturation admitter while the pool "
                             "is saturated; no latency predictor here",
     "probabilistic-admitter": "not implemented; flow control (featureGates: [flowControl]) queues instead",
-    "session-affinity-filter": "alpha in llm-d; use session-affinity-scorer with a high weight",
     "multicluster-session-affinity-filter": "no multi-cluster pools",
     "endpoint-attribute-filter": "alpha in llm-d, not implemented",
     "endpoint-attribute-scorer": "alpha in llm-d, not implemented",
     "topology-affinity-filter": "alpha in llm-d, not implemented",
     "topology-affinity-scorer": "alpha in llm-d, not implemented",
-    "utilization-filter": "alpha in llm-d; utilization-detector placed in a profile filters saturated endpoints",
     "header-label-affinity-scorer": "alpha in llm-d, not implemented",
-    "header-profile-handler": "alpha in llm-d, not implemented",
     "mm-embeddings-cache-scorer": "multimodal embedding caches are not tracked",
     "mm-embeddings-cache-producer": "multimodal embedding caches are not tracked",
     "session-id-producer": "session-affinity-scorer reads the session id header itself",

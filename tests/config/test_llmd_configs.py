@@ -270,7 +270,7 @@ REFUSED = [
     (LLMD + "plugins:\n- type: session-affinity-scorer\n  parameters: {strategy: session_id, sessionIdConfig: "
             "{sources: [{attribute: tenant}]}}\n",
      "epp.yaml: plugins[0].parameters: plugin 'session-affinity-scorer': parameter "
-     "'sessionIdConfig.sources[0].attribute' is not supported"),
+     "'sessionIdConfig.sources[0].attribute' 'tenant' is not published here; allowed: agent-identity"),
     (LLMD + "plugins:\n- type: active-request-scorer\n  parameters: {inFlightLoadProducerName: queue-scorer}\n"
             "- type: queue-scorer\n",
      "epp.yaml: plugins[0].parameters: plugin 'active-request-scorer': parameter 'inFlightLoadProducerName' names "
