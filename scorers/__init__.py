@@ -17,6 +17,7 @@ def register_builtin_plugins(registry: PluginRegistry) -> None:
         label_filters,
         load,
         lora,
+        p2p,
         pickers,
         prefix,
         profile_handlers,
@@ -37,6 +38,8 @@ def register_builtin_plugins(registry: PluginRegistry) -> None:
         datalayer_compat.EndpointNotificationSource, datalayer_compat.OpenAIParser, datalayer_compat.AnthropicParser,
         datalayer_compat.PassthroughParser, affinity_filter.PrefixCacheAffinityFilter,
         affinity.SessionAffinityFilter, utilization_filter.UtilizationFilter, profile_handlers.HeaderProfileHandler,
+        label_filters.EncodeFilter, disagg.AlwaysDisaggMultimodalDecider, disagg.DisaggHeadersHandler,
+        p2p.P2PSourceProducer,
     ):
         registry.register_class(cls)
     registry.register_class(approx_prefix.ApproxPrefixCacheProducer, default_producer_for=[PREFIX_MATCH_INFO])

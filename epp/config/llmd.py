@@ -108,6 +108,7 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
     "by-label": LlmdType("keeps endpoints whose label has one of validValues (label-less with allowsNoLabel)"),
     "decode-filter": LlmdType("keeps endpoints whose llm-d.ai/role includes decode (or `both`), and unlabelled ones"),
     "prefill-filter": LlmdType("keeps endpoints whose llm-d.ai/role includes prefill (or `both`)"),
+    "encode-filter": LlmdType("keeps endpoints whose llm-d.ai/role includes encode"),
     "header-based-testing-filter": LlmdType("keeps the endpoints named in test-epp-endpoint-selection"),
     # Pickers
     "max-score-picker": LlmdType(
@@ -118,9 +119,19 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
     # Profile handlers and deciders
     "single-profile-handler": LlmdType("runs the one profile"),
     "disagg-profile-handler": LlmdType(
-        "runs decode, then prefill when the prefill decider approves; names the prefill pick in "
-        "x-prefiller-host-port",
-        "encode stages and stageOrder prefill-first are refused"),
+        "runs decode, then encode and prefill when their deciders approve; names the encode picks in "
+        "x-encoder-hosts-ports and the prefill pick in x-prefiller-host-port",
+        "stageOrder prefill-first is refused"),
+    "always-disagg-multimodal-decider": LlmdType("runs the encode stage for requests with image, audio or video "
+                                                 "content blocks"),
+    "disagg-headers-handler": LlmdType(
+        "deprecated in llm-d (use disagg-profile-handler, which sets these headers itself): names the prefill "
+        "pick in x-prefiller-host-port and the encode picks in x-encoder-hosts-ports"),
+    "p2p-source-producer": LlmdType(
+        "names in x-kv-cache-source-host-port a peer caching at least minCachedTokenDelta more prompt tokens "
+        "than the computing endpoint (sampled within one block of the best, away from queued peers)",
+        "not gated behind --allow-experimental-plugins (alpha in llm-d); the pull itself is the sidecar's "
+        "(epp engine pd-sidecar adds kv_transfer_params.remote_kv_source) and the engine's P2P connector"),
     "prefix-based-pd-decider": LlmdType(
         "disaggregate when the decode pick's uncached prompt is at least nonCachedTokens (0: never)",
         "with precise KV events the cached tokens are exact (any tier) rather than matched blocks x block size"),
@@ -167,9 +178,6 @@ ALIASES: Mapping[str, str] = {
 
 _PREDICTED = "predicted-ttft-scorer weighs queue wait against uncached prefill, with costs learned online"
 REFUSED_TYPES: Mapping[str, str] = {
-    "encode-filter": "no encode (E/PD) stage: multimodal encoders are not disaggregated here",
-    "always-disagg-multimodal-decider": "no encode (E/PD) stage",
-    "disagg-headers-handler": "deprecated in llm-d; disagg-profile-handler sets x-prefiller-host-port itself",
     "slo-headroom-tier-filter": f"needs llm-d's latency predictor; {_PREDICTED}",
     "latency-scorer": f"needs llm-d's latency predictor sidecar; {_PREDICTED}",
     "predicted-latency-producer": f"needs llm-d's latency predictor sidecar; {_PREDICTED}",
@@ -186,7 +194,6 @@ REFUSED_TYPES: Mapping[str, str] = {
     "mm-embeddings-cache-producer": "multimodal embedding caches are not tracked",
     "session-id-producer": "session-affinity-scorer reads the session id header itself",
     "burst-prefix-cache-producer": "alpha in llm-d; the approximate producer records each pick at once",
-    "p2p-source-producer": "alpha in llm-d; no peer-to-peer KV transfer",
     "multicluster-approx-prefix-cache-producer": "no multi-cluster pools",
     "multicluster-queue-scorer": "no multi-cluster pools",
     "multicluster-kv-cache-utilization-scorer": "no multi-cluster pools",

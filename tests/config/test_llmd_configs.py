@@ -213,8 +213,9 @@ REFUSED = [
     (LLMD + "plugins:\n- type: slo-headroom-tier-filter\n",
      "epp.yaml: plugins[0].type: llm-d plugin type 'slo-headroom-tier-filter' is not supported here: needs "
      "llm-d's latency predictor"),
-    (LLMD + "plugins:\n- type: encode-filter\n",
-     "epp.yaml: plugins[0].type: llm-d plugin type 'encode-filter' is not supported here: no encode (E/PD) stage"),
+    (LLMD + "plugins:\n- type: mm-embeddings-cache-scorer\n",
+     "epp.yaml: plugins[0].type: llm-d plugin type 'mm-embeddings-cache-scorer' is not supported here: multimodal "
+     "embedding caches are not tracked"),
     (LLMD + "plugins:\n- type: load-aware-scorer\n  parameters: {treshold: 5}\n",
      "epp.yaml: plugins[0].parameters: plugin 'load-aware-scorer': unknown parameter(s) ['treshold']; allowed: "
      "['threshold', 'useInflight']"),
