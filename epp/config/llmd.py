@@ -52,8 +52,9 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
     "prefix-cache-scorer": LlmdType(
         "(1 - matchLengthWeight) x matched/total blocks + matchLengthWeight x min(1, matched tokens / "
         "matchLengthScaleTokens)^2",
-        "one producer per data key: a scorer that names no producer reads the configured one (llm-d would "
-        "auto-create an approximate producer beside a precise one)"),
+        "a lone prefix producer, whatever its name, serves every consumer (llm-d would auto-create an approximate "
+        "producer beside a precise one); with several, each scorer reads the one it names and one naming none "
+        "the producer named approx-prefix-cache-producer, auto-created when absent, as in llm-d"),
     "precise-prefix-cache-scorer": LlmdType(
         "deprecated wrapper: loaded as a precise-prefix-cache-producer plus a prefix-cache-scorer reading it"),
     "queue-scorer": LlmdType("shorter waiting queue scores higher (min-max over the candidates)",
