@@ -298,7 +298,8 @@ class SessionAffinityCostScorer(Scorer, PreRequestHook, ResponseCompleteHook):
         if home is None and key is not None and key.parent is not None:
             parent = self.sessions.get(key.parent, touch=False)
             if parent is not None and parent.endpoint in scores:
-                scores[parent.endpoint] = min(1.0, scores[parent.endpoint] + PARENT_TIE_BREAK)
+                scores = {name: value if name == parent.endpoint else value * (1.0 - PARENT_TIE_BREAK)
+                          for name, value in scores.items()}
         return scores
 
     # -- history ------------------------------------------------------------------------------
