@@ -206,8 +206,9 @@ REFUSED_TYPES: Mapping[str, str] = {
     "vertexai-parser": "not implemented",
     "sglanghttp-parser": "SGLang is not supported (vLLM metrics and KV events only)",
     "soft-reflective-ceiling-policy": "alpha in llm-d, not implemented",
-    "sheddable-eviction-filter": "alpha in llm-d; no eviction of dispatched requests",
-    "priority-then-time-eviction-order-policy": "alpha in llm-d; no eviction of dispatched requests",
+    "sheddable-eviction-filter": "built into flow control: flowControl.enableEviction evicts sheddable requests",
+    "priority-then-time-eviction-order-policy": "built into flow control: flowControl.enableEviction evicts the lowest "
+                                                "priority, newest dispatch first",
 }
 
 
