@@ -10,6 +10,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from epp.config import load_config_text
 from epp.flowcontrol.concurrency import ConcurrencyDetector
 from epp.flowcontrol.config import parse_flow_control
 from epp.flowcontrol.controller import FlowController
@@ -20,6 +21,7 @@ from epp.flowcontrol.queues import PriorityBand
 from epp.framework import ConfigError, CycleState, PluginContext, PluginParams, ResponseInfo
 from epp.framework.load import InflightLedger
 from epp.framework.types import ApiKind, Endpoint, InferenceRequest
+from tests.support.scheduling import DirectorHarness
 
 
 def policy(**params) -> ProgramAwareFairness:
@@ -253,3 +255,53 @@ async def test_through_the_controller_finished_turns_charge_their_program():
     assert waits[1].done() and not waits[0].done()
     for w in waits:
         w.cancel()
+
+
+# The llm-d agentic-serving guide's router config, written here from its facts (plugins, parameters, values).
+GUIDE = """
+apiVersion: {api}
+kind: EndpointPickerConfig
+plugins:
+- type: agent-identity
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: prefix-cache-scorer
+- type: concurrency-detector
+  parameters:
+    maxConcurrency: 133
+- type: program-aware-fairness
+  parameters: {params}
+featureGates:
+- flowControl
+flowControl:
+  saturationDetector:
+    pluginRef: concurrency-detector
+  defaultPriorityBand:
+    fairnessPolicyRef: program-aware-fairness
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: queue-scorer
+    weight: 2
+  - pluginRef: kv-cache-utilization-scorer
+    weight: 2
+  - pluginRef: prefix-cache-scorer
+    weight: 3
+"""
+
+
+@pytest.mark.parametrize("api, params, half_life, factor", [
+    ("llm-d.ai/v1alpha1", "{}", 60.0, None),
+    ("inference.networking.x-k8s.io/v1alpha1",
+     "{strategy: las, lasWeightService: 0.8, lasWeightHeadWait: 0.2, lasDecayFactor: 0.99997}", 0.0, 0.99997),
+])
+def test_the_agentic_guides_configs_load_with_llm_ds_meaning(api, params, half_life, factor):
+    harness = DirectorHarness(GUIDE.format(api=api, params=params))
+    controller = harness.loaded.flow_controller
+    assert controller is not None
+    fairness = controller.config.default_band.fairness
+    assert isinstance(fairness, ProgramAwareFairness)
+    assert (fairness.half_life_s, fairness.decay_factor) == (half_life, factor)
+    assert (fairness.weight_service, fairness.weight_wait) == (0.8, 0.2)
+    assert isinstance(controller.detector, ConcurrencyDetector) and controller.detector.max_concurrency == 133
+    assert load_config_text(GUIDE.format(api=api, params=params)).flow_control_section is not None
