@@ -60,3 +60,53 @@ async def test_self_signed_certificate_when_no_path_is_given():
         assert replies[0].HasField("request_headers")
     finally:
         await server.stop(0)
+
+
+def write_pair(directory, common_name: str = "localhost") -> bytes:
+    """A new self-signed pair in `directory` (tls.key, tls.crt); returns the certificate."""
+    key, cert = self_signed_pair(common_name)
+    (directory / "tls.key.new").write_bytes(key)
+    (directory / "tls.crt.new").write_bytes(cert)
+    # Swapped in place as a rotated Secret's files are: each file whole, never half written.
+    (directory / "tls.key.new").replace(directory / "tls.key")
+    (directory / "tls.crt.new").replace(directory / "tls.crt")
+    return cert
+
+
+async def presented(port: int) -> bytes:
+    pem = await asyncio.to_thread(ssl.get_server_certificate, ("localhost", port))
+    return ssl.PEM_cert_to_DER_cert(pem)
+
+
+@pytest.mark.parametrize("reload", [True, False])
+async def test_enable_cert_reload_serves_a_rotated_pair_to_new_connections(tmp_path, reload):
+    first = write_pair(tmp_path)
+    server = EppServer(options(secure_serving=True, cert_path=str(tmp_path), enable_cert_reload=reload),
+                       pipeline=simple_pipeline())
+    await server.start()
+    try:
+        assert await presented(server.grpc_port) == ssl.PEM_cert_to_DER_cert(first.decode())
+        second = write_pair(tmp_path)
+        expected = second if reload else first
+        assert await presented(server.grpc_port) == ssl.PEM_cert_to_DER_cert(expected.decode())
+        creds = grpc.ssl_channel_credentials(root_certificates=expected)
+        async with grpc.aio.secure_channel(f"localhost:{server.grpc_port}", creds) as channel:
+            replies = await exchange(channel)
+        assert replies[0].HasField("request_headers")
+    finally:
+        await server.stop(0)
+
+
+def test_a_pair_caught_mid_rotation_keeps_the_current_one(tmp_path):
+    from epp.server.tls import CertificateReloader
+
+    write_pair(tmp_path)
+    reloader = CertificateReloader(tmp_path)
+    assert reloader.initial() is not None
+    assert reloader.fetch() is None  # unchanged
+    key, _ = self_signed_pair("localhost")
+    (tmp_path / "tls.key").write_bytes(key)  # the new key, the old certificate: not a pair
+    assert reloader.fetch() is None
+    write_pair(tmp_path)
+    assert reloader.fetch() is not None
+    assert reloader.fetch() is None
