@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from epp import limits as lim
 from epp.envoy import RESPONSE_MODES, UPSTREAM_PROTOCOLS
@@ -21,6 +22,7 @@ from epp.serve_flags import (
     ServeArgv,
     add_bool_flag,
     byte_size,
+    cipher_list,
     go_duration,
     normalize_serve_argv,
     zap_level,
@@ -111,6 +113,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     tls.add_argument("--cert-path", help="directory holding tls.crt and tls.key")
     add_bool_flag(tls, "--enable-cert-reload",
                   help="re-read --cert-path's tls.crt and tls.key when they change (checked at each new connection)")
+    tls.add_argument("--tls-cipher-suites", type=cipher_list, default=None, metavar="SUITE,...",
+                     help="TLS 1.2 cipher suites of --secure-serving by Go's names (TLS_ECDHE_RSA_WITH_AES_128_GCM"
+                          "_SHA256,...); TLS 1.3's are not configurable (default: gRPC's)")
     tls.add_argument("--tls-min-version", choices=TLS_VERSIONS,
                      help="lowest TLS version of --secure-serving; gRPC's own floor is TLS 1.2, so VersionTLS10 "
                           "to VersionTLS12 all mean 1.2, and VersionTLS13 is refused (not settable here)")
@@ -426,8 +431,6 @@ def _check_tenant_source(value: str) -> None:
 def _kubernetes_options(args: argparse.Namespace) -> dict:
     """ServeOptions fields for Kubernetes discovery; ValueError names the flag that is wrong, MissingExtra
     says the client is not installed."""
-    import os
-
     from epp.datalayer.inference_pool import parse_selector, parse_target_ports
 
     if args.pool_name and args.endpoint_selector:
@@ -607,6 +610,18 @@ TOP_LEVEL_FLAGS = {"-h": "--help", "--help": "--help", "-help": "--help", "--ver
                    "-version": "--version"}
 
 
+# gRPC reads its TLS 1.2 cipher list from this variable once, as it loads: before anything of `epp` imported it.
+CIPHER_SUITES_VARIABLE = "GRPC_SSL_CIPHER_SUITES"
+
+
+def _restart_with_cipher_suites(ciphers: str, argv: Sequence[str]) -> NoReturn:
+    """Run this same `epp` line again, in this process, with gRPC's cipher list set (`--tls-cipher-suites`)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "epp.cli", *argv],
+              {**os.environ, CIPHER_SUITES_VARIABLE: ciphers})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `epp` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -636,6 +651,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         argv = ["serve", *serve_line.argv]
     args = parser.parse_args(argv)
+    if args.command == "serve" and args.tls_cipher_suites \
+            and os.environ.get(CIPHER_SUITES_VARIABLE) != args.tls_cipher_suites:
+        _restart_with_cipher_suites(args.tls_cipher_suites, argv)
     _configure_logging(args)
     if args.command == "serve":
         return _run_serve(args, serve_line.ignored_line() if serve_line is not None else None)

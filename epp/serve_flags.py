@@ -138,17 +138,54 @@ IGNORED_LLMD_FLAGS: Mapping[str, IgnoredFlag] = {
         "epoch", "millis", "nano", "iso8601", "rfc3339", "rfc3339nano")),
 }
 
+# Go's crypto/tls names of the TLS 1.2 suites gRPC's BoringSSL offers, and BoringSSL's names for them
+# (what GRPC_SSL_CIPHER_SUITES takes).
+TLS12_SUITES: Mapping[str, str] = {
+    "TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256": "ECDHE-ECDSA-AES128-GCM-SHA256",
+    "TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384": "ECDHE-ECDSA-AES256-GCM-SHA384",
+    "TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256": "ECDHE-RSA-AES128-GCM-SHA256",
+    "TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384": "ECDHE-RSA-AES256-GCM-SHA384",
+    "TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256": "ECDHE-ECDSA-CHACHA20-POLY1305",
+    "TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256": "ECDHE-RSA-CHACHA20-POLY1305",
+    "TLS_ECDHE_ECDSA_WITH_AES_128_CBC_SHA": "ECDHE-ECDSA-AES128-SHA",
+    "TLS_ECDHE_ECDSA_WITH_AES_256_CBC_SHA": "ECDHE-ECDSA-AES256-SHA",
+    "TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA": "ECDHE-RSA-AES128-SHA",
+    "TLS_ECDHE_RSA_WITH_AES_256_CBC_SHA": "ECDHE-RSA-AES256-SHA",
+    "TLS_RSA_WITH_AES_128_GCM_SHA256": "AES128-GCM-SHA256",
+    "TLS_RSA_WITH_AES_256_GCM_SHA384": "AES256-GCM-SHA384",
+    "TLS_RSA_WITH_AES_128_CBC_SHA": "AES128-SHA",
+    "TLS_RSA_WITH_AES_256_CBC_SHA": "AES256-SHA",
+}
+# TLS 1.3's suites: Go accepts their names and cannot configure them either.
+TLS13_SUITES = frozenset({"TLS_AES_128_GCM_SHA256", "TLS_AES_256_GCM_SHA384", "TLS_CHACHA20_POLY1305_SHA256"})
+
+
+def cipher_list(text: str) -> str:
+    """`--tls-cipher-suites` (Go's names, comma-separated) as BoringSSL's cipher list for TLS 1.2, which gRPC
+    reads from GRPC_SSL_CIPHER_SUITES; TLS 1.3 names are accepted and change nothing (as in Go)."""
+    chosen: list[str] = []
+    for name in filter(None, (part.strip() for part in text.split(","))):
+        if name in TLS13_SUITES:
+            continue
+        if name not in TLS12_SUITES:
+            raise argparse.ArgumentTypeError(
+                f"unknown or unsupported cipher suite {name!r} (gRPC's TLS 1.2 suites: {', '.join(TLS12_SUITES)})")
+        if TLS12_SUITES[name] not in chosen:
+            chosen.append(TLS12_SUITES[name])
+    if not chosen:
+        raise argparse.ArgumentTypeError(f"{text!r} names no TLS 1.2 suite (TLS 1.3's are not configurable)")
+    return ":".join(chosen)
+
+
 _ENGINE_CONFIGS = ("deprecated in llm-d, which refuses it too: name the model server's metrics with "
                    "core-metrics-extractor's engineConfigs in the EndpointPickerConfig")
-# Refused, with why: llm-d refuses the metric flags itself; a cipher list cannot be honoured here.
+# Refused, with why: llm-d refuses these itself.
 REFUSED_LLMD_FLAGS: Mapping[str, str] = {
     "total-queued-requests-metric": _ENGINE_CONFIGS,
     "total-running-requests-metric": _ENGINE_CONFIGS,
     "kv-cache-usage-percentage-metric": _ENGINE_CONFIGS,
     "lora-info-metric": _ENGINE_CONFIGS,
     "cache-info-metric": _ENGINE_CONFIGS,
-    "tls-cipher-suites": "not supported here: gRPC's Python server takes no cipher list (it offers BoringSSL's "
-                         "TLS 1.2 and 1.3 suites); leave it unset",
 }
 
 
