@@ -19,6 +19,7 @@ from epp.framework.plugin import (
                                   Plugin,
                                   PreRequestHook,
                                   ProfileHandler,
+                                  RequestPreprocessor,
                                   ResponseCompleteHook,
                                   ResponseHeadersHook,
                                   SaturationDetector,
@@ -163,5 +164,6 @@ def plugin_kinds(plugin: Plugin) -> list[str]:
              ("data-producer", DataProducer), ("admitter", Admitter), ("pre-request", PreRequestHook),
              ("first-token", FirstTokenHook), ("response-headers", ResponseHeadersHook),
              ("response-complete", ResponseCompleteHook),
-             ("capacity-gate", CapacityGate), ("saturation-detector", SaturationDetector)]
+             ("capacity-gate", CapacityGate), ("saturation-detector", SaturationDetector),
+             ("preprocessor", RequestPreprocessor)]
     return [label for label, cls in kinds if isinstance(plugin, cls)]
