@@ -161,8 +161,12 @@ class _Stream:
         self.body_parts = []
         trace = self.trace
         with trace.step("epp.parse"):
-            request, forwarded = self.service.parser.parse(
-                request_id=self.request_id, headers=self.headers, body=body, subset_hint=self.subset_hint)
+            try:
+                request, forwarded = self.service.parser.parse(
+                    request_id=self.request_id, headers=self.headers, body=body, subset_hint=self.subset_hint)
+            except InferenceError:
+                self.life.refused_unparsed(self.headers, body)  # its error metric names the model it asked for
+                raise
         trace.parsed(request)
         life = self.life
         result = await life.schedule(request, len(body))
@@ -251,6 +255,16 @@ class _Stream:
         if not self.response_body_sent and self.life.response.status:
             self.life.complete()
 
+    @property
+    def ended(self) -> bool:
+        """Whether Envoy has nothing more to send on this stream, so its close (EOF or reset) is no error.
+
+        The response ended, or the picker answered the request itself; or Envoy sends no response
+        body (`--responses headers|none`), when the stream's close is how a routed request ends.
+        """
+        life = self.life
+        return life.finished or self.rejected or (not self.response_body_sent and life.scheduled)
+
     def _usage_of(self, body: bytes, *, sse: bool) -> dict[str, Any] | None:
         """Token usage of a response body; a body the picker cannot read is counted and passed on."""
         try:
@@ -336,6 +350,9 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
             while True:
                 req = await self._read(context, stream)
                 if req is grpc.aio.EOF:
+                    if stream.headers and not stream.ended:
+                        # Closed mid-request or mid-response: the client (or the model server) went away.
+                        metrics.stream_errors.labels("cancelled").inc()
                     stream.on_close()
                     break
                 if stream.rejected:
@@ -365,7 +382,12 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                                 "ext_proc stream sent a message that is not a ProcessingRequest: stream closed")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed ProcessingRequest")
         except asyncio.CancelledError:
-            metrics.stream_errors.labels("cancelled").inc()
+            # Envoy resets a stream it is done with as often as it half-closes it (its ext_proc
+            # client closes, then resets): after the response's end that is the normal close.
+            if stream.ended:
+                stream.on_close()
+            else:
+                metrics.stream_errors.labels("cancelled").inc()
             raise
         finally:
             self.active_streams -= 1
