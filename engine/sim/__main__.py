@@ -28,9 +28,9 @@ def _pairs(values: list[str], what: str) -> dict[str, str]:
 
 FLEET_DESCRIPTION = """\
 Run N simulated vLLM replicas on this host until SIGINT/SIGTERM. Each speaks vLLM's HTTP API
-(OpenAI completions, chat, Responses, embeddings; Anthropic messages and count_tokens; vLLM's
-/inference/v1/generate and SGLang's /generate), /metrics, sleep/wake and KV events over ZMQ,
-from a latency model of continuous batching with a prefix cache.
+(OpenAI completions, chat, Responses, embeddings; Anthropic messages and count_tokens; SGLang's
+/generate; vLLM's /inference/v1/generate with --enable-scale-out, as vLLM), /metrics, sleep/wake
+and KV events over ZMQ, from a latency model of continuous batching with a prefix cache.
 
 The first line on stdout is the endpoints list ip:port,ip:port,... (what `epp serve --endpoints`
 takes); each replica's details (endpoint, KV-event sockets, topic, labels) follow on stderr as
@@ -111,11 +111,11 @@ def _fleet_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help="events as positional msgpack arrays, vLLM's form before 2026 (default: off, maps)")
     api = p.add_argument_group("vLLM flags")
     api.add_argument("--enable-prompt-tokens-details", action="store_true",
-                     help="vLLM's flag: usage.prompt_tokens_details.cached_tokens (Anthropic: cache_read_input_tokens "
-                          "always) in responses (default: off, as vLLM's)")
+                     help="vLLM's flag: usage.prompt_tokens_details.cached_tokens in responses (Anthropic's: "
+                          "cache_read_input_tokens and cache_creation_input_tokens) (default: off, as vLLM's)")
     api.add_argument("--enable-scale-out", action="store_true",
-                     help="vLLM's flag: serve /v1/completions/render and /v1/chat/completions/render (default: off, "
-                          "they answer 403)")
+                     help="vLLM's flag: serve /v1/completions/render, /v1/chat/completions/render and "
+                          "/inference/v1/generate (default: off, they answer 403)")
     return p
 
 
