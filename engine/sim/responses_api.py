@@ -274,8 +274,8 @@ class ResponsesRoutes:
         tail = [event("response.output_text.done", **place, text=text, logprobs=[]),
                 event("response.content_part.done", **place, part=_text_part(text)),
                 event("response.output_item.done", output_index=0, item=final["output"][0]),
-                event("response.incomplete" if final["status"] == "incomplete" else "response.completed",
-                      response=final)]
+                # vLLM ends every stream with response.completed, its response "incomplete" when cut short.
+                event("response.completed", response=final)]
         if not opened:  # nothing generated: the item still opens before it closes
             tail[:0] = [event("response.output_item.added", output_index=0,
                               item=_message_item(item_id, None, "in_progress")),

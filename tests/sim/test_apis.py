@@ -136,11 +136,12 @@ async def test_responses_stream_sends_the_responses_events_in_order(fleet, http)
     assert names == ["response.created", "response.in_progress", "response.output_item.added",
                      "response.content_part.added", *["response.output_text.delta"] * 3,
                      "response.output_text.done", "response.content_part.done", "response.output_item.done",
-                     "response.incomplete"]
+                     "response.completed"]
     assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
     assert all(data["type"] == name for name, data in events)
     text = "".join(data["delta"] for name, data in events if name == "response.output_text.delta")
     final = events[-1][1]["response"]
+    assert final["status"] == "incomplete"
     assert final["output"][0]["content"][0]["text"] == text == events[7][1]["text"]
     assert final["usage"]["output_tokens"] == 3
     # Stored once streamed: a follow-up finds it.
