@@ -27,7 +27,7 @@ from epp.engine.sim.hashing import HashContext
 from epp.engine.sim.request_parsing import RequestError, validate_salt
 
 if TYPE_CHECKING:
-    from epp.engine.sim.server import SimReplica
+    from epp.engine.sim.replica_api import Replica
 
 _json_encode = msgspec.json.Encoder().encode
 ROLES = ("user", "assistant", "system")
@@ -100,7 +100,7 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 class AnthropicRoutes:
     """`POST /v1/messages` and `POST /v1/messages/count_tokens` of one replica."""
 
-    def __init__(self, replica: SimReplica) -> None:
+    def __init__(self, replica: Replica) -> None:
         self.replica = replica
 
     def attach(self, app: web.Application) -> None:

@@ -30,7 +30,7 @@ from epp.engine.sim.hashing import HashContext
 from epp.engine.sim.request_parsing import RequestError, error_response, validate_salt
 
 if TYPE_CHECKING:
-    from epp.engine.sim.server import SimReplica
+    from epp.engine.sim.replica_api import Replica
 
 _json_encode = msgspec.json.Encoder().encode
 DEFAULT_EMBEDDING_SIZE = 128
@@ -67,7 +67,7 @@ def _is_ids(value: Any) -> bool:
 class EmbeddingRoutes:
     """`POST /v1/embeddings` of one replica."""
 
-    def __init__(self, replica: SimReplica) -> None:
+    def __init__(self, replica: Replica) -> None:
         self.replica = replica
         self.size = embedding_size(replica.config.tokenizer_dir)
 

@@ -29,7 +29,7 @@ from epp.engine.sim.hashing import HashContext
 from epp.engine.sim.request_parsing import RequestError, error_response, validate_salt
 
 if TYPE_CHECKING:
-    from epp.engine.sim.server import SimReplica
+    from epp.engine.sim.replica_api import Replica
 
 _json_encode = msgspec.json.Encoder().encode
 # Content part types whose text enters the prompt (images and files are not rendered by the simulator).
@@ -133,7 +133,7 @@ def _json_text(value: Any) -> str:
 class ResponsesRoutes:
     """`POST /v1/responses` and `GET /v1/responses/{response_id}` of one replica."""
 
-    def __init__(self, replica: SimReplica, capacity: int) -> None:
+    def __init__(self, replica: Replica, capacity: int) -> None:
         self.replica = replica
         self.store = ResponseStore(capacity)
 

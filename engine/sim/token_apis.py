@@ -31,7 +31,7 @@ from epp.engine.sim.request_parsing import RequestError, error_response, validat
 from epp.engine.sim.scale_out import GENERATE_ROUTE
 
 if TYPE_CHECKING:
-    from epp.engine.sim.server import SimReplica
+    from epp.engine.sim.replica_api import Replica
 
 _json_encode = msgspec.json.Encoder().encode
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
@@ -63,7 +63,7 @@ def _int_or_none(params: dict[str, Any], name: str, where: str) -> int | None:
 class TokenRoutes:
     """`POST /inference/v1/generate` (vLLM) and `POST /generate` (SGLang) of one replica."""
 
-    def __init__(self, replica: SimReplica) -> None:
+    def __init__(self, replica: Replica) -> None:
         self.replica = replica
 
     def attach(self, app: web.Application) -> None:
