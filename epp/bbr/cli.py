@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from epp import limits as lim
 from epp.bbr.adapters import AdapterMapError
+from epp.bbr.envoy_config import Pool, render_bbr_config
 from epp.bbr.server import DEFAULT_GRPC_PORT, DEFAULT_HEALTH_PORT, DEFAULT_METRICS_PORT, BbrOptions, serve_forever
 from epp.server.transport import DEFAULT_MAX_BODY_BYTES
 
@@ -49,8 +50,27 @@ def build_parser(prog: str = "epp bbr") -> argparse.ArgumentParser:
     p.add_argument("--cert-path", default=None, help="folder with tls.crt and tls.key for --secure-serving")
     p.add_argument("--grace-period", type=float, default=10.0,
                    help="seconds SIGTERM lets in-flight streams finish (default 10)")
+    p.add_argument("--print-envoy-config", default=None, metavar="MODEL=HOST:PORT,...",
+                   help="print an Envoy bootstrap that puts this router (--bind-address, --grpc-port) before one "
+                        "picker per pool, the pool of each base MODEL at HOST:PORT, and exit")
+    p.add_argument("--envoy-listen-port", type=int, default=8081,
+                   help="with --print-envoy-config: the port clients send requests to (default 8081)")
+    p.add_argument("--envoy-admin-port", type=int, default=19000,
+                   help="with --print-envoy-config: Envoy's admin port (default 19000)")
     p.add_argument("-v", "--verbose", action="count", default=1, help="more logging (-vv: debug)")
     return p
+
+
+def pools_of(text: str) -> list[Pool]:
+    """`MODEL=HOST:PORT,...` as pools; ValueError naming the entry that is wrong."""
+    pools = []
+    for entry in (e.strip() for e in text.split(",")):
+        model, sep, address = entry.rpartition("=")
+        host, colon, port = address.rpartition(":")
+        if not (sep and model and colon and host and port.isdigit()):
+            raise ValueError(f"--print-envoy-config: {entry!r} is not MODEL=HOST:PORT")
+        pools.append(Pool(model, host.strip("[]"), int(port)))
+    return pools
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "epp bbr") -> int:
@@ -65,6 +85,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "epp bbr") -> int:
             raise ValueError("--adapters-poll-interval must be > 0")
         limits = lim.Limits(max_concurrent_streams=args.max_concurrent_streams,
                             stream_idle_timeout_s=args.stream_idle_timeout)
+        if args.print_envoy_config is not None:
+            host = "127.0.0.1" if args.bind_address in ("0.0.0.0", "::") else args.bind_address
+            sys.stdout.write(render_bbr_config(pools_of(args.print_envoy_config), bbr_host=host,
+                                               bbr_port=args.grpc_port, listen_port=args.envoy_listen_port,
+                                               admin_port=args.envoy_admin_port))
+            return 0
     except ValueError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
