@@ -1,5 +1,7 @@
 """Worked pages run as shown: their shell blocks start the stack, their Python blocks print what the page says.
 
+`docs/bbr.md`: its one-machine try-out runs, and its request reaches the adapter's base model's pool.
+
 `docs/sim-fleet-sdk.md`: the shell blocks (all but the install and the `kill` at the end) run in a
 fresh folder with `.venv/bin` first on PATH, the page's fixed ports swapped for free ones; the
 Python blocks then run in order in one interpreter, and what each prints must be the `text` block
@@ -72,18 +74,35 @@ def write_outputs(page: Path, outputs: list[str]) -> None:
     page.write_text("".join(lines))
 
 
+def start_shell(page: Path, ports: dict[str, str], cwd: Path) -> tuple[subprocess.Popen, str]:
+    """Run the page's shell blocks; the shell stays, as a user's does (Envoy ends with the shell that started it)."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    script = "\n".join(with_ports(f.text, ports) for f in fences(page) if runnable_shell(f))
+    script += f"\necho {READY}\nwait\n"
+    stack = subprocess.Popen(["bash", "-e", "-c", script], cwd=cwd, env=env, start_new_session=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    said = _read_until_ready(stack, timeout=120)
+    if not said.endswith(READY + "\n"):
+        _stop_group(stack)
+        pytest.fail(said + "".join(f"\n--- {log.name}:\n{log.read_text()[-2000:]}" for log in cwd.glob("*.log")))
+    return stack, said
+
+
+def test_the_bbr_page_try_out_runs_and_routes_the_adapter_to_its_base_models_pool(tmp_path):
+    ports = {port: str(free_port()) for port in (*PAGE_PORTS, "9012", "9013", "9091", "9092", "9004", "9005")}
+    stack, said = start_shell(ROOT / "docs" / "bbr.md", ports, tmp_path)
+    try:
+        assert said.startswith("HTTP/1.1 200 OK") and "x-sim-replica: pool-a-" in said
+        assert '"model":"a-lora"' in said
+    finally:
+        _stop_group(stack)
+
+
 def test_the_sdk_page_runs_as_shown(tmp_path):
     ports = {port: str(free_port()) for port in PAGE_PORTS}
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    # The shell stays, as a user's does: Envoy ends when the shell that started it ends.
-    script = "\n".join(with_ports(f.text, ports) for f in fences(SDK_PAGE) if runnable_shell(f))
-    script += f"\necho {READY}\nwait\n"
-    stack = subprocess.Popen(["bash", "-e", "-c", script], cwd=tmp_path, env=env, start_new_session=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stack, _ = start_shell(SDK_PAGE, ports, tmp_path)
     try:
-        said = _read_until_ready(stack, timeout=120)
-        assert said.endswith(READY + "\n"), said + "".join(
-            f"\n--- {log.name}:\n{log.read_text()[-2000:]}" for log in tmp_path.glob("*.log"))
         pairs = python_blocks_and_outputs(SDK_PAGE)
         run = subprocess.run([sys.executable, "-c", RUNNER], cwd=tmp_path, env=env, timeout=120,
                              input=json.dumps([with_ports(code.text, ports) for code, _ in pairs]),
@@ -97,15 +116,7 @@ def test_the_sdk_page_runs_as_shown(tmp_path):
         for (code, shown), printed in zip(pairs, outputs):
             assert printed == shown.text, f"{code.where} prints\n{printed}but the page shows\n{shown.text}"
     finally:
-        try:
-            os.killpg(stack.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            stack.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-        _stop_group(stack.pid)
+        _stop_group(stack)
 
 
 def _read_until_ready(stack: subprocess.Popen, timeout: float) -> str:
@@ -127,19 +138,23 @@ def _read_until_ready(stack: subprocess.Popen, timeout: float) -> str:
     return said
 
 
-def _stop_group(pgid: int) -> None:
+def _stop_group(stack: subprocess.Popen) -> None:
     """Whatever the shell left running in its session (the fleet, the picker, Envoy) is stopped."""
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
     import time
 
+    try:
+        os.killpg(stack.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        stack.wait(timeout=10)  # the shell itself, reaped: until then its session id stays taken
+    except subprocess.TimeoutExpired:
+        pass
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         try:
-            os.killpg(pgid, 0)
+            os.killpg(stack.pid, 0)
         except ProcessLookupError:
             return
         time.sleep(0.2)
-    os.killpg(pgid, signal.SIGKILL)
+    os.killpg(stack.pid, signal.SIGKILL)
