@@ -109,6 +109,9 @@ def _fleet_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                              "self-describing events)")
     events.add_argument("--legacy-array-events", action="store_true",
                         help="events as positional msgpack arrays, vLLM's form before 2026 (default: off, maps)")
+    timing.add_argument("--max-stored-responses", type=int, default=4096,
+                        help="OpenAI Responses each replica keeps for previous_response_id, least recently used "
+                             "dropped past it (default: 4096)")
     api = p.add_argument_group("vLLM flags")
     api.add_argument("--enable-prompt-tokens-details", action="store_true",
                      help="vLLM's flag: usage.prompt_tokens_details.cached_tokens in responses (Anthropic's: "
@@ -137,6 +140,7 @@ def _config(args: argparse.Namespace) -> FleetConfig:
         processes=args.processes, name_prefix=args.name_prefix, lora_modules=_pairs(args.lora, "lora"),
         labels=_pairs(args.label, "label"),
         roles=_roles(args.roles), kv_transfer_window=args.kv_transfer_window,
+        max_stored_responses=args.max_stored_responses,
     )
 
 

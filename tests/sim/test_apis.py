@@ -112,9 +112,8 @@ async def test_a_response_not_stored_cannot_be_continued(fleet, http):
 
 
 async def test_the_response_store_is_bounded_least_recently_used_first(tokenizer_dir, http):
-    config = FleetConfig(replicas=1, tokenizer_dir=tokenizer_dir, kv_events=False)
+    config = FleetConfig(replicas=1, tokenizer_dir=tokenizer_dir, kv_events=False, max_stored_responses=2)
     async with SimFleet(config) as fleet:
-        fleet.replicas[0].responses.store.capacity = 2
         ids = []
         for i in range(3):
             _, _, body = await post(http, fleet, "/v1/responses", {"model": "sim-model", "input": f"q{i}",
