@@ -599,6 +599,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_explain_parser(sub)
     sub.add_parser("engine", help="model-server tools: `epp engine serve|disk-manager --help`", add_help=False)
     sub.add_parser("sim", help="the vLLM simulator: `epp sim fleet --help`", add_help=False)
+    sub.add_parser("bbr", help="body-based routing across pools: the model headers for the route (`epp bbr --help`)",
+                   add_help=False)
     sub.add_parser("cost", help="what cached tokens saved over a window of the picker's counters: `epp cost --help`",
                    add_help=False)
     return parser
@@ -636,6 +638,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from epp.engine.sim.__main__ import main as sim_main
 
         return sim_main(argv[1:], prog="epp sim") or 0
+    if argv[:1] == ["bbr"]:
+        from epp.bbr.cli import main as bbr_main
+
+        return bbr_main(argv[1:])
     if argv and argv[0] in TOP_LEVEL_FLAGS:
         argv[0] = TOP_LEVEL_FLAGS[argv[0]]
     elif argv and argv[0].startswith("-"):

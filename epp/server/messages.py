@@ -40,10 +40,11 @@ def header_mutation(set_headers: Iterable[tuple[str, str]],
 
 
 def request_headers_response(set_headers: Iterable[tuple[str, str]], *,
-                             destination: str | None) -> pb.ProcessingResponse:
-    """The held request-headers reply: route to `destination`, with its LB metadata.
+                             destination: str | None, remove: Iterable[str] = ()) -> pb.ProcessingResponse:
+    """The held request-headers reply: route to `destination`, with its LB metadata; the route is recomputed.
 
-    Picker-owned headers that this reply does not set are removed (a client's copies never pass).
+    Picker-owned headers that this reply does not set are removed (a client's copies never pass),
+    and those in `remove`.
     """
     # Built field by field in place: nested constructors copy each sub-message (twice as slow per request).
     response = pb.ProcessingResponse()
@@ -58,6 +59,8 @@ def request_headers_response(set_headers: Iterable[tuple[str, str]], *,
         option.header.raw_value = value.encode()
         setting.add(key.lower())
     mutation.remove_headers.extend([name for name in PICKER_OWNED_HEADERS if name not in setting])
+    if remove:
+        mutation.remove_headers.extend(remove)
     if destination is not None:
         response.dynamic_metadata.fields[LB_METADATA_NAMESPACE].struct_value.fields[
             DESTINATION_ENDPOINT_HEADER].string_value = destination

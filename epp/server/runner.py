@@ -364,6 +364,10 @@ def _bind(server: grpc.aio.Server, host: str, port: int, flag: str,
     return bound
 
 
+# The same binding for the project's other gRPC services (`epp bbr`).
+bind_grpc_port = _bind
+
+
 async def start_server(options: ServeOptions) -> EppServer:
     """A started `EppServer`; if starting fails, what did start (discovery, scrapers, plugins) is stopped first."""
     server = EppServer(options)
