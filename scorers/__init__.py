@@ -7,6 +7,7 @@ def register_builtin_plugins(registry: PluginRegistry) -> None:
     """Entry point of the `epp.plugins` group for the built-in plugins."""
     from epp.scorers import (
         affinity,
+        affinity_filter,
         approx_prefix,
         conformance,
         context_length,
@@ -16,9 +17,11 @@ def register_builtin_plugins(registry: PluginRegistry) -> None:
         label_filters,
         load,
         lora,
+        p2p,
         pickers,
         prefix,
         profile_handlers,
+        utilization_filter,
     )
 
     for cls in (
@@ -32,16 +35,21 @@ def register_builtin_plugins(registry: PluginRegistry) -> None:
         context_length.ContextLengthAware, disagg.DisaggProfileHandler, disagg.PrefixBasedPDDecider,
         disagg.AlwaysDisaggPDDecider, disagg.DataParallelProfileHandler,
         datalayer_compat.MetricsDataSource, datalayer_compat.CoreMetricsExtractor,
-        datalayer_compat.EndpointNotificationSource,
+        datalayer_compat.EndpointNotificationSource, affinity_filter.PrefixCacheAffinityFilter,
+        affinity.SessionAffinityFilter, utilization_filter.UtilizationFilter, profile_handlers.HeaderProfileHandler,
+        label_filters.EncodeFilter, disagg.AlwaysDisaggMultimodalDecider, disagg.DisaggHeadersHandler,
+        p2p.P2PSourceProducer,
     ):
         registry.register_class(cls)
     registry.register_class(approx_prefix.ApproxPrefixCacheProducer, default_producer_for=[PREFIX_MATCH_INFO])
     registry.register_class(inflight.InflightLoadProducer, default_producer_for=[INFLIGHT_LOAD])
     # Plugins of modules that register themselves, each exporting `register(registry)`.
-    from epp.scorers import parsers, pd, predicted_ttft, prefix_home, saturation
+    from epp.scorers import parsers, pd, predicted_ttft, prefix_home, saturation, session_routing, sessions
 
     parsers.register(registry)  # one module per request API format (epp.scorers.parsers)
     saturation.register(registry)
+    sessions.register(registry)
+    session_routing.register(registry)
     prefix_home.register(registry)
     predicted_ttft.register(registry)
     pd.register(registry)

@@ -42,13 +42,19 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
         "`tokenizers`) and estimate; the data producers of a request have 400 ms in all here, so a slower "
         "render leaves it without tokens; vllm.endpointDiscovery, messagesRenderMode other than auto and the "
         "estimate backend's multimodal settings are refused"),
-    "inflight-load-producer": LlmdType("requests and estimated tokens this picker has in flight per endpoint"),
+    "inflight-load-producer": LlmdType(
+        "requests and uncached prompt tokens (plus estimated output with addEstimatedOutputTokens) this picker has "
+        "in flight per endpoint; prompt tokens released at a stream's first token",
+        "prompt tokens from a token-producer when one is configured, else characters / 4 (llm-d auto-creates a "
+        "token-producer); syncCrossReplicaState has no effect (each picker counts its own); requestTimeout (ours) "
+        "bounds how long an unanswered request counts"),
     # Scorers
     "prefix-cache-scorer": LlmdType(
         "(1 - matchLengthWeight) x matched/total blocks + matchLengthWeight x min(1, matched tokens / "
         "matchLengthScaleTokens)^2",
-        "one producer per data key: a scorer that names no producer reads the configured one (llm-d would "
-        "auto-create an approximate producer beside a precise one)"),
+        "a lone prefix producer, whatever its name, serves every consumer (llm-d would auto-create an approximate "
+        "producer beside a precise one); with several, each scorer reads the one it names and one naming none "
+        "the producer named approx-prefix-cache-producer, auto-created when absent, as in llm-d"),
     "precise-prefix-cache-scorer": LlmdType(
         "deprecated wrapper: loaded as a precise-prefix-cache-producer plus a prefix-cache-scorer reading it"),
     "queue-scorer": LlmdType("shorter waiting queue scores higher (min-max over the candidates)",
@@ -59,7 +65,8 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
                                             "the scrape only)"),
     "running-requests-size-scorer": LlmdType("fewer running requests scores higher (min-max)"),
     "lora-affinity-scorer": LlmdType("1 for an active adapter, 0.8 with a free slot, 0.6 waiting, else 0"),
-    "token-load-scorer": LlmdType("1 - min(1, in-flight tokens / queueThresholdTokens)"),
+    "token-load-scorer": LlmdType("1 - min(1, (in-flight tokens + the request's own uncached tokens) / "
+                                  "queueThresholdTokens)"),
     "load-aware-scorer": LlmdType("0.5 on an empty queue, falling linearly to 0 at `threshold` waiting requests",
                                   "the queue includes this picker's requests sent since the last scrape"),
     "active-request-scorer": LlmdType(
@@ -68,19 +75,41 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
     "no-hit-lru-scorer": LlmdType("a request no endpoint holds goes to the least recently cold-picked endpoint",
                                   "prefixPluginType and prefixPluginName have no effect: the match info is read "
                                   "from the prefix producer (prefixMatchInfoProducerName)"),
+    "session-affinity-filter": LlmdType(
+        "only the endpoint the session names when it is a candidate (x-session-token, or a session id's last "
+        "pick), else all",
+        "not gated behind --allow-experimental-plugins (alpha in llm-d); the token is base64 of the endpoint's "
+        "ip:port (llm-d's: of the pod's namespace/name); attribute sources: agent-identity only (the session the "
+        "session producer found)"),
+    "utilization-filter": LlmdType(
+        "keeps the endpoints within every cap of conditions (active-requests in flight, scraped running-requests, "
+        "waiting-queue, kv-cache-utilization); none kept: all with fallbackOnEmpty",
+        "not gated behind --allow-experimental-plugins (alpha in llm-d)"),
+    "header-profile-handler": LlmdType(
+        "runs the one profile the headerName header (EPP-Profile) names, defaultProfile (decode) without one",
+        "a header naming no profile is answered 400 (llm-d answers 429); not gated behind "
+        "--allow-experimental-plugins (alpha in llm-d)"),
     "session-affinity-scorer": LlmdType(
         "1 for the endpoint the session names (x-session-token, or a session id's last pick), else 0",
-        "not gated behind --allow-experimental-plugins (alpha in llm-d); session ids from request attributes "
-        "are refused (headers only)"),
+        "not gated behind --allow-experimental-plugins (alpha in llm-d); the token is base64 of the endpoint's "
+        "ip:port; attribute sources: agent-identity only (the session the session producer found)"),
     "context-length-aware": LlmdType(
         "prefers (or, with enableFiltering, keeps only) endpoints whose context-length range label fits the prompt",
         "reusableTokensProducerName (P2P cache subtraction) is refused"),
     # Filters
+    "prefix-cache-affinity-filter": LlmdType(
+        "keeps the endpoints holding >= affinityThreshold of the prompt (all when none does, or on exploration) "
+        "unless the best of them trails the best other endpoint by more than maxTTFTPenaltyMs of estimated TTFT "
+        "(in-flight tokens / peakPrefillThroughput) or maxTokensInFlightPenalty in-flight tokens",
+        "ttftSource: latencyPredictor reads this picker's own self-calibrating predicted TTFT (predicted-ttft-"
+        "scorer's model), not llm-d's latency-predictor sidecar; latencyPredictionInfoProducerName is refused; "
+        "maxTokensInFlightPenalty follows llm-d's tests of it (min sticky minus min other in-flight tokens)"),
     "label-selector-filter": LlmdType("keeps endpoints matching matchLabels and matchExpressions"),
     "by-label-selector": LlmdType("deprecated name of label-selector-filter"),
     "by-label": LlmdType("keeps endpoints whose label has one of validValues (label-less with allowsNoLabel)"),
     "decode-filter": LlmdType("keeps endpoints whose llm-d.ai/role includes decode (or `both`), and unlabelled ones"),
     "prefill-filter": LlmdType("keeps endpoints whose llm-d.ai/role includes prefill (or `both`)"),
+    "encode-filter": LlmdType("keeps endpoints whose llm-d.ai/role includes encode"),
     "header-based-testing-filter": LlmdType("keeps the endpoints named in test-epp-endpoint-selection"),
     # Pickers
     "max-score-picker": LlmdType(
@@ -91,9 +120,19 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
     # Profile handlers and deciders
     "single-profile-handler": LlmdType("runs the one profile"),
     "disagg-profile-handler": LlmdType(
-        "runs decode, then prefill when the prefill decider approves; names the prefill pick in "
-        "x-prefiller-host-port",
-        "encode stages and stageOrder prefill-first are refused"),
+        "runs decode, then encode and prefill when their deciders approve; names the encode picks in "
+        "x-encoder-hosts-ports and the prefill pick in x-prefiller-host-port",
+        "stageOrder prefill-first is refused"),
+    "always-disagg-multimodal-decider": LlmdType("runs the encode stage for requests with image, audio or video "
+                                                 "content blocks"),
+    "disagg-headers-handler": LlmdType(
+        "deprecated in llm-d (use disagg-profile-handler, which sets these headers itself): names the prefill "
+        "pick in x-prefiller-host-port and the encode picks in x-encoder-hosts-ports"),
+    "p2p-source-producer": LlmdType(
+        "names in x-kv-cache-source-host-port a peer caching at least minCachedTokenDelta more prompt tokens "
+        "than the computing endpoint (sampled within one block of the best, away from queued peers)",
+        "not gated behind --allow-experimental-plugins (alpha in llm-d); the pull itself is the sidecar's "
+        "(epp engine pd-sidecar adds kv_transfer_params.remote_kv_source) and the engine's P2P connector"),
     "prefix-based-pd-decider": LlmdType(
         "disaggregate when the decode pick's uncached prompt is at least nonCachedTokens (0: never)",
         "with precise KV events the cached tokens are exact (any tier) rather than matched blocks x block size"),
@@ -116,8 +155,29 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
         "shortest predicted prefill first, a TTFT objective's latest start, bounded by agingWindow; it can shed "
         "a request that can no longer meet its objective (docs/slo-dispatch.md)"),
     "global-strict-fairness-policy": LlmdType("one queue for every flow of a band"),
-    "round-robin-fairness-policy": LlmdType("flows of a band take turns"),
+    "round-robin-fairness-policy": LlmdType(
+        "flows of a band take turns, one request each",
+        "the turn order is the order flows became non-empty, not their ids sorted"),
     "static-usage-limit-policy": LlmdType("a fixed saturation ceiling per band"),
+    "priority-holdback-policy": LlmdType(
+        "stepped ceilings per priority, maxCeiling for the highest band down to minCeiling for the lowest "
+        "(domain rank or value)",
+        "the priorities are the configured bands and those requests used so far"),
+    "program-aware-fairness": LlmdType(
+        "least attained service across programs (fairness ids): lasWeightService x (1 - service) + "
+        "lasWeightHeadWait x head wait, service decayed by lasHalfLifeSeconds",
+        "lasDecayFactor (llm-d's older per-dispatch decay) is taken; a head that waited agingWindow (60s) goes "
+        "first; a turn's cached prefix is not charged (cachedTokenWeight: 1 gives llm-d's charge); program state "
+        "is capped at maxPrograms (docs/agentic.md)"),
+    "concurrency-detector": LlmdType(
+        "saturation = in-flight requests (or tokens, or hybrid) over maxConcurrency x endpoints; as a filter "
+        "keeps endpoints under the limit x (1 + headroom)",
+        "tokens are the prompt's; the counts are its own (inFlightLoadProducerName is checked, not read)"),
+    "agent-identity": LlmdType(
+        "the agent session from x-claude-code-session-id, x-session-affinity, session-id, session_id (after "
+        "additionalSessionHeaders) becomes the fairness id unless the client sent one",
+        "x-session-id and the body's session (prompt_cache_key, user, metadata.user_id) are read too; a sub-agent's "
+        "parentSessionHeader puts it in its parent's program; the session is published for routing (SESSION)"),
     # Data layer, parsers, test plugins
     "metrics-data-source": LlmdType("where endpoints' metrics are scraped: scheme, path, TLS, interval"),
     "core-metrics-extractor": LlmdType("reads vLLM's queue, running, KV-cache, LoRA and cache-config series",
@@ -148,30 +208,22 @@ ALIASES: Mapping[str, str] = {
 
 _PREDICTED = "predicted-ttft-scorer weighs queue wait against uncached prefill, with costs learned online"
 REFUSED_TYPES: Mapping[str, str] = {
-    "encode-filter": "no encode (E/PD) stage: multimodal encoders are not disaggregated here",
-    "always-disagg-multimodal-decider": "no encode (E/PD) stage",
-    "disagg-headers-handler": "deprecated in llm-d; disagg-profile-handler sets x-prefiller-host-port itself",
-    "prefix-cache-affinity-filter": f"needs llm-d's latency predictor; {_PREDICTED}",
     "slo-headroom-tier-filter": f"needs llm-d's latency predictor; {_PREDICTED}",
     "latency-scorer": f"needs llm-d's latency predictor sidecar; {_PREDICTED}",
     "predicted-latency-producer": f"needs llm-d's latency predictor sidecar; {_PREDICTED}",
     "latency-slo-admitter": "sheddable requests (priority < 0) are shed by the saturation admitter while the pool "
                             "is saturated; no latency predictor here",
     "probabilistic-admitter": "not implemented; flow control (featureGates: [flowControl]) queues instead",
-    "session-affinity-filter": "alpha in llm-d; use session-affinity-scorer with a high weight",
     "multicluster-session-affinity-filter": "no multi-cluster pools",
     "endpoint-attribute-filter": "alpha in llm-d, not implemented",
     "endpoint-attribute-scorer": "alpha in llm-d, not implemented",
     "topology-affinity-filter": "alpha in llm-d, not implemented",
     "topology-affinity-scorer": "alpha in llm-d, not implemented",
-    "utilization-filter": "alpha in llm-d; utilization-detector placed in a profile filters saturated endpoints",
     "header-label-affinity-scorer": "alpha in llm-d, not implemented",
-    "header-profile-handler": "alpha in llm-d, not implemented",
     "mm-embeddings-cache-scorer": "multimodal embedding caches are not tracked",
     "mm-embeddings-cache-producer": "multimodal embedding caches are not tracked",
     "session-id-producer": "session-affinity-scorer reads the session id header itself",
     "burst-prefix-cache-producer": "alpha in llm-d; the approximate producer records each pick at once",
-    "p2p-source-producer": "alpha in llm-d; no peer-to-peer KV transfer",
     "multicluster-approx-prefix-cache-producer": "no multi-cluster pools",
     "multicluster-queue-scorer": "no multi-cluster pools",
     "multicluster-kv-cache-utilization-scorer": "no multi-cluster pools",
@@ -188,16 +240,13 @@ REFUSED_TYPES: Mapping[str, str] = {
     "dcgm-data-source": "alpha in llm-d; GPU telemetry is not read",
     "dcgm-extractor": "alpha in llm-d; GPU telemetry is not read",
     "request-attribute-reporter": "not implemented (CEL over usage into dynamic metadata)",
-    "agent-identity": "alpha in llm-d, not implemented",
     "vllmgrpc-parser": "gRPC request bodies are not read (HTTP/JSON APIs only); use vllmhttp-parser",
     "vertexai-parser": "Vertex AI's gRPC PredictionService is not read; use openai-parser for its OpenAI-compatible "
                        "chat completions",
-    "program-aware-fairness": "not implemented; round-robin-fairness-policy shares a band between flows",
-    "priority-holdback-policy": "alpha in llm-d, not implemented",
     "soft-reflective-ceiling-policy": "alpha in llm-d, not implemented",
-    "sheddable-eviction-filter": "alpha in llm-d; no eviction of dispatched requests",
-    "priority-then-time-eviction-order-policy": "alpha in llm-d; no eviction of dispatched requests",
-    "concurrency-detector": "not registered in this build; utilization-detector rates saturation",
+    "sheddable-eviction-filter": "built into flow control: flowControl.enableEviction evicts sheddable requests",
+    "priority-then-time-eviction-order-policy": "built into flow control: flowControl.enableEviction evicts the lowest "
+                                                "priority, newest dispatch first",
 }
 
 

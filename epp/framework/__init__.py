@@ -26,7 +26,12 @@ from epp.framework.datakeys import (
 from epp.framework.durations import parse_duration
 from epp.framework.endpoints import EndpointListener, EndpointSource
 from epp.framework.errors import DROP_REASON_HEADER, ConfigError, DropReason, ErrorCode, InferenceError
-from epp.framework.headers import PREFILLER_HOST_PORT_HEADER
+from epp.framework.headers import (
+    ENCODER_HOSTS_PORTS_HEADER,
+    FAIRNESS_ID_HEADERS,
+    KV_CACHE_SOURCE_HEADER,
+    PREFILLER_HOST_PORT_HEADER,
+)
 from epp.framework.jsonbody import (
     UnreadableResponse,
     decode_json_object,
@@ -63,12 +68,14 @@ from epp.framework.plugin import (
     CycleState,
     DataProducer,
     Filter,
+    FirstTokenHook,
     Picker,
     Plugin,
     PluginContext,
     PreRequestHook,
     ProfileHandler,
     ProfileRunResult,
+    RequestPreprocessor,
     ResponseCompleteHook,
     ResponseHeadersHook,
     SaturationDetector,
@@ -93,12 +100,14 @@ from epp.framework.types import (
 
 __all__ = [
     "Admitter", "Booking", "CapacityGate", "ConfigError", "CycleState", "DROP_REASON_HEADER", "DataKey",
-    "DataProducer", "DecisionSharing", "DropReason", "Endpoint", "EndpointListener", "EndpointLoad", "EndpointMetrics",
-    "EndpointSource",
-    "ErrorCode", "Filter", "INFLIGHT_LOAD", "InferenceError", "InferenceRequest", "InflightLedger", "InflightLoad",
+    "DataProducer", "DecisionSharing", "DropReason", "ENCODER_HOSTS_PORTS_HEADER", "Endpoint", "EndpointListener",
+    "EndpointLoad", "EndpointMetrics", "EndpointSource",
+    "ErrorCode", "FAIRNESS_ID_HEADERS", "Filter", "FirstTokenHook", "INFLIGHT_LOAD", "InferenceError",
+    "InferenceRequest", "InflightLedger", "InflightLoad", "KV_CACHE_SOURCE_HEADER",
     "NO_LOAD", "PREFILLER_HOST_PORT_HEADER", "PREFIX_CACHE_FREE_BLOCKS", "PREFIX_HOME", "PREFIX_MATCH_INFO",
     "PREFIX_TIER_MATCH", "PROMPT_TOKENS", "Picker", "Plugin", "PluginContext", "PluginParams", "PluginRegistry", "PluginSpec",
-    "PreRequestHook", "PrefixMatchInfo", "PromptTokens", "ProfileHandler", "ProfileRunResult", "ResponseCompleteHook",
+    "PreRequestHook", "PrefixMatchInfo", "PromptTokens", "ProfileHandler", "ProfileRunResult", "RequestPreprocessor",
+    "ResponseCompleteHook",
     "ResponseHeadersHook", "ResponseInfo", "SESSION", "SaturationDetector", "SchedulingResult", "ScoredEndpoint", "Scorer",
     "SessionKey", "TierMatch", "clamp_score", "default_registry", "estimate_prompt_tokens", "once_per_registry", "parse_duration",
     "prompt_characters", "publish_home",

@@ -15,10 +15,12 @@ from epp.framework.plugin import (
                                   CapacityGate,
                                   DataProducer,
                                   Filter,
+                                  FirstTokenHook,
                                   Picker,
                                   Plugin,
                                   PreRequestHook,
                                   ProfileHandler,
+                                  RequestPreprocessor,
                                   ResponseCompleteHook,
                                   ResponseHeadersHook,
                                   SaturationDetector,
@@ -163,6 +165,8 @@ def plugin_kinds(plugin: Plugin) -> list[str]:
     kinds = [("parser", Parser),
              ("filter", Filter), ("scorer", Scorer), ("picker", Picker), ("profile-handler", ProfileHandler),
              ("data-producer", DataProducer), ("admitter", Admitter), ("pre-request", PreRequestHook),
-             ("response-headers", ResponseHeadersHook), ("response-complete", ResponseCompleteHook),
-             ("capacity-gate", CapacityGate), ("saturation-detector", SaturationDetector)]
+             ("first-token", FirstTokenHook), ("response-headers", ResponseHeadersHook),
+             ("response-complete", ResponseCompleteHook),
+             ("capacity-gate", CapacityGate), ("saturation-detector", SaturationDetector),
+             ("preprocessor", RequestPreprocessor)]
     return [label for label, cls in kinds if isinstance(plugin, cls)]

@@ -212,11 +212,12 @@ REFUSED = [
     (LLMD + P + "    tokenProcessorConfig: {blockSizeTokens: 16}\n    blockSizeTokens: 32\n",
      "epp.yaml: plugins[0].parameters: plugin 'precise-prefix-cache-producer': parameter "
      "'tokenProcessorConfig.blockSizeTokens': sets 'blockSizeTokens', which the parameters also give directly"),
-    (LLMD + "plugins:\n- type: prefix-cache-affinity-filter\n",
-     "epp.yaml: plugins[0].type: llm-d plugin type 'prefix-cache-affinity-filter' is not supported here: needs "
+    (LLMD + "plugins:\n- type: slo-headroom-tier-filter\n",
+     "epp.yaml: plugins[0].type: llm-d plugin type 'slo-headroom-tier-filter' is not supported here: needs "
      "llm-d's latency predictor"),
-    (LLMD + "plugins:\n- type: encode-filter\n",
-     "epp.yaml: plugins[0].type: llm-d plugin type 'encode-filter' is not supported here: no encode (E/PD) stage"),
+    (LLMD + "plugins:\n- type: mm-embeddings-cache-scorer\n",
+     "epp.yaml: plugins[0].type: llm-d plugin type 'mm-embeddings-cache-scorer' is not supported here: multimodal "
+     "embedding caches are not tracked"),
     (LLMD + "plugins:\n- type: load-aware-scorer\n  parameters: {treshold: 5}\n",
      "epp.yaml: plugins[0].parameters: plugin 'load-aware-scorer': unknown parameter(s) ['treshold']; allowed: "
      "['threshold', 'useInflight']"),
@@ -224,8 +225,8 @@ REFUSED = [
      "epp.yaml: dataLayer.discovery: not supported: endpoints come from the command line"),
     (LLMD + "dataLayer: {crossReplicaSyncInterval: 5s}\n",
      "epp.yaml: dataLayer.crossReplicaSyncInterval: not supported: pickers of one pool share"),
-    (LLMD + "flowControl: {enableEviction: true}\n",
-     "epp.yaml: flowControl.enableEviction: not supported: dispatched requests are never evicted"),
+    (LLMD + "flowControl: {enableEviction: sometimes}\n",
+     "epp.yaml: flowControl.enableEviction: must be true or false, got 'sometimes'"),
     (LLMD + "featureGates: [haPopulateNonLeaderDatastore=false]\n",
      "epp.yaml: featureGates[0]: haPopulateNonLeaderDatastore=false is not supported"),
     (LLMD + "featureGates: [flowControl=yes]\n",
@@ -276,7 +277,7 @@ REFUSED = [
     (LLMD + "plugins:\n- type: session-affinity-scorer\n  parameters: {strategy: session_id, sessionIdConfig: "
             "{sources: [{attribute: tenant}]}}\n",
      "epp.yaml: plugins[0].parameters: plugin 'session-affinity-scorer': parameter "
-     "'sessionIdConfig.sources[0].attribute' is not supported"),
+     "'sessionIdConfig.sources[0].attribute' 'tenant' is not published here; allowed: agent-identity"),
     (LLMD + "plugins:\n- type: active-request-scorer\n  parameters: {inFlightLoadProducerName: queue-scorer}\n"
             "- type: queue-scorer\n",
      "epp.yaml: plugins[0].parameters: plugin 'active-request-scorer': parameter 'inFlightLoadProducerName' names "

@@ -52,7 +52,7 @@ SCRIPT = textwrap.dedent('''
             replies = await service._dispatch(stream, pb.ProcessingRequest(request_body=pb.HttpBody(
                 body=json.dumps(body).encode(), end_of_stream=True)))
         except Exception as exc:
-            reply = service._error(exc, path).immediate_response
+            reply = service.error_reply(exc, path).immediate_response
             return {"status": reply.status.code, "error": json.loads(reply.body)}
         mutation = replies[0].request_headers.response.header_mutation
         target = next(h.header.raw_value.decode() for h in mutation.set_headers

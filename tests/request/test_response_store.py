@@ -118,6 +118,9 @@ async def test_the_director_sends_a_pinned_request_only_to_its_endpoint_and_says
     assert caught.value.code is ErrorCode.SERVICE_UNAVAILABLE
     assert caught.value.drop_reason == DropReason.NO_ENDPOINTS
     assert f"held only by replica {pool[1].name}, which is not ready" in caught.value.message
+    excluded = dataclasses.replace(pinned, subset_hint=(pool[0].name,))
+    with pytest.raises(InferenceError, match="which the subset hint .* leaves out"):
+        await harness.cycle(excluded, pool)
 
 
 def test_a_stored_responses_own_paths_go_where_it_is_stored():
