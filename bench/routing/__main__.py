@@ -12,8 +12,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from bench.routing.contenders import CONTENDERS
-from bench.routing.goodput import DEFAULT_TTFT_OBJECTIVE_MS, Objectives
+from bench.routing.experiments import FAMILIES, known
 from bench.routing.loadgen import Stage
+from bench.routing.objectives import DEFAULT_TTFT_OBJECTIVE_MS, Objectives
 from bench.routing.report import write_report
 from bench.routing.runner import run_scenario
 from bench.routing.scenarios import SCALES, SCENARIOS, TRACE_KNOBS, get_scenario
@@ -29,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("scenario", choices=sorted(SCENARIOS))
     run.add_argument("--scale", choices=SCALES, default="small")
     run.add_argument("--contenders", default="all",
-                     help=f"comma-separated list from: {', '.join(CONTENDERS)} (default all but epp-precise-active)")
+                     help="comma-separated names of contenders or experiments (`list` shows both; default: "
+                          f"all: {', '.join(n for n, c in CONTENDERS.items() if c.default)})")
     run.add_argument("--out", help="output directory (default bench/results/<scenario>)")
     run.add_argument("--rates", help="override the schedule: comma-separated open-loop rates (req/s, wall clock)")
     run.add_argument("--stage-seconds", type=float, help="override every stage's duration")
@@ -71,13 +73,19 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{name:14s} {scale:7s} a Mooncake or Bailian JSONL trace (--trace PATH), knobs {TRACE_KNOBS[scale]}")
                     continue
                 print(f"{name:14s} {scale:7s} {get_scenario(name, scale).workload.describe()}")
+        print("\ncontenders (`all`: those marked *)")
         for c in CONTENDERS.values():
-            print(f"{c.name:26s} {c.description}")
+            print(f"{'*' if c.default else ' '} {c.name:32s} {c.description}")
+        print("\nexperiments (bench/routing/experiments.py), by the question each family answers")
+        for family in FAMILIES:
+            print(f"\n  {family.question} (bench/notes/{family.note})")
+            for c in family.contenders:
+                print(f"    {c.name:32s} {c.description}")
         return 0
     names = [n for n, c in CONTENDERS.items() if c.default] if args.contenders == "all" else [n.strip() for n in args.contenders.split(",")]
-    unknown = [n for n in names if n not in CONTENDERS]
+    unknown = [n for n in names if n not in known()]
     if unknown:
-        parser.error(f"unknown contenders {unknown}; known: {list(CONTENDERS)}")
+        parser.error(f"unknown contenders {unknown}; `python -m bench.routing list` shows the contenders and experiments")
     # Peers probe replicas with an HTTP/2 preface first; in-process replicas would log each probe.
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
     if args.scenario == "trace" and (args.rates or args.concurrency or args.arrivals):

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from bench.routing.measure import percentile
 from bench.routing.prefill_load import prefill_load_lines
-from bench.routing.runner import GOODPUT_CURVE_S, ContenderResult, StageSummary
 from bench.routing.scenarios import Scenario
+from bench.routing.summary import GOODPUT_CURVE_S, ContenderResult, StageSummary
 from bench.routing.ttft_floor import queued_floor
 
 
