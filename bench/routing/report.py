@@ -302,7 +302,7 @@ def write_report(scenario: Scenario, results: list[ContenderResult], out_dir: Pa
                "results": [{"name": r.name, "status": r.status, "version": r.version, "flags": r.flags,
                             "verdict": r.verdict, "validity": r.validity,
                             "overall": asdict(r.overall) if r.overall else None,
-                            "stages": [asdict(s) for s in r.stages]} for r in results]}
+                            "stages": [asdict(s) for s in r.stages], "samples": r.samples} for r in results]}
     floor = floor_p90(results, f.replicas)
     if floor is not None:
         summary["floor"] = dict(zip(("source", "prefill_s_per_token", "base_s", "p90", "p90_queued"), floor))

@@ -37,7 +37,7 @@ from bench.routing.loadgen import RequestRecord, StageResult, build_ahead, drain
 from bench.routing.measure import CpuMeter, scrape_fleet
 from bench.routing.oracle import oracle_hits
 from bench.routing.scenarios import Scenario
-from bench.routing.summary import ContenderResult, StageSummary, summarize
+from bench.routing.summary import ContenderResult, StageSummary, request_samples, summarize
 from bench.routing.ttft_floor import reusable_tokens
 from bench.routing.validity import check
 from bench.routing.workloads import BenchRequest
@@ -152,6 +152,7 @@ async def run_contender_on(scenario: Scenario, contender: Contender, fleet: Any,
         result.overall = summarize("all stages", None, all_records, total_seconds,
                                    (start_counters, stage_results[-1][1][1]) if stage_results else None,
                                    oracle.rate(), {k: v / wall for k, v in cpu_sum.items()})
+        result.samples = request_samples(all_records)
         if raw_dir is not None:
             await asyncio.to_thread(_write_raw, raw_dir / f"{contender.name}.jsonl", all_records)
         verdict = check(contender, result)

@@ -71,6 +71,9 @@ class ContenderResult:
     # Per request sent, in send order: (seconds after the first send, prompt tokens, tokens any router could
     # have served from cache): the workload's TTFT floor (bench/routing/ttft_floor.py) at learned costs.
     floor_requests: list[tuple[float, int, int]] = field(default_factory=list)
+    # Per request sent, in send order: TTFT (None: not answered), prompt and cached tokens (usage): what the
+    # confidence intervals of bench/routing/confidence.py resample.
+    samples: dict[str, list] = field(default_factory=dict)
 
 
 def summarize(label: str, rate: float | None, records: list[RequestRecord], seconds: float,
@@ -127,4 +130,11 @@ def _busiest_window_tokens(records: list[RequestRecord], window_s: float) -> int
     return best
 
 
-__all__ = ["GOODPUT_CURVE_S", "PEAK_WINDOW_S", "ContenderResult", "StageSummary", "summarize"]
+def request_samples(records: list[RequestRecord]) -> dict[str, list]:
+    """The per-request columns a run keeps for its confidence intervals (TTFT to 0.1 ms)."""
+    return {"ttft": [round(r.ttft, 4) if r.ok and r.ttft is not None else None for r in records],
+            "prompt": [r.prompt_tokens if r.ok else None for r in records],
+            "cached": [r.cached_tokens if r.ok else None for r in records]}
+
+
+__all__ = ["GOODPUT_CURVE_S", "PEAK_WINDOW_S", "ContenderResult", "StageSummary", "request_samples", "summarize"]
