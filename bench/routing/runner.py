@@ -38,7 +38,7 @@ from bench.routing.measure import CpuMeter, scrape_fleet
 from bench.routing.oracle import oracle_hits
 from bench.routing.scenarios import Scenario
 from bench.routing.summary import ContenderResult, StageSummary, request_samples, summarize
-from bench.routing.ttft_floor import reusable_tokens
+from bench.routing.ttft_floor import capacity_reusable, reusable_tokens
 from bench.routing.validity import check
 from bench.routing.workloads import BenchRequest
 from epp.engine.sim.fleet import SimFleet, default_tokenizer_dir
@@ -57,7 +57,9 @@ def tuning_for(scenario: Scenario) -> Tuning:
     return Tuning(tokenizer_dir=scenario.fleet.tokenizer_dir or default_tokenizer_dir(),
                   block_size=scenario.fleet.block_size or profile.block_size,
                   prefill_s_per_token=profile.prefill_per_token * scenario.fleet.time_scale,
-                  mean_prompt_tokens=scenario.workload.mean_prompt_tokens())
+                  mean_prompt_tokens=scenario.workload.mean_prompt_tokens(),
+                  max_model_len=scenario.fleet.max_model_len or profile.max_model_len,
+                  chunk_tokens=scenario.fleet.max_num_batched_tokens or profile.max_num_batched_tokens)
 
 
 async def run_contender(scenario: Scenario, contender: Contender, workdir: Path, *, progress: bool = True,
@@ -68,10 +70,12 @@ async def run_contender(scenario: Scenario, contender: Contender, workdir: Path,
 
 async def run_contender_on(scenario: Scenario, contender: Contender, fleet: Any, workdir: Path, *,
                            progress: bool = True, raw_dir: Path | None = None,
-                           stage_hook: Callable[[int, str], Awaitable[None]] | None = None) -> ContenderResult:
+                           stage_hook: Callable[[int, str], Awaitable[None]] | None = None,
+                           before_stop: Callable[[RunningRouter], Awaitable[None]] | None = None) -> ContenderResult:
     """One contender through `scenario` on `fleet` (anything with `endpoints` and `info`, left running),
     or on a fresh simulated fleet when `fleet` is None; the result carries its validity check.
-    `stage_hook(i, "start" | "end")` is awaited around stage i (what the caller measures per stage)."""
+    `stage_hook(i, "start" | "end")` is awaited around stage i (what the caller measures per stage);
+    `before_stop(router)` after the last stage, while the router still runs (what the caller reads from it)."""
     result = ContenderResult(contender.name, contender.description)
     tuning = tuning_for(scenario)
     requests = build_ahead(scenario.workload.requests(tuning.tokenizer_dir), list(scenario.stages))
@@ -128,12 +132,18 @@ async def run_contender_on(scenario: Scenario, contender: Contender, fleet: Any,
                     before = after
                 if router.metrics_url:
                     result.router_metrics = await _router_metrics(scrape, router.metrics_url)
+                if before_stop is not None:
+                    await before_stop(router)
         oracle = oracle_hits(issued, block_size=tuning.block_size, capacity_blocks=scenario.capacity_blocks,
                              tokenizer_dir=tuning.tokenizer_dir)
         sends = [rec.sent for sr, _, _ in stage_results for rec in sr.records]
         if sends and len(sends) == len(issued):
             reusable = await asyncio.to_thread(reusable_tokens, issued, tuning.block_size, tuning.tokenizer_dir)
-            result.floor_requests = [(at - min(sends), n, hit) for at, (n, hit) in zip(sends, reusable)]
+            blocks = scenario.fleet.num_gpu_blocks or get_profile(scenario.fleet.profile).num_gpu_blocks
+            bounded = await asyncio.to_thread(capacity_reusable, issued, scenario.fleet.replicas, blocks,
+                                              tuning.block_size, tuning.tokenizer_dir)
+            result.floor_requests = [(at - min(sends), n, hit, capped)
+                                     for at, (n, hit), (_, capped) in zip(sends, reusable, bounded)]
         offset = 0
         all_records: list[RequestRecord] = []
         total_seconds = 0.0
