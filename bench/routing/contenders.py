@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
+import random
 import re
 import shutil
 import signal
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -30,9 +33,13 @@ from typing import Any
 import aiohttp
 import yaml
 
+from bench.routing.workloads import text_of_tokens, tokenizer
+from epp.config import load_config_text
 from epp.config.compose import DEFAULT_CONFIG_YAML, endpoint_picker_config, plugin
 from epp.engine.sim.fleet import SimFleet
 from epp.envoy import EnvoyProcess, render_config
+from epp.framework.errors import ConfigError
+from epp.framework.registry import default_registry
 from epp.netutil import free_ports
 
 
@@ -57,7 +64,11 @@ def peer_binary(name: str) -> str:
 
 
 SAMPLE_CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
+LLMD_CONFIGS = Path(__file__).resolve().parent / "configs"  # llm-d's guide pipelines, in config files of ours
+# The guide's in-flight token gate: 286,720 tokens = 18 s at its fleet's calibrated 15,928 prefill tokens/s.
+LLMD_GATE_SECONDS = 286720 / 15928
 ORACLE_LABEL = "[uses the simulator's internals: not comparable with the peers] "
+TRACE_CAPACITY = 4096  # picks a traced contender keeps (a short run's all)
 
 
 @dataclass
@@ -72,6 +83,8 @@ class Tuning:
     block_size: int
     prefill_s_per_token: float  # wall seconds per uncached prompt token on one replica (oracle only)
     mean_prompt_tokens: int  # (oracle only)
+    max_model_len: int = 8192  # the engines' --max-model-len
+    chunk_tokens: int = 8192  # the engines' --max-num-batched-tokens (one prefill chunk)
 
 
 @dataclass
@@ -186,8 +199,75 @@ def _with_precise_producer(config: str, t: Tuning) -> str:
     return yaml.safe_dump(doc, sort_keys=False)
 
 
+def llmd_config(name: str, t: Tuning, peak_prefill_tokens_per_s: float | None = None) -> str:
+    """An llm-d guide pipeline (`configs/<name>.yaml`) with what the guide has an operator set for their fleet:
+    maxPrefixTokensToMatch at the engines' max-model-len, and the in-flight token gate at the guide's 18 s of the
+    fleet's calibrated peak prefill (left as the guide's when no calibration is given)."""
+    doc = yaml.safe_load((LLMD_CONFIGS / f"{name}.yaml").read_text())
+    for entry in doc.get("plugins", []):
+        params = entry.get("parameters")
+        if params is None:
+            continue
+        if entry.get("type") == "approx-prefix-cache-producer" and "maxPrefixTokensToMatch" in params:
+            params["maxPrefixTokensToMatch"] = t.max_model_len
+        if entry.get("type") == "prefix-cache-affinity-filter" and peak_prefill_tokens_per_s:
+            if "maxTokensInFlightPenalty" in params:
+                params["maxTokensInFlightPenalty"] = int(LLMD_GATE_SECONDS * peak_prefill_tokens_per_s)
+            if "peakPrefillThroughput" in params:
+                params["peakPrefillThroughput"] = int(peak_prefill_tokens_per_s)
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
+def missing_plugin_types(config: str) -> list[str]:
+    """The plugin types `config` names that our registry has not (yet) got."""
+    known = set(default_registry().types())
+    return sorted({str(p.get("type")) for p in yaml.safe_load(config).get("plugins", []) if p.get("type") not in known})
+
+
+def check_loads(config: str, source: str) -> None:
+    """Raise Unavailable with the loader's reason when our loader refuses `config` (a plugin type not here yet)."""
+    quiet = logging.getLogger("epp.config.loader")  # its warnings go to the picker's own log when it starts
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        load_config_text(config, source=source)
+    except ConfigError as exc:
+        raise Unavailable(f"our loader refuses {source}: {exc}") from None
+    finally:
+        quiet.setLevel(level)
+
+
+async def calibrate_peak_prefill(endpoint: str, t: Tuning, samples: int = 3) -> float:
+    """Peak prefill tokens/s of one replica as llm-d's calibration job measures it: prompts of one prefill chunk
+    (at most max-model-len), tokens over the median time to the first token."""
+    tokens = max(16, min(t.chunk_tokens, t.max_model_len - 16))
+    rng = random.Random(41)
+    tok = tokenizer(t.tokenizer_dir)
+    times = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        for i in range(samples + 1):  # the first warms the replica up
+            body = {"model": "sim-model", "prompt": text_of_tokens(rng, tokens - 8, tok, f"calibrate{i}:"),
+                    "max_tokens": 1, "stream": False}
+            t0 = time.perf_counter()
+            async with session.post(f"http://{endpoint}/v1/completions", json=body) as resp:
+                answer = await resp.json()
+                if resp.status != 200:
+                    raise Unavailable(f"prefill calibration answered {resp.status}: {answer}")
+            if i:
+                times.append(time.perf_counter() - t0)
+    return tokens / statistics.median(times)
+
+
 def epp_config(kind: str, t: Tuning) -> str:
     """The EndpointPickerConfig of one `epp-*` contender."""
+    if kind.endswith("+trace"):
+        # The predicted-TTFT scorer's per-pick trace (its debug state; bench/routing/pick_trace.py reads it).
+        return _with_parameter(epp_config(kind.removesuffix("+trace"), t), "predicted-ttft-scorer", "traceCapacity",
+                               TRACE_CAPACITY)
+    if kind.endswith("+no-displacement"):
+        # predicted-ttft-scorer without the expected recompute of what a pick evicts (the before of issue 42).
+        return _with_parameter(epp_config(kind.removesuffix("+no-displacement"), t), "predicted-ttft-scorer",
+                               "displacementWeight", 0)
     if kind.endswith("+precise"):
         return _with_precise_producer(epp_config(kind.removesuffix("+precise"), t), t)
     if kind.endswith("+random-ties"):
@@ -198,6 +278,8 @@ def epp_config(kind: str, t: Tuning) -> str:
         return _head_first_index(epp_config(kind.removesuffix("+head-first-index"), t))
     if kind.startswith("sample:"):
         return sample_config(kind.partition(":")[2], t)
+    if kind.startswith("llmd:"):
+        return llmd_config(kind.partition(":")[2], t)
     if kind.endswith("+no-home"):
         return _with_home(epp_config(kind.removesuffix("+no-home"), t), False)
     if kind.endswith("+home"):
@@ -284,6 +366,9 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
               "with shedding, predicted-TTFT with stickiness, approximate prefix)", default=False),
     Contender("epp-slo-precise", "epp", "sample:slo-aware+precise",
               "epp-slo with the precise prefix producer (KV events) instead of the approximate one", default=False),
+    Contender("llmd-optimized-baseline", "epp", "llmd:llmd-optimized-baseline",
+              "llm-d's optimized-baseline guide pipeline (prefix-cache-affinity-filter 0.8, then token-load-scorer; "
+              "bench/routing/configs/llmd-optimized-baseline.yaml) through our loader"),
     Contender("vllm-router-rr", "vllm-router", "round_robin", "vllm-router --policy round_robin"),
     # vllm-router 0.1.17's cache_aware and kv_aware tokenize through the replicas' /v1/completions/render,
     # which vLLM serves only with --enable-scale-out (403 otherwise, and the router then routes blind).
@@ -504,7 +589,7 @@ async def _start(c: Contender, fleet: SimFleet, tuning: Tuning, workdir: Path) -
         grpc, health, metrics, listen, admin = free_ports(5)
         router = RunningRouter(f"http://127.0.0.1:{listen}", version="epp (this repo) + envoy")
         endpoints = _endpoint_list(fleet)
-        config = epp_config(c.variant, tuning)
+        config = await _epp_config_for(c, fleet, tuning)
         (workdir / "epp-config.yaml").write_text(config)
         log = workdir / "epp.log"
         proc = await _spawn([sys.executable, "-m", "epp.cli", "serve", "--grpc-port", str(grpc),
@@ -557,6 +642,17 @@ async def _start(c: Contender, fleet: SimFleet, tuning: Tuning, workdir: Path) -
     raise ValueError(f"unknown contender kind {c.kind!r}")
 
 
+async def _epp_config_for(c: Contender, fleet: SimFleet, tuning: Tuning) -> str:
+    """The contender's config, checked by our loader first (a refusal is Unavailable with the loader's reason);
+    an llm-d guide pipeline gets the peak prefill its calibration job measures on this fleet."""
+    config = epp_config(c.variant, tuning)
+    check_loads(config, f"{c.name} ({c.variant})")
+    if c.variant.startswith("llmd:"):
+        peak = await calibrate_peak_prefill(fleet.endpoints[0], tuning)
+        config = llmd_config(c.variant.partition(":")[2], tuning, peak)
+    return config
+
+
 def _endpoint_list(fleet: SimFleet) -> str:
     """`--endpoints` for the fleet: each replica with its KV-event ports as labels."""
     endpoints = []
@@ -576,7 +672,7 @@ async def _start_epp_pods(c: Contender, fleet: SimFleet, tuning: Tuning, workdir
     listen, admin, *pod_ports = free_ports(2 + 4 * c.pods)
     ports = [pod_ports[i:i + 4] for i in range(0, len(pod_ports), 4)]  # grpc, health, metrics, peer per pod
     router = RunningRouter(f"http://127.0.0.1:{listen}", version="epp (this repo) + envoy")
-    config = epp_config(c.variant, tuning)
+    config = await _epp_config_for(c, fleet, tuning)
     (workdir / "epp-config.yaml").write_text(config)
     endpoints = _endpoint_list(fleet)
     procs = []
@@ -620,5 +716,6 @@ async def _start_peer(argv: list[str], port: int, log: Path, version: str, prom:
     return router
 
 
-__all__ = ["CONTENDERS", "ORACLE_LABEL", "Contender", "RunningRouter", "Tuning", "Unavailable", "describe_argv",
-           "epp_config", "free_ports", "peer_binary", "peers_venv", "sample_config", "start_contender"]
+__all__ = ["CONTENDERS", "LLMD_CONFIGS", "ORACLE_LABEL", "Contender", "RunningRouter", "Tuning", "Unavailable",
+           "calibrate_peak_prefill", "check_loads", "describe_argv", "missing_plugin_types", "epp_config", "free_ports", "llmd_config",
+           "peer_binary", "peers_venv", "sample_config", "start_contender"]

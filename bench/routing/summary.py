@@ -70,7 +70,8 @@ class ContenderResult:
     validity: str = ""  # what those counters said
     # Per request sent, in send order: (seconds after the first send, prompt tokens, tokens any router could
     # have served from cache): the workload's TTFT floor (bench/routing/ttft_floor.py) at learned costs.
-    floor_requests: list[tuple[float, int, int]] = field(default_factory=list)
+    # The fourth: tokens served from cache at best with finite KV capacity (bench/routing/ttft_floor.py).
+    floor_requests: list[tuple[float, int, int, int]] = field(default_factory=list)
     # Per request sent, in send order: TTFT (None: not answered), prompt and cached tokens (usage): what the
     # confidence intervals of bench/routing/confidence.py resample.
     samples: dict[str, list] = field(default_factory=dict)
