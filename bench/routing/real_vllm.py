@@ -47,6 +47,7 @@ from typing import Any
 import aiohttp
 
 from bench.cgroups import CgroupError, CpuGroups, GroupSpec, GroupStats, interrupt_on_sigterm, unavailable
+from bench.routing.confidence import RunSamples, compare
 from bench.routing.experiments import known, lookup
 from bench.routing.loadgen import Stage
 from bench.routing.measure import Histogram, histogram
@@ -77,6 +78,8 @@ DEFAULT_CONTENDERS = ("round-robin", "epp-approx", "epp-approx-ttft", "epp-preci
                       "llmd-optimized-baseline", "sglang-router-cache-aware", "vllm-router-rr",
                       "vllm-router-cache-aware", "vllm-router-kv-aware")
 DEFAULT_WORKLOADS = ("shared-prefix", "multi-turn")
+# Poisson arrivals: 230 expected leaves fewer than 200 in about 2 % of the measured stages.
+MEASURED_REQUESTS = 230
 # A row is refused when a replica spent more than this share of the wall clock throttled by its quota
 # (see `refusal`), or the harness (routers, Envoy, load generator) more than HARNESS_MAX_THROTTLED.
 MAX_THROTTLED = 0.14
@@ -377,15 +380,18 @@ def _capacity(fleet_config: FleetConfig, clients: int, seconds: float) -> Scenar
 
 
 def _row(r: ContenderResult, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The measured (last) stage's numbers; the warm-up's are in `summary` (the whole run)."""
+    """The measured (last) stage's numbers and per-request samples; the warm-up's are in `summary` (the whole run)."""
     o = r.stages[-1] if r.stages else r.overall
+    last = r.stages[-1].requests if r.stages else 0
+    samples = {k: v[-last:] for k, v in r.samples.items()} if last else {}
     return {"name": r.name, "status": r.status, "verdict": r.verdict, "validity": r.validity,
             "requests": o and o.requests, "ok": o and o.ok, "errors": o and o.errors,
             "ttft_mean": o and o.ttft_mean, "ttft_p50": o and o.ttft_p50, "ttft_p90": o and o.ttft_p90,
             "ttft_p99": o and o.ttft_p99, "hit_rate": o and o.hit_rate, "oracle": o and o.oracle_hit_rate,
             "tok_s": o and o.output_tokens_per_s, "req_s": o and o.requests_per_s, "spread": o and o.spread,
             "per_replica": o and o.per_replica, "picker": picker_timing(r.router_metrics),
-            "router": {k: v for k, v in r.router_metrics.items() if not is_distribution(k)}, **(extra or {})}
+            "router": {k: v for k, v in r.router_metrics.items() if not is_distribution(k)}, "samples": samples,
+            **(extra or {})}
 
 
 async def run(args: argparse.Namespace, groups: CpuGroups | None, binds: list[str]) -> Path:
@@ -670,12 +676,45 @@ def combine(dirs: list[Path], out: Path) -> Path:
                 _cell(cells[side][k], pct=k == "hit_rate", digits=1 if k == "tok_s" else 3)
                 for k in ("ttft_p50", "ttft_p90", "hit_rate", "tok_s") for side in ("real", "sim"))
                 + f" | {cells['real']['n']} of {len(runs)} |")
-        lines += ["", *_ranking_lines(table), ""]
+        lines += ["", *_ranking_lines(table), "", *_claim_lines(runs, work, names, table), ""]
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.json").write_text(json.dumps(summary, indent=1))
     md = out / "table.md"
     md.write_text("\n".join(lines))
     return md
+
+
+def _standing(runs: list[dict[str, Any]], side: str, work: str, name: str) -> list[RunSamples | None]:
+    """Per run, the contender's samples when its row stands (else None)."""
+    out: list[RunSamples | None] = []
+    for run in runs:
+        row = next((r for r in run[side].get(work, []) if r["name"] == name), None)
+        ok = row is not None and row.get("samples") and comparable(
+            {**row, "refused": work != "capacity" and row.get("groups") and refusal(row["groups"])})
+        out.append(RunSamples.from_json(row["samples"]) if ok else None)  # type: ignore[index]
+    return out
+
+
+def _claim_lines(runs: list[dict[str, Any]], work: str, names: list[str], table: dict[str, Any]) -> list[str]:
+    """Each of ours against the best peer on the real fleet: TTFT p90 ratio with its 95 % interval (also in table)."""
+    peers = [n for n in names if n.startswith(("vllm-router-", "sglang-router-", "llmd-")) and not n.endswith("-rr")
+             and table[n]["real"]["ttft_p90"]]
+    if not peers:
+        return []
+    best = min(peers, key=lambda n: statistics.median(table[n]["real"]["ttft_p90"]))
+    lines = [f"Real TTFT p90 against the best peer ({best}, lowest median): the ratio (> 1: ours faster), its 95 % "
+             "interval over the runs (bench/routing/confidence.py), the verdict (a claim needs 3 runs; an interval "
+             "holding 1 is a tie).", "", "| contender | ratio [95 %], runs | verdict |", "|---|---|---|"]
+    for name in names:
+        if name in peers or name == "round-robin" or name.endswith("-rr"):
+            continue
+        pairs = [(a, b) for a, b in zip(_standing(runs, "real", work, name), _standing(runs, "real", work, best))
+                 if a is not None and b is not None]
+        c = compare([a for a, _ in pairs], [b for _, b in pairs], a=name, b=best)
+        table[name]["vs_best_peer"] = {"peer": best, "runs": c.runs, "ratio": c.ratio, "low": c.low, "high": c.high,
+                                       "verdict": c.verdict()}
+        lines.append(f"| {name} | {c.describe() if c.runs else 'no samples'} | {c.verdict() if c.runs else '-'} |")
+    return lines
 
 
 def _cell(values: list[float], pct: bool = False, digits: int = 3) -> str:
@@ -816,7 +855,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--question-tokens", type=int, default=64)
     p.add_argument("--output-tokens", type=int, default=8)
     p.add_argument("--rate", type=float, default=1.5, help="Poisson arrivals, requests per wall second")
-    p.add_argument("--seconds", type=float, default=40.0, help="the measured stage, per contender and workload")
+    p.add_argument("--requests", type=int, default=MEASURED_REQUESTS,
+                   help="requests in the measured stage, per contender and workload, on average (its length is this "
+                        "over --rate; default %(default)s: a p90 over at least 200 in nearly every run)")
+    p.add_argument("--seconds", type=float, help="the measured stage's length instead (overrides --requests)")
     p.add_argument("--warmup-seconds", type=float, default=12.0,
                    help="a stage before it at the same rate, not in the tables (the groups' cold first requests)")
     p.add_argument("--no-sim", dest="sim", action="store_false", help="real replicas only")
@@ -832,6 +874,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-throttled", type=float, default=MAX_THROTTLED,
                    help="refuse a row whose replica was throttled by its quota more than this share of the wall clock")
     args = p.parse_args(argv)
+    if args.seconds is None:
+        if args.requests < 1 or args.rate <= 0:
+            p.error("--requests must be >= 1 and --rate > 0")
+        args.seconds = args.requests / args.rate
     unknown = [n for n in args.contenders.split(",") if n not in known()]
     if unknown:
         p.error(f"unknown contenders {unknown}")
