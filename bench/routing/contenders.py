@@ -9,8 +9,13 @@
 - `vllm-router-*`: the vLLM router (`vllm-router`, a Rust proxy from PyPI), policies
   round_robin, cache_aware and kv_aware (fed by the replicas' KV-event sockets).
 - `sglang-router-cache-aware`: the SGLang router (`sglang-router launch`), policy cache_aware.
-Peers come from the venv that `bench/setup-peers` builds; when a peer cannot start, the
-contender raises `Unavailable` with the reason and the harness reports it instead of failing.
+- `llmd-*`: llm-d's guide pipelines (today `llmd-optimized-baseline`), a peer in every comparison,
+  from config files of ours (`configs/`) loaded by our own loader as written, with what the guide
+  has an operator set for their fleet set the same way (`llmd_config`).
+Peers come from the venv that `bench/setup-peers` builds; when a peer cannot start, or our loader
+refuses a config (a plugin type not registered here yet), the contender raises `Unavailable` with
+the reason and the harness reports it instead of failing. The variants that answered one question
+(random ties, worker and pod shapes, scrape intervals, ...) are in `experiments.py`.
 """
 
 from __future__ import annotations

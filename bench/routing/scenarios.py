@@ -125,8 +125,9 @@ def bursty(scale: str) -> Scenario:
         return Scenario("bursty", scale, w, _fleet(scale, 2, 48, 1.0), stages, drain=10.0, request_timeout=20.0,
                         continuous=True)
     if scale == "small":
-        # The shared-prefix fleet (prefixes ~73 % of its KV); its ramp bends past ~8 req/s at time scale 5:
-        # 3 req/s calm, 24 req/s bursts of 5 s, three times.
+        # The shared-prefix fleet (prefixes ~73 % of its KV). Its ramp's top, 12 req/s, is where the prefix
+        # pipelines still held a TTFT p90 near 0.15 s (round-robin's knee was near 4): 3 req/s calm, bursts of
+        # 5 s at twice that top, three times.
         w = SharedPrefix(groups=12, users=5, system_tokens=4096, question_tokens=512, output_tokens=32)
         replicas, ts = 4, 5.0
         blocks = int(w.shared_tokens() / 16 / 0.73 / replicas) + 1
