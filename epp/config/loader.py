@@ -22,8 +22,9 @@ from epp.config.producers import ProducerWiring
 from epp.config.profiles import ProfileBuilder
 from epp.config.refs import bind_references
 from epp.config.saturation import add_shedding_admitter, flow_controller, saturation_detector
-from epp.config.schema import API_VERSION, API_VERSIONS, DEPRECATED_API_VERSION, KIND, TOP_LEVEL_FIELDS, Document
+from epp.config.schema import KIND, TOP_LEVEL_FIELDS, Document
 from epp.config.sections import data_layer, feature_gates, objectives, parsers
+from epp.config.versions import check_version, to_v1
 from epp.config.yaml_reading import read_yaml
 from epp.flowcontrol.config import FEATURE_GATE as FLOW_CONTROL_GATE
 from epp.flowcontrol.config import FLOW_CONTROL_FIELDS, parse_flow_control
@@ -63,20 +64,11 @@ class _Builder:
         if doc is None:
             raise self.doc.fail("", f"the document is empty; expected an {KIND}")
         doc = self.doc.mapping(doc, "", TOP_LEVEL_FIELDS, required=("apiVersion", "kind"))
-        if doc["apiVersion"] not in API_VERSIONS:
-            raise self.doc.fail("apiVersion", f"unsupported apiVersion {doc['apiVersion']!r}; allowed: "
-                                f"{', '.join(API_VERSIONS)}")
-        if doc["kind"] != KIND:
-            raise self.doc.fail("kind", f"unsupported kind {doc['kind']!r}; allowed: {KIND}")
-        if doc["apiVersion"] == DEPRECATED_API_VERSION:
-            # The line llm-d logs, once per load.
-            warning = f"DEPRECATION: apiVersion {DEPRECATED_API_VERSION}/{KIND} is deprecated; use {API_VERSION}"
-            log.warning("%s: %s", self.doc.source, warning)
-            self.doc.note("apiVersion", warning)
+        doc = to_v1(self.doc, doc, check_version(self.doc, doc))
         gates = feature_gates(self.doc, doc)
         objective_priorities = objectives(self.doc, doc)
         self.plugins.add_configured(doc)
-        data_sources, scrape = data_layer(self.doc, self.plugins, doc)
+        data_sources, scrape, discovery = data_layer(self.doc, self.plugins, doc)
         request_parsers = parsers(self.doc, self.plugins, doc)
         profile_builder = ProfileBuilder(self.doc, self.plugins)
         profiles = profile_builder.build_profiles(doc)
@@ -120,6 +112,8 @@ class _Builder:
             capacity_gates=tuple(p for p in plugins if isinstance(p, CapacityGate)),
             flow_controller=controller,
             notes=tuple(self.doc.notes),
+            notices=tuple(self.doc.notices),
+            discovery=discovery,
         )
 
     def _flow_control_section(self, doc: dict) -> dict | None:
