@@ -28,18 +28,15 @@ ALWAYS_ON_GATES = {
     "enableLegacyMetrics": "GIE's legacy metrics path reads the same vLLM series this scraper reads",
     "dataLayer": "GIE's deprecated gate; the data layer is always on",
 }
-DATA_LAYER_FIELDS = ("injectDefaults", "sources", "discovery", "peerDiscovery", "crossReplicaSyncerPluginRef",
-                     "crossReplicaSyncInterval")
+DATA_LAYER_FIELDS = ("injectDefaults", "sources", "discovery", "crossReplica")
+DISCOVERY_FIELDS = ("endpoints", "peers")
+CROSS_REPLICA_FIELDS = ("syncerPluginRef", "syncInterval", "publishTimeout")
 # llm-d data-layer fields this picker cannot act on, and what to use instead.
-_PEER_LINK = ("pickers of one pool share prefix routes, KV claims and scrapes over the peer link (--peers or "
-              "--workers); cross-replica syncer plugins are not supported")
 REFUSED_DATA_LAYER_FIELDS = {
-    "discovery": "endpoints come from the command line (--pool-name or --endpoint-selector for Kubernetes, "
-                 "--endpoints-file, --endpoints); discovery plugins are not supported",
-    "peerDiscovery": "the other pickers of a pool are given with --peers (or --workers); peer discovery plugins "
-                     "are not supported",
-    "crossReplicaSyncerPluginRef": _PEER_LINK,
-    "crossReplicaSyncInterval": _PEER_LINK,
+    "discovery.peers": "the other pickers of a pool are given with --peers (or --workers); peer discovery plugins "
+                       "are not supported",
+    "crossReplica": "pickers of one pool share prefix routes, KV claims, in-flight load and scrapes over the peer "
+                    "link (--peers or --workers); cross-replica syncer plugins are not supported",
 }
 DEFAULT_PARSER = "openai-parser"
 
@@ -116,14 +113,38 @@ def _scrape_settings(entry: PluginEntry) -> ScrapeSettings:
                           families=source.families)
 
 
-def data_layer(document: Document, plugins: PluginSet,
-               doc: Mapping[str, Any]) -> tuple[tuple[DataSourceConfig, ...], ScrapeSettings | None]:
-    """The `dataLayer.sources` with their extractors, and the scrape settings they make (None: no scraping)."""
+def discovery_plugin(document: Document, plugins: PluginSet, item: Mapping[str, Any]) -> Plugin | None:
+    """The endpoint discovery plugin `dataLayer.discovery.endpoints.pluginRef` names (None: the command line's)."""
+    from epp.datalayer.discovery_plugins import EndpointDiscoveryPlugin
+
+    raw = item.get("discovery")
+    if raw is None:
+        return None
+    discovery = document.mapping(raw, "dataLayer.discovery", DISCOVERY_FIELDS)
+    if discovery.get("peers") is not None:
+        raise document.fail("dataLayer.discovery.peers", f"not supported: {REFUSED_DATA_LAYER_FIELDS['discovery.peers']}")
+    if discovery.get("endpoints") is None:
+        return None
+    path = "dataLayer.discovery.endpoints"
+    ref = document.mapping(discovery["endpoints"], path, ("pluginRef",), required=("pluginRef",))["pluginRef"]
+    entry = plugins.ref(ref, f"{path}.pluginRef")
+    if not isinstance(entry.plugin, EndpointDiscoveryPlugin):
+        types = ", ".join(plugins.types_of(EndpointDiscoveryPlugin)) or "none"
+        raise document.fail(f"{path}.pluginRef", f"plugin {entry.name!r} (type {entry.type_name}) is no endpoint "
+                            f"discovery plugin; discovery types: {types}")
+    return entry.plugin
+
+
+def data_layer(document: Document, plugins: PluginSet, doc: Mapping[str, Any]
+               ) -> tuple[tuple[DataSourceConfig, ...], ScrapeSettings | None, Plugin | None]:
+    """The `dataLayer.sources` with their extractors, the scrape settings they make (None: no scraping) and
+    the endpoint discovery plugin (None: the command line's)."""
     raw = doc.get("dataLayer")
     item = document.mapping(raw if raw is not None else {}, "dataLayer", DATA_LAYER_FIELDS)
-    for key, reason in REFUSED_DATA_LAYER_FIELDS.items():
-        if item.get(key) is not None:
-            raise document.fail(f"dataLayer.{key}", f"not supported: {reason}")
+    if item.get("crossReplica") is not None:
+        document.mapping(item["crossReplica"], "dataLayer.crossReplica", CROSS_REPLICA_FIELDS)
+        raise document.fail("dataLayer.crossReplica", f"not supported: {REFUSED_DATA_LAYER_FIELDS['crossReplica']}")
+    discovery = discovery_plugin(document, plugins, item)
     inject_defaults = document.boolean(item.get("injectDefaults"), "dataLayer.injectDefaults", True)
     sources: list[DataSourceConfig] = []
     metrics_sources: list[PluginEntry] = []
@@ -157,9 +178,9 @@ def data_layer(document: Document, plugins: PluginSet,
                                 "one; only one metrics source is supported")
         metrics_sources = configured
     if metrics_sources:
-        return tuple(sources), _scrape_settings(metrics_sources[0])
+        return tuple(sources), _scrape_settings(metrics_sources[0]), discovery
     if not inject_defaults:
         document.note("dataLayer.injectDefaults", "false and no metrics source: endpoints' /metrics are not "
                       "scraped (scorers see no queue or KV-cache figures)")
-        return tuple(sources), None
-    return tuple(sources), ScrapeSettings()
+        return tuple(sources), None, discovery
+    return tuple(sources), ScrapeSettings(), discovery
