@@ -132,6 +132,19 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
     "destination-endpoint-served-verifier": LlmdType("echoes the served endpoint in x-conformance-test-served-endpoint"),
 }
 
+# llm-d types whose factory never reads its `parameters` (llm-d accepts and ignores any given): here
+# the parameters our plugin does not take are ignored too, each listed in a note.
+PARAMETERLESS_TYPES = frozenset({
+    "queue-scorer", "kv-cache-utilization-scorer", "lora-affinity-scorer", "running-requests-size-scorer",
+    "single-profile-handler", "decode-filter", "prefill-filter", "encode-filter", "always-disagg-pd-decider",
+    "always-disagg-multimodal-decider", "openai-parser", "anthropic-parser", "passthrough-parser", "vllmhttp-parser",
+    "vllmgrpc-parser", "sglanghttp-parser", "vertexai-parser", "fcfs-ordering-policy", "edf-ordering-policy",
+    "global-strict-fairness-policy", "round-robin-fairness-policy", "slo-deadline-ordering-policy",
+    "priority-then-time-eviction-order-policy", "sheddable-eviction-filter", "header-based-testing-filter",
+    "destination-endpoint-served-verifier", "endpoint-notification-source", "models-data-extractor",
+    "dcgm-extractor", "local-syncer",
+})
+
 # llm-d's deprecated names: loaded as the current type, with a note.
 ALIASES: Mapping[str, str] = {
     "by-label-selector": "label-selector-filter",
@@ -144,11 +157,6 @@ REFUSED_TYPES: Mapping[str, str] = {
     "always-disagg-multimodal-decider": "no encode (E/PD) stage",
     "disagg-headers-handler": "deprecated in llm-d; disagg-profile-handler sets x-prefiller-host-port itself",
     "prefix-cache-affinity-filter": f"needs llm-d's latency predictor; {_PREDICTED}",
-    "slo-headroom-tier-filter": f"needs llm-d's latency predictor; {_PREDICTED}",
-    "latency-scorer": f"needs llm-d's latency predictor sidecar; {_PREDICTED}",
-    "predicted-latency-producer": f"needs llm-d's latency predictor sidecar; {_PREDICTED}",
-    "latency-slo-admitter": "sheddable requests (priority < 0) are shed by the saturation admitter while the pool "
-                            "is saturated; no latency predictor here",
     "probabilistic-admitter": "not implemented; flow control (featureGates: [flowControl]) queues instead",
     "session-affinity-filter": "alpha in llm-d; use session-affinity-scorer with a high weight",
     "multicluster-session-affinity-filter": "no multi-cluster pools",
@@ -162,7 +170,6 @@ REFUSED_TYPES: Mapping[str, str] = {
     "mm-embeddings-cache-scorer": "multimodal embedding caches are not tracked",
     "mm-embeddings-cache-producer": "multimodal embedding caches are not tracked",
     "session-id-producer": "session-affinity-scorer reads the session id header itself",
-    "burst-prefix-cache-producer": "alpha in llm-d; the approximate producer records each pick at once",
     "p2p-source-producer": "alpha in llm-d; no peer-to-peer KV transfer",
     "multicluster-approx-prefix-cache-producer": "no multi-cluster pools",
     "multicluster-queue-scorer": "no multi-cluster pools",
@@ -174,11 +181,13 @@ REFUSED_TYPES: Mapping[str, str] = {
     "disaggregatedset-rollout-screener": "alpha in llm-d, not implemented",
     "models-data-source": "the served models are read from the replicas by the fleet plugins (served-model-filter)",
     "models-data-extractor": "the served models are read from the replicas by the fleet plugins (served-model-filter)",
-    "k8s-notification-source": "Kubernetes objects are watched by the discovery (--pool-name), not by plugins",
-    "file-discovery": "endpoints from a file: --endpoints-file",
+    "k8s-notification-source": "watches Kubernetes objects for extractors, and no extractor here reads any; the "
+                               "pool's pods are watched by inference-pool-discovery (--pool-name)",
     "topology-extractor": "alpha in llm-d, not implemented",
-    "dcgm-data-source": "alpha in llm-d; GPU telemetry is not read",
-    "dcgm-extractor": "alpha in llm-d; GPU telemetry is not read",
+    "dcgm-data-source": "GPU telemetry (DCGM) is not read; kv-cache-utilization-scorer and utilization-detector "
+                        "rate load from the model servers' own metrics",
+    "dcgm-extractor": "GPU telemetry (DCGM) is not read; kv-cache-utilization-scorer and utilization-detector rate "
+                      "load from the model servers' own metrics",
     "request-attribute-reporter": "not implemented (CEL over usage into dynamic metadata)",
     "agent-identity": "alpha in llm-d, not implemented",
     "vllmhttp-parser": "not implemented; vLLM's /v1 OpenAI paths go through openai-parser",
@@ -191,6 +200,35 @@ REFUSED_TYPES: Mapping[str, str] = {
     "sheddable-eviction-filter": "alpha in llm-d; no eviction of dispatched requests",
     "priority-then-time-eviction-order-policy": "alpha in llm-d; no eviction of dispatched requests",
     "concurrency-detector": "not registered in this build; utilization-detector rates saturation",
+}
+
+
+# Plugin types that appear in configs but are not llm-d router plugins (experimental images, other
+# projects' forks, names that were never released), each refused with what to use instead.
+REFUSED_OTHER_TYPES: Mapping[str, str] = {
+    "latency-observer-producer-hub": "a multi-cluster hub plugin (llm-d v0.11); no multi-cluster pools here",
+    "latency-observation-scorer-hub": "a multi-cluster hub plugin (llm-d v0.11); no multi-cluster pools here",
+    "lmetric-scorer": "not an llm-d router plugin (an experimental build); predicted-ttft-scorer ranks endpoints by "
+                      "predicted TTFT from the prefix match and in-flight load",
+    "slo-request-tracker": "an experimental build's plugin (before llm-d's latency plugins); use latency-scorer "
+                           "(served here by predicted-ttft-scorer)",
+    "slo-scorer": "an experimental build's plugin (before llm-d's latency plugins); use latency-scorer (served here "
+                  "by predicted-ttft-scorer)",
+    "slo-aware-profile-handler": "an experimental build's plugin (GIE v1.2 era); use one profile with latency-scorer "
+                                 "and slo-headroom-tier-filter",
+    "slo-aware-routing": "GIE v1.2's name before llm-d's latency plugins; use latency-scorer (served here by "
+                         "predicted-ttft-scorer)",
+    "pd-slo-optimizer": "an experimental build's plugin; use latency-scorer per profile (served here by "
+                        "predicted-ttft-scorer)",
+    "pd-slo-profile-handler": "an experimental build's plugin; use disagg-profile-handler with prefix-based-pd-decider",
+    "thunder-agent": "ThunderAgent is not implemented; program-aware-fairness with agent-identity and "
+                     "concurrency-detector is the nearest (docs/agentic.md)",
+    "dp-rank-header-handler": "data-parallel ranks are endpoints here: list every rank's port in the pool's "
+                              "targetPorts (or --endpoint-target-ports), and the pick names the rank",
+    "local-syncer": "cross-replica syncers are not supported: pickers of one pool share state over the peer link "
+                    "(--peers or --workers)",
+    "redis-state-store": "cross-replica syncers are not supported: pickers of one pool share state over the peer "
+                         "link (--peers or --workers)",
 }
 
 
@@ -215,5 +253,5 @@ def refused(type_name: str, registered: bool) -> str | None:
     """Why an llm-d type is refused, or None (a type registered here by a plugin package is not refused)."""
     if registered:
         return None
-    reason = REFUSED_TYPES.get(type_name)
+    reason = REFUSED_TYPES.get(type_name) or REFUSED_OTHER_TYPES.get(type_name)
     return f"llm-d plugin type {type_name!r} is not supported here: {reason}" if reason else None

@@ -21,12 +21,14 @@ LLMD_FIELDS = ("tokenProcessorConfig", "indexerConfig", "kvEventsConfig", "specu
 # The fields that mark a document in llm-d's shape (speculativeTTL is a parameter of ours too).
 _LLMD_MARKERS = ("tokenProcessorConfig", "indexerConfig", "kvEventsConfig", "speculativeIndexing", "sessionManager")
 TOKEN_PROCESSOR_FIELDS = ("blockSizeTokens", "blockSize", "hashSeed", "hashAlgorithm")
-INDEXER_FIELDS = ("kvBlockIndexConfig", "kvCacheBackendConfigs", "tokenizersPoolConfig", "prefixStoreConfig")
+INDEXER_FIELDS = ("kvBlockIndexConfig", "kvCacheBackendConfigs", "tokenizersPoolConfig", "prefixStoreConfig",
+                  "tokenProcessorConfig", "speculativeIndexing")
+TOKENIZERS_POOL_FIELDS = ("modelName", "workersCount", "hf", "local", "uds")
 BLOCK_INDEX_FIELDS = ("inMemoryConfig", "redisConfig", "costAwareMemoryConfig", "enableMetrics",
                       "metricsLoggingInterval")
 KV_EVENTS_FIELDS = ("zmqEndpoint", "topicFilter", "concurrency", "engineType", "discoverPods", "podDiscoveryConfig",
-                    "tracing")
-POD_DISCOVERY_FIELDS = ("podLabelSelector", "podNamespace", "socketPort", "replaySocketPort")
+                    "tracing", "dataParallelSizeLocal", "servingPortBase")
+POD_DISCOVERY_FIELDS = ("podLabelSelector", "podNamespace", "socketPort", "replaySocketPort", "dataParallelSizeTotal")
 HASH_ALGORITHMS = ("cbor-fnv", "xxh64")
 TIERS = ("gpu", "cpu", "disk")
 LLMD_TOPIC_FILTER = "kv@"
@@ -46,6 +48,8 @@ class _Mapper:
         self.name = name
         self.out: dict[str, Any] = {k: v for k, v in raw.items() if k not in LLMD_FIELDS}
         self.notes: list[str] = []
+        # The notes that say something is served differently from llm-d (a subset of notes).
+        self.notices: list[str] = []
         self.taken: list[str] = []
 
     def fail(self, path: str, message: str) -> ConfigError:
@@ -81,13 +85,15 @@ class _Mapper:
 
 
 def precise_parameters(name: str, raw: Mapping[str, Any], *, token_producer: bool
-                       ) -> tuple[dict[str, Any], list[str], list[str]]:
-    """(our parameters, the llm-d fields taken, notes) for llm-d-shaped producer parameters.
+                       ) -> tuple[dict[str, Any], list[str], list[str], list[str]]:
+    """(our parameters, the llm-d fields taken, notes, notices) for llm-d-shaped producer parameters; the
+    notices (fields served differently from llm-d) are among the notes too.
 
     `token_producer`: the document configures a `token-producer`, which then supplies the tokens
     (unless the parameters give our own `tokenizers`).
     """
     m = _Mapper(name, raw)
+    raw = _older_placements(m, raw)
     _token_processor(m, raw.get("tokenProcessorConfig"))
     _indexer(m, raw.get("indexerConfig"))
     _kv_events(m, raw.get("kvEventsConfig"))
@@ -111,7 +117,27 @@ def precise_parameters(name: str, raw: Mapping[str, Any], *, token_producer: boo
         m.notes.append("no token source: llm-d would auto-create a token-producer with the `estimate` backend, "
                        "whose token ids never match the engine's; here only requests that carry token ids are "
                        "matched. Add a token-producer with the vllm backend, or our `tokenizers` parameter")
-    return m.out, m.taken, m.notes
+    return m.out, m.taken, m.notes + m.notices, m.notices
+
+
+def _older_placements(m: _Mapper, raw: Mapping[str, Any]) -> Mapping[str, Any]:
+    """llm-d-kv-cache-manager's placement of `tokenProcessorConfig` and `speculativeIndexing` inside
+    `indexerConfig` (older guides), moved to the top level where llm-d reads them now."""
+    indexer = raw.get("indexerConfig")
+    if not isinstance(indexer, dict) or not ({"tokenProcessorConfig", "speculativeIndexing"} & set(indexer)):
+        return raw
+    moved = dict(raw)
+    inner = dict(indexer)
+    for key in ("tokenProcessorConfig", "speculativeIndexing"):
+        if key in inner:
+            if raw.get(key) is not None:
+                raise m.fail(f"indexerConfig.{key}", f"is set both here (its older place) and at the top level; keep "
+                             f"the top-level {key}")
+            moved[key] = inner.pop(key)
+            m.notes.append(f"indexerConfig.{key}: DEPRECATION: its older place (llm-d-kv-cache-manager); read as the "
+                           f"top-level {key}")
+    moved["indexerConfig"] = inner
+    return moved
 
 
 def _token_processor(m: _Mapper, raw: Any) -> None:
@@ -140,9 +166,7 @@ def _token_processor(m: _Mapper, raw: Any) -> None:
 def _indexer(m: _Mapper, raw: Any) -> None:
     item = m.mapping(raw, "indexerConfig", INDEXER_FIELDS)
     if item.get("tokenizersPoolConfig") is not None:
-        raise m.fail("indexerConfig.tokenizersPoolConfig", "not supported (llm-d's producer rejects it too): give "
-                     "the tokenizer files with our `tokenizers: {model: directory}` parameter, or configure a "
-                     "token-producer (vllm backend)")
+        _tokenizers_pool(m, item["tokenizersPoolConfig"])
     if item.get("prefixStoreConfig") is not None:
         raise m.fail("indexerConfig.prefixStoreConfig", "not supported: llm-d removed it (no prefix store; prompts "
                      "are tokenized whole)")
@@ -191,8 +215,41 @@ def _indexer(m: _Mapper, raw: Any) -> None:
         m.set("tierWeights", weights, path)
 
 
+def _tokenizers_pool(m: _Mapper, raw: Any) -> None:
+    """The deprecated scorer's own tokenizer (llm-d v0.8: a sidecar or the hub, by model name) -> ours in process."""
+    from epp.tokenization.hub import hub_source
+
+    base = "indexerConfig.tokenizersPoolConfig"
+    pool = m.mapping(raw, base, TOKENIZERS_POOL_FIELDS)
+    model = pool.get("modelName")
+    if not isinstance(model, str) or not model:
+        raise m.fail(f"{base}.modelName", "is required (the model whose tokenizer to load)")
+    if pool.get("local") is not None:
+        raise m.fail(f"{base}.local", "not supported: give the tokenizer directories with our `tokenizers: "
+                     "{model: directory}` parameter")
+    hf = m.mapping(pool.get("hf"), f"{base}.hf", ("huggingFaceToken", "tokenizersCacheDir"))
+    uds = m.mapping(pool.get("uds"), f"{base}.uds", ("socketFile",))
+    m.set("tokenizers", {model: hub_source(model)}, f"{base}.modelName")
+    source = "llm-d's tokenizer sidecar is not used: " if uds else ""
+    m.notices.append(f"{base}: {source}{model}'s tokenizer files are fetched from the Hugging Face hub (HF_TOKEN, "
+                     "cached in HF_HOME) and run in the picker")
+    for key in ("huggingFaceToken", "tokenizersCacheDir"):
+        if hf.get(key) is not None:
+            m.note(f"{base}.hf.{key}", "no effect: the hub client reads HF_TOKEN and HF_HOME from the environment")
+    if pool.get("workersCount") is not None:
+        m.note(f"{base}.workersCount", "no effect: long prompts are tokenized in the picker's worker threads")
+
+
 def _kv_events(m: _Mapper, raw: Any) -> None:
     item = m.mapping(raw, "kvEventsConfig", KV_EVENTS_FIELDS)
+    pods_raw = item.get("podDiscoveryConfig")
+    for key in ("dataParallelSizeLocal", "servingPortBase"):
+        if item.get(key) is not None:
+            raise m.fail(f"kvEventsConfig.{key}", "not supported: per-rank KV-event ports are not derived here; make "
+                         "each rank its own endpoint (targetPorts) and label it kv-events-port=<its port>")
+    if isinstance(pods_raw, dict) and pods_raw.get("dataParallelSizeTotal") is not None:
+        raise m.fail("kvEventsConfig.podDiscoveryConfig.dataParallelSizeTotal", "not supported: per-rank KV-event "
+                     "ports are not derived here; label each rank endpoint kv-events-port=<its port>")
     engine = item.get("engineType")
     if engine is not None and engine != "vllm":
         raise m.fail("kvEventsConfig.engineType", f"{engine!r} is not supported: the subscriber decodes vLLM's KV "
