@@ -108,6 +108,14 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
         "targetPorts) need no handler"),
     "prefill-header-handler": LlmdType("names the prefill pick in x-prefiller-host-port (deprecated in llm-d)"),
     # Saturation, flow control
+    "probabilistic-admitter": LlmdType(
+        "sheds a sheddable request (priority < 0) with probability min(saturation^power x k, 1), saturation the mean "
+        "of max(queue/queueDepthThreshold, kv/kvCacheUtilThreshold)"),
+    "disaggregatedset-rollout-screener": LlmdType(
+        "keeps one DisaggregatedSet revision with a Ready endpoint of every required role per request (weighted "
+        "max-role or sum), for every profile; strict header selectors screen, all stamp the served label",
+        "it runs as a capacity gate (before admission); revisions come from the pool's endpoints' labels; "
+        "requiredRoles: [..] is read like requireRoles: {values: [..]}"),
     "utilization-detector": LlmdType("mean over endpoints of max(queue/5, kv/0.8); >= 1 is saturated"),
     "fcfs-ordering-policy": LlmdType("first come, first served within a flow"),
     "edf-ordering-policy": LlmdType("earliest deadline first within a flow"),
@@ -157,7 +165,6 @@ REFUSED_TYPES: Mapping[str, str] = {
     "always-disagg-multimodal-decider": "no encode (E/PD) stage",
     "disagg-headers-handler": "deprecated in llm-d; disagg-profile-handler sets x-prefiller-host-port itself",
     "prefix-cache-affinity-filter": f"needs llm-d's latency predictor; {_PREDICTED}",
-    "probabilistic-admitter": "not implemented; flow control (featureGates: [flowControl]) queues instead",
     "session-affinity-filter": "alpha in llm-d; use session-affinity-scorer with a high weight",
     "multicluster-session-affinity-filter": "no multi-cluster pools",
     "endpoint-attribute-filter": "alpha in llm-d, not implemented",
@@ -178,7 +185,6 @@ REFUSED_TYPES: Mapping[str, str] = {
     "multicluster-metrics-data-source": "no multi-cluster pools",
     "multicluster-metrics-extractor": "no multi-cluster pools",
     "multicluster-file-discovery": "no multi-cluster pools",
-    "disaggregatedset-rollout-screener": "alpha in llm-d, not implemented",
     "models-data-source": "the served models are read from the replicas by the fleet plugins (served-model-filter)",
     "models-data-extractor": "the served models are read from the replicas by the fleet plugins (served-model-filter)",
     "k8s-notification-source": "watches Kubernetes objects for extractors, and no extractor here reads any; the "

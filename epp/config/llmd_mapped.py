@@ -115,8 +115,16 @@ def _slo_headroom_tier_filter(name: str, params: Mapping[str, Any]) -> tuple[dic
                       "explored on purpose; when none meets it, the nearest ones are kept")
 
 
+BURST_FIELDS = ("maxPerReplica", "minColocateBlocks", "windowDurationMs")
+
+
 def _burst_prefix(name: str, params: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    return dict(params), []
+    for key in BURST_FIELDS:  # -1 is llm-d's "no limit"
+        value = params.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _fail(name, key, f"must be a number, got {value!r}")
+    return ({k: v for k, v in params.items() if k not in BURST_FIELDS},
+            _noted(params, BURST_FIELDS, "no effect: there is no burst window; each pick is recorded as it is made"))
 
 
 MAPPED_TYPES: Mapping[str, MappedType] = {
@@ -142,7 +150,7 @@ MAPPED_TYPES: Mapping[str, MappedType] = {
         "approx-prefix-cache-producer", "the approximate producer records each pick at once, so a burst of "
         "requests with one prefix already follows the first pick", _burst_prefix,
         ("autoTune", "blockSize", "blockSizeTokens", "maxPrefixBlocksToMatch", "maxPrefixTokensToMatch",
-         "lruCapacityPerServer")),
+         "lruCapacityPerServer", *BURST_FIELDS)),
     "header-phase-profile-handler": MappedType(
         "header-profile-handler", "the name header-profile-handler had before it was merged (llm-d-router #2134, "
         "which read the EPP-Phase header): loaded as header-profile-handler with headerName EPP-Phase",

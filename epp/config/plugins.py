@@ -17,6 +17,9 @@ from epp.framework.registry import PluginRegistry, did_you_mean
 from epp.requestcontrol.pipeline import PluginEntry
 
 PRECISE_PRODUCER_TYPE = "precise-prefix-cache-producer"
+APPROX_PRODUCER_TYPE = "approx-prefix-cache-producer"
+# llm-d types mapped onto predicted-ttft-scorer, which reads PREFIX_TIER_MATCH.
+TIER_MATCH_MAPPINGS = ("latency-scorer", "predicted-latency-producer")
 PRECISE_WRAPPER_TYPE = "precise-prefix-cache-scorer"
 TOKEN_PRODUCER_TYPE = "token-producer"
 
@@ -30,6 +33,9 @@ class PluginSet:
         self.context = context
         self.entries: list[PluginEntry] = []
         self.by_name: dict[str, PluginEntry] = {}
+        # The deprecated precise-prefix-cache-scorer's name -> its producer half (llm-d's older configs
+        # name the wrapper where a producer is meant: a data source's extractor).
+        self.wrapper_producers: dict[str, str] = {}
 
     def add_configured(self, doc: Mapping[str, Any]) -> None:
         """The configured `plugins[]`, in order (llm-d's deprecated names and wrapper resolved)."""
@@ -44,6 +50,9 @@ class PluginSet:
                 raise self.document.fail(f"{path}.parameters", f"must be a mapping, got {type(params).__name__}")
             items.append((path, type_name, name, params))
         token_producer = any(ALIASES.get(t, t) == TOKEN_PRODUCER_TYPE for _, t, _, _ in items)
+        # llm-d's latency plugins read the prefix match; here predicted-ttft-scorer reads it in tokens by
+        # tier, which the approximate producer publishes when asked (publishTierMatch).
+        tier_match = any(t in TIER_MATCH_MAPPINGS and not self._registered(t) for _, t, _, _ in items)
         for path, configured_as, name, params in items:
             if name in self.by_name:
                 raise self.document.fail(f"{path}.name", f"duplicate plugin name {name!r}; plugin names must be unique "
@@ -62,12 +71,21 @@ class PluginSet:
                 raise self.document.fail(f"{path}.type", reason)
             if type_name in PARAMETER_ADAPTERS and params:
                 params = self._adapted(type_name, name, params, path)
+            if tier_match and type_name == APPROX_PRODUCER_TYPE and "publishTierMatch" not in (params or {}):
+                params = {**(params or {}), "publishTierMatch": True}
+                self.document.note(f"{path}.parameters", "publishTierMatch: true added: predicted-ttft-scorer "
+                                   "(serving llm-d's latency plugins) reads the match in tokens by tier")
             taken = notes = None
             if type_name == PRECISE_PRODUCER_TYPE and is_llmd_shape(params):
                 params, taken, notes = self._precise(name, params or {}, path, token_producer)
             self.add(type_name, name, params, path,
                      mapping=mapping_line(type_name, configured_as, params or {}, taken, notes),
                      lenient=configured_as in PARAMETERLESS_TYPES)
+        if tier_match and not any(e.type_name in (APPROX_PRODUCER_TYPE, PRECISE_PRODUCER_TYPE) for e in self.entries):
+            # llm-d's latency producer works from the approximate producer it auto-creates; so here.
+            self.add(APPROX_PRODUCER_TYPE, self.free_name(APPROX_PRODUCER_TYPE), {"publishTierMatch": True}, "plugins",
+                     auto_created="the prefix match in tokens by tier for predicted-ttft-scorer (llm-d's latency "
+                                  "plugins auto-create an approximate producer too)")
 
     def _add_mapped(self, llmd_type: str, name: str, params: Mapping[str, Any] | None, path: str) -> None:
         """An llm-d type served by our nearest equivalent (or by no plugin), with its notices."""
@@ -122,6 +140,7 @@ class PluginSet:
                            f"{PRECISE_PRODUCER_TYPE} and a prefix-cache-scorer named {name!r} that reads it")
         producer_params, taken, notes = self._precise(name, params, path, token_producer)
         producer = self.free_name(f"{name}-producer")
+        self.wrapper_producers[name] = producer
         self.add(PRECISE_PRODUCER_TYPE, producer, producer_params, path,
                  auto_created=f"the producer half of the deprecated {PRECISE_WRAPPER_TYPE} {name!r}",
                  mapping=mapping_line(PRECISE_PRODUCER_TYPE, PRECISE_WRAPPER_TYPE, params, taken, notes))
@@ -176,6 +195,15 @@ class PluginSet:
             raise self.document.fail(path, f"unknown plugin {name!r}{did_you_mean(name, self.by_name)}; "
                                      f"defined plugins: {', '.join(self.by_name) or 'none'}")
         return entry
+
+    def extractor_ref(self, value: Any, path: str, allowed_types: tuple[str, ...]) -> Plugin:
+        """The extractor a `pluginRef` names; the deprecated precise wrapper's name means its producer half."""
+        if isinstance(value, str) and value in self.wrapper_producers:
+            producer = self.wrapper_producers[value]
+            self.document.note(path, f"{value!r} is the deprecated {PRECISE_WRAPPER_TYPE}; its producer half "
+                               f"{producer!r} is the extractor (as in llm-d)")
+            value = producer
+        return self.typed_ref(value, path, allowed_types)
 
     def typed_ref(self, value: Any, path: str, allowed_types: tuple[str, ...]) -> Plugin:
         """The plugin a `pluginRef` names, which must be of one of `allowed_types`."""

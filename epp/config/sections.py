@@ -161,8 +161,8 @@ def data_layer(document: Document, plugins: PluginSet, doc: Mapping[str, Any]
                                                      "extractors")):
             ex_path = f"{path}.extractors[{j}]"
             ex_item = document.mapping(raw_ex, ex_path, ("pluginRef",), required=("pluginRef",))
-            extractors.append(plugins.typed_ref(ex_item["pluginRef"], f"{ex_path}.pluginRef",
-                                                EXTRACTOR_TYPES[entry.type_name]))
+            extractors.append(plugins.extractor_ref(ex_item["pluginRef"], f"{ex_path}.pluginRef",
+                                                    EXTRACTOR_TYPES[entry.type_name]))
         if entry.type_name == METRICS_SOURCE_TYPE:
             if not extractors:
                 raise document.fail(f"{path}.extractors", "a metrics source needs core-metrics-extractor: without "
