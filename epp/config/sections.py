@@ -27,6 +27,7 @@ ALWAYS_ON_GATES = {
     "haPopulateNonLeaderDatastore": "every picker replica keeps its endpoints and their metrics, leader or not",
     "enableLegacyMetrics": "GIE's legacy metrics path reads the same vLLM series this scraper reads",
     "dataLayer": "GIE's deprecated gate; the data layer is always on",
+    "prepareDataPlugins": "data producers always run before scheduling here",
 }
 DATA_LAYER_FIELDS = ("injectDefaults", "sources", "discovery", "crossReplica")
 DISCOVERY_FIELDS = ("endpoints", "peers")
