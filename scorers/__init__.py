@@ -39,11 +39,14 @@ def register_builtin_plugins(registry: PluginRegistry) -> None:
     registry.register_class(approx_prefix.ApproxPrefixCacheProducer, default_producer_for=[PREFIX_MATCH_INFO])
     registry.register_class(inflight.InflightLoadProducer, default_producer_for=[INFLIGHT_LOAD])
     # Plugins of modules that register themselves, each exporting `register(registry)`.
-    from epp.scorers import pd, predicted_ttft, prefix_home, probabilistic_admitter, rollout_screener, saturation
+    from epp.scorers import (pd, predicted_ttft, prefix_home, probabilistic_admitter, rollout_screener, saturation,
+                             session_routing, sessions)
 
     probabilistic_admitter.register(registry)
     rollout_screener.register(registry)
     saturation.register(registry)
+    sessions.register(registry)
+    session_routing.register(registry)
     prefix_home.register(registry)
     predicted_ttft.register(registry)
     pd.register(registry)

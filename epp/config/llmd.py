@@ -124,8 +124,29 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
         "shortest predicted prefill first, a TTFT objective's latest start, bounded by agingWindow; it can shed "
         "a request that can no longer meet its objective (docs/slo-dispatch.md)"),
     "global-strict-fairness-policy": LlmdType("one queue for every flow of a band"),
-    "round-robin-fairness-policy": LlmdType("flows of a band take turns"),
+    "round-robin-fairness-policy": LlmdType(
+        "flows of a band take turns, one request each",
+        "the turn order is the order flows became non-empty, not their ids sorted"),
     "static-usage-limit-policy": LlmdType("a fixed saturation ceiling per band"),
+    "priority-holdback-policy": LlmdType(
+        "stepped ceilings per priority, maxCeiling for the highest band down to minCeiling for the lowest "
+        "(domain rank or value)",
+        "the priorities are the configured bands and those requests used so far"),
+    "program-aware-fairness": LlmdType(
+        "least attained service across programs (fairness ids): lasWeightService x (1 - service) + "
+        "lasWeightHeadWait x head wait, service decayed by lasHalfLifeSeconds",
+        "lasDecayFactor (llm-d's older per-dispatch decay) is taken; a head that waited agingWindow (60s) goes "
+        "first; a turn's cached prefix is not charged (cachedTokenWeight: 1 gives llm-d's charge); program state "
+        "is capped at maxPrograms (docs/agentic.md)"),
+    "concurrency-detector": LlmdType(
+        "saturation = in-flight requests (or tokens, or hybrid) over maxConcurrency x endpoints; as a filter "
+        "keeps endpoints under the limit x (1 + headroom)",
+        "tokens are the prompt's; the counts are its own (inFlightLoadProducerName is checked, not read)"),
+    "agent-identity": LlmdType(
+        "the agent session from x-claude-code-session-id, x-session-affinity, session-id, session_id (after "
+        "additionalSessionHeaders) becomes the fairness id unless the client sent one",
+        "x-session-id and the body's session (prompt_cache_key, user, metadata.user_id) are read too; a sub-agent's "
+        "parentSessionHeader puts it in its parent's program; the session is published for routing (SESSION)"),
     # Data layer, parsers, test plugins
     "metrics-data-source": LlmdType("where endpoints' metrics are scraped: scheme, path, TLS, interval"),
     "core-metrics-extractor": LlmdType("reads vLLM's queue, running, KV-cache, LoRA and cache-config series",
@@ -195,17 +216,14 @@ REFUSED_TYPES: Mapping[str, str] = {
     "dcgm-extractor": "GPU telemetry (DCGM) is not read; kv-cache-utilization-scorer and utilization-detector rate "
                       "load from the model servers' own metrics",
     "request-attribute-reporter": "not implemented (CEL over usage into dynamic metadata)",
-    "agent-identity": "alpha in llm-d, not implemented",
     "vllmhttp-parser": "not implemented; vLLM's /v1 OpenAI paths go through openai-parser",
     "vllmgrpc-parser": "no gRPC model servers (HTTP only)",
     "vertexai-parser": "not implemented",
     "sglanghttp-parser": "SGLang is not supported (vLLM metrics and KV events only)",
-    "program-aware-fairness": "not implemented; round-robin-fairness-policy shares a band between flows",
-    "priority-holdback-policy": "alpha in llm-d, not implemented",
     "soft-reflective-ceiling-policy": "alpha in llm-d, not implemented",
-    "sheddable-eviction-filter": "alpha in llm-d; no eviction of dispatched requests",
-    "priority-then-time-eviction-order-policy": "alpha in llm-d; no eviction of dispatched requests",
-    "concurrency-detector": "not registered in this build; utilization-detector rates saturation",
+    "sheddable-eviction-filter": "built into flow control: flowControl.enableEviction evicts sheddable requests",
+    "priority-then-time-eviction-order-policy": "built into flow control: flowControl.enableEviction evicts the lowest "
+                                                "priority, newest dispatch first",
 }
 
 

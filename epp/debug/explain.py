@@ -165,6 +165,7 @@ async def explain(director: Director, parser: RequestParser, given: ExplainInput
                               body=given.body, subset_hint=given.subset_hint)
     pipeline = director.pipeline
     state = CycleState()
+    request = director.preprocess(state, request)  # its session and fairness id, as a real request gets them
     candidates = director.candidates(request)
     answer: dict[str, Any] = {
         "request": {"model": request.model, "target_model": request.target_model, "api": request.api.value,

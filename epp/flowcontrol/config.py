@@ -6,7 +6,8 @@ flowControl:
   maxBytes: 2Gi                # all bands together; 0 or absent = unlimited
   maxRequests: 1000            # all bands together; 0 or absent = unlimited
   defaultRequestTTL: 30s       # longest wait in the queue; 0 or absent = until the client leaves
-  usageLimitPolicyPluginRef: static-usage-limit-policy
+  usageLimitPolicyPluginRef: static-usage-limit-policy   # or priority-holdback-policy
+  enableEviction: false        # true: in-flight sheddable requests (priority < 0) may be evicted for higher bands
   defaultPriorityBand:         # template for priorities without their own band
     maxBytes: 1G
   priorityBands:
@@ -28,8 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from epp.flowcontrol.backlog import PrefillBacklogDetector
+from epp.flowcontrol.concurrency import ConcurrencyDetector
 from epp.flowcontrol.fairness import DEFAULT_FAIRNESS_POLICY, FAIRNESS_POLICIES, FairnessPolicy
 from epp.flowcontrol.ordering import DEFAULT_ORDERING_POLICY, ORDERING_POLICIES, OrderingPolicy
+from epp.flowcontrol.program_aware import ProgramAwareFairness
 from epp.flowcontrol.usage import DEFAULT_USAGE_LIMIT_POLICY, USAGE_LIMIT_POLICIES, UsageLimitPolicy
 from epp.framework import parse_duration
 from epp.framework.errors import ConfigError
@@ -38,7 +41,7 @@ from epp.framework.registry import PluginRegistry
 
 FEATURE_GATE = "flowControl"
 FLOW_CONTROL_FIELDS = ("maxBytes", "maxRequests", "defaultRequestTTL", "defaultPriorityBand", "priorityBands",
-                       "usageLimitPolicyPluginRef")
+                       "usageLimitPolicyPluginRef", "enableEviction")
 BAND_FIELDS = ("priority", "maxBytes", "maxRequests", "fairnessPolicyRef", "orderingPolicyRef")
 DEFAULT_BAND_FIELDS = tuple(f for f in BAND_FIELDS if f != "priority")
 DEFAULT_BAND_MAX_BYTES = 1_000_000_000  # GIE's per-band default
@@ -48,6 +51,10 @@ _SUFFIX = {None: 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15
            "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 
 P = TypeVar("P", bound=Plugin)
+
+# Every fairness policy type, program-aware-fairness included (it builds on the module of the others).
+FAIRNESS_TYPES: dict[str, type[FairnessPolicy]] = {**FAIRNESS_POLICIES,
+                                                    ProgramAwareFairness.type_name: ProgramAwareFairness}
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,8 @@ class FlowControlConfig:
         0, DEFAULT_BAND_MAX_BYTES, 0, FAIRNESS_POLICIES[DEFAULT_FAIRNESS_POLICY](),
         ORDERING_POLICIES[DEFAULT_ORDERING_POLICY]()))
     bands: tuple[BandConfig, ...] = ()
+    # llm-d's `enableEviction`: evict in-flight sheddable requests when a higher band is blocked.
+    enable_eviction: bool = False
 
     def band_for(self, priority: int) -> BandConfig:
         """The configured band of `priority`, or the default band's template for it."""
@@ -91,6 +100,9 @@ class FlowControlConfig:
         lines = [f"global: {limits(self.max_bytes, self.max_requests)}; defaultRequestTTL {ttl}",
                  f"usage limit policy: {self.usage_limit.name} (type {self.usage_limit.type_name}; "
                  f"{self.usage_limit.describe()})"]
+        if self.enable_eviction:
+            lines.append("eviction: in-flight sheddable requests (priority < 0) are evicted, lowest priority and newest "
+                         "first, while a higher band is blocked (429, x-llm-d-request-dropped-reason: evicted)")
         for band in sorted(self.bands, key=lambda b: -b.priority):
             lines.append(f"band priority {band.priority}: {limits(band.max_bytes, band.max_requests)}; "
                          f"fairness {band.fairness.name}, ordering {band.ordering.name}")
@@ -173,10 +185,10 @@ class _Parser:
                 raise self.fail(f"{path}.priority", f"is required and must be an integer, got {raw_priority!r}")
             priority = raw_priority
         fairness = (self.policy(item["fairnessPolicyRef"], f"{path}.fairnessPolicyRef", FairnessPolicy,
-                                FAIRNESS_POLICIES, "fairness policy")
+                                FAIRNESS_TYPES, "fairness policy")
                     if item.get("fairnessPolicyRef") is not None
                     else template.fairness if template else self.policy(
-                        DEFAULT_FAIRNESS_POLICY, path, FairnessPolicy, FAIRNESS_POLICIES, "fairness policy"))
+                        DEFAULT_FAIRNESS_POLICY, path, FairnessPolicy, FAIRNESS_TYPES, "fairness policy"))
         ordering = (self.policy(item["orderingPolicyRef"], f"{path}.orderingPolicyRef", OrderingPolicy,
                                 ORDERING_POLICIES, "ordering policy")
                     if item.get("orderingPolicyRef") is not None
@@ -212,7 +224,11 @@ class _Parser:
             if any(b.priority == band.priority for b in bands):
                 raise self.fail(f"{path}.priority", f"priority {band.priority} has two bands; allowed: one per priority")
             bands.append(band)
+        eviction = item.get("enableEviction", False)
+        if not isinstance(eviction, bool):
+            raise self.fail("flowControl.enableEviction", f"must be true or false, got {eviction!r}")
         return FlowControlConfig(
+            enable_eviction=eviction,
             max_bytes=self.quantity(item, "maxBytes", "flowControl", 0),
             max_requests=self.quantity(item, "maxRequests", "flowControl", 0),
             default_request_ttl=ttl_s, usage_limit=usage, default_band=default_band, bands=tuple(bands))
@@ -225,8 +241,9 @@ def parse_flow_control(raw: Any, *, source: str = "<config>", plugins: Mapping[s
 
 
 def register(registry: PluginRegistry) -> None:
-    """Entry point of the `epp.plugins` group: the flow-control policies and the prefill-backlog detector."""
-    for catalogue in (ORDERING_POLICIES, FAIRNESS_POLICIES, USAGE_LIMIT_POLICIES):
+    """Entry point of the `epp.plugins` group: the flow-control policies and the saturation detectors here."""
+    for catalogue in (ORDERING_POLICIES, FAIRNESS_TYPES, USAGE_LIMIT_POLICIES):
         for cls in catalogue.values():
             registry.register_class(cls)
     registry.register_class(PrefillBacklogDetector)
+    registry.register_class(ConcurrencyDetector)

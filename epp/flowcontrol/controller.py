@@ -21,13 +21,29 @@ The endpoint is chosen only when a request leaves the queue (the director schedu
 Scraped metrics lag the requests just sent, so the detector is shown each endpoint with the
 requests dispatched to it since its last scrape added to its waiting queue, and requests still
 being scheduled spread over the least-loaded endpoints; otherwise one stale snapshot would let a
-whole queue through at once.
+whole queue through at once. (`concurrency-detector` counts the picker's own requests itself and
+is told only of those still being scheduled.)
+
+The fairness policy hears of every request's course (queued, left, dispatched, finished with its
+token usage), which `program-aware-fairness` charges as attained service. Ceilings come from the
+usage-limit policy over every priority known (configured bands and those seen), as llm-d asks
+`priority-holdback-policy`.
+
+With `enableEviction` (llm-d's semantics), a band blocked by saturation while the next victim,
+an in-flight sheddable request (priority < 0; the lowest priority first, then the most recently
+dispatched), has a lower priority than the band, makes room: it evicts enough victims to bring
+saturation under the band's ceiling (estimating each at saturation / requests in flight; at least
+one, at most two per decision), then waits until every evicted stream has ended and a grace has
+passed (10 ms for `concurrency-detector`, whose counts drop at once; 500 ms for scraped
+detectors) or 10 s, before deciding again. An evicted request's stream is answered 429 with
+`x-llm-d-request-dropped-reason: evicted` (the ext_proc server watches `eviction_signal`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import heapq
 import itertools
 import logging
 import math
@@ -36,21 +52,34 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from epp.flowcontrol.concurrency import ConcurrencyDetector
 from epp.flowcontrol.config import FlowControlConfig
+from epp.flowcontrol.fairness import ServiceUsage
 from epp.flowcontrol.metrics import FlowControlMetrics
 from epp.flowcontrol.ordering import QueuedRequest, SLODeadlineOrderingPolicy
 from epp.flowcontrol.queues import PriorityBand
+from epp.framework.datakeys import PREFIX_MATCH_INFO, PREFIX_TIER_MATCH
 from epp.framework.errors import DropReason, ErrorCode, InferenceError
-from epp.framework.load import InflightLedger
-from epp.framework.types import Endpoint, InferenceRequest
+from epp.framework.load import InflightLedger, estimate_prompt_tokens
+from epp.framework.plugin import CycleState
+from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 
 log = logging.getLogger(__name__)
 
 CAPACITY_MESSAGE = "request rejected by flow control: queue capacity exceeded"
 TTL_MESSAGE = "request timed out in queue"
 SHUTDOWN_MESSAGE = "the endpoint picker is shutting down"
+EVICTED_MESSAGE = "request evicted by flow control: its capacity went to a higher-priority request"
 # Envoy's own deadline for the request (set from the route timeout): the EDF ordering uses it.
 ENVOY_TIMEOUT_HEADER = "x-envoy-expected-rq-timeout-ms"
+# Where `admit` leaves a request's Dispatch in its CycleState (completion and eviction find it there).
+DISPATCH_STATE_KEY = "epp.flowcontrol/dispatch"
+# llm-d's eviction pacing: victims per decision, and how long an unconfirmed one holds the next decision.
+MAX_EVICTIONS_PER_DECISION = 2
+EVICTION_CONFIRMATION_TIMEOUT_S = 10.0
+# After a victim's stream ended: until its room shows in the detector (llm-d's values).
+EVICTION_GRACE_COUNTING_S = 0.01  # concurrency-detector: its counts drop with the stream
+EVICTION_GRACE_SCRAPED_S = 0.5  # scraped detectors: the engine frees the KV, then a scrape shows it
 
 
 class SaturationDetector(Protocol):
@@ -89,18 +118,35 @@ def shed_in_queue_message(waited_s: float, service_s: float, objective_s: float)
 class Dispatch:
     """A request let through: `placed` must be called once scheduling has picked (or failed to pick)."""
 
-    __slots__ = ("_controller", "_done")
+    __slots__ = ("_controller", "_done", "item", "band", "state", "endpoint", "finished", "evicted",
+                 "request", "dispatched_seq")
 
-    def __init__(self, controller: FlowController) -> None:
+    def __init__(self, controller: FlowController, item: QueuedRequest | None = None,
+                 band: PriorityBand | None = None) -> None:
         self._controller = controller
         self._done = False
+        self.item = item
+        self.band = band
+        self.state: CycleState | None = None
+        self.endpoint: str | None = None
+        self.finished = False
+        # Resolved when flow control evicts the request (only sheddable requests under enableEviction get one).
+        self.evicted: asyncio.Future[None] | None = None
+        self.request: InferenceRequest | None = None
+        self.dispatched_seq = 0
 
     def placed(self, endpoint: str | None) -> None:
         """Scheduling sent the request to `endpoint` (None: it failed and holds no room)."""
         if self._done:
             return
         self._done = True
-        self._controller._placed(endpoint)
+        self._controller._placed(self, endpoint)
+
+
+def eviction_signal(state: CycleState) -> asyncio.Future[None] | None:
+    """The future that resolves when flow control evicts this request (None: it cannot be evicted)."""
+    dispatch = state.get(DISPATCH_STATE_KEY)
+    return dispatch.evicted if isinstance(dispatch, Dispatch) else None
 
 
 class FlowController:
@@ -126,6 +172,16 @@ class FlowController:
         self._sequence = itertools.count()
         self._wake_scheduled = False
         self._in_cycle = False
+        # Placed requests not finished yet, and those of them that may be evicted (a heap: lowest
+        # priority, then newest dispatch first; finished ones are dropped lazily).
+        self.inflight = 0
+        self._evictable: list[tuple[int, int, Dispatch]] = []
+        self._dispatch_seq = itertools.count()
+        self._outstanding: dict[Dispatch, tuple[float, float]] = {}  # evicted, stream not ended: (issued, credit)
+        self._cooling: list[tuple[float, float]] = []  # ended, room not visible yet: (until, credit)
+        self._pending_reclaim = 0.0
+        self.eviction_grace_s = (EVICTION_GRACE_COUNTING_S if isinstance(detector, ConcurrencyDetector)
+                                 else EVICTION_GRACE_SCRAPED_S)
 
     # -- admission ------------------------------------------------------------------------------
 
@@ -142,10 +198,11 @@ class FlowController:
         return ordering.ttft_objective_s if isinstance(ordering, SLODeadlineOrderingPolicy) else None
 
     async def admit(self, request: InferenceRequest, size_bytes: int,
-                    predicted: PredictedLatency | None = None) -> Dispatch:
+                    predicted: PredictedLatency | None = None, *, state: CycleState | None = None) -> Dispatch:
         """Wait for room; raise InferenceError 429 (over capacity, or shed) or 503 (TTL, or objective missed).
 
         `predicted`: the request's predicted latency (see `wants_prediction`). Cancel = leave the queue.
+        `state`: the request's CycleState, where the Dispatch is kept for its completion and eviction.
         """
         band = self._band(request.priority)
         labels = (request.priority, request.fairness_id)
@@ -171,6 +228,7 @@ class FlowController:
                              service_s=predicted.service_s if predicted is not None else 0.0,
                              ttft_deadline=now + objective if objective is not None else math.inf)
         band.push(item)
+        band.fairness.on_enqueue(item, now)
         self.queued_requests += 1
         self.queued_bytes += size_bytes
         self.metrics.queued(*labels, size_bytes, 1)
@@ -181,7 +239,12 @@ class FlowController:
             latest = item.ttft_deadline - item.service_s
             timers.append(loop.call_later(max(0.0, latest - now), self._objective_missed, band, item, objective))
         try:
-            return await item.waiter
+            dispatch: Dispatch = await item.waiter
+            dispatch.request = request
+            if state is not None:
+                dispatch.state = state
+                state.put(DISPATCH_STATE_KEY, dispatch)
+            return dispatch
         except asyncio.CancelledError:
             if item.waiter.done() and not item.waiter.cancelled() and item.waiter.exception() is None:
                 item.waiter.result().placed(None)  # let through, but the client left before scheduling
@@ -213,7 +276,12 @@ class FlowController:
         if any(self._bands[p].requests for p in self._priorities if p >= band.priority):
             return True
         saturation = self.saturation()
-        return saturation >= self.config.usage_limit.ceiling(band.priority, saturation)
+        return saturation >= self._ceilings(saturation).get(band.priority, 1.0)
+
+    def _ceilings(self, saturation: float) -> dict[int, float]:
+        """The usage-limit policy's ceiling of every priority known: configured bands and those seen."""
+        priorities = sorted({*self._priorities, *(b.priority for b in self.config.bands)}, reverse=True)
+        return self.config.usage_limit.ceilings(priorities, saturation)
 
     def _band(self, priority: int) -> PriorityBand:
         band = self._bands.get(priority)
@@ -228,6 +296,7 @@ class FlowController:
 
     def _leave(self, band: PriorityBand, item: QueuedRequest, outcome: str) -> None:
         band.discard(item)
+        band.fairness.on_leave(item, self.clock())
         self.queued_requests -= 1
         self.queued_bytes -= item.size_bytes
         self.metrics.queued(item.priority, item.fairness_id, item.size_bytes, -1)
@@ -268,9 +337,41 @@ class FlowController:
         self._wake_scheduled = False
         self._cycle()
 
-    def on_request_complete(self) -> None:
-        """A dispatched request finished: a replica may have room."""
+    def on_request_complete(self, state: CycleState | None = None, response: ResponseInfo | None = None) -> None:
+        """A dispatched request finished (its `state` names its Dispatch; `response`: its usage): a replica may have room."""
+        dispatch = state.get(DISPATCH_STATE_KEY) if state is not None else None
+        if isinstance(dispatch, Dispatch) and dispatch.endpoint is not None and not dispatch.finished:
+            dispatch.finished = True
+            self.inflight -= 1
+            now = self.clock()
+            if dispatch.item is not None and dispatch.band is not None:
+                dispatch.band.fairness.on_complete(dispatch.item, self._usage(dispatch, response), now)
+            issued = self._outstanding.pop(dispatch, None)
+            if issued is not None:  # an evicted request's stream ended: its room shows after the grace
+                self._cooling.append((now + self.eviction_grace_s, issued[1]))
+                self.metrics.evictions.labels(str(dispatch.item.priority if dispatch.item else 0), "confirmed").inc()
+                self._wake_later(self.eviction_grace_s)
         self.wake()
+
+    def _usage(self, dispatch: Dispatch, response: ResponseInfo | None) -> ServiceUsage:
+        """What the finished request cost: the server's usage, else the picker's estimates (prompt, prefix match)."""
+        usage = response.usage if response is not None and isinstance(response.usage, dict) else {}
+        prompt = _tokens(usage.get("prompt_tokens", usage.get("input_tokens")))
+        completion = _tokens(usage.get("completion_tokens", usage.get("output_tokens"))) or 0
+        details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+        cached = _tokens(details.get("cached_tokens")) if isinstance(details, dict) else None
+        state, endpoint = dispatch.state, dispatch.endpoint
+        if cached is None and state is not None and endpoint is not None:
+            tier = state.endpoint_data(PREFIX_TIER_MATCH, endpoint)
+            info = state.endpoint_data(PREFIX_MATCH_INFO, endpoint)
+            if tier is not None:
+                cached = tier.cached_tokens
+                prompt = prompt if prompt is not None else tier.total_tokens
+            elif info is not None:
+                cached = int(info.matched_blocks * info.block_size_tokens)
+        if prompt is None:
+            prompt = estimate_prompt_tokens(dispatch.request) if dispatch.request is not None else 0
+        return ServiceUsage(prompt, min(cached or 0, prompt), completion)
 
     def on_metrics_update(self, *_args: object) -> None:
         """An endpoint's metrics (or the set of endpoints) changed: the detector may see room."""
@@ -287,29 +388,125 @@ class FlowController:
                 band = next((self._bands[p] for p in self._priorities if self._bands[p].requests), None)
                 if band is None:
                     return
-                if saturation >= self.config.usage_limit.ceiling(band.priority, saturation):
-                    return  # head-of-line blocking: nothing below this band may pass it
-                flow = band.next_flow()
+                ceilings = self._ceilings(saturation)
+                if saturation >= ceilings.get(band.priority, 1.0):
+                    # Head-of-line blocking: nothing below this band may pass it.
+                    if self.config.enable_eviction:
+                        self._maybe_evict(saturation, ceilings)
+                    return
+                now = self.clock()
+                flow = band.next_flow(now)
                 if flow is None:
                     return
                 item = band.pop(flow)
+                band.fairness.on_dispatch(item, now)
                 self.queued_requests -= 1
                 self.queued_bytes -= item.size_bytes
                 self.metrics.queued(item.priority, item.fairness_id, item.size_bytes, -1)
-                self.metrics.finished(item.priority, "dispatched", self.clock() - item.enqueued)
+                self.metrics.finished(item.priority, "dispatched", now - item.enqueued)
                 self._unplaced += 1
-                item.waiter.set_result(Dispatch(self))
+                item.waiter.set_result(Dispatch(self, item, band))
         finally:
             self._in_cycle = False
 
-    def _placed(self, endpoint: str | None) -> None:
+    def _placed(self, dispatch: Dispatch, endpoint: str | None) -> None:
         self._unplaced -= 1
         if endpoint is None:
+            if dispatch.item is not None and dispatch.band is not None:
+                dispatch.band.fairness.on_complete(dispatch.item, None, self.clock())
             self.wake()
+            return
+        dispatch.endpoint = endpoint
+        self.inflight += 1
+        item = dispatch.item
+        if self.config.enable_eviction and item is not None and item.priority < 0:
+            dispatch.evicted = asyncio.get_running_loop().create_future()
+            dispatch.dispatched_seq = next(self._dispatch_seq)
+            heapq.heappush(self._evictable, (item.priority, -dispatch.dispatched_seq, dispatch))
+        # Lazy deletion keeps the heap cheap; compact when finished victims dominate so it stays bounded.
+        if len(self._evictable) > 2 * self.inflight + 16:
+            self._evictable = [e for e in self._evictable if not e[2].finished and not _is_evicted(e[2])]
+            heapq.heapify(self._evictable)
+
+    # -- eviction (enableEviction) ------------------------------------------------------------
+
+    def _wake_later(self, delay_s: float) -> None:
+        try:
+            asyncio.get_running_loop().call_later(delay_s, self.wake)
+        except RuntimeError:
+            pass  # no loop: the next event runs a cycle
+
+    def _victim(self) -> Dispatch | None:
+        """The next request eviction would take (finished or already evicted ones are dropped)."""
+        heap = self._evictable
+        while heap and (heap[0][2].finished or _is_evicted(heap[0][2])):
+            heapq.heappop(heap)
+        return heap[0][2] if heap else None
+
+    def _gate_open(self, now: float) -> bool:
+        """Stop-and-wait pacing: no decision while an eviction is unconfirmed or its room is not visible yet."""
+        for dispatch, (issued, credit) in list(self._outstanding.items()):
+            if now - issued >= EVICTION_CONFIRMATION_TIMEOUT_S:
+                del self._outstanding[dispatch]
+                self._cooling.append((now + self.eviction_grace_s, credit))
+                self.metrics.evictions.labels(str(dispatch.item.priority if dispatch.item else 0), "timed_out").inc()
+        kept = []
+        for until, credit in self._cooling:
+            if until <= now:
+                self._pending_reclaim = max(0.0, self._pending_reclaim - credit)
+            else:
+                kept.append((until, credit))
+        self._cooling = kept
+        return not self._outstanding and not self._cooling
+
+    def _maybe_evict(self, saturation: float, ceilings: dict[int, float]) -> None:
+        """A band is blocked: evict in-flight sheddable requests of lower priority if a blocked band waits."""
+        now = self.clock()
+        if not self._gate_open(now):
+            return
+        victim = self._victim()
+        if victim is None or victim.item is None:
+            return
+        for priority in self._priorities:
+            if priority <= victim.item.priority:
+                return
+            ceiling = ceilings.get(priority, 1.0)
+            # A zero ceiling forbids the band whatever the load: no eviction can open it.
+            if ceiling <= 0 or saturation < ceiling or not self._bands[priority].requests:
+                continue
+            self._evict(saturation, ceiling, priority, now)
+            return
+
+    def _evict(self, saturation: float, ceiling: float, demand_priority: int, now: float) -> None:
+        evictable = sum(1 for _, _, d in self._evictable if not d.finished and not _is_evicted(d))
+        if self.inflight <= 0 or evictable <= 0:
+            return
+        credit = saturation / self.inflight  # one request's share of the saturation
+        if not (credit > 0 and math.isfinite(credit)):
+            return
+        target = saturation - ceiling - self._pending_reclaim
+        if target < 0:
+            return
+        count = min(max(1, math.ceil(target / credit)), MAX_EVICTIONS_PER_DECISION, evictable)
+        for _ in range(count):
+            victim = self._victim()
+            if victim is None or victim.item is None or victim.item.priority >= demand_priority:
+                break
+            heapq.heappop(self._evictable)
+            self._outstanding[victim] = (now, credit)
+            self._pending_reclaim += credit
+            self.metrics.evictions.labels(str(victim.item.priority), "issued").inc()
+            if victim.evicted is not None and not victim.evicted.done():
+                victim.evicted.set_result(None)
+            log.info("flow control evicted request %s (priority %d) for a blocked band of priority %d",
+                     victim.item.request_id, victim.item.priority, demand_priority)
+        self._wake_later(EVICTION_CONFIRMATION_TIMEOUT_S)
 
     def saturation(self) -> float:
         """The detector's rating of the pool, counting dispatches its metrics do not show yet."""
         endpoints = [ep for ep in self.pool.snapshot() if ep.healthy]
+        if isinstance(self.detector, ConcurrencyDetector):
+            return self.detector.saturation_with_pending(endpoints, self._unplaced)
         if not endpoints:
             return self.detector.saturation(endpoints)
         extra = [self.ledger.load(ep).unseen_requests for ep in endpoints]
@@ -336,7 +533,7 @@ class FlowController:
         """
         self.closed = True
         for band in self._bands.values():
-            while (flow := band.next_flow()) is not None:
+            while (flow := band.next_flow(self.clock())) is not None:
                 item = band.pop(flow)
                 item.removed = True  # a cancellation racing this answer must not leave the queue twice
                 self.queued_requests -= 1
@@ -350,8 +547,18 @@ class FlowController:
         """Queue lengths and bounds per priority band, for `GET /debug/state` (no fairness ids: clients choose them)."""
         bands = [self._bands[p] for p in self._priorities]
         return {"queued_requests": self.queued_requests, "queued_bytes": self.queued_bytes,
-                "dispatched_unplaced": self._unplaced, "max_requests": self.config.max_requests,
+                "dispatched_unplaced": self._unplaced, "inflight": self.inflight,
+                "evictions_outstanding": len(self._outstanding), "max_requests": self.config.max_requests,
                 "max_bytes": self.config.max_bytes,
                 "bands": [{"priority": band.priority, "requests": band.requests, "bytes": band.bytes,
                            "flows": len(band.flows), "max_requests": band.max_requests, "max_bytes": band.max_bytes}
                           for band in bands]}
+
+
+def _is_evicted(dispatch: Dispatch) -> bool:
+    return dispatch.evicted is not None and dispatch.evicted.done()
+
+
+def _tokens(value: object) -> int | None:
+    """A token count from a usage object, or None when it is not one."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None

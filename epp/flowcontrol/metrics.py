@@ -47,6 +47,11 @@ class FlowControlMetrics:
             "epp_flow_control_slo_shed",
             "Requests answered at once because they could no longer meet their TTFT objective while the pool "
             "was saturated, by priority and where (admission: 429, queue: 503).", ["priority", "stage"], registry=r)
+        self.evictions = Counter(
+            "epp_flow_control_evictions",
+            "In-flight sheddable requests evicted to make room for a blocked higher band (enableEviction), by the "
+            "victim's priority and outcome (issued; confirmed: its stream ended; timed_out: no end seen in time).",
+            ["priority", "outcome"], registry=r)
         self.longest_wait = Gauge(
             "epp_flow_control_longest_wait_seconds",
             "The longest time any request spent in the flow-control queue (any outcome) since the picker started.",

@@ -89,11 +89,11 @@ class PriorityBand:
         self.bytes += item.size_bytes
         return flow
 
-    def next_flow(self) -> FlowQueue | None:
-        """The flow the fairness policy serves next (None when the band is empty)."""
+    def next_flow(self, now: float = 0.0) -> FlowQueue | None:
+        """The flow the fairness policy serves next (None when the band is empty); `now`: the controller's clock."""
         if not self.requests:
             return None
-        return self.fairness.pick(self.flows, self.ordering)
+        return self.fairness.pick(self.flows, self.ordering, now)
 
     def pop(self, flow: FlowQueue) -> QueuedRequest:
         item = flow.pop()

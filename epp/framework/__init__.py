@@ -25,7 +25,7 @@ from epp.framework.datakeys import (
 from epp.framework.durations import parse_duration
 from epp.framework.endpoints import EndpointListener, EndpointSource
 from epp.framework.errors import DROP_REASON_HEADER, ConfigError, DropReason, ErrorCode, InferenceError
-from epp.framework.headers import PREFILLER_HOST_PORT_HEADER
+from epp.framework.headers import FAIRNESS_ID_HEADERS, PREFILLER_HOST_PORT_HEADER
 from epp.framework.load import (
     NO_LOAD,
     Booking,
@@ -48,6 +48,7 @@ from epp.framework.plugin import (
     PreRequestHook,
     ProfileHandler,
     ProfileRunResult,
+    RequestPreprocessor,
     ResponseCompleteHook,
     ResponseHeadersHook,
     SaturationDetector,
@@ -71,10 +72,11 @@ __all__ = [
     "Admitter", "ApiKind", "Booking", "CapacityGate", "ConfigError", "CycleState", "DROP_REASON_HEADER", "DataKey",
     "DataProducer", "DecisionSharing", "DropReason", "Endpoint", "EndpointListener", "EndpointLoad", "EndpointMetrics",
     "EndpointSource",
-    "ErrorCode", "Filter", "INFLIGHT_LOAD", "InferenceError", "InferenceRequest", "InflightLedger", "InflightLoad",
+    "ErrorCode", "FAIRNESS_ID_HEADERS", "Filter", "INFLIGHT_LOAD", "InferenceError", "InferenceRequest", "InflightLedger", "InflightLoad",
     "NO_LOAD", "PREFILLER_HOST_PORT_HEADER", "PREFIX_CACHE_FREE_BLOCKS", "PREFIX_HOME", "PREFIX_MATCH_INFO",
     "PREFIX_TIER_MATCH", "PROMPT_TOKENS", "Picker", "Plugin", "PluginContext", "PluginParams", "PluginRegistry", "PluginSpec",
-    "PreRequestHook", "PrefixMatchInfo", "PromptTokens", "ProfileHandler", "ProfileRunResult", "ResponseCompleteHook",
+    "PreRequestHook", "PrefixMatchInfo", "PromptTokens", "ProfileHandler", "ProfileRunResult", "RequestPreprocessor",
+    "ResponseCompleteHook",
     "ResponseHeadersHook", "ResponseInfo", "SESSION", "SaturationDetector", "SchedulingResult", "ScoredEndpoint", "Scorer",
     "SessionKey", "TierMatch", "clamp_score", "default_registry", "estimate_prompt_tokens", "once_per_registry", "parse_duration",
     "prompt_characters", "publish_home",

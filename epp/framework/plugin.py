@@ -246,6 +246,18 @@ class DataProducer(Plugin):
         raise NotImplementedError
 
 
+class RequestPreprocessor(Plugin):
+    """Runs once per parsed request, before admission and flow control; may return it with fields replaced.
+
+    A session producer (`agent-identity`) reads the request's session here, publishes it in
+    `CycleState` (`SESSION`) and returns the request with its fairness id set, so that flow
+    control queues it under its session. Must be bounded CPU work (it runs on the event loop).
+    """
+
+    def preprocess(self, state: CycleState, request: InferenceRequest) -> InferenceRequest:
+        raise NotImplementedError
+
+
 class Admitter(Plugin):
     """May refuse a request before scheduling by raising `InferenceError`.
 

@@ -21,7 +21,7 @@ from epp.framework.load import (
     estimate_prompt_tokens,
     prompt_characters,
 )
-from epp.framework.plugin import Admitter, CycleState, ResponseCompleteHook, SchedulingResult
+from epp.framework.plugin import Admitter, CycleState, RequestPreprocessor, ResponseCompleteHook, SchedulingResult
 from epp.framework.scheduler import PluginTimer
 from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 from epp.logutil import log_failure
@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 PREPARE_DATA_TIMEOUT_S = 0.4
 # Where the director keeps a request's in-flight booking in its CycleState.
 BOOKING_STATE_KEY = "epp.requestcontrol/inflight-booking"
+# Set in a CycleState once its request went through the preprocessors (they run once per request).
+PREPROCESSED_STATE_KEY = "epp.requestcontrol/preprocessed"
 
 
 def match_subset(endpoints: Sequence[Endpoint], hint: Sequence[str]) -> list[Endpoint]:
@@ -78,6 +80,8 @@ class Director:
         # What predicts a request's latency before it queues (slo-deadline-ordering-policy): predicted-ttft-scorer.
         self.latency_predictor = next((e.plugin for e in pipeline.plugins if hasattr(e.plugin, "predict_latency")),
                                       None)
+        # Session producers (agent-identity): they set the fairness id before flow control reads it.
+        self.preprocessors = tuple(e.plugin for e in pipeline.plugins if isinstance(e.plugin, RequestPreprocessor))
 
     def candidates(self, request: InferenceRequest) -> list[Endpoint]:
         """Healthy, awake pool endpoints, narrowed by the request's subset hint, known load preferred.
@@ -108,15 +112,30 @@ class Director:
             endpoints = prefer_fresh(endpoints, self.metrics_freshness_s)
         return random.choice(endpoints)
 
+    def preprocess(self, state: CycleState, request: InferenceRequest) -> InferenceRequest:
+        """The request as the preprocessors return it (its session's fairness id); once per CycleState."""
+        if state.get(PREPROCESSED_STATE_KEY):
+            return request
+        state.put(PREPROCESSED_STATE_KEY, True)
+        for plugin in self.preprocessors:
+            t0 = time.perf_counter()
+            try:
+                request = plugin.preprocess(state, request)
+            except Exception as exc:  # a broken session reader must not fail the request: it keeps its flow
+                log_failure(log, logging.ERROR, "request preprocessor %s failed", exc, plugin.name)
+            self.metrics.observe_plugin("Preprocess", plugin, time.perf_counter() - t0)
+        return request
+
     async def schedule(self, state: CycleState, request: InferenceRequest, size_bytes: int = 0) -> SchedulingResult:
         """Pick the target endpoints of a request or raise `InferenceError` (`size_bytes`: its body)."""
+        request = self.preprocess(state, request)
         flow_control = self.pipeline.flow_controller
         if flow_control is None:
             return await self._schedule(state, request)
         predicted = await self._predict(request) if flow_control.wants_prediction(request) else None
         # Waits while the pool is saturated; the endpoint is chosen after it (late binding, the view of then).
         with tracing.of(state).step("epp.flow_control"):
-            dispatch: Dispatch = await flow_control.admit(request, size_bytes, predicted)
+            dispatch: Dispatch = await flow_control.admit(request, size_bytes, predicted, state=state)
         target = None
         try:
             result = await self._schedule(state, request)
@@ -249,7 +268,7 @@ class Director:
                           response: ResponseInfo, target: Endpoint | None) -> None:
         """Run the completion hooks once per picked request, also when the stream died."""
         if self.pipeline.flow_controller is not None:
-            self.pipeline.flow_controller.on_request_complete()
+            self.pipeline.flow_controller.on_request_complete(state, response)
         try:
             # No response header seen: the request may still run there (request-only Envoy mode,
             # or the client left), so it counts until the endpoint's next scrape shows it.

@@ -135,7 +135,8 @@ class RequestLifecycle:
 
     async def schedule(self, request: InferenceRequest, size_bytes: int) -> SchedulingResult:
         """Count the request, then pick its endpoints (raises `InferenceError` when none may serve it)."""
-        self.request = request
+        # The request as the session producers see it (its fairness id), for scheduling and every hook after.
+        request = self.request = self.director.preprocess(self.state, request)
         series = self.series = self.accounting.series(request.model, request.target_model)
         self.accounting.received(series, request.priority, size_bytes)
         result = await self.director.schedule(self.state, request, size_bytes)

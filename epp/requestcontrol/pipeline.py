@@ -18,6 +18,7 @@ from epp.framework.plugin import (
                                   Plugin,
                                   PreRequestHook,
                                   ProfileHandler,
+                                  RequestPreprocessor,
                                   ResponseCompleteHook,
                                   ResponseHeadersHook,
                                   SaturationDetector,
@@ -166,5 +167,6 @@ def plugin_kinds(plugin: Plugin) -> list[str]:
     kinds = [("filter", Filter), ("scorer", Scorer), ("picker", Picker), ("profile-handler", ProfileHandler),
              ("data-producer", DataProducer), ("admitter", Admitter), ("pre-request", PreRequestHook),
              ("response-headers", ResponseHeadersHook), ("response-complete", ResponseCompleteHook),
-             ("capacity-gate", CapacityGate), ("saturation-detector", SaturationDetector)]
+             ("capacity-gate", CapacityGate), ("saturation-detector", SaturationDetector),
+             ("preprocessor", RequestPreprocessor)]
     return [label for label, cls in kinds if isinstance(plugin, cls)]

@@ -23,6 +23,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf.message import DecodeError
 
 from epp.debug.scores import ENDPOINT_SCORES_KEY, endpoint_scores_of
+from epp.flowcontrol.controller import EVICTED_MESSAGE, eviction_signal
 from epp.framework.errors import DropReason, ErrorCode, InferenceError
 from epp.limits import Limits
 from epp.logutil import Throttled, log_failure
@@ -85,6 +86,10 @@ def carries_token(chunk: bytes) -> bool:
     return not (b'"role"' in chunk and b'"content":""' in chunk and chunk.count(b"data:") <= 1)
 
 
+class _Evicted(Exception):
+    """Flow control evicted the stream's request (enableEviction): it is answered 429 and the stream ends."""
+
+
 class _Stream:
     """Transport state of one ext_proc stream (one HTTP request and its response).
 
@@ -94,7 +99,7 @@ class _Stream:
 
     __slots__ = ("service", "life", "headers", "body_parts", "body_size", "subset_hint", "request_id",
                  "rewriter", "response_parts", "response_size", "passthrough", "rejected", "response_body_sent",
-                 "trace", "grpc_metadata")
+                 "trace", "grpc_metadata", "eviction")
 
     def __init__(self, service: ExtProcService) -> None:
         self.service = service
@@ -114,6 +119,8 @@ class _Stream:
         self.trace: RequestTrace | NoTrace = NO_TRACE
         # The stream's gRPC metadata, kept when tracing: a tracing Envoy puts its own trace context there.
         self.grpc_metadata: tuple[tuple[str, Any], ...] = ()
+        # Resolved if flow control evicts the request once it runs (sheddable requests under enableEviction).
+        self.eviction: asyncio.Future[None] | None = None
 
     @property
     def scheduled(self) -> bool:
@@ -166,6 +173,7 @@ class _Stream:
         trace.parsed(request)
         life = self.life
         result = await life.schedule(request, len(body))
+        self.eviction = eviction_signal(life.state)
         targets = result.targets
         destination = ",".join(ep.hostport for ep in targets)
         set_headers = [(messages.DESTINATION_ENDPOINT_HEADER, destination), (REQUEST_ID_HEADER, self.request_id),
@@ -317,9 +325,25 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
     async def _read(self, context: grpc.aio.ServicerContext, stream: _Stream) -> Any:
         """The next message; waits at most the idle timeout while the request is not answered yet."""
         if stream.scheduled:
-            return await context.read()
+            if stream.eviction is None or stream.life.finished:
+                return await context.read()
+            return await self._read_unless_evicted(context, stream.eviction)
         async with asyncio.timeout(self.limits.stream_idle_timeout_s):
             return await context.read()
+
+    @staticmethod
+    async def _read_unless_evicted(context: grpc.aio.ServicerContext, evicted: asyncio.Future[None]) -> Any:
+        """The next message, or `_Evicted` when flow control evicts the request first."""
+        read = asyncio.ensure_future(context.read())
+        try:
+            await asyncio.wait((read, evicted), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            read.cancel()
+            raise
+        if read.done():
+            return read.result()
+        read.cancel()
+        raise _Evicted
 
     async def Process(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         stream = _Stream(self)
@@ -351,6 +375,12 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                     replies = self._on_failure(stream, req, exc)
                 for reply in replies:
                     await context.write(reply)
+        except _Evicted:
+            # llm-d's answer: 429 with the reason header; Envoy resets the upstream request, which frees its KV.
+            metrics.stream_errors.labels("evicted").inc()
+            err = InferenceError(ErrorCode.RESOURCE_EXHAUSTED, EVICTED_MESSAGE, drop_reason=DropReason.EVICTED)
+            stream.trace.failed(err.code, err.message)
+            await context.write(messages.error_response(err, stream.headers.get(":path")))
         except TimeoutError:
             metrics.stream_errors.labels("idle").inc()
             if not stream.rejected:

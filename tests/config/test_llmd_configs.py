@@ -241,8 +241,8 @@ REFUSED = [
     (LLMD + "plugins:\n- type: redis-state-store\n",
      "epp.yaml: plugins[0].type: llm-d plugin type 'redis-state-store' is not supported here: cross-replica syncers "
      "are not supported"),
-    (LLMD + "flowControl: {enableEviction: true}\n",
-     "epp.yaml: flowControl.enableEviction: not supported: dispatched requests are never evicted"),
+    (LLMD + "flowControl: {enableEviction: sometimes}\n",
+     "epp.yaml: flowControl.enableEviction: must be true or false, got 'sometimes'"),
     (LLMD + "featureGates: [haPopulateNonLeaderDatastore=false]\n",
      "epp.yaml: featureGates[0]: haPopulateNonLeaderDatastore=false is not supported"),
     (LLMD + "featureGates: [flowControl=yes]\n",

@@ -75,7 +75,7 @@ flowControl:
      "maxRequests, fairnessPolicyRef, orderingPolicyRef"),
     ("{priorityBands: [{priority: 1, fairnessPolicyRef: fair-share}]}",
      "fc.yaml: flowControl.priorityBands[0].fairnessPolicyRef: unknown fairness policy 'fair-share'; allowed: "
-     "a plugin of type global-strict-fairness-policy, round-robin-fairness-policy, or one of those type names"),
+     "a plugin of type global-strict-fairness-policy, round-robin-fairness-policy, program-aware-fairness, or one of those type names"),
     ("{priorityBands: [{priority: 1, orderingPolicyRef: queue-scorer}]}",
      "fc.yaml: flowControl.priorityBands[0].orderingPolicyRef: plugin 'queue-scorer' (type queue-scorer) is not "
      "an ordering policy; allowed types: fcfs-ordering-policy, edf-ordering-policy"),

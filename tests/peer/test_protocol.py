@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import re
-import tomllib
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import grpc
