@@ -43,6 +43,34 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
         "render leaves it without tokens; vllm.endpointDiscovery, messagesRenderMode other than auto and the "
         "estimate backend's multimodal settings are refused"),
     "inflight-load-producer": LlmdType("requests and estimated tokens this picker has in flight per endpoint"),
+    "mm-embeddings-cache-producer": LlmdType(
+        "per endpoint, the multimodal items (images, videos, audio) of the requests sent there, an LRU of "
+        "cacheSizeInMBPerServer / 2 MiB entries; each candidate's matched and total items",
+        "items are identified by the URL or inline data the request carries (llm-d reads the renderer's "
+        "multimodal hashes when a token-producer gives them)"),
+    "mm-embeddings-cache-scorer": LlmdType("matched / total multimodal items of the request (0 without media)"),
+    "dcgm-data-source": LlmdType(
+        "scrapes the DCGM Exporter beside each endpoint (scheme, port 9400, path, interval, insecureSkipVerify) for "
+        "its dcgm-extractor",
+        "useNodeAddress: true (a DaemonSet exporter on the node) is refused: endpoints know neither their node nor "
+        "their pod name"),
+    "dcgm-extractor": LlmdType("GPUUtilization: the endpoint's highest DCGM_FI_DEV_GPU_UTIL, as a fraction"),
+    "endpoint-attribute-filter": LlmdType(
+        "keeps endpoints whose attribute passes algorithm.threshold (operator, value); onMissing, fallbackOnEmpty",
+        "producer is required (the core metrics extractor's custom metrics, llm-d's default, are not read)"),
+    "endpoint-attribute-scorer": LlmdType(
+        "linear score of an attribute (lower or higher is better) over fixedRange or the candidates' range",
+        "producer is required (the core metrics extractor's custom metrics, llm-d's default, are not read)"),
+    "topology-extractor": LlmdType(
+        "each endpoint's host, rack, zone and region from its labels (hostname, rack, zone, region: the label keys)",
+        "a pod's spec.hostname is not read (endpoints carry their labels only)"),
+    "topology-affinity-filter": LlmdType(
+        "keeps candidates sharing minAffinity (host, rack, zone, region) or tighter with the earlier profile's pick "
+        "(the decode endpoint); no peer topology or no candidate left: all kept",
+        "topologyProducerName is checked as a string: one extractor serves every reader"),
+    "topology-affinity-scorer": LlmdType(
+        "host 1.0, rack 0.2, zone 0.05, region 0.02 by the level shared with the earlier profile's pick",
+        "topologyProducerName is checked as a string: one extractor serves every reader"),
     # Scorers
     "prefix-cache-scorer": LlmdType(
         "(1 - matchLengthWeight) x matched/total blocks + matchLengthWeight x min(1, matched tokens / "
@@ -132,6 +160,10 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
         "stepped ceilings per priority, maxCeiling for the highest band down to minCeiling for the lowest "
         "(domain rank or value)",
         "the priorities are the configured bands and those requests used so far"),
+    "soft-reflective-ceiling-policy": LlmdType(
+        "band i of N: ceiling 1 - i x saturation / (N - 1); past it a band alternates open and closed, open one "
+        "call in round(saturation / (1 - saturation))",
+        "the priorities are the configured bands and those requests used so far"),
     "program-aware-fairness": LlmdType(
         "least attained service across programs (fairness ids): lasWeightService x (1 - service) + "
         "lasWeightHeadWait x head wait, service decayed by lasHalfLifeSeconds",
@@ -188,15 +220,9 @@ REFUSED_TYPES: Mapping[str, str] = {
     "prefix-cache-affinity-filter": f"needs llm-d's latency predictor; {_PREDICTED}",
     "session-affinity-filter": "alpha in llm-d; use session-affinity-scorer with a high weight",
     "multicluster-session-affinity-filter": "no multi-cluster pools",
-    "endpoint-attribute-filter": "alpha in llm-d, not implemented",
-    "endpoint-attribute-scorer": "alpha in llm-d, not implemented",
-    "topology-affinity-filter": "alpha in llm-d, not implemented",
-    "topology-affinity-scorer": "alpha in llm-d, not implemented",
     "utilization-filter": "alpha in llm-d; utilization-detector placed in a profile filters saturated endpoints",
     "header-label-affinity-scorer": "alpha in llm-d, not implemented",
     "header-profile-handler": "alpha in llm-d, not implemented",
-    "mm-embeddings-cache-scorer": "multimodal embedding caches are not tracked",
-    "mm-embeddings-cache-producer": "multimodal embedding caches are not tracked",
     "session-id-producer": "session-affinity-scorer reads the session id header itself",
     "p2p-source-producer": "alpha in llm-d; no peer-to-peer KV transfer",
     "multicluster-approx-prefix-cache-producer": "no multi-cluster pools",
@@ -210,17 +236,11 @@ REFUSED_TYPES: Mapping[str, str] = {
     "models-data-extractor": "the served models are read from the replicas by the fleet plugins (served-model-filter)",
     "k8s-notification-source": "watches Kubernetes objects for extractors, and no extractor here reads any; the "
                                "pool's pods are watched by inference-pool-discovery (--pool-name)",
-    "topology-extractor": "alpha in llm-d, not implemented",
-    "dcgm-data-source": "GPU telemetry (DCGM) is not read; kv-cache-utilization-scorer and utilization-detector "
-                        "rate load from the model servers' own metrics",
-    "dcgm-extractor": "GPU telemetry (DCGM) is not read; kv-cache-utilization-scorer and utilization-detector rate "
-                      "load from the model servers' own metrics",
     "request-attribute-reporter": "not implemented (CEL over usage into dynamic metadata)",
     "vllmhttp-parser": "not implemented; vLLM's /v1 OpenAI paths go through openai-parser",
     "vllmgrpc-parser": "no gRPC model servers (HTTP only)",
     "vertexai-parser": "not implemented",
     "sglanghttp-parser": "SGLang is not supported (vLLM metrics and KV events only)",
-    "soft-reflective-ceiling-policy": "alpha in llm-d, not implemented",
     "sheddable-eviction-filter": "built into flow control: flowControl.enableEviction evicts sheddable requests",
     "priority-then-time-eviction-order-policy": "built into flow control: flowControl.enableEviction evicts the lowest "
                                                 "priority, newest dispatch first",
@@ -247,8 +267,6 @@ REFUSED_OTHER_TYPES: Mapping[str, str] = {
     "pd-slo-profile-handler": "an experimental build's plugin; use disagg-profile-handler with prefix-based-pd-decider",
     "thunder-agent": "ThunderAgent is not implemented; program-aware-fairness with agent-identity and "
                      "concurrency-detector is the nearest (docs/agentic.md)",
-    "dp-rank-header-handler": "data-parallel ranks are endpoints here: list every rank's port in the pool's "
-                              "targetPorts (or --endpoint-target-ports), and the pick names the rank",
     "local-syncer": "cross-replica syncers are not supported: pickers of one pool share state over the peer link "
                     "(--peers or --workers)",
     "redis-state-store": "cross-replica syncers are not supported: pickers of one pool share state over the peer "

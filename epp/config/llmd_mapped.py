@@ -146,6 +146,10 @@ MAPPED_TYPES: Mapping[str, MappedType] = {
     "latency-slo-admitter": MappedType(
         None, "the saturation admitter (always present without flow control) sheds sheddable requests "
         "(priority < 0) while the pool is saturated; it does not predict per-request latency"),
+    "dp-rank-header-handler": MappedType(
+        None, "x-data-parallel-rank is not set: the pod's vLLM spreads requests over the ranks that share its port "
+        "(internal load balancing) and prefix matches are per endpoint, not per rank; for rank-level affinity serve "
+        "each rank on its own port (one endpoint per rank, InferencePool targetPorts)"),
     "burst-prefix-cache-producer": MappedType(
         "approx-prefix-cache-producer", "the approximate producer records each pick at once, so a burst of "
         "requests with one prefix already follows the first pick", _burst_prefix,
@@ -190,11 +194,42 @@ def _pd_profile_handler_params(name: str, params: Mapping[str, Any]) -> tuple[di
              "prefix producer's own blocks"])
 
 
+def _mm_producer_params(name: str, params: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """llm-d's mm-embeddings sample config writes `cacheSizeInMB`, a field the plugin does not read (Go's
+    decoder ignores it, so the default budget applies there): the same here, said once."""
+    if "cacheSizeInMB" not in params:
+        return dict(params), []
+    value = params["cacheSizeInMB"]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(name, "cacheSizeInMB", f"must be an integer, got {value!r}")
+    return ({k: v for k, v in params.items() if k != "cacheSizeInMB"},
+            [f"cacheSizeInMB: {value}: no effect: llm-d's producer reads cacheSizeInMBPerServer and ignores this "
+             "field, so its default (4096 MiB) applies, as here; write cacheSizeInMBPerServer to size the cache"])
+
+
+def _approx_producer_params(name: str, params: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """`prefixHashSource: metadata` (llm-d-router #1972): block hashes handed over by an upstream ext_proc
+    in Envoy's dynamic metadata. Here the producer hashes the prompt itself: the same affinity, computed
+    from the body."""
+    if "prefixHashSource" not in params:
+        return dict(params), []
+    value = params["prefixHashSource"]
+    ours = {k: v for k, v in params.items() if k != "prefixHashSource"}
+    if value in ("", "prompt", "tokens"):
+        return ours, []
+    if value != "metadata":
+        raise _fail(name, "prefixHashSource", f"must be metadata (or unset), got {value!r}")
+    return ours, ["prefixHashSource: metadata: block hashes are not read from Envoy's dynamic metadata (an upstream "
+                  "ext_proc's): this producer hashes the prompt itself, the same affinity computed from the body"]
+
+
 # Parameters of types we serve under their own name that llm-d configs write in an older or
 # sidecar-bound form: adapted before the plugin is built, each adaptation a notice.
 PARAMETER_ADAPTERS: Mapping[str, Adapter] = {
     "token-producer": _token_producer_params,
     "pd-profile-handler": _pd_profile_handler_params,
+    "mm-embeddings-cache-producer": _mm_producer_params,
+    "approx-prefix-cache-producer": _approx_producer_params,
 }
 
 

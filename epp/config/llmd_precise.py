@@ -28,7 +28,8 @@ BLOCK_INDEX_FIELDS = ("inMemoryConfig", "redisConfig", "costAwareMemoryConfig", 
                       "metricsLoggingInterval")
 KV_EVENTS_FIELDS = ("zmqEndpoint", "topicFilter", "concurrency", "engineType", "discoverPods", "podDiscoveryConfig",
                     "tracing", "dataParallelSizeLocal", "servingPortBase")
-POD_DISCOVERY_FIELDS = ("podLabelSelector", "podNamespace", "socketPort", "replaySocketPort", "dataParallelSizeTotal")
+POD_DISCOVERY_FIELDS = ("podLabelSelector", "podNamespace", "socketPort", "replaySocketPort", "dataParallelSizeTotal",
+                        "dataParallelSize")
 HASH_ALGORITHMS = ("cbor-fnv", "xxh64")
 TIERS = ("gpu", "cpu", "disk")
 LLMD_TOPIC_FILTER = "kv@"
@@ -243,18 +244,38 @@ def _tokenizers_pool(m: _Mapper, raw: Any) -> None:
 def _kv_events(m: _Mapper, raw: Any) -> None:
     item = m.mapping(raw, "kvEventsConfig", KV_EVENTS_FIELDS)
     pods_raw = item.get("podDiscoveryConfig")
-    for key in ("dataParallelSizeLocal", "servingPortBase"):
-        if item.get(key) is not None:
-            raise m.fail(f"kvEventsConfig.{key}", "not supported: per-rank KV-event ports are not derived here; make "
-                         "each rank its own endpoint (targetPorts) and label it kv-events-port=<its port>")
+    ranks = item.get("dataParallelSizeLocal")
+    if ranks is not None or item.get("servingPortBase") is not None:
+        # Data-parallel ranks served on consecutive ports, each its own endpoint (vLLM's external load
+        # balancing): rank r serves on servingPortBase + r and publishes on socketPort + r.
+        if ranks is None or item.get("servingPortBase") is None:
+            raise m.fail("kvEventsConfig.dataParallelSizeLocal", "goes with servingPortBase: the ranks' serving "
+                         "ports are servingPortBase + rank")
+        if m.typed(ranks, "kvEventsConfig.dataParallelSizeLocal", int, "a positive integer") < 1:
+            raise m.fail("kvEventsConfig.dataParallelSizeLocal", f"must be >= 1, got {ranks}")
+        m.set("ranksPerHost", ranks, "kvEventsConfig.dataParallelSizeLocal")
+        m.set("rankPortBase", _port(m, item["servingPortBase"], "kvEventsConfig.servingPortBase"),
+              "kvEventsConfig.servingPortBase")
+    if isinstance(pods_raw, dict) and pods_raw.get("dataParallelSize") not in (None, 1):
+        raise m.fail("kvEventsConfig.podDiscoveryConfig.dataParallelSize", "not supported: ranks sharing one serving "
+                     "port (vLLM internal or hybrid load balancing) are not addressed per rank here; serve each rank "
+                     "on its own port (external load balancing: one endpoint per rank, kv-events-port per rank or "
+                     "dataParallelSizeLocal with servingPortBase)")
     if isinstance(pods_raw, dict) and pods_raw.get("dataParallelSizeTotal") is not None:
-        raise m.fail("kvEventsConfig.podDiscoveryConfig.dataParallelSizeTotal", "not supported: per-rank KV-event "
-                     "ports are not derived here; label each rank endpoint kv-events-port=<its port>")
+        m.typed(pods_raw["dataParallelSizeTotal"], "kvEventsConfig.podDiscoveryConfig.dataParallelSizeTotal", int,
+                "a positive integer")
+        m.note("kvEventsConfig.podDiscoveryConfig.dataParallelSizeTotal", "no effect: each endpoint is one rank, "
+               "its event ports offset by its rank on its host (dataParallelSizeLocal)")
+    if isinstance(pods_raw, dict) and pods_raw.get("dataParallelSize") == 1:
+        m.note("kvEventsConfig.podDiscoveryConfig.dataParallelSize", "1: one rank per endpoint, as here")
     engine = item.get("engineType")
-    if engine is not None and engine != "vllm":
-        raise m.fail("kvEventsConfig.engineType", f"{engine!r} is not supported: the subscriber decodes vLLM's KV "
-                     "events only; allowed: vllm")
-    if engine is not None:
+    if engine is not None and engine not in ("vllm", "sglang"):
+        raise m.fail("kvEventsConfig.engineType", f"{engine!r} is not supported; allowed: vllm, sglang")
+    if engine == "sglang":
+        m.note("kvEventsConfig.engineType", "sglang: SGLang's KV events (batch [ts, events, dp_rank]; BlockStored "
+               "block_hashes, parent, token_ids, block_size, lora_id, medium, ...) are the leading fields of vLLM's "
+               "layout and its topics are kv@<pod>@<model>: the one decoder reads both")
+    elif engine is not None:
         m.taken.append("kvEventsConfig.engineType")
     if item.get("topicFilter") is not None:
         m.set("topicFilter", m.typed(item["topicFilter"], "kvEventsConfig.topicFilter", str, "a string"),
@@ -280,12 +301,20 @@ def _kv_events(m: _Mapper, raw: Any) -> None:
     if zmq_endpoint is not None:
         m.typed(zmq_endpoint, "kvEventsConfig.zmqEndpoint", str, "a ZMQ endpoint such as tcp://*:5557")
         if discover:
-            raise m.fail("kvEventsConfig.discoverPods", "true with zmqEndpoint: set one of them (zmqEndpoint: one "
-                         "socket the replicas publish to; discoverPods: a subscription to each endpoint)")
+            # llm-d binds the socket and also dials every pod; one mode per producer here: the pods are dialled.
+            m.taken.append("kvEventsConfig.zmqEndpoint")
+            m.notices.append(f"kvEventsConfig.zmqEndpoint: {zmq_endpoint} is not bound: with discoverPods each "
+                             "endpoint's publisher is dialled (one mode per producer here); replicas that connect "
+                             "out to a central socket are not heard")
+            zmq_endpoint = None
+    if zmq_endpoint is not None:
         m.set("mode", "centralized", "kvEventsConfig.zmqEndpoint")
         m.set("zmqEndpoint", zmq_endpoint, "kvEventsConfig.zmqEndpoint")
         if pods:
             raise m.fail("kvEventsConfig.podDiscoveryConfig", "applies to discoverPods, not to zmqEndpoint")
+        if "ranksPerHost" in m.out:
+            raise m.fail("kvEventsConfig.dataParallelSizeLocal", "applies to discoverPods (per-rank sockets to dial), "
+                         "not to zmqEndpoint (the topic names each rank's endpoint)")
         return
     if discover is False:
         m.set("subscribe", False, "kvEventsConfig.discoverPods")

@@ -36,11 +36,13 @@ PROFILE_PLUGIN_FIELDS = ("pluginRef", "weight")
 OBJECTIVE_FIELDS = ("name", "priority")
 METRICS_SOURCE_TYPE = "metrics-data-source"
 NOTIFICATION_SOURCE_TYPE = "endpoint-notification-source"
-DATA_SOURCE_TYPES = (METRICS_SOURCE_TYPE, NOTIFICATION_SOURCE_TYPE)
+DCGM_SOURCE_TYPE = "dcgm-data-source"
+DATA_SOURCE_TYPES = (METRICS_SOURCE_TYPE, NOTIFICATION_SOURCE_TYPE, DCGM_SOURCE_TYPE)
 # The extractors each source type takes: the metrics parser, or plugins that follow the pool's endpoints.
 EXTRACTOR_TYPES = {
     METRICS_SOURCE_TYPE: ("core-metrics-extractor",),
-    NOTIFICATION_SOURCE_TYPE: ("precise-prefix-cache-producer", "inflight-load-producer"),
+    NOTIFICATION_SOURCE_TYPE: ("precise-prefix-cache-producer", "inflight-load-producer", "mm-embeddings-cache-producer"),
+    DCGM_SOURCE_TYPE: ("dcgm-extractor",),
 }
 PARSER_TYPES = ("openai-parser", "anthropic-parser", "passthrough-parser")
 

@@ -12,6 +12,7 @@ from typing import Any
 from epp.config.plugins import PluginSet
 from epp.config.schema import (
     DATA_SOURCE_TYPES,
+    DCGM_SOURCE_TYPE,
     EXTRACTOR_TYPES,
     KNOWN_FEATURE_GATES,
     METRICS_SOURCE_TYPE,
@@ -169,7 +170,14 @@ def data_layer(document: Document, plugins: PluginSet, doc: Mapping[str, Any]
                 raise document.fail(f"{path}.extractors", "a metrics source needs core-metrics-extractor: without "
                                     "an extractor nothing it scrapes is read")
             metrics_sources.append(entry)
+        attach = getattr(entry.plugin, "attach", None)  # a source that feeds its extractors itself (DCGM)
+        if attach is not None:
+            attach(extractors)
         sources.append(DataSourceConfig(entry.plugin, tuple(extractors)))
+    listed = {id(s.source) for s in sources}
+    for unpaired in (e for e in plugins.entries if e.type_name == DCGM_SOURCE_TYPE and id(e.plugin) not in listed):
+        raise document.fail("dataLayer.sources", f"{unpaired.type_name} {unpaired.name!r} is in no source: list it "
+                            "with its dcgm-extractor (llm-d reads its pages through dataLayer.sources only)")
     if not metrics_sources:
         # A metrics-data-source in `plugins` but in no `dataLayer.sources` is the source (llm-d
         # injects one of each default type that is missing).

@@ -24,6 +24,9 @@ from epp.framework.types import Endpoint, InferenceRequest
 PluginTimer = Callable[[str, Plugin, float], None]
 # Where a cycle's `ScheduleTrace` is kept in its CycleState when the scheduler records scores.
 SCORE_TRACE_STATE_KEY = "epp.framework/score-trace"
+# The profile results of the cycle so far (name -> result), for plugins of a later profile that read an
+# earlier pick (llm-d's `peer-endpoint`: the decode pick, seen by the prefill profile's topology plugins).
+PROFILE_RESULTS_STATE_KEY = "epp.framework/profile-results"
 
 
 # Called with (profile name, its result) after each profile ran; tracing groups the profile's plugin calls by it.
@@ -168,6 +171,7 @@ class Scheduler:
             trace = ScheduleTrace(self._recording)
             state.put(SCORE_TRACE_STATE_KEY, trace)
         results: dict[str, ProfileRunResult | None] = {}
+        state.put(PROFILE_RESULTS_STATE_KEY, results)
         # A handler that never stops would hang the request; profiles can run at most once each.
         for _ in range(len(self.profiles) + 1):
             t0 = time.perf_counter()

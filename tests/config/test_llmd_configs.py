@@ -199,9 +199,9 @@ REFUSED = [
      "epp.yaml: plugins[0].parameters: plugin 'precise-prefix-cache-producer': parameter 'kvEventsConfig.zmqEndpont': "
      "unknown field; allowed: zmqEndpoint, topicFilter, concurrency, engineType, discoverPods, podDiscoveryConfig, "
      "tracing, dataParallelSizeLocal, servingPortBase"),
-    (LLMD + P + "    kvEventsConfig: {engineType: sglang}\n",
+    (LLMD + P + "    kvEventsConfig: {engineType: trtllm}\n",
      "epp.yaml: plugins[0].parameters: plugin 'precise-prefix-cache-producer': parameter 'kvEventsConfig.engineType': "
-     "'sglang' is not supported: the subscriber decodes vLLM's KV events only; allowed: vllm"),
+     "'trtllm' is not supported; allowed: vllm, sglang"),
     (LLMD + P + "    indexerConfig: {kvBlockIndexConfig: {costAwareMemoryConfig: {size: 2GiB}}}\n",
      "epp.yaml: plugins[0].parameters: plugin 'precise-prefix-cache-producer': parameter "
      "'indexerConfig.kvBlockIndexConfig.costAwareMemoryConfig': not supported"),
@@ -210,7 +210,10 @@ REFUSED = [
      "'indexerConfig.tokenizersPoolConfig.local': not supported: give the tokenizer directories"),
     (LLMD + P + "    kvEventsConfig: {discoverPods: true, dataParallelSizeLocal: 8}\n",
      "epp.yaml: plugins[0].parameters: plugin 'precise-prefix-cache-producer': parameter "
-     "'kvEventsConfig.dataParallelSizeLocal': not supported: per-rank KV-event ports are not derived here"),
+     "'kvEventsConfig.dataParallelSizeLocal': goes with servingPortBase"),
+    (LLMD + P + "    kvEventsConfig: {discoverPods: true, podDiscoveryConfig: {dataParallelSize: 8}}\n",
+     "epp.yaml: plugins[0].parameters: plugin 'precise-prefix-cache-producer': parameter "
+     "'kvEventsConfig.podDiscoveryConfig.dataParallelSize': not supported: ranks sharing one serving port"),
     (LLMD + P + "    tokenProcessorConfig: {blockSize: 16, blockSizeTokens: 16}\n",
      "epp.yaml: plugins[0].parameters: plugin 'precise-prefix-cache-producer': parameter "
      "'tokenProcessorConfig.blockSize': is the deprecated name of blockSizeTokens; set one of them"),

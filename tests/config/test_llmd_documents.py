@@ -235,10 +235,8 @@ dataLayer:
 @pytest.mark.parametrize("type_name, reason", [
     ("lmetric-scorer", "not an llm-d router plugin"),
     ("thunder-agent", "ThunderAgent is not implemented"),
-    ("dp-rank-header-handler", "data-parallel ranks are endpoints here"),
     ("pd-slo-optimizer", "an experimental build's plugin"),
     ("multicluster-file-discovery", "no multi-cluster pools"),
-    ("dcgm-data-source", "GPU telemetry (DCGM) is not read"),
 ])
 def test_types_that_cannot_be_served_are_refused_naming_what_to_use(type_name, reason):
     with pytest.raises(ConfigError) as err:
