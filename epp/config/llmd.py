@@ -213,6 +213,8 @@ ALIASES: Mapping[str, str] = {
 }
 
 _PREDICTED = "predicted-ttft-scorer weighs queue wait against uncached prefill, with costs learned online"
+_MULTICLUSTER = ("multi-cluster routing (a hub picker sending requests to other clusters' gateways by their pickers' "
+                 "pool-average metrics) is not supported; run a picker in each cluster for its own pool")
 REFUSED_TYPES: Mapping[str, str] = {
     "encode-filter": "no encode (E/PD) stage: multimodal encoders are not disaggregated here",
     "always-disagg-multimodal-decider": "no encode (E/PD) stage",
@@ -225,13 +227,13 @@ REFUSED_TYPES: Mapping[str, str] = {
     "header-profile-handler": "alpha in llm-d, not implemented",
     "session-id-producer": "session-affinity-scorer reads the session id header itself",
     "p2p-source-producer": "alpha in llm-d; no peer-to-peer KV transfer",
-    "multicluster-approx-prefix-cache-producer": "no multi-cluster pools",
-    "multicluster-queue-scorer": "no multi-cluster pools",
-    "multicluster-kv-cache-utilization-scorer": "no multi-cluster pools",
-    "multicluster-prefix-cache-scorer": "no multi-cluster pools",
-    "multicluster-metrics-data-source": "no multi-cluster pools",
-    "multicluster-metrics-extractor": "no multi-cluster pools",
-    "multicluster-file-discovery": "no multi-cluster pools",
+    "multicluster-approx-prefix-cache-producer": _MULTICLUSTER,
+    "multicluster-queue-scorer": _MULTICLUSTER,
+    "multicluster-kv-cache-utilization-scorer": _MULTICLUSTER,
+    "multicluster-prefix-cache-scorer": _MULTICLUSTER,
+    "multicluster-metrics-data-source": _MULTICLUSTER,
+    "multicluster-metrics-extractor": _MULTICLUSTER,
+    "multicluster-file-discovery": _MULTICLUSTER,
     "models-data-source": "the served models are read from the replicas by the fleet plugins (served-model-filter)",
     "models-data-extractor": "the served models are read from the replicas by the fleet plugins (served-model-filter)",
     "k8s-notification-source": "watches Kubernetes objects for extractors, and no extractor here reads any; the "
@@ -250,8 +252,8 @@ REFUSED_TYPES: Mapping[str, str] = {
 # Plugin types that appear in configs but are not llm-d router plugins (experimental images, other
 # projects' forks, names that were never released), each refused with what to use instead.
 REFUSED_OTHER_TYPES: Mapping[str, str] = {
-    "latency-observer-producer-hub": "a multi-cluster hub plugin (llm-d v0.11); no multi-cluster pools here",
-    "latency-observation-scorer-hub": "a multi-cluster hub plugin (llm-d v0.11); no multi-cluster pools here",
+    "latency-observer-producer-hub": "a multi-cluster hub plugin (llm-d v0.11); " + _MULTICLUSTER,
+    "latency-observation-scorer-hub": "a multi-cluster hub plugin (llm-d v0.11); " + _MULTICLUSTER,
     "lmetric-scorer": "not an llm-d router plugin (an experimental build); predicted-ttft-scorer ranks endpoints by "
                       "predicted TTFT from the prefix match and in-flight load",
     "slo-request-tracker": "an experimental build's plugin (before llm-d's latency plugins); use latency-scorer "
