@@ -347,8 +347,10 @@ def test_describe_lists_notes_last():
 def test_the_compatibility_page_lists_every_mapped_and_refused_type():
     from pathlib import Path
 
-    from epp.config.llmd import ALIASES, LLMD_TYPES, REFUSED_TYPES
+    from epp.config.llmd import ALIASES, LLMD_TYPES, REFUSED_OTHER_TYPES, REFUSED_TYPES
+    from epp.config.llmd_mapped import MAPPED_TYPES
 
     page = (Path(__file__).parents[2] / "docs" / "llm-d-compatibility.md").read_text()
-    missing = [t for t in (*LLMD_TYPES, *REFUSED_TYPES, *ALIASES) if f"`{t}`" not in page]
+    names = (*LLMD_TYPES, *REFUSED_TYPES, *ALIASES, *REFUSED_OTHER_TYPES, *MAPPED_TYPES)
+    missing = [t for t in names if f"`{t}`" not in page]
     assert not missing, f"add these llm-d types to docs/llm-d-compatibility.md: {missing}"

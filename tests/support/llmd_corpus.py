@@ -1,6 +1,7 @@
 """Run `epp check-config` over a folder of llm-d router configs and route a request through each that loads.
 
-    .venv/bin/python -m tests.support.llmd_corpus CORPUS [--manifest CORPUS/manifest.tsv] [--markdown]
+    .venv/bin/python -m tests.support.llmd_corpus CORPUS/files CORPUS/templates [--manifest CORPUS/manifest.tsv]
+        [--markdown]
 
 CORPUS is a folder of configs and Helm values files (llm-d's guides and samples, kept outside the
 project: third-party text). Every config is loaded as `epp check-config` loads it; each one that
@@ -102,22 +103,26 @@ def run(paths: Sequence[str]) -> list[Row]:
     return [Row(o, route(o)) for o in outcomes]
 
 
-def sources(manifest: str | None, corpus: str) -> dict[str, tuple[str, str, str]]:
-    """local copy (absolute) -> (repo, path, commit), from the manifest."""
+def sources(manifest: str | None) -> dict[str, tuple[str, str, str]]:
+    """local copy -> (repo, path, commit), from the manifest (local copies relative to its folder)."""
     if not manifest:
         return {}
     found: dict[str, tuple[str, str, str]] = {}
     with open(manifest, encoding="utf-8") as fh:
         for rec in csv.DictReader(fh, delimiter="\t"):
-            local = os.path.normpath(os.path.join(corpus, rec["local_copy"]))
+            local = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(manifest)), rec["local_copy"]))
             found[local] = (rec["repo"], rec["path"], rec["commit"])
     return found
+
+
+CELL_NOTICE_CHARS = 160  # a notice in the docs table; `epp check-config` prints it whole
 
 
 def _reason(row: Row) -> str:
     o = row.outcome
     if o.status == MAPS:
-        return "; ".join(o.notices)
+        return " / ".join(n if len(n) <= CELL_NOTICE_CHARS else n[:CELL_NOTICE_CHARS - 1].rstrip() + "…"
+                          for n in o.notices)
     return o.detail
 
 
@@ -126,12 +131,12 @@ def _cell(text: str) -> str:
 
 
 def print_markdown(rows: Sequence[Row], src: dict[str, tuple[str, str, str]]) -> None:
-    print("| source (repo, path, commit) | config | outcome | reason |")
+    print("| source (repo:path at commit) | config | outcome | reason |")
     print("|---|---|---|---|")
     for row in rows:
         c = row.outcome.config
-        repo, path, commit = src.get(os.path.normpath(c.file), ("", c.file, ""))
-        where = f"`{repo}` `{path}` `{commit[:12]}`" if repo else f"`{path}`"
+        repo, path, commit = src.get(os.path.normpath(os.path.abspath(c.file)), ("", c.file, ""))
+        where = f"`{repo}:{path}` at `{commit[:12]}`" if repo else f"`{path}`"
         key = f"`{c.key}`" if c.key else "(whole file)"
         print(f"| {where} | {key} | {row.outcome.status} | {_cell(_reason(row))} |")
 
@@ -139,12 +144,12 @@ def print_markdown(rows: Sequence[Row], src: dict[str, tuple[str, str, str]]) ->
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", help="corpus folders or files")
-    parser.add_argument("--manifest", help="manifest.tsv (repo, path, commit, local_copy), relative to the first path")
+    parser.add_argument("--manifest", help="manifest.tsv (repo, path, commit, local_copy: relative to its folder)")
     parser.add_argument("--markdown", action="store_true", help="print the docs table instead of lines")
     args = parser.parse_args(argv)
     rows = run(args.paths)
     if args.markdown:
-        print_markdown(rows, sources(args.manifest, args.paths[0]))
+        print_markdown(rows, sources(args.manifest))
     else:
         for row in rows:
             routed = f" [{row.routed}]" if row.routed else ""
