@@ -50,13 +50,11 @@ def register_builtin_plugins(registry: PluginRegistry) -> None:
         saturation,
         session_routing,
         sessions,
-        soft_ceiling,
         topology,
     )
 
     endpoint_attributes.register(registry)
     mm_embeddings.register(registry)
-    soft_ceiling.register(registry)
     topology.register(registry)
     probabilistic_admitter.register(registry)
     rollout_screener.register(registry)

@@ -19,6 +19,7 @@ from epp.framework import (
     Admitter,
     ConfigError,
     CycleState,
+    DropReason,
     Endpoint,
     ErrorCode,
     InferenceError,
@@ -28,7 +29,6 @@ from epp.framework import (
     PluginRegistry,
     once_per_registry,
 )
-from epp.framework.errors import DropReason
 from epp.scorers.saturation import UtilizationDetector
 
 SHED_MESSAGE = "request shed: the pool is near saturation (probabilistic admission of sheddable requests)"

@@ -35,6 +35,8 @@ from epp.framework import (
     ConfigError,
     CycleState,
     Endpoint,
+    ErrorCode,
+    InferenceError,
     InferenceRequest,
     PluginContext,
     PluginParams,
@@ -43,7 +45,6 @@ from epp.framework import (
     ResponseInfo,
     once_per_registry,
 )
-from epp.framework.errors import ErrorCode, InferenceError
 
 REVISION_LABEL = "disaggregatedset.x-k8s.io/revision"
 ROLE_LABEL = "disaggregatedset.x-k8s.io/role"

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from epp.framework import (
+    PROFILE_RESULTS_STATE_KEY,
     CycleState,
     DataKey,
     DataProducer,
@@ -32,10 +33,9 @@ from epp.framework import (
     PluginContext,
     PluginParams,
     PluginRegistry,
+    ProfileRunResult,
     Scorer,
 )
-from epp.framework.plugin import ProfileRunResult
-from epp.framework.scheduler import PROFILE_RESULTS_STATE_KEY
 
 LEVELS = ("host", "rack", "zone", "region")
 LEVEL_SCORES = {"host": 1.0, "rack": 0.2, "zone": 0.05, "region": 0.02}

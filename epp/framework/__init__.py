@@ -37,6 +37,7 @@ from epp.framework.load import (
 from epp.framework.metrics import once_per_registry
 from epp.framework.params import PluginParams
 from epp.framework.plugin import (
+    PROFILE_RESULTS_STATE_KEY,
     Admitter,
     CapacityGate,
     CycleState,
@@ -73,7 +74,7 @@ __all__ = [
     "DataProducer", "DecisionSharing", "DropReason", "Endpoint", "EndpointListener", "EndpointLoad", "EndpointMetrics",
     "EndpointSource",
     "ErrorCode", "FAIRNESS_ID_HEADERS", "Filter", "INFLIGHT_LOAD", "InferenceError", "InferenceRequest", "InflightLedger", "InflightLoad",
-    "NO_LOAD", "PREFILLER_HOST_PORT_HEADER", "PREFIX_CACHE_FREE_BLOCKS", "PREFIX_HOME", "PREFIX_MATCH_INFO",
+    "NO_LOAD", "PREFILLER_HOST_PORT_HEADER", "PROFILE_RESULTS_STATE_KEY", "PREFIX_CACHE_FREE_BLOCKS", "PREFIX_HOME", "PREFIX_MATCH_INFO",
     "PREFIX_TIER_MATCH", "PROMPT_TOKENS", "Picker", "Plugin", "PluginContext", "PluginParams", "PluginRegistry", "PluginSpec",
     "PreRequestHook", "PrefixMatchInfo", "PromptTokens", "ProfileHandler", "ProfileRunResult", "RequestPreprocessor",
     "ResponseCompleteHook",

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from epp.framework.errors import DropReason, ErrorCode, InferenceError
 from epp.framework.plugin import (
+    PROFILE_RESULTS_STATE_KEY,
     CycleState,
     Filter,
     Picker,
@@ -24,9 +25,6 @@ from epp.framework.types import Endpoint, InferenceRequest
 PluginTimer = Callable[[str, Plugin, float], None]
 # Where a cycle's `ScheduleTrace` is kept in its CycleState when the scheduler records scores.
 SCORE_TRACE_STATE_KEY = "epp.framework/score-trace"
-# The profile results of the cycle so far (name -> result), for plugins of a later profile that read an
-# earlier pick (llm-d's `peer-endpoint`: the decode pick, seen by the prefill profile's topology plugins).
-PROFILE_RESULTS_STATE_KEY = "epp.framework/profile-results"
 
 
 # Called with (profile name, its result) after each profile ran; tracing groups the profile's plugin calls by it.

@@ -236,7 +236,7 @@ dataLayer:
     ("lmetric-scorer", "not an llm-d router plugin"),
     ("thunder-agent", "ThunderAgent is not implemented"),
     ("pd-slo-optimizer", "an experimental build's plugin"),
-    ("multicluster-file-discovery", "no multi-cluster pools"),
+    ("multicluster-file-discovery", "multi-cluster routing (a hub picker"),
 ])
 def test_types_that_cannot_be_served_are_refused_naming_what_to_use(type_name, reason):
     with pytest.raises(ConfigError) as err:

@@ -14,12 +14,12 @@ import zlib
 
 import pytest
 
-from epp.framework import ConfigError, CycleState, InferenceError
-from epp.framework.scheduler import PROFILE_RESULTS_STATE_KEY
+from epp.datalayer.dcgm import DcgmDataSource, DcgmExtractor, gpu_utilization
+from epp.flowcontrol.soft_ceiling import SoftReflectiveCeilingPolicy
+from epp.framework import PROFILE_RESULTS_STATE_KEY, ConfigError, CycleState, InferenceError
 from epp.kvevents.subscriber import SubscriberConfig
-from epp.scorers.endpoint_attributes import ENDPOINT_ATTRIBUTES, DcgmDataSource, DcgmExtractor, gpu_utilization
+from epp.scorers.endpoint_attributes import ENDPOINT_ATTRIBUTES
 from epp.scorers.mm_embeddings import ENCODER_CACHE_MATCH, media_items
-from epp.scorers.soft_ceiling import SoftReflectiveCeilingPolicy
 from epp.scorers.topology import TOPOLOGY, Topology
 from epp.tokenization.estimate import EstimateSettings, image_size
 from tests.support.scheduling import DirectorHarness, endpoint, make_plugin, request
