@@ -74,11 +74,12 @@ __all__ = [
     "DataProducer", "DecisionSharing", "DropReason", "Endpoint", "EndpointListener", "EndpointLoad", "EndpointMetrics",
     "EndpointSource",
     "ErrorCode", "FAIRNESS_ID_HEADERS", "Filter", "INFLIGHT_LOAD", "InferenceError", "InferenceRequest", "InflightLedger", "InflightLoad",
-    "NO_LOAD", "PREFILLER_HOST_PORT_HEADER", "PROFILE_RESULTS_STATE_KEY", "PREFIX_CACHE_FREE_BLOCKS", "PREFIX_HOME", "PREFIX_MATCH_INFO",
+    "NO_LOAD", "PREFILLER_HOST_PORT_HEADER", "PREFIX_CACHE_FREE_BLOCKS", "PREFIX_HOME", "PREFIX_MATCH_INFO",
     "PREFIX_TIER_MATCH", "PROMPT_TOKENS", "Picker", "Plugin", "PluginContext", "PluginParams", "PluginRegistry", "PluginSpec",
     "PreRequestHook", "PrefixMatchInfo", "PromptTokens", "ProfileHandler", "ProfileRunResult", "RequestPreprocessor",
     "ResponseCompleteHook",
     "ResponseHeadersHook", "ResponseInfo", "SESSION", "SaturationDetector", "SchedulingResult", "ScoredEndpoint", "Scorer",
     "SessionKey", "TierMatch", "clamp_score", "default_registry", "estimate_prompt_tokens", "once_per_registry", "parse_duration",
     "prompt_characters", "publish_home",
+    "PROFILE_RESULTS_STATE_KEY",
 ]
