@@ -6,6 +6,7 @@ folders and Helm values files."""
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 
@@ -318,3 +319,22 @@ def test_one_plain_config_still_prints_its_pipeline_unless_asked_for_a_line(tmp_
     assert capsys.readouterr().out.startswith(f"EndpointPickerConfig {path}: OK")
     assert check_config_main(str(path), listing=True) == 0
     assert capsys.readouterr().out == f"{path}: loads\n1 config(s): 1 load, 0 map with notices, 0 refused\n"
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("requestHandler: {propagatePriority: true}\n",
+     "requestHandler.propagatePriority: not supported: the request body is forwarded unchanged"),
+    ("featureGates: [flowControl]\nflowControl: {bandSelectionPolicyPluginRef: by-weight}\n",
+     "flowControl.bandSelectionPolicyPluginRef: not supported: bands are offered dispatch from the highest priority"),
+    ("featureGates: [flowControl]\nflowControl: {priorityBands: [{priority: 1, defaultRequestTTL: 30s}]}\n",
+     "flowControl.priorityBands[0].defaultRequestTTL: not supported: a band's queue wait is bounded by "
+     "flowControl.defaultRequestTTL"),
+])
+def test_v1_fields_this_picker_cannot_act_on_are_refused_with_the_reason(extra, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load(V1 + "plugins:\n- type: queue-scorer\n" + extra)
+
+
+def test_propagate_priority_false_is_the_behaviour_here():
+    loaded = load(V1 + "plugins:\n- type: queue-scorer\nrequestHandler: {propagatePriority: false}\n")
+    assert "requestHandler.propagatePriority: false: the body is forwarded unchanged, as here" in loaded.notes
