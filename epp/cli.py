@@ -5,14 +5,28 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from epp import limits as lim
 from epp.envoy import RESPONSE_MODES, UPSTREAM_PROTOCOLS
 from epp.extras import MissingExtra, require_extra
+from epp.logutil import LOG_FORMAT, JsonLogFormatter
+from epp.serve_flags import (
+    IGNORED_LLMD_FLAGS,
+    REFUSED_LLMD_FLAGS,
+    FlagError,
+    ServeArgv,
+    add_bool_flag,
+    byte_size,
+    cipher_list,
+    go_duration,
+    normalize_serve_argv,
+    zap_level,
+)
 from epp.server.extproc import DEFAULT_MAX_BODY_BYTES
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -43,6 +57,10 @@ LIMIT_FLAGS: tuple[tuple[str, type, float, str], ...] = (
 )
 
 
+# `--tls-min-version` names, as Go's crypto/tls spells them.
+TLS_VERSIONS = ("VersionTLS10", "VersionTLS11", "VersionTLS12", "VersionTLS13")
+
+
 class UsageError(Exception):
     """A command-line value `epp serve` cannot use; the message is the one line the user sees."""
 
@@ -58,7 +76,10 @@ def epp_version() -> str:
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the endpoint picker (Envoy ext_proc service)",
                        description="Run the endpoint picker: an Envoy ext_proc gRPC service that picks a replica "
-                                   "for every request.")
+                                   "for every request. Flags take Go's forms too (-flag value, --flag=value, "
+                                   "--bool=false, -v=N, durations such as 50ms), so the llm-d EPP's command line "
+                                   "runs unchanged.",
+                       epilog=_llmd_epilog())
     p.add_argument("--grpc-port", type=int, default=9002, help="ext_proc gRPC port (default 9002)")
     p.add_argument("--grpc-health-port", type=int, default=9003, help="grpc.health.v1 port (default 9003)")
     p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port (default 9090)")
@@ -80,23 +101,48 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     k8s.add_argument("--endpoint-selector",
                      help="standalone mode without CRDs: pods matching app=x,tier=y are the endpoints")
     k8s.add_argument("--endpoint-target-ports", help="standalone mode: the pods' serving ports, 8000[,8001]")
-    k8s.add_argument("--ha-enable-leader-election", action="store_true",
-                     help="active-passive HA: only the replica holding the pool's Lease reports ready")
+    add_bool_flag(k8s, "--ha-enable-leader-election",
+                  help="active-passive HA: only the replica holding the Lease (the pool's; standalone, the "
+                       "Deployment's, named from $POD_NAME) reports ready")
     k8s.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster service account, "
                                           "else $KUBECONFIG or ~/.kube/config)")
-    p.add_argument("--secure-serving", action="store_true",
-                   help="serve ext_proc over TLS (h2 ALPN); self-signed unless --cert-path")
-    p.add_argument("--cert-path", help="directory holding tls.crt and tls.key")
+    tls = p.add_argument_group("TLS")
+    add_bool_flag(tls, "--secure-serving", default=None,
+                  help="serve ext_proc over TLS (h2 ALPN); self-signed unless --cert-path (default: on with "
+                       "Kubernetes discovery, as llm-d; off with --endpoints or --endpoints-file)")
+    tls.add_argument("--cert-path", help="directory holding tls.crt and tls.key")
+    add_bool_flag(tls, "--enable-cert-reload",
+                  help="re-read --cert-path's tls.crt and tls.key when they change (checked at each new connection)")
+    tls.add_argument("--tls-cipher-suites", type=cipher_list, default=None, metavar="SUITE,...",
+                     help="TLS 1.2 cipher suites of --secure-serving by Go's names (TLS_ECDHE_RSA_WITH_AES_128_GCM"
+                          "_SHA256,...); TLS 1.3's are not configurable (default: gRPC's)")
+    tls.add_argument("--tls-min-version", choices=TLS_VERSIONS,
+                     help="lowest TLS version of --secure-serving; gRPC's own floor is TLS 1.2, so VersionTLS10 "
+                          "to VersionTLS12 all mean 1.2, and VersionTLS13 is refused (not settable here)")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get 413 (default 16 MiB)")
-    p.add_argument("--grace-period", type=float, default=10.0,
-                   help="seconds in-flight streams get to finish on SIGTERM (default 10)")
-    p.add_argument("--refresh-metrics-interval", type=float, default=0.05,
-                   help="seconds between /metrics scrapes of each endpoint (default 0.05)")
-    p.add_argument("--disable-endpoint-subset-filter", action="store_true",
-                   help="ignore the subset hint from the data plane")
+    p.add_argument("--grpc-max-recv-msg-size", type=byte_size, default="64Mi",
+                   help="largest gRPC message the ext_proc port takes (4Mi, 16MiB, 25MB or bytes; default 64Mi)")
+    p.add_argument("--grpc-max-send-msg-size", type=byte_size, default="64Mi",
+                   help="largest gRPC message the ext_proc port sends (default 64Mi)")
+    p.add_argument("--grace-period", type=go_duration, default=10.0,
+                   help="seconds (or a duration: 30s) in-flight streams get to finish on SIGTERM (default 10)")
+    p.add_argument("--drain-timeout", type=go_duration, default="0s",
+                   help="on SIGTERM, keep taking new ext_proc streams this long (a duration: 30s) while health "
+                        "reports NOT_SERVING and the lease is released, as llm-d; then --grace-period (default 0s)")
+    p.add_argument("--refresh-metrics-interval", type=go_duration, default="50ms",
+                   help="time between /metrics scrapes of each endpoint (a duration: 50ms, or seconds; "
+                        "default 50ms)")
+    p.add_argument("--metrics-staleness-threshold", type=go_duration, default=None,
+                   help="an endpoint whose metrics are older than this is passed over while others are fresher "
+                        "(a duration: 2s; default: 10 scrape intervals, at least 0.5s)")
+    add_bool_flag(p, "--disable-endpoint-subset-filter", help="ignore the subset hint from the data plane")
+    add_bool_flag(p, "--health-checking",
+                  help="also serve grpc.health.v1 on the ext_proc port (as on --grpc-health-port), for a proxy "
+                       "that health-checks the picker there")
     for flag, kind, default, meaning in LIMIT_FLAGS:
-        p.add_argument(flag, type=kind, default=default, help=f"{meaning} (default %(default)s)")
+        p.add_argument(flag, type=go_duration if kind is float else kind, default=default,
+                       help=f"{meaning} (default %(default)s)")
     p.add_argument("--token-accounting-tenant", default="fairness",
                    help="tenant label of the token counters: fairness (id header), objective, header:<name> "
                         "or none (default fairness)")
@@ -108,28 +154,51 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--peers", default="",
                    help="the other pickers of the pool, host:port,... of their --peer-port (a full mesh: list "
                         "every other picker); a picker that starts late catches up from one of them")
-    p.add_argument("--no-worker-peer-link", action="store_true",
-                   help="with --workers N: the workers do not share their decisions (each knows only its own "
-                        "prefix homes and in-flight requests; cheaper per request, worse routing)")
-    p.add_argument("--no-shared-scrapes", action="store_true",
-                   help="with peers (--peers or --workers N): every picker scrapes every endpoint itself, instead "
-                        "of one picker per endpoint sharing what it read (N times the scrapes on each replica)")
+    add_bool_flag(p, "--no-worker-peer-link",
+                  help="with --workers N: the workers do not share their decisions (each knows only its own "
+                       "prefix homes and in-flight requests; cheaper per request, worse routing)")
+    add_bool_flag(p, "--no-shared-scrapes",
+                  help="with peers (--peers or --workers N): every picker scrapes every endpoint itself, instead "
+                       "of one picker per endpoint sharing what it read (N times the scrapes on each replica)")
     p.add_argument("--emit-endpoint-scores", nargs="?", const="totals", default=None, type=_scores_mode,
                    metavar="totals|scorers",
                    help="put each pick's per-endpoint scores into Envoy dynamic metadata (envoy.lb, "
                         "x-gateway-destination-endpoint-scores) as JSON: weighted totals, or with =scorers also "
                         "each scorer's score; at most 10 endpoints per profile and 4 KiB (docs/operations-debugging.md)")
-    p.add_argument("--enable-debug-endpoint", action="store_true",
-                   help="serve GET /debug/state (plugins', endpoints' and in-flight state as JSON) and POST "
-                        "/debug/explain (for epp explain) on the metrics port; off by default")
+    add_bool_flag(p, "--enable-debug-endpoint",
+                  help="serve GET /debug/state (plugins', endpoints' and in-flight state as JSON) and POST "
+                       "/debug/explain (for epp explain) on the metrics port; off by default")
     p.add_argument("--workers", default="1",
                    help="picker processes sharing the ports (SO_REUSEPORT; one metrics page for all; a worker "
                         "that exits is restarted): a number, or 'auto' for one per CPU (default 1)")
-    p.add_argument("--tracing", action="store_true",
-                   help="OpenTelemetry spans for every request, exported as the OTEL_* variables say (default: "
-                        "OTLP to localhost:4317); also on when OTEL_TRACES_EXPORTER is set; needs the 'tracing' "
-                        "extra (docs/tracing.md)")
-    p.add_argument("-v", "--verbose", action="count", default=0, help="more logs (-v info, -vv debug)")
+    metrics = p.add_argument_group("the metrics port")
+    add_bool_flag(metrics, "--metrics-endpoint-auth", default=None,
+                  help="/metrics (and /debug) need a bearer token that the Kubernetes API authenticates "
+                       "(TokenReview) and authorizes (SubjectAccessReview: get on the path) (default: on with "
+                       "Kubernetes discovery, as llm-d; off with --endpoints or --endpoints-file)")
+    metrics.add_argument("--metrics-cert-dir",
+                         help="serve the metrics port over TLS with this directory's tls.crt and tls.key")
+    metrics.add_argument("--metrics-client-ca-file",
+                         help="with --metrics-cert-dir: require a client certificate this PEM CA signed")
+    logs = p.add_argument_group("logs and traces")
+    add_bool_flag(logs, "--tracing", default=None,
+                  help="OpenTelemetry spans for every request, exported as the OTEL_* variables say (default: "
+                       "OTLP to localhost:4317); unset, on when OTEL_TRACES_EXPORTER is set; --tracing=false "
+                       "turns it off whatever the environment says; needs the 'tracing' extra (docs/tracing.md)")
+    logs.add_argument("-v", "--verbose", action="count", default=0,
+                      help="more logs (-v info, -vv debug); llm-d's -v=N: 3 is info, 4 and above debug")
+    logs.add_argument("--zap-encoder", choices=("console", "json"), default="console",
+                      help="log lines as text (console) or one JSON object each (json: level, ts, logger, msg)")
+    logs.add_argument("--zap-log-level", type=zap_level, default=None,
+                      help="log level as llm-d names it: debug, info, error, panic, or N > 0 (debug); over -v")
+
+
+def _llmd_epilog() -> str:
+    """The llm-d EPP flags `epp serve` accepts without an effect, and those it refuses."""
+    ignored = ", ".join(f"--{name}" for name in IGNORED_LLMD_FLAGS)
+    refused = ", ".join(f"--{name}" for name in REFUSED_LLMD_FLAGS)
+    return (f"Also accepted from the llm-d EPP, checked and ignored (logged once, with why): {ignored}. "
+            f"Refused, with why: {refused}. docs/kubernetes.md#the-llm-d-router-chart lists every llm-d flag.")
 
 
 def _scores_mode(text: str) -> str | None:
@@ -208,16 +277,24 @@ def _start_line(options: ServeOptions) -> Callable[[EppServer], None]:
             pool = "no endpoints (give --endpoints, --endpoints-file or --pool-name)"
         config = options.config_file or ("--config-text" if options.config_text else "GIE default pipeline")
         tls = " (TLS)" if options.secure_serving else ""
-        print(f"epp serve: ext_proc on {host}:{server.grpc_port}{tls}, health on {host}:{server.health_port}, "
-              f"metrics on http://{host}:{server.metrics_port}/metrics; {pool}; config: {config}", flush=True)
+        scheme = "https" if options.metrics_cert_dir else "http"
+        auth = " (bearer token)" if options.metrics_auth else ""
+        line = (f"epp serve: ext_proc on {host}:{server.grpc_port}{tls}, health on {host}:{server.health_port}, "
+                f"metrics on {scheme}://{host}:{server.metrics_port}/metrics{auth}; {pool}; config: {config}")
+        if options.log_json:  # stdout too is read by the log collector then
+            line = JsonLogFormatter().format(logging.makeLogRecord(
+                {"name": "epp.serve", "levelno": logging.INFO, "levelname": "INFO", "msg": line}))
+        print(line, flush=True)
 
     return announce
 
 
-def _run_serve(args: argparse.Namespace) -> int:
+def _run_serve(args: argparse.Namespace, ignored_line: str | None = None) -> int:
     from epp.framework.errors import ConfigError
     from epp.server.runner import BindError, ServeOptions, serve_forever
 
+    if ignored_line is not None:  # once, in the process that parsed the line (workers get options, not flags)
+        logging.getLogger("epp.serve").warning("%s", ignored_line)
     # Every flag is checked before anything starts; the first wrong one is the user's one line.
     try:
         endpoints = _endpoints_of(args)
@@ -229,6 +306,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         # The loader reads --config-file itself, so its errors name the file (and a missing file is one).
         k8s = _kubernetes_options(args)
         _check_tenant_source(args.token_accounting_tenant)
+        _check_durations(args)
+        security = _security_options(args, kubernetes=bool(args.pool_name or args.endpoint_selector))
         traced = _tracing_wanted(args.tracing)
     except (UsageError, ValueError, MissingExtra) as exc:
         print(f"epp serve: {exc}", file=sys.stderr)
@@ -244,15 +323,18 @@ def _run_serve(args: argparse.Namespace) -> int:
     options = ServeOptions(
         grpc_port=args.grpc_port, grpc_health_port=args.grpc_health_port, metrics_port=args.metrics_port,
         bind_address=args.bind_address, config_text=args.config_text, config_file=args.config_file,
-        endpoints=endpoints, endpoints_file=args.endpoints_file, secure_serving=args.secure_serving,
-        cert_path=args.cert_path, max_body_bytes=args.max_request_body_bytes,
-        grace_period_s=args.grace_period, refresh_metrics_interval_s=args.refresh_metrics_interval,
-        disable_endpoint_subset_filter=args.disable_endpoint_subset_filter, limits=limits,
-        token_accounting_tenant=args.token_accounting_tenant,
+        endpoints=endpoints, endpoints_file=args.endpoints_file, cert_path=args.cert_path,
+        max_body_bytes=args.max_request_body_bytes, grpc_max_recv_bytes=args.grpc_max_recv_msg_size,
+        grpc_max_send_bytes=args.grpc_max_send_msg_size, grace_period_s=args.grace_period,
+        drain_timeout_s=args.drain_timeout, refresh_metrics_interval_s=args.refresh_metrics_interval,
+        metrics_staleness_s=args.metrics_staleness_threshold,
+        disable_endpoint_subset_filter=args.disable_endpoint_subset_filter, health_checking=args.health_checking,
+        limits=limits, token_accounting_tenant=args.token_accounting_tenant,
         prefill_capacity_tokens_per_s=args.prefill_capacity_tokens_per_second,
         peer_port=args.peer_port, peers=peers, worker_peer_link=not args.no_worker_peer_link,
         shared_scrapes=not args.no_shared_scrapes, emit_endpoint_scores=args.emit_endpoint_scores,
-        enable_debug_endpoint=args.enable_debug_endpoint, tracing=traced, **k8s)
+        enable_debug_endpoint=args.enable_debug_endpoint, tracing=traced, log_json=args.zap_encoder == "json",
+        **security, **k8s)
     from epp.kube.client import KubernetesError
     from epp.server.event_loop import run_event_loop
     from epp.server.workers import WorkerStartError, supervise_forever, worker_count
@@ -277,12 +359,56 @@ def _run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tracing_wanted(flag: bool) -> bool:
-    """Whether to trace (`--tracing`, or OTEL_TRACES_EXPORTER set; OTEL_SDK_DISABLED=true says no); the
-    extra and the OTEL_* settings are checked now (MissingExtra, ValueError), so a wrong one fails at start."""
+def _check_durations(args: argparse.Namespace) -> None:
+    """Refuse a time flag whose value cannot be meant (a negative drain, a scrape every 0 seconds)."""
+    if args.refresh_metrics_interval <= 0:
+        raise UsageError(f"--refresh-metrics-interval: {args.refresh_metrics_interval:g}s; it must be above 0")
+    if args.metrics_staleness_threshold is not None and args.metrics_staleness_threshold <= 0:
+        raise UsageError(f"--metrics-staleness-threshold: {args.metrics_staleness_threshold:g}s; it must be above 0")
+    for flag, seconds in (("--grace-period", args.grace_period), ("--drain-timeout", args.drain_timeout)):
+        if seconds < 0:
+            raise UsageError(f"{flag}: {seconds:g}s; it cannot be negative")
+
+
+def _security_options(args: argparse.Namespace, *, kubernetes: bool) -> dict:
+    """ServeOptions fields for TLS and the metrics port's protection. Unset, `--secure-serving` and
+    `--metrics-endpoint-auth` follow the discovery mode: on with Kubernetes discovery (llm-d's defaults,
+    which its chart relies on), off for --endpoints/--endpoints-file (a laptop, a demo, a benchmark)."""
+    from pathlib import Path
+
+    secure = kubernetes if args.secure_serving is None else args.secure_serving
+    metrics_auth = kubernetes if args.metrics_endpoint_auth is None else args.metrics_endpoint_auth
+    if args.tls_min_version == "VersionTLS13":
+        raise UsageError("--tls-min-version=VersionTLS13: not settable here (gRPC's Python server offers TLS 1.2 "
+                         "and 1.3 and takes no minimum); VersionTLS12 and below are what it does")
+    if args.cert_path:
+        for name in ("tls.crt", "tls.key"):
+            if not (Path(args.cert_path) / name).is_file():
+                raise UsageError(f"--cert-path {args.cert_path}: no {name} there")
+    if args.metrics_client_ca_file and not args.metrics_cert_dir:
+        raise UsageError("--metrics-client-ca-file needs --metrics-cert-dir (client certificates need TLS)")
+    if args.metrics_cert_dir:
+        for name in ("tls.crt", "tls.key"):
+            if not (Path(args.metrics_cert_dir) / name).is_file():
+                raise UsageError(f"--metrics-cert-dir {args.metrics_cert_dir}: no {name} there")
+        if not args.metrics_client_ca_file and not metrics_auth:
+            raise UsageError("--metrics-cert-dir serves /metrics over TLS without authentication; add "
+                             "--metrics-client-ca-file or --metrics-endpoint-auth (as llm-d requires)")
+    if args.metrics_client_ca_file and not Path(args.metrics_client_ca_file).is_file():
+        raise UsageError(f"--metrics-client-ca-file {args.metrics_client_ca_file}: no such file")
+    if metrics_auth:
+        require_extra("kubernetes", "--metrics-endpoint-auth (Kubernetes TokenReview and SubjectAccessReview)")
+    return {"secure_serving": secure, "enable_cert_reload": args.enable_cert_reload, "metrics_auth": metrics_auth,
+            "metrics_cert_dir": args.metrics_cert_dir, "metrics_client_ca_file": args.metrics_client_ca_file}
+
+
+def _tracing_wanted(flag: bool | None) -> bool:
+    """Whether to trace: `--tracing[=true]`, or unset with OTEL_TRACES_EXPORTER set; `--tracing=false` and
+    OTEL_SDK_DISABLED=true say no. The extra and the OTEL_* settings are checked now (MissingExtra,
+    ValueError), so a wrong one fails at start."""
     from epp import tracing
 
-    if not (flag or tracing.requested_by_environment()):
+    if flag is False or not (flag or tracing.requested_by_environment()):
         return False
     if tracing.disabled_by_environment():
         logging.getLogger(__name__).warning("tracing is off: OTEL_SDK_DISABLED=true")
@@ -305,8 +431,6 @@ def _check_tenant_source(value: str) -> None:
 def _kubernetes_options(args: argparse.Namespace) -> dict:
     """ServeOptions fields for Kubernetes discovery; ValueError names the flag that is wrong, MissingExtra
     says the client is not installed."""
-    import os
-
     from epp.datalayer.inference_pool import parse_selector, parse_target_ports
 
     if args.pool_name and args.endpoint_selector:
@@ -315,13 +439,22 @@ def _kubernetes_options(args: argparse.Namespace) -> dict:
         raise ValueError("--endpoint-target-ports goes with --endpoint-selector (a pool names its own ports)")
     if (args.pool_name or args.endpoint_selector) and (args.endpoints or args.endpoints_file):
         raise ValueError("Kubernetes discovery excludes --endpoints and --endpoints-file")
-    if args.ha_enable_leader_election and not args.pool_name:
-        raise ValueError("--ha-enable-leader-election needs --pool-name (the lease is the pool's)")
+    if args.ha_enable_leader_election and not (args.pool_name or args.endpoint_selector):
+        raise ValueError("--ha-enable-leader-election needs --pool-name or --endpoint-selector (whose lease)")
     if args.pool_name or args.endpoint_selector:
         require_extra("kubernetes", "Kubernetes discovery (--pool-name, --endpoint-selector)")
+    namespace = args.pool_namespace or os.environ.get("NAMESPACE") or "default"
     options: dict = {"pool_name": args.pool_name, "pool_group": args.pool_group, "kubeconfig": args.kubeconfig,
-                     "ha_enable_leader_election": args.ha_enable_leader_election,
-                     "pool_namespace": args.pool_namespace or os.environ.get("NAMESPACE") or "default"}
+                     "ha_enable_leader_election": args.ha_enable_leader_election, "pool_namespace": namespace}
+    if args.ha_enable_leader_election and args.endpoint_selector:
+        # Standalone, the lease is the Deployment's, as llm-d names it: from this pod's name.
+        from epp.server.leader_election import deployment_of_pod, lease_name
+
+        pod = os.environ.get("POD_NAME", "")
+        if not pod:
+            raise ValueError("--ha-enable-leader-election with --endpoint-selector needs $POD_NAME (the "
+                             "Deployment's pods share one lease; the chart sets it from the downward API)")
+        options["ha_lease_name"] = lease_name(namespace, deployment_of_pod(pod))
     if args.endpoint_selector:
         if not args.endpoint_target_ports:
             raise ValueError("--endpoint-selector needs --endpoint-target-ports")
@@ -378,9 +511,37 @@ def _pool_envoy_options(path: str) -> dict:
         raise ValueError(f"--inference-pool {path}: {exc}") from None
 
 
+def subcommand_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of one `epp` command (`serve`, `envoy-config`, ...)."""
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[name]
+
+
+# llm-d's `--zap-log-level` names; an integer above 0 is more verbose than debug.
+_ZAP_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "error": logging.ERROR, "panic": logging.CRITICAL}
+
+
+def _configure_logging(args: argparse.Namespace) -> None:
+    """The root logger: the level from -v (or llm-d's -v=N, or --zap-log-level), text or JSON lines."""
+    zap = getattr(args, "zap_log_level", None)
+    if zap is not None:
+        level = _ZAP_LEVELS.get(zap, logging.DEBUG)
+    else:
+        level = max(logging.WARNING - 10 * getattr(args, "verbose", 1), logging.DEBUG)
+    if getattr(args, "zap_encoder", "console") == "json":
+        handler = logging.StreamHandler()
+        handler.setFormatter(JsonLogFormatter())
+        logging.basicConfig(level=level, handlers=[handler])
+    else:
+        logging.basicConfig(level=level, format=LOG_FORMAT)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse of `epp` (the engine and sim tools parse their own arguments)."""
-    parser = argparse.ArgumentParser(prog="epp", description="LLM-aware endpoint picker for Envoy ext_proc")
+    parser = argparse.ArgumentParser(prog="epp", description="LLM-aware endpoint picker for Envoy ext_proc",
+                                     epilog="A first argument that is a flag means `epp serve` (as the llm-d "
+                                            "chart starts the image: `epp --pool-name R ...`); `epp serve --help` "
+                                            "lists its flags.")
     parser.add_argument("--version", action="version", version=f"epp (llm-epp) {epp_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _serve_parser(sub)
@@ -446,9 +607,29 @@ def build_parser() -> argparse.ArgumentParser:
     add_explain_parser(sub)
     sub.add_parser("engine", help="model-server tools: `epp engine serve|disk-manager --help`", add_help=False)
     sub.add_parser("sim", help="the vLLM simulator: `epp sim fleet --help`", add_help=False)
+    sub.add_parser("bbr", help="body-based routing across pools: the model headers for the route (`epp bbr --help`)",
+                   add_help=False)
     sub.add_parser("cost", help="what cached tokens saved over a window of the picker's counters: `epp cost --help`",
                    add_help=False)
     return parser
+
+
+# Top-level flags of `epp`; any other first argument that is a flag means `epp serve` (the image's ENTRYPOINT
+# is `epp`, and the llm-d chart gives the container flags only, no command).
+TOP_LEVEL_FLAGS = {"-h": "--help", "--help": "--help", "-help": "--help", "--version": "--version",
+                   "-version": "--version"}
+
+
+# gRPC reads its TLS 1.2 cipher list from this variable once, as it loads: before anything of `epp` imported it.
+CIPHER_SUITES_VARIABLE = "GRPC_SSL_CIPHER_SUITES"
+
+
+def _restart_with_cipher_suites(ciphers: str, argv: Sequence[str]) -> NoReturn:
+    """Run this same `epp` line again, in this process, with gRPC's cipher list set (`--tls-cipher-suites`)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "epp.cli", *argv],
+              {**os.environ, CIPHER_SUITES_VARIABLE: ciphers})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -465,12 +646,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         from epp.engine.sim.__main__ import main as sim_main
 
         return sim_main(argv[1:], prog="epp sim") or 0
+    if argv[:1] == ["bbr"]:
+        from epp.bbr.cli import main as bbr_main
+
+        return bbr_main(argv[1:])
+    if argv and argv[0] in TOP_LEVEL_FLAGS:
+        argv[0] = TOP_LEVEL_FLAGS[argv[0]]
+    elif argv and argv[0].startswith("-"):
+        argv = ["serve", *argv]
     parser = build_parser()
+    serve_line: ServeArgv | None = None
+    if argv[:1] == ["serve"]:
+        # Go's flag forms (the llm-d chart's) become the canonical ones argparse reads.
+        try:
+            serve_line = normalize_serve_argv(argv[1:], subcommand_parser(parser, "serve"))
+        except FlagError as exc:
+            print(f"epp serve: {exc}", file=sys.stderr)
+            return 2
+        argv = ["serve", *serve_line.argv]
     args = parser.parse_args(argv)
-    level = logging.WARNING - 10 * getattr(args, "verbose", 1)
-    logging.basicConfig(level=max(level, logging.DEBUG), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve" and args.tls_cipher_suites \
+            and os.environ.get(CIPHER_SUITES_VARIABLE) != args.tls_cipher_suites:
+        _restart_with_cipher_suites(args.tls_cipher_suites, argv)
+    _configure_logging(args)
     if args.command == "serve":
-        return _run_serve(args)
+        return _run_serve(args, serve_line.ignored_line() if serve_line is not None else None)
     if args.command == "check-config":
         from epp.config.check import check_config_main
 

@@ -7,9 +7,36 @@ The full detail is logged at DEBUG.
 
 from __future__ import annotations
 
+import datetime
+import json
 import logging
 import time
 import traceback
+
+# The text log line of `epp` commands.
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# zap's level names, which log collectors set up for the llm-d EPP (`--zap-encoder json`) expect.
+_ZAP_NAMES = {logging.DEBUG: "debug", logging.INFO: "info", logging.WARNING: "warn", logging.ERROR: "error",
+              logging.CRITICAL: "panic"}
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per log line (`--zap-encoder json`): level, ts (ISO 8601, UTC), logger, msg, and
+    error (the traceback) when one is attached."""
+
+    def __init__(self, fields: dict[str, str] | None = None) -> None:
+        super().__init__()
+        self.fields = dict(fields or {})  # constant fields every line carries (a worker's index)
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The record as one line of JSON."""
+        line: dict[str, object] = {
+            "level": _ZAP_NAMES.get(record.levelno, record.levelname.lower()),
+            "ts": datetime.datetime.fromtimestamp(record.created, datetime.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            "logger": record.name, "msg": record.getMessage(), **self.fields}
+        if record.exc_info:
+            line["error"] = self.formatException(record.exc_info)
+        return json.dumps(line, ensure_ascii=False)
 
 
 def describe(exc: BaseException) -> str:

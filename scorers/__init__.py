@@ -7,6 +7,7 @@ def register_builtin_plugins(registry: PluginRegistry) -> None:
     """Entry point of the `epp.plugins` group for the built-in plugins."""
     from epp.scorers import (
         affinity,
+        affinity_filter,
         approx_prefix,
         conformance,
         context_length,
@@ -16,9 +17,11 @@ def register_builtin_plugins(registry: PluginRegistry) -> None:
         label_filters,
         load,
         lora,
+        p2p,
         pickers,
         prefix,
         profile_handlers,
+        utilization_filter,
     )
 
     for cls in (
@@ -33,7 +36,10 @@ def register_builtin_plugins(registry: PluginRegistry) -> None:
         disagg.AlwaysDisaggPDDecider, disagg.DataParallelProfileHandler,
         datalayer_compat.MetricsDataSource, datalayer_compat.CoreMetricsExtractor,
         datalayer_compat.EndpointNotificationSource, datalayer_compat.OpenAIParser, datalayer_compat.AnthropicParser,
-        datalayer_compat.PassthroughParser,
+        datalayer_compat.PassthroughParser, affinity_filter.PrefixCacheAffinityFilter,
+        affinity.SessionAffinityFilter, utilization_filter.UtilizationFilter, profile_handlers.HeaderProfileHandler,
+        label_filters.EncodeFilter, disagg.AlwaysDisaggMultimodalDecider, disagg.DisaggHeadersHandler,
+        p2p.P2PSourceProducer,
     ):
         registry.register_class(cls)
     registry.register_class(approx_prefix.ApproxPrefixCacheProducer, default_producer_for=[PREFIX_MATCH_INFO])

@@ -13,9 +13,11 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from epp.framework import (
     PREFIX_MATCH_INFO,
+    SESSION,
     ConfigError,
     CycleState,
     Endpoint,
+    Filter,
     InferenceRequest,
     Plugin,
     PluginContext,
@@ -25,12 +27,15 @@ from epp.framework import (
     ResponseInfo,
     SchedulingResult,
     Scorer,
+    SessionKey,
     once_per_registry,
 )
-from epp.scorers.prefix import check_prefix_producer, producer_reference
+from epp.scorers.prefix import prefix_source
 
 SESSION_HEADER = "x-session-token"
 SESSION_ID_HEADER = "x-session-id"
+# llm-d's agent-identity request attribute: here, the session of the SESSION data key.
+AGENT_IDENTITY_ATTRIBUTE = "agent-identity"
 PREFILL_PROFILE = "prefill"
 STRATEGIES = ("encoded_endpoint_header", "session_id")
 # Sessions a session_id scorer remembers at most (least recently used dropped first).
@@ -48,20 +53,18 @@ def _sessions_gauge(registry: CollectorRegistry | None) -> Gauge:
         "to an endpoint.", ["plugin"], registry=r))
 
 
-class SessionAffinityScorer(Scorer, PreRequestHook, ResponseHeadersHook):
-    """1.0 for the endpoint the request's session names, 0 otherwise (llm-d's two strategies).
+class _SessionAffinity(PreRequestHook, ResponseHeadersHook):
+    """What llm-d's session-affinity scorer and filter share: the session's endpoint, bound and remembered.
 
     `encoded_endpoint_header` (default): the client echoes the token the previous response carried
     in `encodedEndpointHeaderConfig.header` (base64 of the endpoint). `session_id`: the session id
-    header (`sessionIdConfig.sources`) is bound to the session's last pick, forgotten after
-    `evictionTtlSeconds` idle (swept every `evictionSweepSeconds`; at most 100,000 sessions, least
-    recently used first out). `profileName`: whose pick is remembered (default: the primary one).
+    (`sessionIdConfig.sources`: headers, or `attribute: agent-identity`, the session the session
+    producer found) is bound to the session's last pick, forgotten after `evictionTtlSeconds` idle
+    (swept every `evictionSweepSeconds`; at most 100,000 sessions, least recently used first out).
+    `profileName`: whose pick is remembered (default: the primary one).
     """
 
-    type_name = "session-affinity-scorer"
-
-    def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
-        super().__init__(name)
+    def _configure(self, name: str, params: PluginParams, context: PluginContext) -> None:
         self.strategy = params.str("strategy", STRATEGIES[0], choices=STRATEGIES)
         self.profile_name = params.str("profileName", None)
         header_config = params.mapping("encodedEndpointHeaderConfig", None) or {}
@@ -71,16 +74,22 @@ class SessionAffinityScorer(Scorer, PreRequestHook, ResponseHeadersHook):
         if unknown:
             raise ConfigError(f"plugin {name!r}: parameter 'sessionIdConfig': unknown field(s) {unknown}; allowed: "
                               "sources, evictionTtlSeconds, evictionSweepSeconds")
-        self.id_headers = _id_sources(name, id_config.get("sources"))
+        self.id_sources = _id_sources(name, id_config.get("sources"))
         self.ttl_s = _seconds(name, "evictionTtlSeconds", id_config.get("evictionTtlSeconds"), 300)
         self.sweep_s = _seconds(name, "evictionSweepSeconds", id_config.get("evictionSweepSeconds"), 10)
         self._sessions: OrderedDict[str, tuple[str, float]] = OrderedDict()  # id -> (endpoint, last use)
         self._last_sweep = time.monotonic()
         self._gauge = _sessions_gauge(context.metrics_registry).labels(plugin=name)
 
+    @property
+    def id_headers(self) -> tuple[str, ...]:
+        """The headers the session id is read from, in order."""
+        return tuple(value for kind, value in self.id_sources if kind == "header")
+
     def describe(self) -> str:
         if self.strategy == "session_id":
-            return (f"strategy=session_id headers={list(self.id_headers)} evictionTtlSeconds={self.ttl_s:g} "
+            sources = [value if kind == "header" else f"attribute:{value}" for kind, value in self.id_sources]
+            return (f"strategy=session_id sources={sources} evictionTtlSeconds={self.ttl_s:g} "
                     f"evictionSweepSeconds={self.sweep_s:g}")
         return f"strategy=encoded_endpoint_header header={self.header}"
 
@@ -89,16 +98,20 @@ class SessionAffinityScorer(Scorer, PreRequestHook, ResponseHeadersHook):
         return {"strategy": self.strategy, "sessions": len(self._sessions), "max_sessions": MAX_SESSIONS,
                 "ttl_s": self.ttl_s}
 
-    def _session_id(self, request: InferenceRequest) -> str | None:
-        for header in self.id_headers:
-            value = request.headers.get(header)
-            if value:
-                return value
+    def _session_id(self, state: CycleState, request: InferenceRequest) -> str | None:
+        for kind, value in self.id_sources:
+            if kind == "header":
+                found = request.headers.get(value, "").strip()
+            else:
+                session: SessionKey | None = state.get(SESSION)
+                found = session.session.strip() if session is not None else ""
+            if found:
+                return found
         return None
 
-    def _wanted(self, request: InferenceRequest) -> str | None:
+    def _wanted(self, state: CycleState, request: InferenceRequest) -> str | None:
         if self.strategy == "session_id":
-            session = self._session_id(request)
+            session = self._session_id(state, request)
             bound = self._sessions.get(session) if session else None
             return bound[0] if bound is not None and time.monotonic() - bound[1] <= self.ttl_s else None
         token = request.headers.get(self.header)
@@ -109,11 +122,6 @@ class SessionAffinityScorer(Scorer, PreRequestHook, ResponseHeadersHook):
         except (binascii.Error, UnicodeDecodeError):
             return None
 
-    def score(self, state: CycleState, request: InferenceRequest,
-              endpoints: Sequence[Endpoint]) -> Mapping[str, float]:
-        wanted = self._wanted(request)
-        return {ep.name: 1.0 if ep.name == wanted else 0.0 for ep in endpoints}
-
     def _pick(self, result: SchedulingResult) -> Endpoint | None:
         if self.profile_name is None:
             return result.targets[0] if result.targets else None
@@ -121,11 +129,12 @@ class SessionAffinityScorer(Scorer, PreRequestHook, ResponseHeadersHook):
         return picked.targets[0] if picked is not None and picked.targets else None
 
     def pre_request(self, state: CycleState, request: InferenceRequest, result: SchedulingResult) -> None:
+        name = self.name
         target = self._pick(result)
-        state.put(self.name, target)
+        state.put(name, target)
         if self.strategy != "session_id" or target is None:
             return
-        session = self._session_id(request)
+        session = self._session_id(state, request)
         if not session:
             return
         now = time.monotonic()
@@ -148,6 +157,36 @@ class SessionAffinityScorer(Scorer, PreRequestHook, ResponseHeadersHook):
             response.set_headers[self.header] = session_token(picked.name)
 
 
+class SessionAffinityScorer(_SessionAffinity, Scorer):
+    """1.0 for the endpoint the request's session names, 0 otherwise (llm-d's two strategies; a soft preference)."""
+
+    type_name = "session-affinity-scorer"
+
+    def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
+        Scorer.__init__(self, name)
+        self._configure(name, params, context)
+
+    def score(self, state: CycleState, request: InferenceRequest,
+              endpoints: Sequence[Endpoint]) -> Mapping[str, float]:
+        wanted = self._wanted(state, request)
+        return {ep.name: 1.0 if ep.name == wanted else 0.0 for ep in endpoints}
+
+
+class SessionAffinityFilter(_SessionAffinity, Filter):
+    """Only the endpoint the request's session names, when it is a candidate; else all (llm-d's hard pin)."""
+
+    type_name = "session-affinity-filter"
+
+    def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
+        Filter.__init__(self, name)
+        self._configure(name, params, context)
+
+    def filter(self, state: CycleState, request: InferenceRequest, endpoints: Sequence[Endpoint]) -> list[Endpoint]:
+        wanted = self._wanted(state, request)
+        pinned = [ep for ep in endpoints if ep.name == wanted] if wanted else []
+        return pinned or list(endpoints)
+
+
 def _header_of(plugin: str, param: str, config: Mapping[str, object], default: str) -> str:
     unknown = sorted(set(config) - {"header"})
     if unknown:
@@ -158,20 +197,30 @@ def _header_of(plugin: str, param: str, config: Mapping[str, object], default: s
     return header.lower()
 
 
-def _id_sources(plugin: str, raw: object) -> tuple[str, ...]:
-    """`sessionIdConfig.sources`: headers only (`{header: name}`), in order."""
+def _id_sources(plugin: str, raw: object) -> tuple[tuple[str, str], ...]:
+    """`sessionIdConfig.sources` in order: `("header", name)`, or `("attribute", "agent-identity")`."""
     if raw is None:
-        return (SESSION_ID_HEADER,)
+        return (("header", SESSION_ID_HEADER),)
     if not isinstance(raw, list) or not raw:
-        raise ConfigError(f"plugin {plugin!r}: parameter 'sessionIdConfig.sources' must be a list of {{header}}")
-    headers = []
+        raise ConfigError(f"plugin {plugin!r}: parameter 'sessionIdConfig.sources' must be a list of {{header}} or "
+                          "{attribute}")
+    sources: list[tuple[str, str]] = []
     for i, source in enumerate(raw):
+        path = f"sessionIdConfig.sources[{i}]"
         if isinstance(source, dict) and "attribute" in source:
-            raise ConfigError(f"plugin {plugin!r}: parameter 'sessionIdConfig.sources[{i}].attribute' is not "
-                              "supported: session ids come from request headers here")
-        headers.append(_header_of(plugin, f"sessionIdConfig.sources[{i}]", source if isinstance(source, dict)
-                                  else {"header": source}, SESSION_ID_HEADER))
-    return tuple(headers)
+            unknown = sorted(set(source) - {"attribute", "producer"})
+            if unknown:
+                raise ConfigError(f"plugin {plugin!r}: parameter {path!r}: {unknown} with 'attribute'; allowed: "
+                                  "attribute, producer (exactly one of header or attribute)")
+            if source["attribute"] != AGENT_IDENTITY_ATTRIBUTE:
+                raise ConfigError(f"plugin {plugin!r}: parameter '{path}.attribute' {source['attribute']!r} is not "
+                                  f"published here; allowed: {AGENT_IDENTITY_ATTRIBUTE} (the session the session "
+                                  "producer found)")
+            sources.append(("attribute", AGENT_IDENTITY_ATTRIBUTE))
+            continue
+        sources.append(("header", _header_of(plugin, path, source if isinstance(source, dict)
+                                             else {"header": source}, SESSION_ID_HEADER)))
+    return tuple(sources)
 
 
 def _seconds(plugin: str, key: str, value: object, default: float) -> float:
@@ -193,8 +242,9 @@ class NoHitLRUScorer(Scorer, PreRequestHook):
         # Accepted for llm-d config compatibility: here the prefix data comes by data key, not plugin name.
         self.prefix_plugin_name = params.str("prefixPluginName", "prefix-cache-scorer")
         self.prefix_plugin_type = params.str("prefixPluginType", "prefix-cache-scorer")
-        self.lru_size = params.int("lruSize", 1024, minimum=1)
-        self.refs = producer_reference(params)
+        lru_size = params.int("lruSize", 1024)
+        self.lru_size = lru_size if lru_size > 0 else 1024  # as llm-d: 0 or less is the default
+        self.source = prefix_source(params)
         self._lru: OrderedDict[str, None] = OrderedDict()  # least recently cold-picked first
 
     def describe(self) -> str:
@@ -210,26 +260,30 @@ class NoHitLRUScorer(Scorer, PreRequestHook):
 
     def plugin_refs(self) -> Mapping[str, str]:
         """The producer `prefixMatchInfoProducerName` names (resolved by the loader)."""
-        return self.refs
+        return self.source.refs()
 
     def bind_plugins(self, plugins: Mapping[str, Plugin]) -> None:
-        check_prefix_producer(self.name, plugins)
+        self.source.bind(self.name, plugins)
 
     def score(self, state: CycleState, request: InferenceRequest,
               endpoints: Sequence[Endpoint]) -> Mapping[str, float]:
-        data = state.all_endpoint_data(PREFIX_MATCH_INFO)
+        data = state.all_endpoint_data(self.source.read_key)
         cold = not any(info.matched_blocks > 0 for info in data.values())
         state.put(self.name, cold)
         if not cold:
             return {ep.name: 0.5 for ep in endpoints}
-        names = {ep.name for ep in endpoints}
-        used = [name for name in self._lru if name in names]
-        used_set = set(used)
-        ranked = [ep.name for ep in endpoints if ep.name not in used_set] + used
-        n = len(ranked)
+        n = len(endpoints)
         if n == 1:
-            return {ranked[0]: 1.0}
-        return {name: 1.0 - rank / (n - 1) for rank, name in enumerate(ranked)}
+            return {endpoints[0].name: 1.0}
+        # As llm-d: never cold-picked endpoints first, in candidate order, then the remembered ones by their
+        # place among everything remembered (least recent first), so a score may skip and floors at 0.
+        position = {name: i for i, name in enumerate(self._lru)}
+        never = [ep.name for ep in endpoints if ep.name not in position]
+        out = {name: 1.0 - rank / (n - 1) for rank, name in enumerate(never)}
+        for ep in endpoints:
+            if ep.name in position:
+                out[ep.name] = max(0.0, 1.0 - (len(never) + position[ep.name]) / (n - 1))
+        return out
 
     def pre_request(self, state: CycleState, request: InferenceRequest, result: SchedulingResult) -> None:
         if not state.get(self.name):

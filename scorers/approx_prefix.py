@@ -24,6 +24,7 @@ matching. GIE's algorithm, unchanged, is `gie-approx-prefix-cache-producer`.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,12 +33,14 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram
 
 from epp.framework import (
     PREFIX_CACHE_FREE_BLOCKS,
+    PREFIX_HOME,
     PREFIX_MATCH_INFO,
     PREFIX_TIER_MATCH,
     Booking,
     ConfigError,
     CycleState,
     DataProducer,
+    DecisionSharing,
     Endpoint,
     InferenceRequest,
     PluginContext,
@@ -127,19 +130,17 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
         self.bytes_per_character = 1.0
         chain_aware = False if self.gie_compatible else params.bool("chainAware", True)
         self.index = PrefixIndex(chain_aware=chain_aware)
+        # Where each data key is written: its own name unless several producers of it are configured.
+        self._keys: dict[str, str] = {}
         if self.learn_chars_per_token:
             context.load.add_observer(self._learn_chars_per_token)
-            # Every picker of a pool learns from every response: with a share each, their LRUs were
-            # sized apart for minutes (four pods, shared-prefix: groups kept on replicas that had
-            # evicted them).
-            context.sharing.share_prompt_tokens(self._count_prompt_tokens)
         self.metrics = prefix_index_metrics(context.metrics_registry or CollectorRegistry())
         if context.endpoints is not None:
             context.endpoints.add_listener(self._on_endpoints_changed)
         self._endpoints = context.endpoints
         # Other pickers of the pool learn this one's routes and it theirs (epp.framework.sharing).
         self.sharing = context.sharing
-        self.sharing.share_prefixes(self._learn_peer_route, self.index.entries)
+        _peer_link(context.sharing).add(self)
 
     def describe(self) -> str:
         cpt = "learned" if self.learn_chars_per_token else f"{self.chars_per_token:g}"
@@ -159,7 +160,25 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
 
     def produces(self) -> frozenset[str]:
         keys = {PREFIX_MATCH_INFO, PREFIX_CACHE_FREE_BLOCKS}
-        return frozenset(keys | {PREFIX_TIER_MATCH} if self.publish_tier_match else keys)
+        if self.publish_tier_match:
+            keys.add(PREFIX_TIER_MATCH)
+        return frozenset(self.output_key(k) for k in keys)
+
+    def publish_under(self, keys: Mapping[str, str]) -> bool:
+        """Several prefix producers (llm-d's GPU and CPU tiers): this one writes under its own name, and keeps
+        its routes from the pool's other pickers (their capacities are another producer's)."""
+        self._keys.update(keys)
+        if keys:
+            self._keys.setdefault(PREFIX_HOME, f"{PREFIX_HOME}/{self.name}")
+        return True
+
+    def output_key(self, key: str) -> str:
+        return self._keys.get(key, key)
+
+    @property
+    def shares_routes(self) -> bool:
+        """Whether this producer's routes travel to the pool's other pickers (the one writing the plain key)."""
+        return not self._keys
 
     def _on_endpoints_changed(self, added: tuple[Endpoint, ...], removed: tuple[Endpoint, ...]) -> None:
         for ep in removed:
@@ -205,16 +224,16 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
         total = len(hashes)
         no_match = PrefixMatchInfo(0, total, block_tokens)  # immutable: shared by every endpoint without a hit
         index = self.index
+        key_info, key_free = self.output_key(PREFIX_MATCH_INFO), self.output_key(PREFIX_CACHE_FREE_BLOCKS)
         for ep in endpoints:
             hit = matched.get(ep.name)
-            state.put_endpoint_data(PREFIX_MATCH_INFO, ep.name,
+            state.put_endpoint_data(key_info, ep.name,
                                     no_match if hit is None else PrefixMatchInfo(hit, total, block_tokens))
-            state.put_endpoint_data(PREFIX_CACHE_FREE_BLOCKS, ep.name,
-                                    max(0, self._capacity_for(ep) - index.held(ep.name)))
+            state.put_endpoint_data(key_free, ep.name, max(0, self._capacity_for(ep) - index.held(ep.name)))
         if self.publish_tier_match:
             self._publish_tier_match(state, request, endpoints, matched, block_tokens)
         if hashes and not matched and self.rendezvous_home:
-            publish_home(state, hashes[0], endpoints, self._ledger.load)
+            publish_home(state, hashes[0], endpoints, self._ledger.load, self.output_key(PREFIX_HOME))
         state.put(self.name, _RequestPrefix(hashes, matched, block_tokens))
 
     def _publish_tier_match(self, state: CycleState, request: InferenceRequest, endpoints: Sequence[Endpoint],
@@ -223,9 +242,10 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
         total = int(prompt_characters(request) / self.chars_per_token)
         block_tokens_estimate = block_tokens * AVERAGE_CHARACTERS_PER_TOKEN / self.bytes_per_token
         no_match = TierMatch(0, 0, 0, total)
+        key = self.output_key(PREFIX_TIER_MATCH)
         for ep in endpoints:
             hit = matched.get(ep.name)
-            state.put_endpoint_data(PREFIX_TIER_MATCH, ep.name, no_match if not hit else
+            state.put_endpoint_data(key, ep.name, no_match if not hit else
                                     TierMatch(min(total, int(hit * block_tokens_estimate)), 0, 0, total))
 
     def _learn_chars_per_token(self, booking: Booking, response: object) -> None:
@@ -236,7 +256,7 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
         tokens = usage.get("prompt_tokens")
         if not isinstance(tokens, int) or tokens < 16:
             return
-        if self._count_prompt_tokens(booking.prompt_characters, tokens):
+        if self._count_prompt_tokens(booking.prompt_characters, tokens) and self.shares_routes:
             self.sharing.publish_prompt_tokens(booking.prompt_characters, tokens)
 
     def _count_prompt_tokens(self, characters: int, tokens: int) -> bool:
@@ -275,7 +295,8 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
         for ep in targets:
             capacity = self._capacity_for(ep)
             self.index.add(info.hashes, ep.name, capacity)
-            self.sharing.publish_prefix(ep.name, info.hashes, capacity)
+            if self.shares_routes:
+                self.sharing.publish_prefix(ep.name, info.hashes, capacity)
         self.metrics.size.set(self.index.size)
 
     def _learn_peer_route(self, endpoint: str, hashes: Sequence[int], capacity: int) -> None:
@@ -284,6 +305,53 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
             return  # not (or no longer) in this picker's pool: nothing would ever remove it
         self.index.add(hashes, endpoint, max(1, capacity))
         self.metrics.size.set(self.index.size)
+
+
+class _PeerLink:
+    """The approximate producers of one picker behind its one peer link (`DecisionSharing` takes one learner).
+
+    Every producer learns the characters per token the peers counted; the peers' routes go to the
+    producers that share theirs (those writing the plain data key), and a late peer is sent the
+    first such producer's index.
+    """
+
+    def __init__(self, sharing: DecisionSharing) -> None:
+        producers: weakref.WeakSet[ApproxPrefixCacheProducer] = weakref.WeakSet()
+        self.producers = producers
+
+        def learn_route(endpoint: str, hashes: Sequence[int], capacity: int) -> None:
+            for producer in list(producers):
+                if producer.shares_routes:
+                    producer._learn_peer_route(endpoint, hashes, capacity)
+
+        def snapshot() -> Any:
+            sharing_ones = [p for p in list(producers) if p.shares_routes]
+            return sharing_ones[0].index.entries() if sharing_ones else iter(())
+
+        def learn_tokens(characters: int, tokens: int) -> None:
+            for producer in list(producers):
+                if producer.learn_chars_per_token:
+                    producer._count_prompt_tokens(characters, tokens)
+
+        sharing.share_prefixes(learn_route, snapshot)
+        # Every picker of a pool learns from every response: with a share each, their LRUs were
+        # sized apart for minutes (four pods, shared-prefix: groups kept on replicas that had
+        # evicted them).
+        sharing.share_prompt_tokens(learn_tokens)
+
+    def add(self, producer: ApproxPrefixCacheProducer) -> None:
+        self.producers.add(producer)
+
+
+_PEER_LINKS: weakref.WeakKeyDictionary[DecisionSharing, _PeerLink] = weakref.WeakKeyDictionary()
+
+
+def _peer_link(sharing: DecisionSharing) -> _PeerLink:
+    """The peer link of `sharing`, registered with it once."""
+    link = _PEER_LINKS.get(sharing)
+    if link is None:
+        link = _PEER_LINKS[sharing] = _PeerLink(sharing)
+    return link
 
 
 class GIEApproxPrefixCacheProducer(ApproxPrefixCacheProducer):

@@ -1,9 +1,13 @@
 """llm-d's disaggregation and data-parallel profile handlers, and the P/D deciders.
 
-`disagg-profile-handler` runs the decode profile (the destination), then the prefill profile
-when its prefill decider approves, and names the prefill pick in `x-prefiller-host-port` for the
-decode pod's sidecar. `prefix-based-pd-decider` approves when the decode pick would compute at
-least `nonCachedTokens` of the prompt itself (0: never); `always-disagg-pd-decider` always does.
+`disagg-profile-handler` runs the decode profile (the destination), then the encode profile
+when its encode decider approves (a multimodal request's encoders, E/PD), then the prefill
+profile when its prefill decider approves, and names the encode picks in `x-encoder-hosts-ports`
+and the prefill pick in `x-prefiller-host-port` for the decode pod's sidecar.
+`always-disagg-multimodal-decider` approves the encode stage for a request with image, audio or
+video content. `disagg-headers-handler` is llm-d's deprecated hook that sets the same headers.
+`prefix-based-pd-decider` approves when the decode pick would compute at least `nonCachedTokens`
+of the prompt itself (0: never); `always-disagg-pd-decider` always does.
 `data-parallel-profile-handler` sends the request to the picked pod's `primaryPort` and names the
 picked rank in `x-data-parallel-host-port`.
 """
@@ -16,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from epp.framework import (
+    ENCODER_HOSTS_PORTS_HEADER,
     PREFILLER_HOST_PORT_HEADER,
     PREFIX_MATCH_INFO,
     PREFIX_TIER_MATCH,
@@ -103,9 +108,45 @@ class AlwaysDisaggPDDecider(PDDecider):
         return True
 
 
+# The chat content blocks llm-d's encode stage sends to encoders (one encoder request per item).
+MULTIMODAL_TYPES = frozenset({"image_url", "audio_url", "video_url", "input_audio"})
+
+
+def multimodal_items(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The multimodal content blocks of a chat request's messages, in order."""
+    items: list[Mapping[str, Any]] = []
+    messages = body.get("messages")
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        for block in content if isinstance(content, list) else ():
+            if isinstance(block, dict) and block.get("type") in MULTIMODAL_TYPES:
+                items.append(block)
+    return items
+
+
+class AlwaysDisaggMultimodalDecider(PDDecider):
+    """Runs the encode stage for every request with image, audio or video content; text-only requests skip it."""
+
+    type_name = "always-disagg-multimodal-decider"
+
+    def disaggregate(self, state: CycleState, request: InferenceRequest, decode: Endpoint) -> bool:
+        return bool(multimodal_items(request.body))
+
+
+def set_stage_headers(state: CycleState, result: SchedulingResult, prefill_profile: str, encode_profile: str) -> None:
+    """Name the prefill pick in `x-prefiller-host-port` and every encode pick in `x-encoder-hosts-ports`."""
+    prefill = result.profile_results.get(prefill_profile)
+    if prefill is not None and prefill.targets and result.primary_profile != prefill_profile:
+        state.set_request_header(PREFILLER_HOST_PORT_HEADER, prefill.targets[0].hostport)
+    encode = result.profile_results.get(encode_profile)
+    if encode is not None and encode.targets and result.primary_profile != encode_profile:
+        state.set_request_header(ENCODER_HOSTS_PORTS_HEADER, ",".join(ep.hostport for ep in encode.targets))
+
+
 class DisaggProfileHandler(ProfileHandler, PreRequestHook):
-    """Runs `profiles.decode`, then `profiles.prefill` when the `deciders.prefill` plugin approves; the prefill
-    pick goes in `x-prefiller-host-port`; decode is the primary result."""
+    """Runs `profiles.decode`, then `profiles.encode` when `deciders.encode` approves and `profiles.prefill` when
+    `deciders.prefill` approves; the picks go in `x-encoder-hosts-ports` and `x-prefiller-host-port`; decode is
+    the primary result."""
 
     type_name = "disagg-profile-handler"
 
@@ -120,28 +161,29 @@ class DisaggProfileHandler(ProfileHandler, PreRequestHook):
                 (profiles if section == "profiles" else deciders).setdefault(field, value)
         _only(name, "profiles", profiles, ("decode", "prefill", "encode"))
         _only(name, "deciders", deciders, ("prefill", "encode"))
-        if deciders.get("encode"):
-            raise ConfigError(f"plugin {name!r}: parameter 'deciders.encode' is not supported: there is no encode "
-                              "(E/PD) stage here")
         order = params.str("stageOrder", "decode-first", choices=STAGE_ORDERS)
         if order != "decode-first":
             raise ConfigError(f"plugin {name!r}: parameter 'stageOrder' {order!r} is not supported: the prefill "
                               "decider reads the decode pick, so decode runs first")
         self.decode_profile = str(profiles.get("decode", "decode"))
         self.prefill_profile = str(profiles.get("prefill", "prefill"))
-        if self.decode_profile == self.prefill_profile:
-            raise ConfigError(f"plugin {name!r}: profiles.decode and profiles.prefill must differ")
-        decider = deciders.get("prefill")
-        self.refs = {"deciders.prefill": str(decider)} if decider else {}
+        self.encode_profile = str(profiles.get("encode", "encode"))
+        if len({self.decode_profile, self.prefill_profile, self.encode_profile}) < 3:
+            raise ConfigError(f"plugin {name!r}: profiles.decode, profiles.prefill and profiles.encode must differ")
+        self.refs = {f"deciders.{stage}": str(deciders[stage]) for stage in ("prefill", "encode")
+                     if deciders.get(stage)}
         self.decider: PDDecider | None = None
+        self.encode_decider: PDDecider | None = None
         self.decisions = _decisions_counter(context.metrics_registry)
 
     def describe(self) -> str:
-        decider = self.refs.get("deciders.prefill", "none (decode only)")
-        return f"profiles.decode={self.decode_profile} profiles.prefill={self.prefill_profile} deciders.prefill={decider}"
+        prefill = self.refs.get("deciders.prefill", "none")
+        encode = self.refs.get("deciders.encode", "none")
+        return (f"profiles.decode={self.decode_profile} profiles.prefill={self.prefill_profile} "
+                f"profiles.encode={self.encode_profile} deciders.prefill={prefill} deciders.encode={encode}")
 
     def plugin_refs(self) -> Mapping[str, str]:
-        """The prefill decider `deciders.prefill` names (resolved by the loader)."""
+        """The deciders `deciders.prefill` and `deciders.encode` name (resolved by the loader)."""
         return self.refs
 
     def bind_plugins(self, plugins: Mapping[str, Plugin]) -> None:
@@ -149,12 +191,19 @@ class DisaggProfileHandler(ProfileHandler, PreRequestHook):
             if not isinstance(plugin, PDDecider):
                 raise ConfigError(f"plugin {self.name!r}: parameter {param!r} names {plugin.name!r} (type "
                                   f"{plugin.type_name}), which is no P/D decider; allowed: prefix-based-pd-decider, "
-                                  "always-disagg-pd-decider")
-            self.decider = plugin
+                                  "always-disagg-pd-decider, always-disagg-multimodal-decider")
+            if param == "deciders.encode":
+                self.encode_decider = plugin
+            else:
+                self.decider = plugin
 
     def check_profiles(self, names: Sequence[str]) -> None:
-        """Fail at start-up unless the decode profile exists, and the prefill one when a decider may run it."""
-        wanted = {self.decode_profile} | ({self.prefill_profile} if self.refs else set())
+        """Fail at start-up unless the decode profile exists, and each optional stage's when a decider may run it."""
+        wanted = {self.decode_profile}
+        if "deciders.prefill" in self.refs:
+            wanted.add(self.prefill_profile)
+        if "deciders.encode" in self.refs:
+            wanted.add(self.encode_profile)
         missing = sorted(wanted - set(names))
         extra = sorted(set(names) - wanted)
         if missing or extra:
@@ -166,11 +215,22 @@ class DisaggProfileHandler(ProfileHandler, PreRequestHook):
         if not results:
             return [self.decode_profile]
         decode = results.get(self.decode_profile)
-        if decode is None or not decode.targets or self.prefill_profile in results or self.decider is None:
+        if decode is None or not decode.targets:
             return []
-        approve = self.decider.disaggregate(state, request, decode.targets[0])
-        state.put(self.name, approve)
-        return [self.prefill_profile] if approve else []
+        # llm-d's decode-first order: decode, then encode, then prefill; each optional stage decided once.
+        decided = state.get(f"{self.name}/decided") or set()
+        state.put(f"{self.name}/decided", decided)
+        for stage, profile, decider in (("encode", self.encode_profile, self.encode_decider),
+                                        ("prefill", self.prefill_profile, self.decider)):
+            if decider is None or stage in decided or profile in results:
+                continue
+            decided.add(stage)
+            approve = decider.disaggregate(state, request, decode.targets[0])
+            if stage == "prefill":
+                state.put(self.name, approve)
+            if approve:
+                return [profile]
+        return []
 
     def process_results(self, state: CycleState, request: InferenceRequest,
                         results: Mapping[str, ProfileRunResult | None]) -> SchedulingResult:
@@ -184,9 +244,28 @@ class DisaggProfileHandler(ProfileHandler, PreRequestHook):
         return SchedulingResult(profile_results=kept, primary_profile=self.decode_profile)
 
     def pre_request(self, state: CycleState, request: InferenceRequest, result: SchedulingResult) -> None:
-        prefill = result.profile_results.get(self.prefill_profile)
-        if prefill is not None and prefill.targets:
-            state.set_request_header(PREFILLER_HOST_PORT_HEADER, prefill.targets[0].hostport)
+        set_stage_headers(state, result, self.prefill_profile, self.encode_profile)
+
+
+class DisaggHeadersHandler(PreRequestHook):
+    """Deprecated in llm-d (use disagg-profile-handler, which sets them itself): names the prefill pick in
+    `x-prefiller-host-port` and the encode picks in `x-encoder-hosts-ports`."""
+
+    type_name = "disagg-headers-handler"
+
+    def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
+        super().__init__(name)
+        self.prefill_profile = params.str("prefillProfile", "prefill") or "prefill"
+        self.encode_profile = params.str("encodeProfile", "encode") or "encode"
+        log.warning("plugin %s: disagg-headers-handler is deprecated in llm-d; disagg-profile-handler sets "
+                    "x-prefiller-host-port and x-encoder-hosts-ports itself", name)
+
+    def describe(self) -> str:
+        return (f"prefillProfile={self.prefill_profile} encodeProfile={self.encode_profile} (deprecated: "
+                "disagg-profile-handler sets these headers itself)")
+
+    def pre_request(self, state: CycleState, request: InferenceRequest, result: SchedulingResult) -> None:
+        set_stage_headers(state, result, self.prefill_profile, self.encode_profile)
 
 
 class DataParallelProfileHandler(ProfileHandler):

@@ -104,3 +104,141 @@ class InflightTracker:
     def _report(self) -> None:
         if self._gauge is not None:
             self._gauge.set(len(self._entries))
+
+
+@dataclass(slots=True)
+class _Part:
+    """One profile's pick of a request: its endpoint, its tokens still counted, whether it still counts as a request."""
+
+    profile: str
+    endpoint: str
+    generation: int  # of the endpoint's counters when counted (an endpoint that left and came back starts anew)
+    tokens: int
+    counted: bool = True
+
+
+@dataclass(slots=True)
+class _Request:
+    deadline: float
+    parts: list[_Part]
+
+
+class LoadBook:
+    """Requests and tokens in flight per endpoint, one request counted on each profile's pick (llm-d's counters).
+
+    A request's tokens may be released before the request itself (`release`: its prefill is done),
+    a profile's whole pick too; `finish` releases the rest. Entries end on `finish`, on timeout,
+    or past capacity (oldest first); an endpoint that leaves the pool is forgotten at once
+    (`remove_endpoint`), and later releases of its picks change nothing.
+    """
+
+    def __init__(self, timeout_s: float, capacity: int = 100_000, gauge: Gauge | None = None) -> None:
+        self.timeout_s = timeout_s
+        self.capacity = capacity
+        self._entries: OrderedDict[int, _Request] = OrderedDict()
+        self._requests: dict[str, int] = {}
+        self._tokens: dict[str, int] = {}
+        self._generation: dict[str, int] = {}
+        self._ids = itertools.count(1)
+        self._gauge = gauge
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def debug_state(self) -> dict[str, object]:
+        """Tracked requests, bounds, and requests and tokens per endpoint (for a plugin's `debug_state`)."""
+        return {"tracked": len(self._entries), "capacity": self.capacity, "timeout_s": self.timeout_s,
+                "requests": dict(self._requests), "tokens": dict(self._tokens)}
+
+    def requests(self, endpoint: str) -> int:
+        return self._requests.get(endpoint, 0)
+
+    def tokens(self, endpoint: str) -> int:
+        return self._tokens.get(endpoint, 0)
+
+    def start(self, picks: Iterable[tuple[str, str, int]], now: float | None = None) -> int | None:
+        """Count a request: one `(profile, endpoint, tokens)` per profile's pick; the key `release`/`finish` take."""
+        now = time.monotonic() if now is None else now
+        self.expire(now)
+        parts = [_Part(profile, ep, self._generation.get(ep, 0), max(0, tokens)) for profile, ep, tokens in picks]
+        if not parts:
+            return None
+        for part in parts:
+            self._add(part.endpoint, 1, part.tokens)
+        key = next(self._ids)
+        self._entries[key] = _Request(now + self.timeout_s, parts)
+        while len(self._entries) > self.capacity:
+            _, oldest = self._entries.popitem(last=False)
+            self._drop(oldest.parts)
+        self._report()
+        return key
+
+    def release(self, key: int | None, *, whole: Iterable[str] = (), all_tokens: bool = False) -> None:
+        """Release the picks of profiles `whole` entirely and, with `all_tokens`, the tokens of every other pick."""
+        entry = self._entries.get(key) if key is not None else None
+        if entry is None:
+            return
+        whole = set(whole)
+        for part in entry.parts:
+            if part.profile in whole:
+                self._release(part, request=True)
+            elif all_tokens:
+                self._release(part, request=False)
+
+    def finish(self, key: int | None) -> None:
+        """Stop counting a request; unknown or already finished keys are ignored."""
+        entry = self._entries.pop(key, None) if key is not None else None
+        if entry is not None:
+            self._drop(entry.parts)
+            self._report()
+
+    def expire(self, now: float | None = None) -> None:
+        """Drop entries past their deadline (their completion was never seen)."""
+        now = time.monotonic() if now is None else now
+        entries = self._entries
+        changed = False
+        while entries:
+            key, entry = next(iter(entries.items()))
+            if entry.deadline > now:
+                break
+            del entries[key]
+            self._drop(entry.parts)
+            changed = True
+        if changed:
+            self._report()
+
+    def remove_endpoint(self, endpoint: str) -> None:
+        """Forget an endpoint that left the pool; what was counted on it is never released onto a newcomer."""
+        self._requests.pop(endpoint, None)
+        self._tokens.pop(endpoint, None)
+        self._generation[endpoint] = self._generation.get(endpoint, 0) + 1
+        if len(self._generation) > 1024:  # bounded: forget endpoints that no tracked request names
+            named = {part.endpoint for entry in self._entries.values() for part in entry.parts}
+            self._generation = {ep: g for ep, g in self._generation.items() if ep in named}
+
+    def _drop(self, parts: list[_Part]) -> None:
+        for part in parts:
+            self._release(part, request=True)
+
+    def _release(self, part: _Part, *, request: bool) -> None:
+        live = part.generation == self._generation.get(part.endpoint, 0)
+        requests = 1 if request and part.counted else 0
+        if live and (requests or part.tokens):
+            self._add(part.endpoint, -requests, -part.tokens)
+        part.tokens = 0
+        if request:
+            part.counted = False
+
+    def _add(self, endpoint: str, requests: int, tokens: int) -> None:
+        count = self._requests.get(endpoint, 0) + requests
+        total = max(0, self._tokens.get(endpoint, 0) + tokens)
+        if count <= 0 and total <= 0:
+            self._requests.pop(endpoint, None)
+            self._tokens.pop(endpoint, None)
+        else:
+            self._requests[endpoint] = max(0, count)
+            self._tokens[endpoint] = total
+
+    def _report(self) -> None:
+        if self._gauge is not None:
+            self._gauge.set(len(self._entries))

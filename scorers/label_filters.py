@@ -126,6 +126,7 @@ class LabelSelectorFilter(Filter):
 # llm-d's role values (R `filter/bylabel/roles.go`): combined roles and the deprecated `both`.
 DECODE_ROLES = ("decode", "prefill-decode", "both", "encode-prefill-decode")
 PREFILL_ROLES = ("prefill", "encode-prefill", "prefill-decode", "both", "encode-prefill-decode")
+ENCODE_ROLES = ("encode", "encode-prefill", "encode-prefill-decode")
 
 
 class DecodeFilter(LabelValueFilter):
@@ -135,6 +136,15 @@ class DecodeFilter(LabelValueFilter):
 
     def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
         super().__init__(name, ROLE_LABEL, DECODE_ROLES, True)
+
+
+class EncodeFilter(LabelValueFilter):
+    """Keeps encode endpoints: a role label that includes encode (multimodal encoders of E/PD)."""
+
+    type_name = "encode-filter"
+
+    def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
+        super().__init__(name, ROLE_LABEL, ENCODE_ROLES, False)
 
 
 class PrefillFilter(LabelValueFilter):

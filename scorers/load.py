@@ -20,15 +20,19 @@ from epp.framework import (
     InferenceRequest,
     InflightLedger,
     InflightLoad,
+    Plugin,
     PluginContext,
     PluginParams,
     Scorer,
 )
+from epp.scorers.prefix import ProducerSource
 
 # Where one cycle's endpoint loads are kept in its CycleState (per ledger), shared by the load scorers.
 _LOADS_STATE_KEY = "scorers.load/endpoint-loads"
 # Share of queue-scorer's score that tells apart endpoints tied on whole requests (see QueueScorer).
 DEFAULT_BACKLOG_TIE_BREAK = 0.3
+# llm-d's token-load-scorer default: 128 requests of 32k tokens.
+DEFAULT_QUEUE_THRESHOLD_TOKENS = 4_194_304
 
 
 def min_max_inverted(values: Sequence[float]) -> list[float]:
@@ -194,23 +198,44 @@ class LoadAwareScorer(Scorer):
         return out
 
 
+def inflight_source(params: PluginParams) -> ProducerSource:
+    """llm-d's `inFlightLoadProducerName`: the inflight-load-producer whose counts are read (checked at load)."""
+    return ProducerSource(params, "inFlightLoadProducerName", INFLIGHT_LOAD, "in-flight load",
+                          "an inflight-load-producer")
+
+
 class TokenLoadScorer(Scorer):
-    """Fewer in-flight tokens scores higher: 1 - min(1, tokens / queueThresholdTokens)."""
+    """Fewer in-flight tokens scores higher: 1 - min(1, (tokens + the request's own) / queueThresholdTokens)."""
 
     type_name = "token-load-scorer"
 
     def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
         super().__init__(name)
-        self.threshold = params.int("queueThresholdTokens", 4194304, minimum=1)
+        threshold = params.int("queueThresholdTokens", DEFAULT_QUEUE_THRESHOLD_TOKENS)
+        # As in llm-d, a threshold of 0 or less means the default.
+        self.threshold = threshold if threshold > 0 else DEFAULT_QUEUE_THRESHOLD_TOKENS
+        self.source = inflight_source(params)
+
+    def describe(self) -> str:
+        return f"queueThresholdTokens={self.threshold}"
 
     def consumes(self) -> frozenset[str]:
         return frozenset({INFLIGHT_LOAD})
 
+    def plugin_refs(self) -> Mapping[str, str]:
+        """The producer `inFlightLoadProducerName` names (resolved by the loader)."""
+        return self.source.refs()
+
+    def bind_plugins(self, plugins: Mapping[str, Plugin]) -> None:
+        self.source.bind(self.name, plugins)
+
     def score(self, state: CycleState, request: InferenceRequest,
               endpoints: Sequence[Endpoint]) -> Mapping[str, float]:
         out: dict[str, float] = {}
+        data: Mapping[str, InflightLoad] = state.all_endpoint_data(self.source.read_key)
         for ep in endpoints:
-            load: InflightLoad | None = state.endpoint_data(INFLIGHT_LOAD, ep.name)
-            tokens = load.tokens if load else 0
+            load = data.get(ep.name)
+            # The request's own uncached tokens count too, so a prefix hit weighs less (llm-d).
+            tokens = load.tokens + load.request_tokens if load else 0
             out[ep.name] = 1.0 - min(1.0, tokens / self.threshold)
         return out

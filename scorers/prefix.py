@@ -26,19 +26,40 @@ LEGACY_PRODUCER_PARAMETERS = ("autoTune", "blockSize", "blockSizeTokens", "hashB
                               "maxPrefixBlocksToMatch", "maxPrefixTokensToMatch", "lruCapacityPerServer")
 
 
-def producer_reference(params: PluginParams) -> dict[str, str]:
-    """llm-d's `prefixMatchInfoProducerName`: the plugin whose prefix match info is read (checked at load)."""
-    producer = params.str("prefixMatchInfoProducerName", None)
-    return {"prefixMatchInfoProducerName": producer} if producer else {}
+class ProducerSource:
+    """Where a consumer reads a data key: the producer a parameter names (llm-d's `prefixMatchInfoProducerName`,
+    `inFlightLoadProducerName`), checked at load, else the key's default producer."""
+
+    def __init__(self, params: PluginParams, param: str, key: str, what: str, hint: str) -> None:
+        self.param, self.key, self.what, self.hint = param, key, what, hint
+        self.name = params.str(param, None)
+        self.producer: DataProducer | None = None
+        self.read_key = key  # where the bound producer writes the key (its own name when several do)
+
+    def refs(self) -> dict[str, str]:
+        """`{param: producer name}` when the parameter is set."""
+        return {self.param: self.name} if self.name else {}
+
+    def bind(self, plugin_name: str, found: Mapping[str, Plugin]) -> None:
+        """Take the named producer; `ConfigError` when it does not produce the key."""
+        producer = found.get(self.param)
+        if producer is None:
+            return
+        if not isinstance(producer, DataProducer) or producer.output_key(self.key) not in producer.produces():
+            raise ConfigError(f"plugin {plugin_name!r}: parameter {self.param!r} names {producer.name!r} (type "
+                              f"{producer.type_name}), which does not produce {self.what}; name {self.hint}")
+        self.producer = producer
+        self.read_key = producer.output_key(self.key)
+
+    def key_of(self, key: str) -> str:
+        """Where the bound producer writes another of its keys (the key itself without one)."""
+        return self.producer.output_key(key) if self.producer is not None else key
 
 
-def check_prefix_producer(plugin_name: str, found: Mapping[str, Plugin]) -> None:
-    """The named plugin must produce the prefix match info (one producer per data key here)."""
-    for param, producer in found.items():
-        if not isinstance(producer, DataProducer) or PREFIX_MATCH_INFO not in producer.produces():
-            raise ConfigError(f"plugin {plugin_name!r}: parameter {param!r} names {producer.name!r} (type "
-                              f"{producer.type_name}), which does not produce the prefix match info; name a "
-                              "prefix producer (approx- or precise-prefix-cache-producer)")
+def prefix_source(params: PluginParams) -> ProducerSource:
+    """llm-d's `prefixMatchInfoProducerName`: the producer whose prefix match info is read (checked at load)."""
+    return ProducerSource(params, "prefixMatchInfoProducerName", PREFIX_MATCH_INFO, "the prefix match info",
+                          "a prefix producer (approx- or precise-prefix-cache-producer)")
 
 
 class PrefixCacheScorer(Scorer):
@@ -49,7 +70,7 @@ class PrefixCacheScorer(Scorer):
 
     def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
         super().__init__(name)
-        self.refs = producer_reference(params)
+        self.source = prefix_source(params)
         # llm-d: the absolute match length counts too (quadratic, as attention cost grows with length).
         self.match_length_weight = params.float("matchLengthWeight", 0.0, minimum=0.0, maximum=1.0)
         self.match_length_scale = params.int("matchLengthScaleTokens", 8192, minimum=1)
@@ -68,10 +89,10 @@ class PrefixCacheScorer(Scorer):
 
     def plugin_refs(self) -> Mapping[str, str]:
         """The producer `prefixMatchInfoProducerName` names (resolved by the loader)."""
-        return self.refs
+        return self.source.refs()
 
     def bind_plugins(self, plugins: Mapping[str, Plugin]) -> None:
-        check_prefix_producer(self.name, plugins)
+        self.source.bind(self.name, plugins)
 
     def default_producer_parameters(self) -> Mapping[str, Any]:
         """The legacy producer parameters given on this scorer (empty: the producer's defaults)."""
@@ -82,7 +103,7 @@ class PrefixCacheScorer(Scorer):
 
     def score(self, state: CycleState, request: InferenceRequest,
               endpoints: Sequence[Endpoint]) -> Mapping[str, float]:
-        data = state.all_endpoint_data(PREFIX_MATCH_INFO)
+        data: Mapping[str, PrefixMatchInfo] = state.all_endpoint_data(self.source.read_key)
         out: dict[str, float] = {}
         weight, scale = self.match_length_weight, self.match_length_scale
         for ep in endpoints:
@@ -97,7 +118,7 @@ class PrefixCacheScorer(Scorer):
         if not any(out.values()):
             # No endpoint holds the prefix: its rendezvous home (if the producer named one) scores as a
             # full match, so the group's first request goes where its followers will find it.
-            for name, score in state.all_endpoint_data(PREFIX_HOME).items():
+            for name, score in state.all_endpoint_data(self.source.key_of(PREFIX_HOME)).items():
                 if name in out:
                     out[name] = score
         return out

@@ -12,7 +12,13 @@ It serves the real paths (`/api/v1/namespaces/{ns}/pods`,
   history gets one ERROR event with a 410 `Status` (reason Expired);
 - get (GET on the item), create (POST on the collection, 409 if it exists), replace (PUT on the
   item, 409 Conflict when its metadata.resourceVersion is not the stored one), delete (DELETE);
-- bearer-token auth (401 `Status`), 404 `Status` for resources it does not serve.
+- bearer-token auth (401 `Status`), 404 `Status` for resources it does not serve;
+- TokenReview (`POST /apis/authentication.k8s.io/v1/tokenreviews`): the tokens of `review_tokens`
+  are authenticated as their user, any other is not; SubjectAccessReview
+  (`POST /apis/authorization.k8s.io/v1/subjectaccessreviews`): a non-resource `get` of a path in
+  `readable_paths` is allowed to the users in `metrics_readers`, anything else is denied. By default
+  `READER_TOKEN` may read /metrics, `STRANGER_TOKEN` is authenticated but may not, and any other
+  token is refused; `reviews` counts the calls, by kind.
 Tests in the same process change objects with `apply()`/`delete()` and inject faults with
 `drop_watches()`, `compact()` and `fail_next()`; a benchmark in another process uses the HTTP verbs.
 """
@@ -38,6 +44,13 @@ POOLS_ALPHA = ("inference.networking.x-k8s.io", "v1alpha2", "inferencepools", "I
 OBJECTIVES = ("inference.networking.x-k8s.io", "v1alpha2", "inferenceobjectives", "InferenceObjective")
 PODS = ("", "v1", "pods", "Pod")
 LEASES = ("coordination.k8s.io", "v1", "leases", "Lease")
+
+# The API double's review tokens (`FakeApiServer.review_tokens`): one the API accepts and whose user
+# may read /metrics, one it accepts whose user may not; any other token it does not accept.
+READER_TOKEN = "reader-token"
+READER_USER = "system:serviceaccount:monitoring:prometheus"
+STRANGER_TOKEN = "stranger-token"
+STRANGER_USER = "system:serviceaccount:default:stranger"
 
 
 @dataclass
@@ -117,6 +130,15 @@ class FakeApiServer:
         self._compact_after_page = False
         self._uids = itertools.count(1)
         self._runner: web.AppRunner | None = None
+        # TokenReview: token -> user; SubjectAccessReview: who may `get` which non-resource paths.
+        self.review_tokens: dict[str, dict[str, Any]] = {
+            READER_TOKEN: {"username": READER_USER, "uid": "uid-prometheus",
+                           "groups": ["system:serviceaccounts", "system:authenticated"]},
+            STRANGER_TOKEN: {"username": STRANGER_USER, "uid": "uid-stranger",
+                             "groups": ["system:serviceaccounts", "system:authenticated"]}}
+        self.metrics_readers: set[str] = {READER_USER}
+        self.readable_paths: set[str] = {"/metrics"}
+        self.reviews: dict[str, int] = {"TokenReview": 0, "SubjectAccessReview": 0}
 
     @property
     def url(self) -> str:
@@ -134,6 +156,8 @@ class FakeApiServer:
         app.router.add_post("/apis/{group}/{version}/namespaces/{namespace}/{plural}", self._object)
         app.router.add_put("/apis/{group}/{version}/namespaces/{namespace}/{plural}/{name}", self._object)
         app.router.add_delete("/apis/{group}/{version}/namespaces/{namespace}/{plural}/{name}", self._object)
+        app.router.add_post("/apis/authentication.k8s.io/v1/tokenreviews", self._token_review)
+        app.router.add_post("/apis/authorization.k8s.io/v1/subjectaccessreviews", self._access_review)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
@@ -305,6 +329,43 @@ class FakeApiServer:
                                  "has been modified; please apply your changes to the latest version and try again"),
                 status=409)
         return web.json_response(self.apply(obj), status=201 if request.method == "POST" else 200)
+
+    async def _review(self, request: web.Request, kind: str) -> dict | web.Response:
+        """The review's body, or the error the API server would answer instead."""
+        if request.headers.get("Authorization") != f"Bearer {self.token}":
+            return web.json_response(status(401, "Unauthorized", "Unauthorized"), status=401)
+        if self._failures:
+            code, reason = self._failures.pop(0)
+            return web.json_response(status(code, reason, "injected failure"), status=code)
+        try:
+            body = await request.json()
+        except ValueError:
+            return web.json_response(status(400, "BadRequest", "the body is not JSON"), status=400)
+        if not isinstance(body, dict) or body.get("kind") != kind or not isinstance(body.get("spec"), dict):
+            return web.json_response(status(400, "BadRequest", f"expected a {kind}"), status=400)
+        self.reviews[kind] += 1
+        return body
+
+    async def _token_review(self, request: web.Request) -> web.Response:
+        body = await self._review(request, "TokenReview")
+        if isinstance(body, web.Response):
+            return body
+        user = self.review_tokens.get(str(body["spec"].get("token") or ""))
+        body["status"] = ({"authenticated": True, "user": copy.deepcopy(user)} if user is not None
+                          else {"authenticated": False, "error": "invalid bearer token"})
+        return web.json_response(body, status=201)
+
+    async def _access_review(self, request: web.Request) -> web.Response:
+        body = await self._review(request, "SubjectAccessReview")
+        if isinstance(body, web.Response):
+            return body
+        spec = body["spec"]
+        target = spec.get("nonResourceAttributes") or {}
+        allowed = (spec.get("user") in self.metrics_readers and target.get("verb") == "get"
+                   and target.get("path") in self.readable_paths)
+        body["status"] = {"allowed": allowed} if allowed else {
+            "allowed": False, "reason": f'no RBAC policy matched {target.get("verb")} {target.get("path")}'}
+        return web.json_response(body, status=201)
 
     async def _core(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "", request.match_info["version"])

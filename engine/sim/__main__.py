@@ -26,54 +26,100 @@ def _pairs(values: list[str], what: str) -> dict[str, str]:
     return out
 
 
-def _fleet_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("fleet", help="start N simulated replicas on loopback")
-    p.add_argument("--replicas", type=int, default=4)
-    p.add_argument("--base-port", type=int, default=0, help="first HTTP port (0: free ports)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--model", default="sim-model", help="served model name")
-    p.add_argument("--tokenizer-dir", default=None,
-                   help="dir with tokenizer.json + tokenizer_config.json (default: the tiny test model's)")
-    p.add_argument("--profile", default="fast", help=f"latency profile: {', '.join(PROFILES)}; NAME*F scales it")
-    p.add_argument("--profiles", default=None,
-                   help="comma list of profiles cycled over replicas (heterogeneous fleet), e.g. fast,fast*2")
-    p.add_argument("--time-scale", type=float, default=1.0, help="wall seconds per simulated second")
-    p.add_argument("--num-gpu-blocks", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--hash-seed", default=None,
-                   help="NONE_HASH seed (default: $PYTHONHASHSEED if set, else vLLM's 'vllm-none-hash')")
-    p.add_argument("--cpu-blocks", type=int, default=0, help="CPU offload tier capacity (0: off)")
-    p.add_argument("--disk-blocks", type=int, default=0, help="disk offload tier capacity (0: off)")
-    p.add_argument("--disk-high-watermark", type=float, default=0.85)
-    p.add_argument("--disk-low-watermark", type=float, default=0.50)
-    p.add_argument("--disk-on-cpu-eviction", action="store_true",
-                   help="write blocks to disk when the CPU tier evicts them (default: write-through)")
-    p.add_argument("--placeholder-tier-events", action="store_true",
-                   help="CPU/disk BlockStored events as vLLM's default placeholders (hash only), not self-describing")
-    p.add_argument("--no-kv-events", action="store_true")
-    p.add_argument("--kv-events-base-port", type=int, default=0,
-                   help="PUB of replica i on base+2i, replay ROUTER on base+2i+1 (0: free ports)")
-    p.add_argument("--kv-events-connect", default=None,
-                   help="centralized mode: every replica's PUB connects to this endpoint (a SUB that binds it)")
-    p.add_argument("--kv-topic", default=None,
-                   help='KV-event topic (default kv@<ip:port>@<model>; "" is what vLLM publishes on by default)')
-    p.add_argument("--enable-prompt-tokens-details", action="store_true",
-                   help="report usage.prompt_tokens_details.cached_tokens (vLLM's flag of the same name; off: null)")
-    p.add_argument("--enable-scale-out", action="store_true",
-                   help="serve /v1/completions/render and /v1/chat/completions/render (vLLM's flag; off: 403)")
-    p.add_argument("--legacy-array-events", action="store_true")
-    p.add_argument("--processes", type=int, default=0,
-                   help="worker processes hosting the replicas (0: all in this process)")
-    p.add_argument("--name-prefix", default="sim")
-    p.add_argument("--lora", action="append", default=[], help="LoRA adapter NAME=PATH (repeatable)")
-    p.add_argument("--label", action="append", default=[], help="label KEY=VALUE for every replica (repeatable)")
-    p.add_argument("--roles", default=None,
-                   help="P/D roles by replica, cycling, e.g. prefill,decode,decode (label llm-d.ai/role)")
-    p.add_argument("--kv-transfer-window", type=float, default=30.0,
-                   help="simulated seconds a prefill keeps its KV for the decoder (default 30)")
+FLEET_DESCRIPTION = """\
+Run N simulated vLLM replicas on this host until SIGINT/SIGTERM. Each speaks vLLM's HTTP API
+(OpenAI completions, chat, Responses, embeddings; Anthropic messages and count_tokens; SGLang's
+/generate; vLLM's /inference/v1/generate with --enable-scale-out, as vLLM), /metrics, sleep/wake
+and KV events over ZMQ, from a latency model of continuous batching with a prefix cache.
+
+The first line on stdout is the endpoints list ip:port,ip:port,... (what `epp serve --endpoints`
+takes); each replica's details (endpoint, KV-event sockets, topic, labels) follow on stderr as
+JSON lines."""
+
+
+def _fleet_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("fleet", help="start N simulated replicas on loopback", description=FLEET_DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    fleet = p.add_argument_group("replicas")
+    fleet.add_argument("--replicas", type=int, default=4, help="how many replicas to start (default: 4)")
+    fleet.add_argument("--host", default="127.0.0.1", help="address every replica binds (default: 127.0.0.1)")
+    fleet.add_argument("--base-port", type=int, default=0,
+                       help="HTTP port of the first replica, the next ones counting up (default: 0, free ports)")
+    fleet.add_argument("--model", default="sim-model", help="served model name (default: sim-model)")
+    fleet.add_argument("--tokenizer-dir", default=None,
+                       help="folder with tokenizer.json and tokenizer_config.json (default: the tiny test model's "
+                            "tokenizer, made on first use)")
+    fleet.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                       help="a LoRA adapter every replica serves (repeatable; default: none)")
+    fleet.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
+                       help="a label of every replica, in the endpoints list (repeatable; default: none)")
+    fleet.add_argument("--roles", default=None,
+                       help="P/D roles by replica, cycling, e.g. prefill,decode,decode: label llm-d.ai/role "
+                            "(default: no role)")
+    fleet.add_argument("--name-prefix", default="sim",
+                       help="replica names are PREFIX-0, PREFIX-1, ... (the x-sim-replica header; default: sim)")
+    fleet.add_argument("--processes", type=int, default=0,
+                       help="worker processes hosting the replicas (default: 0, all in this process)")
+    timing = p.add_argument_group("speed and capacity")
+    timing.add_argument("--profile", default="fast",
+                        help=f"latency profile: {', '.join(PROFILES)}; NAME*F makes it F times slower "
+                             "(default: fast)")
+    timing.add_argument("--profiles", default=None,
+                        help="comma list of profiles cycled over the replicas (a mixed fleet), e.g. fast,fast*2 "
+                             "(default: --profile for all)")
+    timing.add_argument("--time-scale", type=float, default=1.0,
+                        help="wall seconds per simulated second (default: 1.0)")
+    timing.add_argument("--num-gpu-blocks", type=int, default=None,
+                        help="KV blocks on the GPU per replica (default: the profile's; fast: 4096)")
+    timing.add_argument("--block-size", type=int, default=None,
+                        help="tokens per KV block (default: the profile's; fast: 16)")
+    timing.add_argument("--max-num-seqs", type=int, default=None,
+                        help="most requests running at once per replica (default: the profile's; fast: 256)")
+    timing.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="token budget of one engine step (default: the profile's; fast: 8192)")
+    timing.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt plus output in tokens (default: the profile's; fast: 8192)")
+    timing.add_argument("--kv-transfer-window", type=float, default=30.0,
+                        help="P/D: simulated seconds a prefill keeps its KV for the decoder to pull (default: 30)")
+    tiers = p.add_argument_group("KV offload tiers")
+    tiers.add_argument("--cpu-blocks", type=int, default=0, help="CPU offload tier capacity in blocks (default: 0, off)")
+    tiers.add_argument("--disk-blocks", type=int, default=0,
+                       help="disk offload tier capacity in blocks (default: 0, off)")
+    tiers.add_argument("--disk-high-watermark", type=float, default=0.85,
+                       help="disk tier fill that starts an eviction run (default: 0.85)")
+    tiers.add_argument("--disk-low-watermark", type=float, default=0.50,
+                       help="disk tier fill an eviction run stops at (default: 0.50)")
+    tiers.add_argument("--disk-on-cpu-eviction", action="store_true",
+                       help="write blocks to disk when the CPU tier evicts them (default: off, write-through)")
+    events = p.add_argument_group("KV events")
+    events.add_argument("--no-kv-events", action="store_true",
+                        help="publish no KV events (default: off, every replica publishes them)")
+    events.add_argument("--kv-events-base-port", type=int, default=0,
+                        help="PUB of replica i on BASE+2i, its replay ROUTER on BASE+2i+1 (default: 0, free ports)")
+    events.add_argument("--kv-events-connect", default=None,
+                        help="centralized mode: every replica's PUB connects to this endpoint, where one SUB binds "
+                             "(default: each PUB binds its own)")
+    events.add_argument("--kv-topic", default=None,
+                        help='KV-event topic; "" is what vLLM publishes on by default (default: kv@<ip:port>@<model>)')
+    events.add_argument("--hash-seed", default=None,
+                        help="NONE_HASH seed of the block hashes (default: $PYTHONHASHSEED if set, else vLLM's "
+                             "'vllm-none-hash')")
+    events.add_argument("--placeholder-tier-events", action="store_true",
+                        help="CPU/disk BlockStored events as vLLM's default placeholders, hash only (default: off, "
+                             "self-describing events)")
+    events.add_argument("--legacy-array-events", action="store_true",
+                        help="events as positional msgpack arrays, vLLM's form before 2026 (default: off, maps)")
+    timing.add_argument("--max-stored-responses", type=int, default=4096,
+                        help="OpenAI Responses each replica keeps for previous_response_id, least recently used "
+                             "dropped past it (default: 4096)")
+    api = p.add_argument_group("vLLM flags")
+    api.add_argument("--enable-prompt-tokens-details", action="store_true",
+                     help="vLLM's flag: usage.prompt_tokens_details.cached_tokens in responses (Anthropic's: "
+                          "cache_read_input_tokens and cache_creation_input_tokens) (default: off, as vLLM's)")
+    api.add_argument("--enable-scale-out", action="store_true",
+                     help="vLLM's flag: serve /v1/completions/render, /v1/chat/completions/render and "
+                          "/inference/v1/generate (default: off, they answer 403)")
+    return p
 
 
 def _config(args: argparse.Namespace) -> FleetConfig:
@@ -94,6 +140,7 @@ def _config(args: argparse.Namespace) -> FleetConfig:
         processes=args.processes, name_prefix=args.name_prefix, lora_modules=_pairs(args.lora, "lora"),
         labels=_pairs(args.label, "label"),
         roles=_roles(args.roles), kv_transfer_window=args.kv_transfer_window,
+        max_stored_responses=args.max_stored_responses,
     )
 
 

@@ -72,6 +72,8 @@ class FleetConfig:
     # P/D: role of replica i (label llm-d.ai/role: prefill, decode or both), cycling; None: no label.
     roles: list[str] | None = None
     kv_transfer_window: float = 30.0
+    # OpenAI Responses each replica keeps for previous_response_id (least recently used dropped past it).
+    max_stored_responses: int = 4096
 
     def replica_config(self, i: int, tokenizer_dir: str) -> ReplicaConfig:
         """The configuration of replica `i` (profiles cycle over `profiles` when given)."""
@@ -105,7 +107,7 @@ class FleetConfig:
             enable_prompt_tokens_details=self.enable_prompt_tokens_details,
             enable_scale_out=self.enable_scale_out,
             kv_events_bind=None if self.kv_events_connect else True,
-            kv_transfer_window=self.kv_transfer_window,
+            kv_transfer_window=self.kv_transfer_window, max_stored_responses=self.max_stored_responses,
         )
 
 

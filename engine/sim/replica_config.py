@@ -32,5 +32,7 @@ class ReplicaConfig:
     labels: dict[str, str] = field(default_factory=dict)
     # P/D: simulated seconds a finished prefill keeps its KV for the decoder (vLLM NIXL: minutes).
     kv_transfer_window: float = 30.0
+    # OpenAI Responses kept for `previous_response_id`, the least recently used dropped past this.
+    max_stored_responses: int = 4096
     # Fault injection: `/wake_up` answers 500 with this message and the engine stays asleep.
     wake_error: str | None = None

@@ -10,8 +10,9 @@ answered 404 here would hand the router the `/tokenize` fallback a real replica 
 
 With `enable_scale_out` the two render routes answer like vLLM: a `GenerateRequest` object (a
 list of one for completions) whose `token_ids` are the prompt exactly as generation would
-tokenize it. The derender, messages/responses render and token-in/token-out generate routes are
-not simulated: they answer 501 saying so.
+tokenize it, and `/inference/v1/generate` (token ids in, token ids out) generates
+(`token_apis.py`). The derender and messages/responses render routes are not simulated: they
+answer 501 saying so.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from epp.engine.sim.request_parsing import RequestError, RequestReader, error_re
 DISABLED_MESSAGE = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
 RENDER_ROUTES = ("/v1/chat/completions/render", "/v1/messages/render", "/v1/completions/render",
                  "/v1/responses/render")
-OTHER_ROUTES = ("/v1/chat/completions/derender", "/v1/completions/derender", "/inference/v1/generate",
+GENERATE_ROUTE = "/inference/v1/generate"  # served by token_apis.TokenRoutes when enabled
+OTHER_ROUTES = ("/v1/chat/completions/derender", "/v1/completions/derender", GENERATE_ROUTE,
                 "/inference/v1/abort_requests")
 # vLLM's SamplingParams as /render dumps them when the request sets nothing else.
 _SAMPLING_DEFAULTS: dict[str, Any] = {
@@ -75,6 +77,8 @@ class ScaleOutRoutes:
     def attach(self, app: web.Application) -> None:
         """Register every scale-out route vLLM registers."""
         for path in RENDER_ROUTES + OTHER_ROUTES:
+            if self.enabled and path == GENERATE_ROUTE:
+                continue  # the token-in/token-out route generates (token_apis.py)
             app.router.add_post(path, self._handler(path))
 
     def _handler(self, path: str):
@@ -123,4 +127,4 @@ class ScaleOutRoutes:
         return web.json_response(item)
 
 
-__all__ = ["DISABLED_MESSAGE", "OTHER_ROUTES", "RENDER_ROUTES", "ScaleOutRoutes", "generate_request"]
+__all__ = ["DISABLED_MESSAGE", "GENERATE_ROUTE", "OTHER_ROUTES", "RENDER_ROUTES", "ScaleOutRoutes", "generate_request"]

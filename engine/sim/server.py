@@ -1,4 +1,9 @@
-"""The HTTP face of one simulated vLLM replica (aiohttp): OpenAI API, /metrics, sleep, KV events.
+"""The HTTP face of one simulated vLLM replica (aiohttp): its APIs, /metrics, sleep, KV events.
+
+The APIs: OpenAI completions and chat here; OpenAI Responses (`responses_api.py`), embeddings
+(`embeddings_api.py`), Anthropic messages and count_tokens (`anthropic_api.py`), vLLM's
+token-in/token-out `/inference/v1/generate` and SGLang's `/generate` (`token_apis.py`). Every
+one runs its prompt through the same engine, so prefix caching, timing and KV events are the same.
 
 Every response carries ``x-sim-replica: <name>`` so tests can see where a request went.
 Errors use vLLM's JSON shape ``{"error": {"message", "type", "param", "code"}}``.
@@ -10,18 +15,23 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
 from epp.engine.kv_publisher import KVEventPublisher, kv_topic
+from epp.engine.sim.anthropic_api import AnthropicRoutes
+from epp.engine.sim.embeddings_api import EmbeddingRoutes
 from epp.engine.sim.engine import EngineError, SimEngine, SimRequest
 from epp.engine.sim.metrics import MetricsRenderer
 from epp.engine.sim.pd import TRANSFER_ROUTE, PDSupport
 from epp.engine.sim.replica_config import ReplicaConfig
 from epp.engine.sim.request_parsing import RequestError, RequestReader, error_response
+from epp.engine.sim.responses_api import ResponsesRoutes
 from epp.engine.sim.scale_out import ScaleOutRoutes
+from epp.engine.sim.token_apis import TokenRoutes
 from epp.engine.sim.tokenizer import SimTokenizer
 
 log = logging.getLogger(__name__)
@@ -39,6 +49,8 @@ class SimReplica:
         self.requests = RequestReader(config, tokenizer)
         self.engine = SimEngine(config.engine, output_token_pool=tokenizer.output_token_pool)
         self.pd = PDSupport(config, self.engine)
+        # OpenAI Responses: the responses this replica produced, for `previous_response_id` (bounded).
+        self.responses = ResponsesRoutes(self, config.max_stored_responses)
         self._token_text = {t: tokenizer.decode([t]) for t in tokenizer.output_token_pool}
         self.publisher: KVEventPublisher | None = None
         self.port = config.port
@@ -88,6 +100,10 @@ class SimReplica:
         r.add_post(TRANSFER_ROUTE, self.pd.handle_pull)
         r.add_post("/sim/speed", self.sim_speed)
         ScaleOutRoutes(self.requests, self.engine.config.max_model_len, self.config.enable_scale_out).attach(app)
+        self.responses.attach(app)
+        AnthropicRoutes(self).attach(app)
+        EmbeddingRoutes(self).attach(app)
+        TokenRoutes(self).attach(app)
         return app
 
     async def start(self) -> None:
@@ -212,6 +228,43 @@ class SimReplica:
     def _text(self, ids: list[int]) -> str:
         tt = self._token_text
         return "".join([tt[t] for t in ids])
+
+    def text_of(self, ids: list[int]) -> str:
+        """The text of generated token ids (each from the replica's pool of plain words)."""
+        return self._text(ids)
+
+    def natural_len(self, prompt_ids: list[int]) -> int:
+        """How many tokens a chat-like request generates unless its limit stops it first (from its prompt)."""
+        return self._natural_len(prompt_ids)
+
+    def cached_usage(self, r: SimRequest) -> tuple[int, int]:
+        """(prompt tokens found in the prefix cache, full prompt blocks' tokens this request added to it)."""
+        full = len(r.prompt_ids) // self.engine.block_size * self.engine.block_size
+        return r.num_cached_tokens, max(0, full - r.num_cached_tokens)
+
+    async def generate(self, r: SimRequest) -> AsyncIterator[list[int]]:
+        """Run `r` on the engine and yield its new output tokens as steps make them, until it finishes.
+
+        A consumer that stops early (a client gone) aborts the request, freeing its blocks.
+        """
+        loop = asyncio.get_running_loop()
+        try:
+            await self.pd.before_submit(r)  # a decode leg receives its prompt's KV first
+            self.engine.submit(r)
+            sent = 0
+            while True:
+                n = len(r.output)
+                if n > sent:
+                    new, sent = r.output[sent:n], n
+                    yield new
+                    continue  # the consumer may have waited: look again before sleeping
+                if r.finished:
+                    return
+                r.waiter = loop.create_future()
+                await r.waiter
+        finally:
+            if not r.finished:
+                self.engine.abort(r)
 
     async def _serve(self, request: web.Request, r: SimRequest, body: dict[str, Any], *, chat: bool,
                      include_usage: bool) -> web.StreamResponse:
@@ -423,6 +476,7 @@ class SimReplica:
                                                  "evicted": c.disk.evicted, "eviction_runs": c.disk.evictions_runs},
             "kv_events": None if p is None else {"published": p.published, "dropped": p.dropped},
             "pd": self.pd.state(),
+            "responses": self.responses.store.state(),
         }
         return web.json_response(state)
 

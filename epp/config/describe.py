@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from epp.config.defaults import DEFAULT_PARSER_TYPE
 from epp.config.yaml_reading import yaml_value
 from epp.flowcontrol.config import FEATURE_GATE as FLOW_CONTROL_GATE
-from epp.framework.plugin import Plugin
+from epp.framework.plugin import FirstTokenHook, Plugin
 from epp.requestcontrol.pipeline import LoadedConfig, PluginEntry, plugin_kinds
 
 
@@ -57,6 +57,7 @@ def describe(loaded: LoadedConfig) -> str:
             lines.append("    scorers: none")
         lines.append(f"    picker: {profile.picker.name}")
     lines.append(f"  pre-request hooks: {_names(loaded.pre_request_hooks)}")
+    lines.append(f"  first-token hooks: {_names(loaded.plugins_of(FirstTokenHook))}")
     lines.append(f"  response-headers hooks: {_names(loaded.response_headers_hooks)}")
     lines.append(f"  response-complete hooks: {_names(loaded.response_complete_hooks)}")
     lines.append(f"  parsers: {_names(loaded.parsers) if loaded.parsers else DEFAULT_PARSER_TYPE + ' (default)'}; "

@@ -42,7 +42,12 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
         "`tokenizers`) and estimate; the data producers of a request have 400 ms in all here, so a slower "
         "render leaves it without tokens; vllm.endpointDiscovery, messagesRenderMode other than auto and the "
         "estimate backend's multimodal settings are refused"),
-    "inflight-load-producer": LlmdType("requests and estimated tokens this picker has in flight per endpoint"),
+    "inflight-load-producer": LlmdType(
+        "requests and uncached prompt tokens (plus estimated output with addEstimatedOutputTokens) this picker has "
+        "in flight per endpoint; prompt tokens released at a stream's first token",
+        "prompt tokens from a token-producer when one is configured, else characters / 4 (llm-d auto-creates a "
+        "token-producer); syncCrossReplicaState has no effect (each picker counts its own); requestTimeout (ours) "
+        "bounds how long an unanswered request counts"),
     "mm-embeddings-cache-producer": LlmdType(
         "per endpoint, the multimodal items (images, videos, audio) of the requests sent there, an LRU of "
         "cacheSizeInMBPerServer / 2 MiB entries; each candidate's matched and total items",
@@ -75,8 +80,9 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
     "prefix-cache-scorer": LlmdType(
         "(1 - matchLengthWeight) x matched/total blocks + matchLengthWeight x min(1, matched tokens / "
         "matchLengthScaleTokens)^2",
-        "one producer per data key: a scorer that names no producer reads the configured one (llm-d would "
-        "auto-create an approximate producer beside a precise one)"),
+        "a lone prefix producer, whatever its name, serves every consumer (llm-d would auto-create an approximate "
+        "producer beside a precise one); with several, each scorer reads the one it names and one naming none "
+        "the producer named approx-prefix-cache-producer, auto-created when absent, as in llm-d"),
     "precise-prefix-cache-scorer": LlmdType(
         "deprecated wrapper: loaded as a precise-prefix-cache-producer plus a prefix-cache-scorer reading it"),
     "queue-scorer": LlmdType("shorter waiting queue scores higher (min-max over the candidates)",
@@ -87,7 +93,8 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
                                             "the scrape only)"),
     "running-requests-size-scorer": LlmdType("fewer running requests scores higher (min-max)"),
     "lora-affinity-scorer": LlmdType("1 for an active adapter, 0.8 with a free slot, 0.6 waiting, else 0"),
-    "token-load-scorer": LlmdType("1 - min(1, in-flight tokens / queueThresholdTokens)"),
+    "token-load-scorer": LlmdType("1 - min(1, (in-flight tokens + the request's own uncached tokens) / "
+                                  "queueThresholdTokens)"),
     "load-aware-scorer": LlmdType("0.5 on an empty queue, falling linearly to 0 at `threshold` waiting requests",
                                   "the queue includes this picker's requests sent since the last scrape"),
     "active-request-scorer": LlmdType(
@@ -96,19 +103,41 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
     "no-hit-lru-scorer": LlmdType("a request no endpoint holds goes to the least recently cold-picked endpoint",
                                   "prefixPluginType and prefixPluginName have no effect: the match info is read "
                                   "from the prefix producer (prefixMatchInfoProducerName)"),
+    "session-affinity-filter": LlmdType(
+        "only the endpoint the session names when it is a candidate (x-session-token, or a session id's last "
+        "pick), else all",
+        "not gated behind --allow-experimental-plugins (alpha in llm-d); the token is base64 of the endpoint's "
+        "ip:port (llm-d's: of the pod's namespace/name); attribute sources: agent-identity only (the session the "
+        "session producer found)"),
+    "utilization-filter": LlmdType(
+        "keeps the endpoints within every cap of conditions (active-requests in flight, scraped running-requests, "
+        "waiting-queue, kv-cache-utilization); none kept: all with fallbackOnEmpty",
+        "not gated behind --allow-experimental-plugins (alpha in llm-d)"),
+    "header-profile-handler": LlmdType(
+        "runs the one profile the headerName header (EPP-Profile) names, defaultProfile (decode) without one",
+        "a header naming no profile is answered 400 (llm-d answers 429); not gated behind "
+        "--allow-experimental-plugins (alpha in llm-d)"),
     "session-affinity-scorer": LlmdType(
         "1 for the endpoint the session names (x-session-token, or a session id's last pick), else 0",
-        "not gated behind --allow-experimental-plugins (alpha in llm-d); session ids from request attributes "
-        "are refused (headers only)"),
+        "not gated behind --allow-experimental-plugins (alpha in llm-d); the token is base64 of the endpoint's "
+        "ip:port; attribute sources: agent-identity only (the session the session producer found)"),
     "context-length-aware": LlmdType(
         "prefers (or, with enableFiltering, keeps only) endpoints whose context-length range label fits the prompt",
         "reusableTokensProducerName (P2P cache subtraction) is refused"),
     # Filters
+    "prefix-cache-affinity-filter": LlmdType(
+        "keeps the endpoints holding >= affinityThreshold of the prompt (all when none does, or on exploration) "
+        "unless the best of them trails the best other endpoint by more than maxTTFTPenaltyMs of estimated TTFT "
+        "(in-flight tokens / peakPrefillThroughput) or maxTokensInFlightPenalty in-flight tokens",
+        "ttftSource: latencyPredictor reads this picker's own self-calibrating predicted TTFT (predicted-ttft-"
+        "scorer's model), not llm-d's latency-predictor sidecar; latencyPredictionInfoProducerName is refused; "
+        "maxTokensInFlightPenalty follows llm-d's tests of it (min sticky minus min other in-flight tokens)"),
     "label-selector-filter": LlmdType("keeps endpoints matching matchLabels and matchExpressions"),
     "by-label-selector": LlmdType("deprecated name of label-selector-filter"),
     "by-label": LlmdType("keeps endpoints whose label has one of validValues (label-less with allowsNoLabel)"),
     "decode-filter": LlmdType("keeps endpoints whose llm-d.ai/role includes decode (or `both`), and unlabelled ones"),
     "prefill-filter": LlmdType("keeps endpoints whose llm-d.ai/role includes prefill (or `both`)"),
+    "encode-filter": LlmdType("keeps endpoints whose llm-d.ai/role includes encode"),
     "header-based-testing-filter": LlmdType("keeps the endpoints named in test-epp-endpoint-selection"),
     # Pickers
     "max-score-picker": LlmdType(
@@ -119,9 +148,19 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
     # Profile handlers and deciders
     "single-profile-handler": LlmdType("runs the one profile"),
     "disagg-profile-handler": LlmdType(
-        "runs decode, then prefill when the prefill decider approves; names the prefill pick in "
-        "x-prefiller-host-port",
-        "encode stages and stageOrder prefill-first are refused"),
+        "runs decode, then encode and prefill when their deciders approve; names the encode picks in "
+        "x-encoder-hosts-ports and the prefill pick in x-prefiller-host-port",
+        "stageOrder prefill-first is refused"),
+    "always-disagg-multimodal-decider": LlmdType("runs the encode stage for requests with image, audio or video "
+                                                 "content blocks"),
+    "disagg-headers-handler": LlmdType(
+        "deprecated in llm-d (use disagg-profile-handler, which sets these headers itself): names the prefill "
+        "pick in x-prefiller-host-port and the encode picks in x-encoder-hosts-ports"),
+    "p2p-source-producer": LlmdType(
+        "names in x-kv-cache-source-host-port a peer caching at least minCachedTokenDelta more prompt tokens "
+        "than the computing endpoint (sampled within one block of the best, away from queued peers)",
+        "not gated behind --allow-experimental-plugins (alpha in llm-d); the pull itself is the sidecar's "
+        "(epp engine pd-sidecar adds kv_transfer_params.remote_kv_source) and the engine's P2P connector"),
     "prefix-based-pd-decider": LlmdType(
         "disaggregate when the decode pick's uncached prompt is at least nonCachedTokens (0: never)",
         "with precise KV events the cached tokens are exact (any tier) rather than matched blocks x block size"),
@@ -216,17 +255,9 @@ _PREDICTED = "predicted-ttft-scorer weighs queue wait against uncached prefill, 
 _MULTICLUSTER = ("multi-cluster routing (a hub picker sending requests to other clusters' gateways by their pickers' "
                  "pool-average metrics) is not supported; run a picker in each cluster for its own pool")
 REFUSED_TYPES: Mapping[str, str] = {
-    "encode-filter": "no encode (E/PD) stage: multimodal encoders are not disaggregated here",
-    "always-disagg-multimodal-decider": "no encode (E/PD) stage",
-    "disagg-headers-handler": "deprecated in llm-d; disagg-profile-handler sets x-prefiller-host-port itself",
-    "prefix-cache-affinity-filter": f"needs llm-d's latency predictor; {_PREDICTED}",
-    "session-affinity-filter": "alpha in llm-d; use session-affinity-scorer with a high weight",
-    "multicluster-session-affinity-filter": "no multi-cluster pools",
-    "utilization-filter": "alpha in llm-d; utilization-detector placed in a profile filters saturated endpoints",
+    "multicluster-session-affinity-filter": _MULTICLUSTER,
     "header-label-affinity-scorer": "alpha in llm-d, not implemented",
-    "header-profile-handler": "alpha in llm-d, not implemented",
     "session-id-producer": "session-affinity-scorer reads the session id header itself",
-    "p2p-source-producer": "alpha in llm-d; no peer-to-peer KV transfer",
     "multicluster-approx-prefix-cache-producer": _MULTICLUSTER,
     "multicluster-queue-scorer": _MULTICLUSTER,
     "multicluster-kv-cache-utilization-scorer": _MULTICLUSTER,

@@ -10,9 +10,13 @@ from epp.requestcontrol.pipeline import PluginEntry
 
 
 def dependency_order(producers: list[PluginEntry], producer_of: Mapping[str, PluginEntry],
-                     doc: Document) -> tuple[DataProducer, ...]:
-    """Producers ordered so each runs after the producers of what it consumes (config order otherwise)."""
-    deps = {e.name: {producer_of[k].name for k in e.plugin.consumes() if k in producer_of} - {e.name}
+                     doc: Document, named: Mapping[str, set[str]] | None = None) -> tuple[DataProducer, ...]:
+    """Producers ordered so each runs after the producers of what it consumes (config order otherwise).
+
+    `named`: a producer's name -> the producers its parameters name as its sources (whatever key they write).
+    """
+    deps = {e.name: ({producer_of[k].name for k in e.plugin.consumes() | e.plugin.consumes_optional()
+                      if k in producer_of} | (named or {}).get(e.name, set())) - {e.name}
             for e in producers}
     ordered: list[DataProducer] = []
     placed: set[str] = set()

@@ -122,10 +122,15 @@ def format_answer(answer: dict[str, Any]) -> str:
     model = req["model"] if req["model"] == req["target_model"] else f"{req['model']} -> {req['target_model']}"
     lines = [f"request: {req['path']} model {model}, priority {req['priority']}, fairness id {req['fairness_id']}",
              f"candidates: {', '.join(answer['candidates']) or 'none'}"]
-    for kind in ("producers", "admitters"):
-        for item in answer[kind]:
-            took = f" ({item['ms']:.2f} ms)" if "ms" in item else ""
-            lines.append(f"{kind[:-1]} {item['name']}: {item['outcome']}{took}")
+    # In the director's order: admitters that read no data, producers, admitters that read data.
+    before = {name for stage in answer.get("stages", ()) if stage["stage"] == "admitters-before-data"
+              for name in stage["plugins"]}
+    items = [("admitter", a) for a in answer["admitters"] if a["name"] in before]
+    items += [("producer", p) for p in answer["producers"]]
+    items += [("admitter", a) for a in answer["admitters"] if a["name"] not in before]
+    for kind, item in items:
+        took = f" ({item['ms']:.2f} ms)" if "ms" in item else ""
+        lines.append(f"{kind} {item['name']}: {item['outcome']}{took}")
     for profile in answer["profiles"]:
         lines.append("")
         lines += format_profile(profile)

@@ -1,11 +1,14 @@
 """`POST /debug/explain`: how the running picker would route one request, without routing it.
 
-The request is parsed by the picker's own parser, and its candidates, data producers,
-admitters, filters, scorers and pickers run against the picker's current view, as the director
-runs them for a real request. Nothing is booked: no flow-control queueing, no capacity gate (a
-gate may wake a sleeping replica), no pre-request hook (the prefix index insert, the session
-binding, the speculative KV claim), no in-flight booking, no plugin latency metrics. What a data
-producer keeps as a cache (tokenizations) or learns from any prompt it hashes may still change.
+The request is parsed by the picker's own parser and run through the director's own stages
+(`epp.requestcontrol.director.STAGES`, the same code in the same order as a real request: candidates,
+admitters that read no data, data producers, admitters that read data, the scheduler) against the
+picker's current view, with the stages that have side effects skipped and named as such: flow-control
+queueing, capacity gates (a gate may wake a sleeping replica), pre-request hooks (the prefix index
+insert, the session binding, the speculative KV claim), the in-flight booking. No plugin latency
+metric is observed. What a data producer keeps as a cache (tokenizations) or learns from any prompt it
+hashes may still change. Unlike a real request, every admitter runs after a refusal, and the scheduler
+too, so the answer shows where the request would have gone.
 
 Pickers that choose at random (ties, `random-picker`, `weighted-random-picker`) may choose
 differently for the real request; the answer says how many endpoints tie at the top.
@@ -13,21 +16,19 @@ differently for the real request; the answer says how many endpoints tie at the 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from epp.debug.state import json_ready
 from epp.framework.errors import ErrorCode, InferenceError
-from epp.framework.plugin import CycleState, DataProducer, Plugin, clamp_score
+from epp.framework.plugin import CycleState, Plugin, clamp_score
 from epp.framework.scheduler import ProfileTrace, SchedulerProfile, ScheduleTrace
-from epp.framework.types import Endpoint, InferenceRequest
+from epp.framework.types import Endpoint
 from epp.logutil import log_failure
-from epp.requestcontrol.director import PREPARE_DATA_TIMEOUT_S
+from epp.requestcontrol.director import STAGE_DATA_PRODUCERS, STAGES, Stage, StageObserver, StageRun
 
 if TYPE_CHECKING:
     from epp.request.parsing import RequestParser
@@ -87,46 +88,31 @@ def _named(plugin: Plugin) -> dict[str, str]:
     return {"name": plugin.name, "type": plugin.type_name}
 
 
-async def _run_producers(producers: Sequence[DataProducer], state: CycleState, request: InferenceRequest,
-                         candidates: Sequence[Endpoint]) -> list[dict[str, Any]]:
-    """Run the data producers under the director's deadline; what each did and how long it took."""
-    deadline = time.monotonic() + PREPARE_DATA_TIMEOUT_S
-    outcomes = []
-    for producer in producers:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            outcomes.append({**_named(producer), "outcome": "skipped: the producers' deadline had passed"})
-            continue
-        t0 = time.perf_counter()
-        try:
-            async with asyncio.timeout(remaining):
-                await producer.prepare(state, request, candidates)
-            outcome = "ok"
-        except TimeoutError:
-            outcome = f"timed out (the producers share {PREPARE_DATA_TIMEOUT_S * 1000:.0f} ms)"
-        except Exception as exc:  # the director goes on without its data too; never the message (it may quote the prompt)
-            outcome = f"failed: {type(exc).__name__}"
-        outcomes.append({**_named(producer), "outcome": outcome, "ms": round((time.perf_counter() - t0) * 1e3, 3)})
-    return outcomes
+class _Recorder(StageObserver):
+    """What explain shows of the stages: each stage run or skipped, the producers' and admitters' outcomes."""
 
+    def __init__(self, director: Director) -> None:
+        self.director = director
+        self.stages: list[dict[str, Any]] = []
+        self.producers: list[dict[str, Any]] = []
+        self.admitters: list[dict[str, Any]] = []
 
-def _admission(director: Director, state: CycleState, request: InferenceRequest,
-               candidates: Sequence[Endpoint]) -> tuple[list[dict[str, Any]], str | None]:
-    """Each admitter's verdict (all of them run), and the answer of the first refusal, if any."""
-    outcomes, refusal = [], None
-    for admitter in director.pipeline.admitters:
-        try:
-            admitter.admit(state, request, candidates)
-            outcome = "admitted"
-        except InferenceError as exc:
-            outcome, answer = f"refused: {exc.body}", exc.body
-        except Exception as exc:  # the director denies the request, as GIE does
-            outcome = f"failed: {type(exc).__name__}"
-            answer = InferenceError(ErrorCode.INTERNAL, "request cannot be admitted").body
-        outcomes.append({**_named(admitter), "outcome": outcome})
-        if outcome != "admitted" and refusal is None:
-            refusal = answer
-    return outcomes, refusal
+    def stage(self, stage: Stage, *, skipped: bool) -> None:
+        entry: dict[str, Any] = {"stage": stage.name,
+                                 "plugins": [p.name for p in self.director.stage_plugins(stage)]}
+        if skipped:
+            entry["skipped"] = f"side effects: {stage.side_effects}"
+        self.stages.append(entry)
+
+    def plugin(self, stage: Stage, plugin: Plugin, outcome: str, seconds: float | None) -> None:
+        item: dict[str, Any] = {**_named(plugin), "outcome": outcome}
+        if seconds is not None:
+            item["ms"] = round(seconds * 1e3, 3)
+        (self.producers if stage is STAGE_DATA_PRODUCERS else self.admitters).append(item)
+
+    def goes_on_after(self, refusal: InferenceError) -> bool:
+        """Every admitter runs and the scheduler too: the answer shows where the request would have gone."""
+        return True
 
 
 def _profile(name: str, profile: SchedulerProfile, record: ProfileTrace | None, candidates: Sequence[Endpoint],
@@ -164,39 +150,43 @@ async def explain(director: Director, parser: RequestParser, given: ExplainInput
     request, _ = parser.parse(request_id=EXPLAIN_REQUEST_ID, headers={**given.headers, ":path": given.path},
                               body=given.body, subset_hint=given.subset_hint)
     pipeline = director.pipeline
-    state = CycleState()
-    request = director.preprocess(state, request)  # its session and fairness id, as a real request gets them
-    candidates = director.candidates(request)
+    trace = ScheduleTrace(detailed=True)
+    recorder = _Recorder(director)
+    run = StageRun(CycleState(), request, size_bytes=len(given.body), side_effects=False, observer=recorder,
+                   schedule_trace=trace)
     answer: dict[str, Any] = {
-        "request": {"model": request.model, "target_model": request.target_model, "api": request.api.value,
-                    "path": request.path, "objective": request.objective, "priority": request.priority,
-                    "fairness_id": request.fairness_id, "stream": request.stream,
-                    "slo_ttft_ms": request.slo_ttft_ms, "slo_tpot_ms": request.slo_tpot_ms},
-        "candidates": [ep.name for ep in candidates],
-        "producers": [], "admitters": [], "profiles": [], "primary_profile": None, "picked": [], "error": None,
+        "request": {},
+        "candidates": [], "stages": recorder.stages, "producers": recorder.producers,
+        "admitters": recorder.admitters, "profiles": [], "primary_profile": None, "picked": [], "error": None,
         "notes": [],
     }
-    if pipeline.flow_controller is not None:
-        answer["notes"].append("flow control: not applied (a real request may wait in its queue first)")
-    if pipeline.capacity_gates:
-        answer["notes"].append("capacity gates: not run (they may wake sleeping replicas; those are no candidates here)")
-    trace = ScheduleTrace(detailed=True)
-    result = None
-    refusal = None
-    if candidates:
-        answer["producers"] = await _run_producers(pipeline.data_producers, state, request, candidates)
-        answer["admitters"], refusal = _admission(director, state, request, candidates)
     try:
-        result = pipeline.scheduler.schedule(state, request, candidates, trace=trace)
+        await director.run_stages(run)
     except InferenceError as exc:
         answer["error"] = exc.body
     except Exception as exc:  # a plugin that raises fails the real request too
         log_failure(log, logging.ERROR, "explain: scheduling failed", exc)
         answer["error"] = InferenceError(ErrorCode.INTERNAL, f"scheduling failed: {type(exc).__name__}").body
+    # As the stages saw it: the preprocessors give it its session's fairness id.
+    request = run.request
+    answer["request"] = {"model": request.model, "target_model": request.target_model, "api": request.api.value,
+                         "path": request.path, "objective": request.objective, "priority": request.priority,
+                         "fairness_id": request.fairness_id, "stream": request.stream,
+                         "slo_ttft_ms": request.slo_ttft_ms, "slo_tpot_ms": request.slo_tpot_ms}
+    # The director's stages that did not run because an earlier one ended the request.
+    reached = {entry["stage"] for entry in recorder.stages}
+    recorder.stages.extend({"stage": stage.name, "plugins": [p.name for p in director.stage_plugins(stage)],
+                            "skipped": "not reached"} for stage in STAGES if stage.name not in reached)
+    for stage in STAGES:
+        if stage.side_effects is not None and director.stage_configured(stage):
+            answer["notes"].append(f"{stage.name}: not run ({stage.side_effects})")
     # A refusal is the answer; the scores still show what the pick would have been.
-    answer["error"] = refusal or answer["error"]
+    if run.refusal is not None:
+        answer["error"] = run.refusal.body
+    answer["candidates"] = [ep.name for ep in run.candidates]
+    result = run.result
     primary = result.primary_profile if result is not None else None
-    answer["profiles"] = [_profile(name, profile, trace.profiles.get(name), candidates, primary)
+    answer["profiles"] = [_profile(name, profile, trace.profiles.get(name), run.candidates, primary)
                           for name, profile in pipeline.scheduler.profiles.items()]
     answer["primary_profile"] = primary
     answer["picked"] = [ep.name for ep in result.targets] if result is not None else []

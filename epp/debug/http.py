@@ -17,6 +17,8 @@ import asyncio
 import json
 import logging
 import socket
+import ssl
+import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -174,19 +176,31 @@ class _QuietHandler(WSGIRequestHandler):
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that fails the TLS handshake (--metrics-cert-dir) or hangs up is no picker error:
+        # no traceback on stderr for it.
+        if isinstance(sys.exc_info()[1], (ssl.SSLError, ConnectionError, TimeoutError)):
+            return
+        super().handle_error(request, client_address)
+
 
 # How often the server thread looks for a shutdown request: `shutdown()` waits up to this long
 # (the standard library's 0.5 s held every picker's stop that long).
 POLL_INTERVAL_S = 0.05
 
 
-def start_metrics_http(host: str, port: int, app: WsgiApp) -> WSGIServer:
-    """Serve `app` on `host:port` from a daemon thread; `shutdown()` and `server_close()` stop it."""
+def start_metrics_http(host: str, port: int, app: WsgiApp, ssl_context: ssl.SSLContext | None = None) -> WSGIServer:
+    """Serve `app` on `host:port` from a daemon thread (over TLS with `ssl_context`); `shutdown()` and
+    `server_close()` stop it."""
 
     class Server(_ThreadingServer):
         address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
 
     server = make_server(host, port, app, Server, handler_class=_QuietHandler)
+    if ssl_context is not None:
+        # The handshake happens on the request's own thread (first read), not in accept(): a slow
+        # client cannot hold up the others.
+        server.socket = ssl_context.wrap_socket(server.socket, server_side=True, do_handshake_on_connect=False)
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": POLL_INTERVAL_S},
                      name="epp-metrics-http", daemon=True).start()
     return server

@@ -25,7 +25,12 @@ from epp.framework.datakeys import (
 from epp.framework.durations import parse_duration
 from epp.framework.endpoints import EndpointListener, EndpointSource
 from epp.framework.errors import DROP_REASON_HEADER, ConfigError, DropReason, ErrorCode, InferenceError
-from epp.framework.headers import FAIRNESS_ID_HEADERS, PREFILLER_HOST_PORT_HEADER
+from epp.framework.headers import (
+    ENCODER_HOSTS_PORTS_HEADER,
+    FAIRNESS_ID_HEADERS,
+    KV_CACHE_SOURCE_HEADER,
+    PREFILLER_HOST_PORT_HEADER,
+)
 from epp.framework.load import (
     NO_LOAD,
     Booking,
@@ -43,6 +48,7 @@ from epp.framework.plugin import (
     CycleState,
     DataProducer,
     Filter,
+    FirstTokenHook,
     Picker,
     Plugin,
     PluginContext,
@@ -71,9 +77,10 @@ from epp.framework.types import (
 
 __all__ = [
     "Admitter", "ApiKind", "Booking", "CapacityGate", "ConfigError", "CycleState", "DROP_REASON_HEADER", "DataKey",
-    "DataProducer", "DecisionSharing", "DropReason", "Endpoint", "EndpointListener", "EndpointLoad", "EndpointMetrics",
-    "EndpointSource",
-    "ErrorCode", "FAIRNESS_ID_HEADERS", "Filter", "INFLIGHT_LOAD", "InferenceError", "InferenceRequest", "InflightLedger", "InflightLoad",
+    "DataProducer", "DecisionSharing", "DropReason", "ENCODER_HOSTS_PORTS_HEADER", "Endpoint", "EndpointListener",
+    "EndpointLoad", "EndpointMetrics", "EndpointSource",
+    "ErrorCode", "FAIRNESS_ID_HEADERS", "Filter", "FirstTokenHook", "INFLIGHT_LOAD", "InferenceError",
+    "InferenceRequest", "InflightLedger", "InflightLoad", "KV_CACHE_SOURCE_HEADER",
     "NO_LOAD", "PREFILLER_HOST_PORT_HEADER", "PREFIX_CACHE_FREE_BLOCKS", "PREFIX_HOME", "PREFIX_MATCH_INFO",
     "PREFIX_TIER_MATCH", "PROMPT_TOKENS", "Picker", "Plugin", "PluginContext", "PluginParams", "PluginRegistry", "PluginSpec",
     "PreRequestHook", "PrefixMatchInfo", "PromptTokens", "ProfileHandler", "ProfileRunResult", "RequestPreprocessor",

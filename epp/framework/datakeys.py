@@ -53,6 +53,8 @@ class InflightLoad:
 
     requests: int
     tokens: int
+    # What this request would add on the endpoint (its uncached prompt tokens; llm-d's UncachedRequestTokens).
+    request_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,12 @@ from collections.abc import Mapping
 # `ip:port` of the prefill endpoint chosen for a disaggregated request (llm-d's name). The decode
 # pod's sidecar sends the prefill there, so only the picker may set it: a client's copy is removed.
 PREFILLER_HOST_PORT_HEADER = "x-prefiller-host-port"
+# Comma-separated `ip:port` of the encode endpoints chosen for a multimodal request's encode stage (E/PD):
+# the decode pod's sidecar sends each multimodal item there first. Only the picker may set it.
+ENCODER_HOSTS_PORTS_HEADER = "x-encoder-hosts-ports"
+# `ip:port` of a peer holding more of the prompt's KV cache than the computing endpoint: its sidecar
+# asks the engine to pull those blocks over the P2P connector instead of recomputing. Only the picker may set it.
+KV_CACHE_SOURCE_HEADER = "x-kv-cache-source-host-port"
 
 # Each control header: its current name first, then the aliases still accepted.
 OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", "x-gateway-inference-objective")

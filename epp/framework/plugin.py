@@ -157,6 +157,10 @@ class Plugin:
         """Data keys this plugin reads from `CycleState`; a producer must exist for each."""
         return frozenset()
 
+    def consumes_optional(self) -> frozenset[str]:
+        """Data keys read when a producer writes them: their producers run first, none is required or auto-created."""
+        return frozenset()
+
     def default_producer_parameters(self) -> Mapping[str, Any]:
         """Parameters for the producer the loader auto-creates for what this plugin consumes (legacy configs)."""
         return {}
@@ -250,6 +254,19 @@ class DataProducer(Plugin):
     ) -> None:
         raise NotImplementedError
 
+    def publish_under(self, keys: Mapping[str, str]) -> bool:
+        """Write each data key of `keys` under the name it maps to; False when this producer cannot (`{}` asks).
+
+        The loader asks this of every producer of a key but one when several producers of that key
+        are configured (llm-d's named producers, e.g. a GPU-tier and a CPU-tier prefix index): each
+        then writes under `<key>/<its name>`, and consumers name the producer they read.
+        """
+        return False
+
+    def output_key(self, key: str) -> str:
+        """The name this producer writes data key `key` under (`key` itself unless `publish_under` renamed it)."""
+        return key
+
 
 class RequestPreprocessor(Plugin):
     """Runs once per parsed request, before admission and flow control; may return it with fields replaced.
@@ -281,6 +298,19 @@ class PreRequestHook(Plugin):
 
     def pre_request(
         self, state: CycleState, request: InferenceRequest, result: SchedulingResult
+    ) -> None:
+        raise NotImplementedError
+
+
+class FirstTokenHook(Plugin):
+    """Runs once when a streamed response's first token comes back (the prefill is done).
+
+    Not run for a whole (non-streamed) response, nor for a stream whose body the picker is not
+    shown: what such a hook releases early is released by its completion hook instead.
+    """
+
+    def on_first_token(
+        self, state: CycleState, request: InferenceRequest, target: Endpoint | None,
     ) -> None:
         raise NotImplementedError
 

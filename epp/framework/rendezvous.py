@@ -80,10 +80,10 @@ def prefix_home(anchor: int, endpoints: Sequence[Endpoint],
 
 
 def publish_home(state: CycleState, anchor: int, endpoints: Sequence[Endpoint],
-                 load_of: Callable[[Endpoint], EndpointLoad]) -> str | None:
-    """Put the home of a prefix that no endpoint holds into `state` (`PREFIX_HOME`); its name."""
+                 load_of: Callable[[Endpoint], EndpointLoad], key: str = PREFIX_HOME) -> str | None:
+    """Put the home of a prefix that no endpoint holds into `state` (under `key`, `PREFIX_HOME`); its name."""
     home = prefix_home(anchor, endpoints, load_of)
     if home is None:
         return None
-    state.put_endpoint_data(PREFIX_HOME, home.name, 1.0)
+    state.put_endpoint_data(key, home.name, 1.0)
     return home.name

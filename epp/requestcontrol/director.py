@@ -6,8 +6,9 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 from epp import tracing
 from epp.datalayer.freshness import prefer_fresh
@@ -21,8 +22,17 @@ from epp.framework.load import (
     estimate_prompt_tokens,
     prompt_characters,
 )
-from epp.framework.plugin import Admitter, CycleState, RequestPreprocessor, ResponseCompleteHook, SchedulingResult
-from epp.framework.scheduler import PluginTimer
+from epp.framework.plugin import (
+    Admitter,
+    CycleState,
+    FirstTokenHook,
+    Plugin,
+    ProfileRunResult,
+    RequestPreprocessor,
+    ResponseCompleteHook,
+    SchedulingResult,
+)
+from epp.framework.scheduler import PluginTimer, ProfileObserver, ScheduleTrace
 from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 from epp.logutil import log_failure
 from epp.metrics import EppMetrics
@@ -41,6 +51,14 @@ BOOKING_STATE_KEY = "epp.requestcontrol/inflight-booking"
 PREPROCESSED_STATE_KEY = "epp.requestcontrol/preprocessed"
 
 
+def _no_timer(_point: str, _plugin: Plugin, _seconds: float) -> None:
+    return None
+
+
+def _no_observer(_name: str, _result: ProfileRunResult | None) -> None:
+    return None
+
+
 def match_subset(endpoints: Sequence[Endpoint], hint: Sequence[str]) -> list[Endpoint]:
     """Endpoints named by a subset hint: `ip:port` matches exactly, a bare IP any port of it."""
     exact: set[str] = set()
@@ -57,8 +75,65 @@ def match_subset(endpoints: Sequence[Endpoint], hint: Sequence[str]) -> list[End
     return [ep for ep in endpoints if ep.hostport in exact or ep.address in hosts]
 
 
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """One step of the director's pipeline; `side_effects` says what it changes beyond the request (None: nothing).
+
+    `epp explain` runs the same stages as a real request, in the same order, except those with
+    side effects, which it names as skipped.
+    """
+
+    name: str
+    side_effects: str | None
+    # Whether the director awaits the stage (it may suspend); the others are called directly.
+    awaits: bool
+    run: Callable[[Director, StageRun], Awaitable[None] | None]
+
+
+class StageObserver:
+    """What a dry run (`epp explain`) is told: each stage as it starts or is skipped, each plugin's outcome.
+
+    A real request has none. The base class records nothing and stops at the first refusal, as a real request does.
+    """
+
+    def stage(self, stage: Stage, *, skipped: bool) -> None:
+        """`stage` starts (or is skipped: it has side effects)."""
+
+    def plugin(self, stage: Stage, plugin: Plugin, outcome: str, seconds: float | None) -> None:
+        """A plugin of `stage` ran: "ok", "admitted", "refused: ...", "failed: <type>", "timed out ...", "skipped: ..."."""
+
+    def goes_on_after(self, refusal: InferenceError) -> bool:
+        """Whether the run goes on after an admitter refused (a dry run does, to show where the request would go)."""
+        return False
+
+
+class StageRun:
+    """One request's pass through the stages: what they hand each other and how this pass runs them."""
+
+    __slots__ = ("state", "request", "size_bytes", "timer", "side_effects", "observer", "candidates", "result",
+                 "dispatch", "started", "schedule_trace", "profile_done", "refusal")
+
+    def __init__(self, state: CycleState, request: InferenceRequest, *, size_bytes: int = 0,
+                 timer: PluginTimer = _no_timer, side_effects: bool = True, observer: StageObserver | None = None,
+                 schedule_trace: ScheduleTrace | None = None, profile_done: ProfileObserver = _no_observer) -> None:
+        self.state = state
+        self.request = request
+        self.size_bytes = size_bytes
+        self.timer = timer
+        # False: the stages with side effects are skipped (a dry run).
+        self.side_effects = side_effects
+        self.observer = observer
+        self.schedule_trace = schedule_trace
+        self.profile_done = profile_done
+        self.candidates: list[Endpoint] = []
+        self.result: SchedulingResult | None = None
+        self.dispatch: Dispatch | None = None  # flow control's admission, told where the request went
+        self.started: float | None = None  # when scheduling began (after flow control)
+        self.refusal: InferenceError | None = None  # the first refusal a dry run went on after
+
+
 class Director:
-    """Runs admission, candidate selection, producers, scheduling and hooks for each request."""
+    """Runs the stages of `STAGES` for each request (admission, candidates, producers, scheduling, hooks)."""
 
     def __init__(self, pipeline: LoadedConfig, endpoints: EndpointRegistry, metrics: EppMetrics, *,
                  server_hooks: Sequence[ResponseCompleteHook] = (), use_subset_hint: bool = True,
@@ -68,8 +143,9 @@ class Director:
         # The server's own completion hooks (token accounting), run after the configured ones.
         self.response_complete_hooks = (*pipeline.response_complete_hooks, *server_hooks)
         # Admitters that read no producer data refuse before the producers run (tokenization costs).
-        self._admitters_before_data = tuple(a for a in pipeline.admitters if not a.consumes())
-        self._admitters_after_data = tuple(a for a in pipeline.admitters if a.consumes())
+        self.admitters_before_data = tuple(a for a in pipeline.admitters if not a.consumes())
+        self.admitters_after_data = tuple(a for a in pipeline.admitters if a.consumes())
+        self._first_token_hooks = pipeline.plugins_of(FirstTokenHook)
         # Every pick is booked here so that load-aware scorers see work the scrape cannot show yet.
         self.ledger = ledger if ledger is not None else InflightLedger()
         self.endpoints = endpoints
@@ -126,23 +202,121 @@ class Director:
             self.metrics.observe_plugin("Preprocess", plugin, time.perf_counter() - t0)
         return request
 
+    def stage_plugins(self, stage: Stage) -> tuple[Plugin, ...]:
+        """The plugins a stage runs in this pipeline, in order (the scheduler's: its profile handler)."""
+        pipeline = self.pipeline
+        by_stage: dict[str, tuple[Plugin, ...]] = {
+            "preprocessors": self.preprocessors,
+            "capacity-gates": pipeline.capacity_gates,
+            "admitters-before-data": self.admitters_before_data,
+            "data-producers": pipeline.data_producers,
+            "admitters-after-data": self.admitters_after_data,
+            "scheduler": (pipeline.scheduler.handler,),
+            "pre-request-hooks": pipeline.pre_request_hooks,
+        }
+        return by_stage.get(stage.name, ())
+
+    def stage_configured(self, stage: Stage) -> bool:
+        """Whether a stage has anything to do in this pipeline (flow control: the gate is on)."""
+        if stage.name == "flow-control":
+            return self.pipeline.flow_controller is not None
+        if stage.name in ("candidates", "scheduler", "booking"):
+            return True
+        return bool(self.stage_plugins(stage))
+
     async def schedule(self, state: CycleState, request: InferenceRequest, size_bytes: int = 0) -> SchedulingResult:
         """Pick the target endpoints of a request or raise `InferenceError` (`size_bytes`: its body)."""
-        request = self.preprocess(state, request)
+        trace = tracing.of(state)
+        run = StageRun(state, request, size_bytes=size_bytes,
+                       # The metrics' timer itself when not traced.
+                       timer=trace.plugin_timer(self.metrics.observe_plugin), profile_done=trace.profile_done)
+        try:
+            await self.run_stages(run)
+        except InferenceError:
+            if run.started is not None:  # refused past flow control: a failed scheduling attempt
+                self.metrics.scheduler_attempts.labels("failure").inc()
+            raise
+        finally:
+            if run.dispatch is not None:
+                run.dispatch.placed(run.result.targets[0].name if run.result is not None else None)
+        assert run.result is not None  # the scheduler stage raises when it picks nothing
+        return run.result
+
+    async def run_stages(self, run: StageRun) -> None:
+        """Run every stage of `STAGES` in order; without `run.side_effects`, skip those that have some."""
+        observer = run.observer
+        for stage in STAGES:
+            if stage.side_effects is not None and not run.side_effects:
+                if observer is not None:
+                    observer.stage(stage, skipped=True)
+                continue
+            if observer is not None:
+                observer.stage(stage, skipped=False)
+            if stage.awaits:
+                await cast(Awaitable[None], stage.run(self, run))
+            else:
+                stage.run(self, run)
+
+    # -- the stages, in the order of STAGES ------------------------------------------------------
+
+    def _preprocessors(self, run: StageRun) -> None:
+        run.request = self.preprocess(run.state, run.request)
+
+    async def _flow_control(self, run: StageRun) -> None:
         flow_control = self.pipeline.flow_controller
         if flow_control is None:
-            return await self._schedule(state, request)
+            return
+        request = run.request
         predicted = await self._predict(request) if flow_control.wants_prediction(request) else None
         # Waits while the pool is saturated; the endpoint is chosen after it (late binding, the view of then).
-        with tracing.of(state).step("epp.flow_control"):
-            dispatch: Dispatch = await flow_control.admit(request, size_bytes, predicted, state=state)
-        target = None
-        try:
-            result = await self._schedule(state, request)
-            target = result.targets[0].name
-            return result
-        finally:
-            dispatch.placed(target)
+        with tracing.of(run.state).step("epp.flow_control"):
+            run.dispatch = await flow_control.admit(request, run.size_bytes, predicted, state=run.state)
+
+    def _candidates(self, run: StageRun) -> None:
+        run.started = time.perf_counter()
+        run.candidates = self.candidates(run.request)
+
+    async def _capacity_gates(self, run: StageRun) -> None:
+        for gate in self.pipeline.capacity_gates:
+            run.candidates = list(await gate.ensure_capacity(run.state, run.request, run.candidates))
+
+    def _admit_before_data(self, run: StageRun) -> None:
+        self._admit(STAGE_ADMIT_BEFORE_DATA, self.admitters_before_data, run)
+        if not run.candidates:
+            raise InferenceError(ErrorCode.SERVICE_UNAVAILABLE,
+                                 "failed to find endpoint candidates for serving the request",
+                                 drop_reason=DropReason.NO_ENDPOINTS)
+
+    async def _data_producers(self, run: StageRun) -> None:
+        if self.pipeline.data_producers:
+            await self._prepare_data(run.state, run.request, run.candidates, run.timer, run.observer)
+
+    def _admit_after_data(self, run: StageRun) -> None:
+        self._admit(STAGE_ADMIT_AFTER_DATA, self.admitters_after_data, run)
+
+    def _scheduler(self, run: StageRun) -> None:
+        run.result = self.pipeline.scheduler.schedule(run.state, run.request, run.candidates, run.timer,
+                                                      trace=run.schedule_trace, profile_done=run.profile_done)
+
+    def _pre_request_hooks(self, run: StageRun) -> None:
+        result = run.result
+        assert result is not None
+        for hook in self.pipeline.pre_request_hooks:
+            t0 = time.perf_counter()
+            try:
+                hook.pre_request(run.state, run.request, result)
+            except Exception as exc:  # a broken hook must not fail a request that is already scheduled
+                log_failure(log, logging.ERROR, "pre-request hook %s failed", exc, hook.name)
+            run.timer("PreRequest", hook, time.perf_counter() - t0)
+
+    def _booking(self, run: StageRun) -> None:
+        assert run.result is not None
+        self._book(run.state, run.request, run.result)
+        self.metrics.scheduler_attempts.labels("success").inc()
+        if run.started is not None:
+            self.metrics.scheduler_e2e.observe(time.perf_counter() - run.started)
+
+    # -- what the stages share -------------------------------------------------------------------
 
     async def _predict(self, request: InferenceRequest) -> PredictedLatency:
         """The request's own prefill and best TTFT now, for the queue's order (a scratch state: scheduling redoes it)."""
@@ -159,52 +333,30 @@ class Director:
         service_s, ttft_s = self.latency_predictor.predict_latency(scratch, request, candidates)
         return PredictedLatency(service_s, ttft_s)
 
-    async def _schedule(self, state: CycleState, request: InferenceRequest) -> SchedulingResult:
-        started = time.perf_counter()
-        trace = tracing.of(state)
-        timer = trace.plugin_timer(self.metrics.observe_plugin)  # the metrics' timer itself when not traced
-        try:
-            candidates = self.candidates(request)
-            for gate in self.pipeline.capacity_gates:
-                candidates = list(await gate.ensure_capacity(state, request, candidates))
-            self._admit(self._admitters_before_data, state, request, candidates, timer)
-            if not candidates:
-                raise InferenceError(ErrorCode.SERVICE_UNAVAILABLE,
-                                     "failed to find endpoint candidates for serving the request",
-                                     drop_reason=DropReason.NO_ENDPOINTS)
-            if self.pipeline.data_producers:
-                await self._prepare_data(state, request, candidates, timer)
-            self._admit(self._admitters_after_data, state, request, candidates, timer)
-            result = self.pipeline.scheduler.schedule(state, request, candidates, timer,
-                                                      profile_done=trace.profile_done)
-        except InferenceError:
-            self.metrics.scheduler_attempts.labels("failure").inc()
-            raise
-        for hook in self.pipeline.pre_request_hooks:
-            t0 = time.perf_counter()
-            try:
-                hook.pre_request(state, request, result)
-            except Exception as exc:  # a broken hook must not fail a request that is already scheduled
-                log_failure(log, logging.ERROR, "pre-request hook %s failed", exc, hook.name)
-            timer("PreRequest", hook, time.perf_counter() - t0)
-        self._book(state, request, result)
-        self.metrics.scheduler_attempts.labels("success").inc()
-        self.metrics.scheduler_e2e.observe(time.perf_counter() - started)
-        return result
-
-    def _admit(self, admitters: Sequence[Admitter], state: CycleState, request: InferenceRequest,
-               candidates: Sequence[Endpoint], timer: PluginTimer) -> None:
+    def _admit(self, stage: Stage, admitters: Sequence[Admitter], run: StageRun) -> None:
+        observer = run.observer
         for admitter in admitters:
             t0 = time.perf_counter()
+            refusal: InferenceError | None = None
+            outcome = "admitted"
             try:
-                admitter.admit(state, request, candidates)
-            except InferenceError:
-                raise
+                admitter.admit(run.state, run.request, run.candidates)
+            except InferenceError as exc:
+                refusal, outcome = exc, f"refused: {exc.body}"
             except Exception as exc:  # an admitter that fails denies, as GIE does
                 log_failure(log, logging.WARNING, "admitter %s failed", exc, admitter.name)
-                raise InferenceError(ErrorCode.INTERNAL, "request cannot be admitted") from exc
+                refusal = InferenceError(ErrorCode.INTERNAL, "request cannot be admitted")
+                refusal.__cause__ = exc
+                outcome = f"failed: {type(exc).__name__}"
             finally:
-                timer("Admitter", admitter, time.perf_counter() - t0)
+                run.timer("Admitter", admitter, time.perf_counter() - t0)
+            if observer is not None:
+                observer.plugin(stage, admitter, outcome, None)
+            if refusal is not None:
+                if observer is None or not observer.goes_on_after(refusal):
+                    raise refusal
+                if run.refusal is None:
+                    run.refusal = refusal
 
     def _book(self, state: CycleState, request: InferenceRequest, result: SchedulingResult) -> None:
         """Book the pick in the ledger: prompt tokens, and those the prefix match says are uncached."""
@@ -228,30 +380,51 @@ class Director:
             waiting=target.metrics.waiting_queue_size,
             prompt_characters=characters))
 
-    def first_token(self, state: CycleState, *, observed: bool = True) -> None:
+    def first_token(self, state: CycleState, *, observed: bool = True, request: InferenceRequest | None = None,
+                    target: Endpoint | None = None) -> None:
         """The picked endpoint answered with its first token (`observed`) or a whole response."""
         booking: Booking | None = state.get(BOOKING_STATE_KEY)
         self.ledger.first_token(booking, observed=observed)
+        if observed and request is not None:
+            for hook in self._first_token_hooks:
+                t0 = time.perf_counter()
+                try:
+                    hook.on_first_token(state, request, target)
+                except Exception as exc:
+                    log_failure(log, logging.ERROR, "first-token hook %s failed", exc, hook.name)
+                self.metrics.observe_plugin("FirstToken", hook, time.perf_counter() - t0)
         if self.pipeline.flow_controller is not None:
             self.pipeline.flow_controller.wake()  # its prefill is done: a held request may fit now
 
-    async def _prepare_data(self, state: CycleState, request: InferenceRequest,
-                            candidates: Sequence[Endpoint], timer: PluginTimer) -> None:
+    async def _prepare_data(self, state: CycleState, request: InferenceRequest, candidates: Sequence[Endpoint],
+                            timer: PluginTimer, observer: StageObserver | None = None) -> None:
+        """Run the data producers in order, all of them within `PREPARE_DATA_TIMEOUT_S`; best effort each."""
         deadline = time.monotonic() + PREPARE_DATA_TIMEOUT_S
         for producer in self.pipeline.data_producers:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                log.warning("data producers ran out of time before %s", producer.name)
-                return
+                if observer is None:
+                    log.warning("data producers ran out of time before %s", producer.name)
+                    return
+                observer.plugin(STAGE_DATA_PRODUCERS, producer, "skipped: the producers' deadline had passed", None)
+                continue
             t0 = time.perf_counter()
+            outcome = "ok"
             try:
                 # A timeout scope, not wait_for: no task per producer (most finish without suspending).
                 async with asyncio.timeout(remaining):
                     await producer.prepare(state, request, candidates)
+            except TimeoutError as exc:
+                log_failure(log, logging.WARNING, "data producer %s failed", exc, producer.name)
+                outcome = f"timed out (the producers share {PREPARE_DATA_TIMEOUT_S * 1000:.0f} ms)"
             except Exception as exc:  # producers are best effort: scoring goes on without their data
                 # Never the message at this level: a UnicodeEncodeError's message quotes the prompt.
                 log_failure(log, logging.WARNING, "data producer %s failed", exc, producer.name)
-            timer("PrepareData", producer, time.perf_counter() - t0)
+                outcome = f"failed: {type(exc).__name__}"
+            seconds = time.perf_counter() - t0
+            timer("PrepareData", producer, seconds)
+            if observer is not None:
+                observer.plugin(STAGE_DATA_PRODUCERS, producer, outcome, seconds)
 
     def response_headers(self, state: CycleState, request: InferenceRequest,
                          response: ResponseInfo, target: Endpoint | None) -> None:
@@ -282,3 +455,25 @@ class Director:
             except Exception as exc:
                 log_failure(log, logging.ERROR, "response-complete hook %s failed", exc, hook.name)
             self.metrics.observe_plugin("ResponseComplete", hook, time.perf_counter() - t0)
+
+
+# The director's stages, in the order it runs them; `epp explain` runs them too, skipping those with side effects.
+# The preprocessors (the session producers) run first: flow control queues the request under its session.
+STAGE_PREPROCESSORS = Stage("preprocessors", None, False, Director._preprocessors)
+STAGE_FLOW_CONTROL = Stage("flow-control", "queues the request while the pool is saturated", True,
+                           Director._flow_control)
+STAGE_CANDIDATES = Stage("candidates", None, False, Director._candidates)
+STAGE_CAPACITY_GATES = Stage("capacity-gates", "may wake a sleeping replica and hold the request for it", True,
+                             Director._capacity_gates)
+STAGE_ADMIT_BEFORE_DATA = Stage("admitters-before-data", None, False, Director._admit_before_data)
+STAGE_DATA_PRODUCERS = Stage("data-producers", None, True, Director._data_producers)
+STAGE_ADMIT_AFTER_DATA = Stage("admitters-after-data", None, False, Director._admit_after_data)
+STAGE_SCHEDULER = Stage("scheduler", None, False, Director._scheduler)
+STAGE_PRE_REQUEST_HOOKS = Stage(
+    "pre-request-hooks", "records the pick: prefix index, session binding, KV claim, prefiller header", False,
+    Director._pre_request_hooks)
+STAGE_BOOKING = Stage("booking", "books the pick in the in-flight ledger and counts the scheduling attempt", False,
+                      Director._booking)
+STAGES: tuple[Stage, ...] = (STAGE_PREPROCESSORS, STAGE_FLOW_CONTROL, STAGE_CANDIDATES, STAGE_CAPACITY_GATES, STAGE_ADMIT_BEFORE_DATA,
+                             STAGE_DATA_PRODUCERS, STAGE_ADMIT_AFTER_DATA, STAGE_SCHEDULER, STAGE_PRE_REQUEST_HOOKS,
+                             STAGE_BOOKING)

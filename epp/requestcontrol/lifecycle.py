@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgspec
+
 from epp.framework.errors import ErrorCode
+from epp.framework.headers import MODEL_REWRITE_HEADERS, header_value
 from epp.framework.plugin import CycleState, SchedulingResult
 from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 from epp.logutil import log_failure
 from epp.metrics import EppMetrics
+from epp.request.jsoncheck import nesting_exceeds
 from epp.requestcontrol.director import Director
 
 log = logging.getLogger(__name__)
@@ -98,6 +102,32 @@ class RequestAccounting:
 _NO_LABELS = ("", "")
 
 
+class _NamedModel(msgspec.Struct):
+    """A body's top-level `model`, every other field skipped unread."""
+
+    model: Any = None
+
+
+_read_named_model = msgspec.json.Decoder(_NamedModel).decode
+# Deeper bodies are not read again for their model (the parser refused them for their depth).
+_MAX_DEPTH_READ = 64
+
+
+def model_named_in(body: bytes) -> str:
+    """The top-level `model` string of a body the parser refused, "" when it names none or is not JSON.
+
+    Every API format that names its model in the body names it there (OpenAI, Anthropic, vLLM,
+    SGLang), so a request refused for another field still counts under its model.
+    """
+    if nesting_exceeds(body, _MAX_DEPTH_READ):
+        return ""
+    try:
+        model = _read_named_model(body).model
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        return ""
+    return model if isinstance(model, str) else ""
+
+
 class RequestLifecycle:
     """One request from its first message to the end of its response: director calls and accounting."""
 
@@ -149,6 +179,14 @@ class RequestLifecycle:
         """The request was answered with an error."""
         self.accounting.failed(self.labels, code)
 
+    def refused_unparsed(self, headers: Mapping[str, str], body: bytes) -> None:
+        """The parser refused the request: its error counts under the model the body names, if it names one."""
+        if self.series is not None or not body:
+            return
+        model = model_named_in(body)
+        if model:
+            self.series = self.accounting.series(model, header_value(headers, MODEL_REWRITE_HEADERS) or model)
+
     def response_headers(self, *, first_token_follows: bool = True) -> None:
         """`self.response` holds the response headers: run the hooks; prefill ends unless a first token will show."""
         request = self.request
@@ -166,7 +204,7 @@ class RequestLifecycle:
     def first_token(self) -> None:
         """The first generated output of a streamed response went by."""
         self.first_token_seen = True
-        self.director.first_token(self.state)
+        self.director.first_token(self.state, request=self.request, target=self.target)
 
     def complete(self, *, aborted: bool = False) -> None:
         """Finish the request once: metrics and completion hooks (also when the stream died)."""

@@ -14,6 +14,7 @@ from epp.framework.plugin import (
                                   CapacityGate,
                                   DataProducer,
                                   Filter,
+                                  FirstTokenHook,
                                   Picker,
                                   Plugin,
                                   PreRequestHook,
@@ -166,7 +167,8 @@ def plugin_kinds(plugin: Plugin) -> list[str]:
     """What a plugin is (filter, scorer, ...), for messages and `describe`."""
     kinds = [("filter", Filter), ("scorer", Scorer), ("picker", Picker), ("profile-handler", ProfileHandler),
              ("data-producer", DataProducer), ("admitter", Admitter), ("pre-request", PreRequestHook),
-             ("response-headers", ResponseHeadersHook), ("response-complete", ResponseCompleteHook),
+             ("first-token", FirstTokenHook), ("response-headers", ResponseHeadersHook),
+             ("response-complete", ResponseCompleteHook),
              ("capacity-gate", CapacityGate), ("saturation-detector", SaturationDetector),
              ("preprocessor", RequestPreprocessor)]
     return [label for label, cls in kinds if isinstance(plugin, cls)]

@@ -17,54 +17,36 @@ import uuid
 from typing import Any
 
 import grpc
-from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from google.protobuf.message import DecodeError
 
 from epp.debug.scores import ENDPOINT_SCORES_KEY, endpoint_scores_of
 from epp.flowcontrol.controller import EVICTED_MESSAGE, eviction_signal
 from epp.framework.errors import DropReason, ErrorCode, InferenceError
 from epp.limits import Limits
-from epp.logutil import Throttled, log_failure
 from epp.metrics import EppMetrics
 from epp.request.parsing import RequestParser
 from epp.request.response import ResponseRewriter, UnreadableBody, only_anthropic_preamble, parse_usage
 from epp.requestcontrol.director import Director
 from epp.requestcontrol.lifecycle import RequestAccounting, RequestLifecycle
 from epp.server import messages
+from epp.server.transport import (
+    DEFAULT_MAX_BODY_BYTES,
+    RESPONSE_PHASES,
+    SUBSET_HINT_KEY,
+    SUBSET_HINT_NAMESPACE,
+    ExtProcTransport,
+    header_map,
+    subset_hint_of,
+)
 from epp.tracing import NO_TRACE, NoTrace, RequestTrace, RequestTracing
 
 log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
-SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
-SUBSET_HINT_KEY = "x-gateway-destination-endpoint-subset"
 SERVED_ENDPOINT_KEY = "x-gateway-destination-endpoint-served"
-DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
-RESPONSE_PHASES = frozenset({"response_headers", "response_body", "response_trailers"})
-
-
-def _header_map(header_map: Any) -> dict[str, str]:
-    """Envoy headers as a dict of lower-case names; Envoy sends values in `raw_value`."""
-    out: dict[str, str] = {}
-    for h in header_map.headers:
-        out[h.key.lower()] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
-    return out
-
-
-def subset_hint_of(req: pb.ProcessingRequest) -> tuple[str, ...] | None:
-    """The subset hint in the request metadata: a list, or one comma-separated string."""
-    namespace = req.metadata_context.filter_metadata.get(SUBSET_HINT_NAMESPACE)
-    if namespace is None or SUBSET_HINT_KEY not in namespace.fields:
-        return None
-    value = namespace.fields[SUBSET_HINT_KEY]
-    kind = value.WhichOneof("kind")
-    if kind == "list_value":
-        return tuple(v.string_value for v in value.list_value.values if v.WhichOneof("kind") == "string_value")
-    if kind == "string_value":
-        return tuple(part.strip() for part in value.string_value.split(",") if part.strip())
-    return ()
+# Re-exported: they were defined here before the transport had its own module.
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "RESPONSE_PHASES", "SUBSET_HINT_KEY", "SUBSET_HINT_NAMESPACE", "ExtProcService",
+           "carries_token", "served_endpoint_of", "subset_hint_of"]
 
 
 def served_endpoint_of(req: pb.ProcessingRequest) -> str | None:
@@ -84,10 +66,6 @@ def carries_token(chunk: bytes) -> bool:
     if not chunk.strip() or only_anthropic_preamble(chunk):
         return False
     return not (b'"role"' in chunk and b'"content":""' in chunk and chunk.count(b"data:") <= 1)
-
-
-class _Evicted(Exception):
-    """Flow control evicted the stream's request (enableEviction): it is answered 429 and the stream ends."""
 
 
 class _Stream:
@@ -130,7 +108,7 @@ class _Stream:
 
     async def on_request_headers(self, msg: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
         self.service.check_request_headers(msg.headers)
-        self.headers = _header_map(msg.headers)
+        self.headers = header_map(msg.headers)
         self.request_id = self.headers.get(REQUEST_ID_HEADER) or str(uuid.uuid4())
         if self.service.tracing is not None:
             self.trace = self.service.tracing.start(self.headers, self.life.state, self.grpc_metadata)
@@ -168,8 +146,12 @@ class _Stream:
         self.body_parts = []
         trace = self.trace
         with trace.step("epp.parse"):
-            request, forwarded = self.service.parser.parse(
-                request_id=self.request_id, headers=self.headers, body=body, subset_hint=self.subset_hint)
+            try:
+                request, forwarded = self.service.parser.parse(
+                    request_id=self.request_id, headers=self.headers, body=body, subset_hint=self.subset_hint)
+            except InferenceError:
+                self.life.refused_unparsed(self.headers, body)  # its error metric names the model it asked for
+                raise
         trace.parsed(request)
         life = self.life
         result = await life.schedule(request, len(body))
@@ -195,7 +177,7 @@ class _Stream:
 
     def on_response_headers(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         msg = req.response_headers
-        headers = _header_map(msg.headers)
+        headers = header_map(msg.headers)
         life = self.life
         response = life.response
         response.headers = headers
@@ -259,6 +241,39 @@ class _Stream:
         if not self.response_body_sent and self.life.response.status:
             self.life.complete()
 
+    @property
+    def ended(self) -> bool:
+        """Whether Envoy has nothing more to send on this stream, so its close (EOF or reset) is no error.
+
+        The response ended, or the picker answered the request itself; or Envoy sends no response
+        body (`--responses headers|none`), when the stream's close is how a routed request ends.
+        """
+        life = self.life
+        return life.finished or self.rejected or (not self.response_body_sent and life.scheduled)
+
+    def opened(self, context: grpc.aio.ServicerContext) -> None:
+        """A tracing picker keeps the stream's gRPC metadata: a tracing Envoy puts its trace context there."""
+        if self.service.tracing is not None:
+            self.grpc_metadata = tuple(context.invocation_metadata() or ())
+
+    def on_refused(self, err: InferenceError, *, counted: bool) -> None:
+        """The request is answered with `err`: its trace says so; `counted`: in the request error metric."""
+        if counted:
+            self.life.failed(err.code)
+        self.trace.failed(err.code, err.message)
+
+    def interruption(self) -> tuple[asyncio.Future[None], InferenceError, str] | None:
+        """Flow control's eviction of the routed request: its signal, the answer (429 `evicted`) and the error label."""
+        if self.eviction is None or self.life.finished:
+            return None
+        return self.eviction, InferenceError(ErrorCode.RESOURCE_EXHAUSTED, EVICTED_MESSAGE,
+                                             drop_reason=DropReason.EVICTED), "evicted"
+
+    def on_stream_end(self) -> None:
+        """The gRPC stream is over: the request ends (aborted, unless its response ended first)."""
+        self.life.complete(aborted=True)
+        self.trace.end(self.life.response)
+
     def _usage_of(self, body: bytes, *, sse: bool) -> dict[str, Any] | None:
         """Token usage of a response body; a body the picker cannot read is counted and passed on."""
         try:
@@ -281,12 +296,13 @@ class _Stream:
                 for piece, eos in messages.streamed_body_chunks(held, end_of_stream=msg.end_of_stream)]
 
 
-class ExtProcService(pb_grpc.ExternalProcessorServicer):
+class ExtProcService(ExtProcTransport):
     """`envoy.service.ext_proc.v3.ExternalProcessor` implemented as the GIE endpoint picker."""
 
     def __init__(self, director: Director, parser: RequestParser, metrics: EppMetrics, *,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, limits: Limits | None = None,
                  emit_endpoint_scores: bool = False, tracing: RequestTracing | None = None) -> None:
+        super().__init__(metrics, max_body_bytes=max_body_bytes, limits=limits)
         self.director = director
         # The pick's scores in the headers reply's `envoy.lb` metadata (the scheduler records them).
         self.emit_endpoint_scores = emit_endpoint_scores
@@ -295,24 +311,12 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
         # Request and token metrics of every stream; label children cached across requests.
         self.accounting = RequestAccounting(metrics)
         self.parser = parser
-        self.metrics = metrics
-        self.max_body_bytes = max_body_bytes
-        self.limits = limits or Limits()
-        self.active_streams = 0
-        self._throttled = Throttled(log)
+        self.metrics: EppMetrics = metrics
         self._unreadable_logged = False
 
-    def check_request_headers(self, headers: Any) -> None:
-        """Raise 431 when request headers exceed the count or size limit."""
-        entries = headers.headers
-        limits = self.limits
-        if len(entries) > limits.max_request_headers:
-            raise InferenceError(ErrorCode.HEADERS_TOO_LARGE,
-                                 f"more than {limits.max_request_headers} request headers")
-        size = sum(len(h.key) + (len(h.raw_value) if h.raw_value else len(h.value)) for h in entries)
-        if size > limits.max_request_header_bytes:
-            raise InferenceError(ErrorCode.HEADERS_TOO_LARGE,
-                                 f"request headers exceed {limits.max_request_header_bytes} bytes")
+    def new_stream(self) -> _Stream:
+        """A picker stream: its request is parsed, scheduled and its response read."""
+        return _Stream(self)
 
     def unreadable_response(self, reason: str) -> None:
         """Count a response body passed on unread; the first one is logged (the counter has the rest)."""
@@ -321,137 +325,3 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
             self._unreadable_logged = True
             log.warning("a model server's response could not be read (%s) and was passed through unchanged; "
                         "epp_extproc_unreadable_responses_total counts every such response (logged once)", reason)
-
-    async def _read(self, context: grpc.aio.ServicerContext, stream: _Stream) -> Any:
-        """The next message; waits at most the idle timeout while the request is not answered yet."""
-        if stream.scheduled:
-            if stream.eviction is None or stream.life.finished:
-                return await context.read()
-            return await self._read_unless_evicted(context, stream.eviction)
-        async with asyncio.timeout(self.limits.stream_idle_timeout_s):
-            return await context.read()
-
-    @staticmethod
-    async def _read_unless_evicted(context: grpc.aio.ServicerContext, evicted: asyncio.Future[None]) -> Any:
-        """The next message, or `_Evicted` when flow control evicts the request first."""
-        read = asyncio.ensure_future(context.read())
-        try:
-            await asyncio.wait((read, evicted), return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            read.cancel()
-            raise
-        if read.done():
-            return read.result()
-        read.cancel()
-        raise _Evicted
-
-    async def Process(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
-        stream = _Stream(self)
-        if self.tracing is not None:
-            stream.grpc_metadata = tuple(context.invocation_metadata() or ())
-        metrics = self.metrics
-        metrics.streams_active.inc()
-        self.active_streams += 1
-        req: Any = None
-        try:
-            if self.active_streams > self.limits.max_concurrent_streams:
-                await self._refuse(context, stream)
-                return
-            while True:
-                req = await self._read(context, stream)
-                if req is grpc.aio.EOF:
-                    stream.on_close()
-                    break
-                if stream.rejected:
-                    continue  # Envoy answers the client itself after an immediate response
-                try:
-                    replies = await self._dispatch(stream, req)
-                except InferenceError as err:
-                    stream.rejected = True
-                    stream.life.failed(err.code)
-                    stream.trace.failed(err.code, err.message)
-                    replies = [messages.error_response(err, stream.headers.get(":path"))]
-                except Exception as exc:
-                    replies = self._on_failure(stream, req, exc)
-                for reply in replies:
-                    await context.write(reply)
-        except _Evicted:
-            # llm-d's answer: 429 with the reason header; Envoy resets the upstream request, which frees its KV.
-            metrics.stream_errors.labels("evicted").inc()
-            err = InferenceError(ErrorCode.RESOURCE_EXHAUSTED, EVICTED_MESSAGE, drop_reason=DropReason.EVICTED)
-            stream.trace.failed(err.code, err.message)
-            await context.write(messages.error_response(err, stream.headers.get(":path")))
-        except TimeoutError:
-            metrics.stream_errors.labels("idle").inc()
-            if not stream.rejected:
-                err = InferenceError(ErrorCode.REQUEST_TIMEOUT,
-                                     f"no request data for {self.limits.stream_idle_timeout_s:g} s")
-                stream.trace.failed(err.code, err.message)
-                await context.write(messages.error_response(err, stream.headers.get(":path")))
-        except DecodeError:
-            # A message that is not a ProcessingRequest: one log line (throttled), no traceback.
-            metrics.stream_errors.labels("bad_message").inc()
-            self._throttled.log(logging.WARNING, "bad_message",
-                                "ext_proc stream sent a message that is not a ProcessingRequest: stream closed")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed ProcessingRequest")
-        except asyncio.CancelledError:
-            metrics.stream_errors.labels("cancelled").inc()
-            raise
-        finally:
-            self.active_streams -= 1
-            metrics.streams_active.dec()
-            stream.life.complete(aborted=True)
-            stream.trace.end(stream.life.response)
-
-    async def _refuse(self, context: grpc.aio.ServicerContext, stream: _Stream) -> None:
-        """Answer a stream over the concurrency limit with 429 once its first message arrives."""
-        self.metrics.stream_errors.labels("over_capacity").inc()
-        first = await self._read(context, stream)
-        if first is grpc.aio.EOF:
-            return
-        err = InferenceError(ErrorCode.RESOURCE_EXHAUSTED,
-                             f"too many concurrent requests (limit {self.limits.max_concurrent_streams})",
-                             drop_reason=DropReason.SATURATED)
-        path = _header_map(first.request_headers.headers).get(":path") if first.HasField("request_headers") else None
-        await context.write(messages.error_response(err, path))
-
-    def _on_failure(self, stream: _Stream, req: pb.ProcessingRequest, exc: Exception) -> list[pb.ProcessingResponse]:
-        """An unexpected error: a request gets 500; a response is passed through, never replaced."""
-        kind = req.WhichOneof("request")
-        if kind in RESPONSE_PHASES:
-            log_failure(log, logging.ERROR, "response phase %s failed (request id %s); passed through",
-                        exc, kind, stream.request_id)
-            self.metrics.stream_errors.labels("response_internal").inc()
-            return stream.pass_through(req)
-        log_failure(log, logging.ERROR, "ext_proc stream failed (request id %s)", exc, stream.request_id)
-        self.metrics.stream_errors.labels("internal").inc()
-        stream.rejected = True
-        stream.trace.failed(ErrorCode.INTERNAL, "internal error while processing request")
-        return [messages.error_response(InferenceError(ErrorCode.INTERNAL, "internal error while processing request"),
-                                        stream.headers.get(":path"))]
-
-    async def _dispatch(self, stream: _Stream, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
-        kind = req.WhichOneof("request")
-        counter = self.metrics.messages_by_phase.get(kind)
-        if counter is not None:
-            counter.inc()
-        if kind == "request_headers" or kind == "request_body":
-            hint = subset_hint_of(req) if req.HasField("metadata_context") else None
-            if hint is not None:
-                stream.subset_hint = hint
-            if kind == "request_headers":
-                if req.HasField("protocol_config"):
-                    stream.response_body_sent = req.protocol_config.response_body_mode != ProcessingMode.NONE
-                return await stream.on_request_headers(req.request_headers)
-            return await stream.on_request_body(req.request_body)
-        if kind == "response_headers":
-            return stream.on_response_headers(req)
-        if kind == "response_body":
-            return stream.on_response_body(req.response_body)
-        if kind == "request_trailers":
-            return await stream.on_request_trailers()
-        if kind == "response_trailers":
-            return stream.on_response_trailers()
-        return []
-
-

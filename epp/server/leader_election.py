@@ -15,6 +15,7 @@ import datetime as dt
 import logging
 import os
 import random
+import re
 import socket
 import time
 import uuid
@@ -35,6 +36,19 @@ def lease_name(namespace: str, pool: str) -> str:
     return f"epp-{namespace}-{pool}.gateway-api-inference-extension.sigs.k8s.io"
 
 
+# A Deployment's pod name: `<deployment>-<replicaset hash>-<pod suffix>`.
+_DEPLOYMENT_POD = re.compile(r"^(.+)-[a-z0-9]+-[a-z0-9]+$")
+
+
+def deployment_of_pod(pod_name: str) -> str:
+    """The Deployment a pod of it is named after (ValueError when the name has not that shape); standalone
+    mode's replicas share the lease of their Deployment, as llm-d's do."""
+    match = _DEPLOYMENT_POD.match(pod_name)
+    if match is None:
+        raise ValueError(f"$POD_NAME {pod_name!r} is not a Deployment's pod name (<deployment>-<hash>-<suffix>)")
+    return match.group(1)
+
+
 def _micro_time() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
@@ -50,7 +64,8 @@ class LeaderElection:
             raise ValueError("leader election needs retry period < renew deadline < lease duration")
         self.namespace = namespace
         self.name = name
-        self.identity = identity or f"{os.environ.get('HOSTNAME') or socket.gethostname()}_{uuid.uuid4().hex[:8]}"
+        host = os.environ.get("POD_NAME") or os.environ.get("HOSTNAME") or socket.gethostname()
+        self.identity = identity or f"{host}_{uuid.uuid4().hex[:8]}"
         self.kubeconfig = kubeconfig
         self.lease_duration_s = lease_duration_s
         self.renew_deadline_s = renew_deadline_s

@@ -9,7 +9,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 
 from epp.framework.errors import DROP_REASON_HEADER, InferenceError
-from epp.framework.headers import PREFILLER_HOST_PORT_HEADER
+from epp.framework.headers import ENCODER_HOSTS_PORTS_HEADER, KV_CACHE_SOURCE_HEADER, PREFILLER_HOST_PORT_HEADER
 from epp.request.error_body import error_body, is_anthropic_path
 
 # Some Envoy deployments cap streamed body messages at 64 KiB; GIE re-emits bodies in 62,000-byte pieces.
@@ -22,7 +22,8 @@ LB_METADATA_NAMESPACE = "envoy.lb"
 # Routing headers only the picker may set (GIE §1.3). The request-headers reply drops any other
 # copy, so a client's forged value cannot sit next to (or instead of) the picked endpoint.
 SERVED_ENDPOINT_HEADER = "x-gateway-destination-endpoint-served"
-PICKER_OWNED_HEADERS = (DESTINATION_ENDPOINT_HEADER, SERVED_ENDPOINT_HEADER, PREFILLER_HOST_PORT_HEADER)
+PICKER_OWNED_HEADERS = (DESTINATION_ENDPOINT_HEADER, SERVED_ENDPOINT_HEADER, PREFILLER_HOST_PORT_HEADER,
+                        ENCODER_HOSTS_PORTS_HEADER, KV_CACHE_SOURCE_HEADER)
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
@@ -39,10 +40,11 @@ def header_mutation(set_headers: Iterable[tuple[str, str]],
 
 
 def request_headers_response(set_headers: Iterable[tuple[str, str]], *,
-                             destination: str | None) -> pb.ProcessingResponse:
-    """The held request-headers reply: route to `destination`, with its LB metadata.
+                             destination: str | None, remove: Iterable[str] = ()) -> pb.ProcessingResponse:
+    """The held request-headers reply: route to `destination`, with its LB metadata; the route is recomputed.
 
-    Picker-owned headers that this reply does not set are removed (a client's copies never pass).
+    Picker-owned headers that this reply does not set are removed (a client's copies never pass),
+    and those in `remove`.
     """
     # Built field by field in place: nested constructors copy each sub-message (twice as slow per request).
     response = pb.ProcessingResponse()
@@ -57,6 +59,8 @@ def request_headers_response(set_headers: Iterable[tuple[str, str]], *,
         option.header.raw_value = value.encode()
         setting.add(key.lower())
     mutation.remove_headers.extend([name for name in PICKER_OWNED_HEADERS if name not in setting])
+    if remove:
+        mutation.remove_headers.extend(remove)
     if destination is not None:
         response.dynamic_metadata.fields[LB_METADATA_NAMESPACE].struct_value.fields[
             DESTINATION_ENDPOINT_HEADER].string_value = destination

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import socket
@@ -29,7 +30,8 @@ from epp.request.parsing import RequestParser
 from epp.requestcontrol.director import Director
 from epp.server.extproc import DEFAULT_MAX_BODY_BYTES, ExtProcService
 from epp.server.health import HealthService
-from epp.server.tls import server_credentials
+from epp.server.metrics_auth import MetricsAuth, guard_wsgi, metrics_auth_from
+from epp.server.tls import metrics_ssl_context, server_credentials
 from epp.tracing import RequestTracing
 
 if TYPE_CHECKING:
@@ -56,11 +58,29 @@ class ServeOptions:
     endpoints_file: str | None = None
     secure_serving: bool = False
     cert_path: str | None = None
+    # Re-read `cert_path`'s pair when it changes (checked at each new connection).
+    enable_cert_reload: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # The ext_proc port's largest gRPC messages (large bodies arrive in Envoy-sized pieces: headroom only).
+    grpc_max_recv_bytes: int = 64 * 1024 * 1024
+    grpc_max_send_bytes: int = 64 * 1024 * 1024
     grace_period_s: float = 10.0
+    # On SIGTERM: keep taking new streams this long while health says NOT_SERVING (llm-d's drain), then stop.
+    drain_timeout_s: float = 0.0
     refresh_metrics_interval_s: float = 0.05
+    # Metrics older than this pass an endpoint over while others are fresher; None: freshness_window's rule.
+    metrics_staleness_s: float | None = None
     scrape_metrics: bool = True
     disable_endpoint_subset_filter: bool = False
+    # grpc.health.v1 on the ext_proc port too (llm-d's --health-checking).
+    health_checking: bool = False
+    # /metrics (and /debug) behind a bearer token the Kubernetes API reviews (TokenReview, SubjectAccessReview).
+    metrics_auth: bool = False
+    # TLS on the metrics port from this directory's tls.crt/tls.key; with a client CA, client certificates too.
+    metrics_cert_dir: str | None = None
+    metrics_client_ca_file: str | None = None
+    # Log lines as JSON objects (`--zap-encoder json`); workers log as their supervisor does.
+    log_json: bool = False
     # Kubernetes discovery: an InferencePool, or standalone a label selector and target ports.
     pool_name: str | None = None
     pool_namespace: str = "default"
@@ -70,6 +90,8 @@ class ServeOptions:
     kubeconfig: str | None = None
     # Active-passive HA (GIE): only the holder of the pool's Lease reports ready.
     ha_enable_leader_election: bool = False
+    # The Lease's name; None: the pool's (standalone mode names the Deployment's).
+    ha_lease_name: str | None = None
     limits: Limits = field(default_factory=Limits)
     # Cached-token accounting: whose tokens (fairness | objective | header:<name> | none).
     token_accounting_tenant: str = "fairness"
@@ -122,6 +144,7 @@ class EppServer:
         self.peer: Any = None
         self._gc_pauses = GcPauseRecorder(self.metrics)
         self.parser: RequestParser | None = None
+        self.metrics_auth: MetricsAuth | None = None
 
     def is_ready(self) -> bool:
         """Ready once discovery produced endpoints (and, with leader election, while leader), until shutdown."""
@@ -129,9 +152,13 @@ class EppServer:
             (self.leader is None or self.leader.is_leader) and \
             (self.peer is None or self.peer.caught_up.is_set())
 
+    def is_serving(self) -> bool:
+        """Serving its pool: discovery has synced (Ready pods or not) and it is not draining (`inference-extension`)."""
+        return not self.draining and self.endpoints.synced
+
     async def start(self) -> None:
         opts = self.options
-        if opts.ha_enable_leader_election and not opts.pool_name:
+        if opts.ha_enable_leader_election and not (opts.pool_name or opts.ha_lease_name):
             raise ValueError("--ha-enable-leader-election needs --pool-name (the lease is the pool's)")
         if opts.peer_port is not None:
             # Before the pipeline is built: plugins take the sharing service from their context.
@@ -148,7 +175,9 @@ class EppServer:
         # Static objectives from the config; Kubernetes discovery layers InferenceObjectives over them.
         self.objectives = ObjectivePriorities(objectives)
         scraping = opts.scrape_metrics and pipeline.scrape is not None
-        freshness = freshness_window(opts.refresh_metrics_interval_s) if scraping else None
+        freshness = None
+        if scraping:
+            freshness = opts.metrics_staleness_s or freshness_window(opts.refresh_metrics_interval_s)
         self.director = Director(pipeline, self.endpoints, self.metrics, server_hooks=(self._accounting(),),
                                  use_subset_hint=not opts.disable_endpoint_subset_filter,
                                  metrics_freshness_s=freshness, ledger=self.context.load)
@@ -157,9 +186,8 @@ class EppServer:
         if opts.ha_enable_leader_election:
             from epp.server.leader_election import LeaderElection, lease_name
 
-            assert opts.pool_name is not None
-            self.leader = LeaderElection(namespace=opts.pool_namespace, name=lease_name(opts.pool_namespace,
-                                                                                        opts.pool_name),
+            name = opts.ha_lease_name or lease_name(opts.pool_namespace, opts.pool_name or "")
+            self.leader = LeaderElection(namespace=opts.pool_namespace, name=name,
                                          kubeconfig=opts.kubeconfig, metrics_registry=self.metrics.registry)
             await self.leader.start()
         await pipeline.start()
@@ -180,28 +208,39 @@ class EppServer:
         service = ExtProcService(self.director, parser, self.metrics, max_body_bytes=opts.max_body_bytes,
                                  limits=limits, emit_endpoint_scores=opts.emit_endpoint_scores is not None,
                                  tracing=self.tracing)
-        # Large bodies arrive in Envoy-sized pieces; the cap on whole messages only needs headroom.
-        grpc_options = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
-                        ("grpc.max_send_message_length", 64 * 1024 * 1024)]
+        grpc_options = [("grpc.max_receive_message_length", opts.grpc_max_recv_bytes),
+                        ("grpc.max_send_message_length", opts.grpc_max_send_bytes)]
         worker = opts.worker_index is not None
         if worker:
             grpc_options.append(("grpc.so_reuseport", 1))
         self._grpc = grpc.aio.server(options=grpc_options)
         pb_grpc.add_ExternalProcessorServicer_to_server(service, self._grpc)
-        credentials = server_credentials(opts.cert_path) if opts.secure_serving else None
+        health = HealthService(self.is_ready, self.is_serving)
+        if opts.health_checking:  # a proxy may health-check the picker on the port it calls
+            health_pb2_grpc.add_HealthServicer_to_server(health, self._grpc)
+        credentials = (server_credentials(opts.cert_path, reload=opts.enable_cert_reload)
+                       if opts.secure_serving else None)
         self.grpc_port = _bind(self._grpc, opts.bind_address, opts.grpc_port, "--grpc-port", credentials,
                                shared=worker)
         private_host = "127.0.0.1" if worker else opts.bind_address
         self._health = grpc.aio.server()
-        health_pb2_grpc.add_HealthServicer_to_server(HealthService(self.is_ready), self._health)
+        health_pb2_grpc.add_HealthServicer_to_server(health, self._health)
         self.health_port = _bind(self._health, private_host, 0 if worker else opts.grpc_health_port,
                                  "--grpc-health-port")
         await self._grpc.start()
         await self._health.start()
         debug = self._debug_routes() if opts.enable_debug_endpoint else None
+        app = metrics_app(self.metrics.registry, debug)
+        ssl_context = None
+        if not worker:  # a worker's page is private (loopback); its supervisor guards the pod's port
+            if opts.metrics_auth:
+                self.metrics_auth = await metrics_auth_from(opts.kubeconfig, self.metrics.registry)
+                app = guard_wsgi(app, self.metrics_auth, asyncio.get_running_loop())
+            if opts.metrics_cert_dir:
+                ssl_context = metrics_ssl_context(opts.metrics_cert_dir, opts.metrics_client_ca_file)
         try:
-            self._metrics_http = start_metrics_http(private_host, 0 if worker else opts.metrics_port,
-                                                    metrics_app(self.metrics.registry, debug))
+            self._metrics_http = start_metrics_http(private_host, 0 if worker else opts.metrics_port, app,
+                                                    ssl_context)
         except OSError as exc:
             raise BindError(f"cannot listen on {opts.bind_address}:{opts.metrics_port} (--metrics-port): "
                             f"{exc.strerror or exc}") from None
@@ -257,12 +296,18 @@ class EppServer:
                                                        sharing=sharing, scrape=scrape,
                                                        discovery_plugin=discovery))
 
+    async def begin_drain(self) -> None:
+        """Report NOT_SERVING (but alive) and hand the lease over, still taking streams (llm-d's drain window)."""
+        self.draining = True
+        if self.leader is not None:  # hand the lease over first: a standby becomes ready meanwhile
+            await self.leader.stop()
+
     async def stop(self, grace: float | None = None) -> None:
         """Stop taking new streams, let in-flight ones finish within `grace` seconds, then stop all."""
         self.draining = True
         if self.pipeline is not None and self.pipeline.flow_controller is not None:
             self.pipeline.flow_controller.close()  # queued requests are answered now, not cut off after the drain
-        if self.leader is not None:  # hand the lease over first: a standby becomes ready meanwhile
+        if self.leader is not None:
             await self.leader.stop()
         grace = self.options.grace_period_s if grace is None else grace
         if self._grpc is not None:
@@ -278,6 +323,9 @@ class EppServer:
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
+        if self.metrics_auth is not None:
+            await self.metrics_auth.close()
+            self.metrics_auth = None
         if self._gc_pauses in gc.callbacks:
             gc.callbacks.remove(self._gc_pauses)
         if self._owns_tracing and self.tracing is not None:
@@ -318,6 +366,10 @@ def _bind(server: grpc.aio.Server, host: str, port: int, flag: str,
     return bound
 
 
+# The same binding for the project's other gRPC services (`epp bbr`).
+bind_grpc_port = _bind
+
+
 async def start_server(options: ServeOptions) -> EppServer:
     """A started `EppServer`; if starting fails, what did start (discovery, scrapers, plugins) is stopped first."""
     server = EppServer(options)
@@ -355,5 +407,13 @@ async def serve_forever(options: ServeOptions, on_started: Callable[[EppServer],
     if on_started is not None:
         on_started(server)
     await stop.wait()
+    if options.drain_timeout_s > 0:
+        # llm-d's drain: NOT_SERVING and the lease released at once, new streams still taken for a while
+        # (a gateway that has not yet seen the pod go keeps sending); a second signal ends the window.
+        log.info("draining: NOT_SERVING, still taking streams for %.1fs", options.drain_timeout_s)
+        stop.clear()
+        await server.begin_drain()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), options.drain_timeout_s)
     log.info("shutting down: draining in-flight streams for up to %.1fs", options.grace_period_s)
     await server.stop()

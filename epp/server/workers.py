@@ -10,6 +10,7 @@ when it keeps dying young); a worker whose supervisor disappears stops itself.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
@@ -27,13 +28,17 @@ import aiohttp
 import grpc
 from aiohttp import web
 from grpc_health.v1 import health_pb2_grpc
+from prometheus_client import CollectorRegistry, generate_latest
 
 from epp.debug.http import MAX_EXPLAIN_BYTES
 from epp.debug.supervisor import add_debug_routes
+from epp.logutil import JsonLogFormatter
 from epp.server.event_loop import run_event_loop
 from epp.server.health import HealthService
+from epp.server.metrics_auth import MetricsAuth, aiohttp_guard, metrics_auth_from
 from epp.server.metrics_merge import merge_pages
 from epp.server.runner import BindError, ServeOptions, freeze_startup_heap, probe_port, start_server
+from epp.server.tls import metrics_ssl_context
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +70,13 @@ class WorkerStartError(Exception):
 
 def _worker_main(options: ServeOptions, conn: Connection, log_level: int) -> None:
     """Entry point of one worker process (spawned: nothing of the supervisor's gRPC state is inherited)."""
-    logging.basicConfig(level=log_level,
-                        format=f"%(asctime)s %(levelname)s worker{options.worker_index} %(name)s: %(message)s")
+    if options.log_json:
+        handler = logging.StreamHandler()
+        handler.setFormatter(JsonLogFormatter({"worker": str(options.worker_index)}))
+        logging.basicConfig(level=log_level, handlers=[handler])
+    else:
+        logging.basicConfig(level=log_level,
+                            format=f"%(asctime)s %(levelname)s worker{options.worker_index} %(name)s: %(message)s")
     try:
         run_event_loop(_worker_serve(options, conn))
     except Exception as exc:  # reported to the supervisor, which decides whether that is fatal
@@ -100,19 +110,19 @@ async def _worker_serve(options: ServeOptions, conn: Connection) -> None:
     loop.add_reader(conn.fileno(), supervisor_spoke)
 
     async def report_readiness() -> None:
-        last: bool | None = None
+        last: tuple[bool, bool] | None = None
         while True:
-            ready = server.is_ready()
-            if ready != last:
-                conn.send(("ready", ready))
-                last = ready
+            state = (server.is_ready(), server.is_serving())
+            if state != last:
+                conn.send(("ready", *state))
+                last = state
             await asyncio.sleep(_READY_POLL_S)
 
     reporter = asyncio.create_task(report_readiness())
     await stop.wait()
     reporter.cancel()
     try:
-        conn.send(("ready", False))
+        conn.send(("ready", False, False))
     except OSError:
         pass
     await server.stop()
@@ -135,6 +145,7 @@ class WorkerState:
     endpoints: int = 0
     serving: bool = False
     ready: bool = False
+    synced: bool = False  # its discovery has synced (the `inference-extension` health service)
     failure: str = ""
     restarts: int = 0
     backoff_s: float = 0.0
@@ -161,6 +172,9 @@ class WorkerSupervisor:
         self._changed = asyncio.Event()
         self._sibling_ports: list[int] = []
         self._cert_dir: tempfile.TemporaryDirectory[str] | None = None
+        # The supervisor's own series beside the workers' (the metrics port's auth).
+        self._registry = CollectorRegistry()
+        self.metrics_auth: MetricsAuth | None = None
 
     @property
     def endpoints(self) -> list[int]:
@@ -171,6 +185,10 @@ class WorkerSupervisor:
         """Ready while not draining and at least one worker is ready (the kernel only hands
         connections to workers listening, and a worker listens once it has started)."""
         return not self.draining and any(w.ready for w in self.workers)
+
+    def is_serving(self) -> bool:
+        """Serving the pool while not draining and some worker's discovery has synced (`inference-extension`)."""
+        return not self.draining and any(w.synced for w in self.workers)
 
     async def start(self, *, first_start_timeout_s: float = 120.0) -> None:
         """Check and bind the pod's ports, start every worker, and wait until each has started once."""
@@ -198,20 +216,26 @@ class WorkerSupervisor:
         else:
             probe_port(opts.bind_address, opts.grpc_port, "--grpc-port")
         self._health = grpc.aio.server()
-        health_pb2_grpc.add_HealthServicer_to_server(HealthService(self.is_ready), self._health)
+        health_pb2_grpc.add_HealthServicer_to_server(HealthService(self.is_ready, self.is_serving), self._health)
         from epp.server.runner import _bind
 
         self.health_port = _bind(self._health, opts.bind_address, opts.grpc_health_port, "--grpc-health-port")
         await self._health.start()
         # Within Prometheus' default scrape timeout (10 s), with room for a loaded worker.
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
-        app = web.Application(client_max_size=MAX_EXPLAIN_BYTES)
+        middlewares = []
+        if opts.metrics_auth:
+            self.metrics_auth = await metrics_auth_from(opts.kubeconfig, self._registry)
+            middlewares.append(aiohttp_guard(self.metrics_auth))
+        app = web.Application(client_max_size=MAX_EXPLAIN_BYTES, middlewares=middlewares)
         app.router.add_get("/metrics", self._serve_metrics)
         app.router.add_get("/", self._serve_metrics)
         add_debug_routes(app, self.workers, self._http, enabled=opts.enable_debug_endpoint)
         self._metrics_runner = web.AppRunner(app, access_log=None)
         await self._metrics_runner.setup()
-        site = web.TCPSite(self._metrics_runner, opts.bind_address, opts.metrics_port)
+        ssl_context = (metrics_ssl_context(opts.metrics_cert_dir, opts.metrics_client_ca_file)
+                       if opts.metrics_cert_dir else None)
+        site = web.TCPSite(self._metrics_runner, opts.bind_address, opts.metrics_port, ssl_context=ssl_context)
         try:
             await site.start()
         except OSError as exc:
@@ -254,7 +278,7 @@ class WorkerSupervisor:
         child_end.close()
         worker.process, worker.conn = process, parent_end
         worker.pid, worker.started_at = process.pid or 0, time.monotonic()
-        worker.serving = worker.ready = False
+        worker.serving = worker.ready = worker.synced = False
         worker.failure = ""
         asyncio.get_running_loop().add_reader(parent_end.fileno(), self._on_message, worker)
 
@@ -265,7 +289,7 @@ class WorkerSupervisor:
             message = conn.recv()
         except (EOFError, OSError):
             asyncio.get_running_loop().remove_reader(conn.fileno())
-            worker.ready = False
+            worker.ready = worker.synced = False
             self._changed.set()
             return
         kind = message[0]
@@ -273,7 +297,7 @@ class WorkerSupervisor:
             _, worker.pid, worker.health_port, worker.metrics_port, worker.endpoints = message
             worker.serving = True
         elif kind == "ready":
-            worker.ready = bool(message[1])
+            worker.ready, worker.synced = bool(message[1]), bool(message[2])
         elif kind == "failed":
             worker.failure = str(message[1])
             log.warning("%s", worker.failure)
@@ -295,7 +319,7 @@ class WorkerSupervisor:
                     log.warning("worker %d (pid %d) exited with code %s after %.1fs; restarting in %.2fs",
                                 worker.index, worker.pid, process.exitcode, lived, worker.backoff_s)
                     self._close_conn(worker)
-                    worker.ready = worker.serving = False
+                    worker.ready = worker.serving = worker.synced = False
                 if now >= worker.restart_at:
                     worker.restart_at = 0.0
                     worker.restarts += 1
@@ -315,7 +339,8 @@ class WorkerSupervisor:
     async def _serve_metrics(self, _request: web.Request) -> web.Response:
         pages = await asyncio.gather(*(self._worker_page(w) for w in self.workers))
         merged = merge_pages([(str(w.index), page) for w, page in zip(self.workers, pages) if page is not None])
-        return web.Response(text=merged + self._own_metrics(pages), content_type="text/plain",
+        own = self._own_metrics(pages) + generate_latest(self._registry).decode()
+        return web.Response(text=merged + own, content_type="text/plain",
                             charset="utf-8", headers={"X-Content-Type-Options": "nosniff"})
 
     async def _worker_page(self, worker: WorkerState) -> str | None:
@@ -372,6 +397,9 @@ class WorkerSupervisor:
             await self._metrics_runner.cleanup()
         if self._http is not None:
             await self._http.close()
+        if self.metrics_auth is not None:
+            await self.metrics_auth.close()
+            self.metrics_auth = None
         if self._cert_dir is not None:
             self._cert_dir.cleanup()
 
@@ -404,5 +432,10 @@ async def supervise_forever(options: ServeOptions, workers: int, *, log_level: i
     if on_started is not None:
         on_started(supervisor)
     await stop.wait()
+    if options.drain_timeout_s > 0:  # as serve_forever: NOT_SERVING, the workers still take streams
+        supervisor.draining = True
+        stop.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), options.drain_timeout_s)
     log.info("shutting down %d workers: draining for up to %.1fs", workers, options.grace_period_s)
     await supervisor.stop()

@@ -84,3 +84,23 @@ def test_command_help_exits_0(capsys, command):
     code, out, _ = run(capsys, command, "--help")
     assert code == 0
     assert out.startswith(f"usage: epp {command}")
+
+
+def test_every_option_of_sim_fleet_has_help_and_its_default(capsys):
+    from epp.engine.sim.__main__ import _fleet_parser
+    from epp.engine.sim.__main__ import main as sim_main
+
+    parser = argparse.ArgumentParser()
+    fleet = _fleet_parser(parser.add_subparsers())
+    options = [action for action in fleet._actions if action.option_strings and action.dest != "help"]
+    assert len(options) >= 30
+    assert [action.dest for action in options if not action.help or "default" not in action.help] == []
+    assert fleet.description
+    code = None
+    try:
+        sim_main(["fleet", "--help"], prog="epp sim")
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr().out
+    assert code == 0 and out.startswith("usage: epp sim fleet")
+    assert " ".join(out.split()).count("default: ") == len(options)

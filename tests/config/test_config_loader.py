@@ -275,9 +275,6 @@ INVALID = [
     (HEADER + "plugins:\n- type: queue-scorer\n- type: queue-scorer\n  name: queue-scorer\n",
      "epp.yaml: plugins[1].name: duplicate plugin name"),
     (HEADER + "plugins:\n- {type: queue-scorer}\nplugins: []\n", "epp.yaml: invalid YAML:"),
-    (HEADER + "plugins:\n- type: approx-prefix-cache-producer\n- type: approx-prefix-cache-producer\n  name: b\n",
-     "epp.yaml: plugins: data key 'prefix-cache-free-blocks' is produced by both 'approx-prefix-cache-producer' "
-     "and 'b'; allowed: one producer per key"),
     (HEADER + "plugins:\n- type: approx-prefix-cache-producer\n- type: prefix-cache-scorer\n"
               "  parameters: {maxPrefixBlocksToMatch: 10}\n",
      "epp.yaml: plugins[1].parameters: parameters ['maxPrefixBlocksToMatch'] of 'prefix-cache-scorer' belong to "

@@ -220,11 +220,12 @@ REFUSED = [
     (LLMD + P + "    tokenProcessorConfig: {blockSizeTokens: 16}\n    blockSizeTokens: 32\n",
      "epp.yaml: plugins[0].parameters: plugin 'precise-prefix-cache-producer': parameter "
      "'tokenProcessorConfig.blockSizeTokens': sets 'blockSizeTokens', which the parameters also give directly"),
-    (LLMD + "plugins:\n- type: prefix-cache-affinity-filter\n",
-     "epp.yaml: plugins[0].type: llm-d plugin type 'prefix-cache-affinity-filter' is not supported here: needs "
+    (LLMD + "plugins:\n- type: slo-headroom-tier-filter\n",
+     "epp.yaml: plugins[0].type: llm-d plugin type 'slo-headroom-tier-filter' is not supported here: needs "
      "llm-d's latency predictor"),
-    (LLMD + "plugins:\n- type: encode-filter\n",
-     "epp.yaml: plugins[0].type: llm-d plugin type 'encode-filter' is not supported here: no encode (E/PD) stage"),
+    (LLMD + "plugins:\n- type: mm-embeddings-cache-scorer\n",
+     "epp.yaml: plugins[0].type: llm-d plugin type 'mm-embeddings-cache-scorer' is not supported here: multimodal "
+     "embedding caches are not tracked"),
     (LLMD + "plugins:\n- type: load-aware-scorer\n  parameters: {treshold: 5}\n",
      "epp.yaml: plugins[0].parameters: plugin 'load-aware-scorer': unknown parameter(s) ['treshold']; allowed: "
      "['threshold', 'useInflight']"),
@@ -292,7 +293,7 @@ REFUSED = [
     (LLMD + "plugins:\n- type: session-affinity-scorer\n  parameters: {strategy: session_id, sessionIdConfig: "
             "{sources: [{attribute: tenant}]}}\n",
      "epp.yaml: plugins[0].parameters: plugin 'session-affinity-scorer': parameter "
-     "'sessionIdConfig.sources[0].attribute' is not supported"),
+     "'sessionIdConfig.sources[0].attribute' 'tenant' is not published here; allowed: agent-identity"),
     (LLMD + "plugins:\n- type: active-request-scorer\n  parameters: {inFlightLoadProducerName: queue-scorer}\n"
             "- type: queue-scorer\n",
      "epp.yaml: plugins[0].parameters: plugin 'active-request-scorer': parameter 'inFlightLoadProducerName' names "

@@ -127,3 +127,10 @@ def test_a_metric_the_code_does_not_define_is_caught():
     assert metric_defined("epp_kv_index", True)
     assert not metric_defined("epp_kv_index_lookup_hits_total", False)
     assert not metric_defined("epp_no_such_family", True)
+
+
+def test_the_bbr_flag_table_is_its_parsers():
+    from epp.bbr.cli import build_parser as bbr_parser
+
+    rows = section_rows(ROOT / "docs" / "bbr.md", "`epp bbr` flags")
+    assert flag_table_problems(rows, bbr_parser()) == []

@@ -65,8 +65,9 @@ async def test_forged_routing_headers_are_overwritten_and_removed_by_the_picker(
         mutation = reply.request_headers.response.header_mutation
         assert headers_of(mutation)["x-gateway-destination-endpoint"].startswith("10.0.0.")
         assert all(h.append_action == h.OVERWRITE_IF_EXISTS_OR_ADD for h in mutation.set_headers)
-        # The prefiller header (P/D) is picker-owned too: removed when no prefill was picked.
-        assert list(mutation.remove_headers) == ["x-gateway-destination-endpoint-served", "x-prefiller-host-port"]
+        # The sidecar's routing headers (P/D, E/PD, P2P) are picker-owned too: removed when not set.
+        assert list(mutation.remove_headers) == ["x-gateway-destination-endpoint-served", "x-prefiller-host-port",
+                                                 "x-encoder-hosts-ports", "x-kv-cache-source-host-port"]
 
 
 # -- item 2: a model server's response is never replaced because the picker cannot read it ------

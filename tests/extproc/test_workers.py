@@ -36,11 +36,11 @@ def ready_workers(metrics_port: int) -> float:
         return 0.0
 
 
-def readiness(health_port: int) -> int | None:
+def readiness(health_port: int, service: str = "readiness") -> int | None:
     with grpc.insecure_channel(f"127.0.0.1:{health_port}") as channel:
         try:
             return health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service="readiness"), timeout=1).status
+                health_pb2.HealthCheckRequest(service=service), timeout=1).status
         except grpc.RpcError:
             return None
 
@@ -101,7 +101,9 @@ def worker_pids(metrics_port: int) -> dict[str, int]:
 
 
 async def test_two_workers_share_one_port_and_all_answer(two_workers):
-    proc, grpc_port, _health_port, metrics_port = two_workers
+    proc, grpc_port, health_port, metrics_port = two_workers
+    # The supervisor answers the llm-d chart's probe too: its workers' discovery has synced.
+    assert readiness(health_port, "inference-extension") == health_pb2.HealthCheckResponse.SERVING
     routed = [await route_once(grpc_port) for _ in range(24)]
     assert set(routed) <= set(ENDPOINTS.split(","))
 

@@ -209,3 +209,50 @@ async def test_headers_only_responses_stream_past_the_picker_and_end_with_the_re
 def _phase_counts(stack) -> dict[str, float]:
     return {s.labels["phase"]: s.value for s in stack.epp.metrics.messages.collect()[0].samples
             if s.name.endswith("_total")}
+
+
+
+def _stream_errors(stack) -> dict[str, float]:
+    return {s.labels["reason"]: s.value for s in stack.epp.metrics.stream_errors.collect()[0].samples
+            if s.name.endswith("_total")}
+
+
+@pytest.mark.parametrize("responses", ["full", "headers", "none"])
+async def test_successful_requests_count_no_stream_error(stack, responses):
+    """Envoy resets about half the ext_proc streams it is done with instead of half-closing them: no error."""
+    envoy, port = (stack.envoy, stack.port) if responses == "full" else await start_envoy(
+        stack.epp.grpc_port, responses=responses)
+    before = _stream_errors(stack)
+    try:
+        async with aiohttp.ClientSession() as session:
+            for i in range(24):
+                body = {"model": "m", "prompt": f"s{i}", "stream": i % 3 != 0, "events": 3, "delay": 0.0}
+                async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
+                    assert r.status == 200
+                    await r.read()
+        running = stack.epp.metrics.running_requests.labels("m")._value
+        for _ in range(40):  # each ext_proc stream closes after its response
+            if running.get() == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert running.get() == 0
+        assert _stream_errors(stack) == before
+    finally:
+        if envoy is not stack.envoy:
+            await envoy.stop()
+
+
+async def test_a_client_leaving_mid_stream_counts_as_cancelled(stack):
+    before = _stream_errors(stack).get("cancelled", 0.0)
+    async with aiohttp.ClientSession() as session:
+        async with session.post(stack.url + "/v1/completions",
+                                json={"model": "m", "prompt": "leaving", "stream": True, "events": 20,
+                                      "delay": 0.1}) as r:
+            assert r.status == 200
+            await r.content.readline()
+            r.close()  # the client hangs up with 19 events to go
+    for _ in range(60):
+        if _stream_errors(stack).get("cancelled", 0.0) > before:
+            break
+        await asyncio.sleep(0.05)
+    assert _stream_errors(stack).get("cancelled", 0.0) == before + 1

@@ -113,7 +113,10 @@ SCALED_OBJECT = resource("keda.sh/v1alpha1", "ScaledObject", closed({
 
 _SCRAPE_ENDPOINT = {"port": STRING, "path": STRING, "interval": DURATION, "scrapeTimeout": DURATION,
                     "scheme": {"enum": ["http", "https"]}, "honorLabels": {"type": "boolean"},
-                    "relabelings": {"type": "array"}, "metricRelabelings": {"type": "array"}}
+                    "relabelings": {"type": "array"}, "metricRelabelings": {"type": "array"},
+                    # Sent as `Authorization: <type> <secret's key>` (type defaults to Bearer).
+                    "authorization": closed({"type": STRING, "credentials": closed(
+                        {"name": STRING, "key": STRING, "optional": {"type": "boolean"}}, ("key",))})}
 POD_MONITOR = resource("monitoring.coreos.com/v1", "PodMonitor", closed({
     "selector": LABEL_SELECTOR, "namespaceSelector": {"type": "object"}, "jobLabel": STRING,
     "podMetricsEndpoints": {"type": "array", "items": closed(_SCRAPE_ENDPOINT)},

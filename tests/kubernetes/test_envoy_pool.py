@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.support.k8s_apiserver import inference_objective, inference_pool, pod
+from bench.support.k8s_apiserver import READER_TOKEN, inference_objective, inference_pool, pod
 from epp.config.compose import endpoint_picker_config
 from epp.envoy import EnvoyProcess, render_config
 from epp.netutil import free_ports
@@ -178,7 +178,8 @@ async def test_epp_serve_stays_not_serving_until_the_pool_exists(api, kubeconfig
         while await readiness(health_port) != health_pb2.HealthCheckResponse.SERVING:
             assert loop.time() < deadline, "not ready after the pool was created"
             await asyncio.sleep(0.05)
-        async with aiohttp.ClientSession() as session:
+        # With Kubernetes discovery /metrics wants a token the API accepts (--metrics-endpoint-auth's default).
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {READER_TOKEN}"}) as session:
             async with session.get(f"http://127.0.0.1:{metrics_port}/metrics") as r:
                 text = await r.text()
         assert "epp_kubernetes_discovered_endpoints 1.0" in text

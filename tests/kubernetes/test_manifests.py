@@ -27,6 +27,7 @@ OVERLAYS = sorted(p.name for p in (DEPLOY / "overlays").iterdir() if (p / "kusto
 KUBERNETES_VERSIONS = ("1.30", "1.32", "1.34")
 BUILTIN_GROUPS = {"", "apps", "rbac.authorization.k8s.io", "policy", "networking.k8s.io"}
 NAMESPACE = "llm-serving"
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
 
 
 def kubectl() -> str:
@@ -114,10 +115,13 @@ def test_the_crd_schemas_take_v1_6_pools_and_reject_wrong_fields():
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_object_lands_in_the_serving_namespace(rendered, overlay):
     for obj in rendered[overlay]:
-        if obj["kind"] != "Namespace":
+        if obj["kind"] not in CLUSTER_SCOPED:
             assert obj["metadata"].get("namespace") == NAMESPACE, f"{obj['kind']}/{obj['metadata']['name']}"
-    for binding in (o for o in rendered[overlay] if o["kind"] == "RoleBinding"):
-        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "epp", "namespace": NAMESPACE}]
+    for binding in (o for o in rendered[overlay] if o["kind"] in ("RoleBinding", "ClusterRoleBinding")):
+        [subject] = binding["subjects"]
+        assert subject["kind"] == "ServiceAccount" and subject["namespace"] == NAMESPACE
+        assert subject["name"] == ("epp-metrics-reader" if binding["metadata"]["name"] == "llm-epp-metrics-reader"
+                                   else "epp")
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -188,6 +192,27 @@ def test_the_picker_role_only_reads_what_discovery_needs(rendered):
     assert granted == {(g, r, v) for g, r in [("", "pods"), ("inference.networking.k8s.io", "inferencepools"),
                                               ("inference.networking.x-k8s.io", "inferenceobjectives")]
                        for v in ("list", "watch")}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_picker_may_review_metrics_tokens_and_a_reader_may_get_metrics(rendered, overlay):
+    """--metrics-endpoint-auth (on with --pool-name) asks TokenReview and SubjectAccessReview: the picker's
+    ServiceAccount may create both, and the reader account may `get` /metrics."""
+    objects = rendered[overlay]
+    auth = one(objects, "ClusterRole", "llm-epp-metrics-auth")
+    assert auth["rules"] == [
+        {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]},
+        {"apiGroups": ["authorization.k8s.io"], "resources": ["subjectaccessreviews"], "verbs": ["create"]}]
+    assert one(objects, "ClusterRoleBinding", "llm-epp-metrics-auth")["roleRef"]["name"] == "llm-epp-metrics-auth"
+    assert one(objects, "ClusterRole", "llm-epp-metrics-reader")["rules"] == [
+        {"nonResourceURLs": ["/metrics"], "verbs": ["get"]}]
+    args = one(objects, "Deployment", "epp")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not any(a.startswith("--metrics-endpoint-auth") for a in args)  # the default: on
+    for monitor in (o for o in objects if o["kind"] == "ServiceMonitor"):
+        secret = one(objects, "Secret", "epp-metrics-reader-token")
+        assert secret["metadata"]["annotations"]["kubernetes.io/service-account.name"] == "epp-metrics-reader"
+        [endpoint] = monitor["spec"]["endpoints"]
+        assert endpoint["authorization"]["credentials"] == {"name": "epp-metrics-reader-token", "key": "token"}
 
 
 def test_only_the_gateway_reaches_the_ext_proc_port(rendered):

@@ -84,21 +84,21 @@ def test_active_request_timeout_parameter():
         make_plugin("active-request-scorer", {"requestTimeout": "30"})
 
 
-async def test_inflight_load_producer_publishes_requests_and_estimated_tokens():
+async def test_inflight_load_producer_publishes_requests_and_prompt_tokens():
     metrics = CollectorRegistry()
     producer = make_plugin("inflight-load-producer", context=PluginContext(metrics_registry=metrics))
     assert producer.produces() == {INFLIGHT_LOAD}
-    state = start(producer, EPS[1], req=request("x" * 400))  # 100 input tokens + 150 output
+    state = start(producer, EPS[1], req=request("x" * 400))  # 100 prompt tokens, no output estimate (llm-d)
     view = CycleState()
-    await producer.prepare(view, request(), EPS)
-    assert view.endpoint_data(INFLIGHT_LOAD, EPS[1].name) == InflightLoad(1, 250)
-    assert view.endpoint_data(INFLIGHT_LOAD, EPS[0].name) == InflightLoad(0, 0)
+    await producer.prepare(view, request("y" * 40), EPS)  # the next request's own 10 tokens
+    assert view.endpoint_data(INFLIGHT_LOAD, EPS[1].name) == InflightLoad(1, 100, 10)
+    assert view.endpoint_data(INFLIGHT_LOAD, EPS[0].name) == InflightLoad(0, 0, 10)
     assert metrics.get_sample_value("epp_plugin_inflight_tracked_requests",
                                     {"plugin": "inflight-load-producer"}) == 1
     producer.on_response_complete(state, request(), ResponseInfo(), EPS[1])
     view = CycleState()
-    await producer.prepare(view, request(), EPS)
-    assert view.endpoint_data(INFLIGHT_LOAD, EPS[1].name) == InflightLoad(0, 0)
+    await producer.prepare(view, request("y" * 40), EPS)
+    assert view.endpoint_data(INFLIGHT_LOAD, EPS[1].name) == InflightLoad(0, 0, 10)
 
 
 def test_session_affinity_scores_the_named_endpoint_and_sets_the_token():

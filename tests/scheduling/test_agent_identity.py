@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from epp.framework import SESSION, ConfigError, CycleState, PluginContext, SessionKey
 from epp.request.parsing import RequestParser
 from epp.scorers.sessions import AgentIdentity, bounded_session_id
-from epp.server.extproc import _header_map
+from epp.server.transport import header_map
 from tests.support.scheduling import DirectorHarness, endpoint, make_plugin
 
 
@@ -111,7 +111,7 @@ def test_an_over_long_session_id_is_replaced_by_its_digest_and_keeps_its_session
 
 def test_a_non_utf8_or_control_character_value_is_not_a_session_the_next_source_is_read():
     # Envoy hands the header's raw bytes; the transport decodes them with replacement characters.
-    headers = _header_map(base_pb2.HeaderMap(headers=[
+    headers = header_map(base_pb2.HeaderMap(headers=[
         base_pb2.HeaderValue(key="x-claude-code-session-id", raw_value=b"\xff\xfe-bad"),
         base_pb2.HeaderValue(key="x-session-id", raw_value=b"good-one")]))
     registry = CollectorRegistry()

@@ -3,7 +3,7 @@ as an OpenTelemetry Collector's `otlp` receiver does, and keeps each span's serv
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from aiohttp import web
@@ -19,6 +19,7 @@ class ReceivedSpan:
     span_id: str
     parent_span_id: str  # "" for a root span
     attributes: dict[str, object]
+    resource: dict[str, object] = field(default_factory=dict)  # the exporting process's resource attributes
 
 
 def _value(any_value) -> object:
@@ -43,7 +44,7 @@ class OtlpCollector(otlp_grpc.TraceServiceServicer):
                 for span in scope_spans.spans:
                     self.spans.append(ReceivedSpan(
                         str(resource.get("service.name", "")), span.name, span.trace_id.hex(), span.span_id.hex(),
-                        span.parent_span_id.hex(), {a.key: _value(a.value) for a in span.attributes}))
+                        span.parent_span_id.hex(), {a.key: _value(a.value) for a in span.attributes}, resource))
 
     async def Export(self, request, context):  # noqa: N802 (the gRPC method's name)
         self._keep(request)

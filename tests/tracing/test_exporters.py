@@ -77,15 +77,51 @@ def test_an_exporter_that_does_not_load_beside_xds_protos_older_protos_names_the
 
 
 def test_tracing_is_on_by_flag_or_by_an_exporter_and_off_when_the_sdk_is_disabled(otel_env):
-    assert _tracing_wanted(False) is False
+    assert _tracing_wanted(None) is False  # --tracing not given
     assert _tracing_wanted(True) is True
     otel_env.setenv("OTEL_TRACES_EXPORTER", "console")
-    assert _tracing_wanted(False) is True
+    assert _tracing_wanted(None) is True
+    assert _tracing_wanted(False) is False  # --tracing=false (the llm-d chart's, tracing off) wins
     otel_env.setenv("OTEL_SDK_DISABLED", "true")
     assert _tracing_wanted(True) is False
     otel_env.setenv("OTEL_SDK_DISABLED", "false")
     otel_env.setenv("OTEL_TRACES_EXPORTER", "none")
-    assert _tracing_wanted(False) is False
+    assert _tracing_wanted(None) is False
+
+
+async def test_the_llm_d_chart_s_otel_environment_configures_tracing(otel_env):
+    """With `router.tracing.enabled` the chart passes `--tracing=true` and sets these variables (the kubelet
+    has expanded `$(NAMESPACE)` and the like in OTEL_RESOURCE_ATTRIBUTES by then)."""
+    from epp.tracing import provider_from_environment
+
+    collector = await OtlpCollector().start()
+    chart_env = {
+        "OTEL_SERVICE_NAME": "llm-d-router/epp", "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.grpc_port}",
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_RESOURCE_ATTRIBUTES": "k8s.namespace.name=llm,k8s.node.name=node-7,k8s.pod.name=router-epp-5d9c7-x2x9k",
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "1.0"}
+    for name, value in chart_env.items():
+        otel_env.setenv(name, value)
+    assert _tracing_wanted(True) is True
+    server = EppServer(options(tracing=True))
+    try:
+        await server.start()
+        client = ExtProcClient(server.grpc_port)
+        await client.exchange([request_headers(), request_body(BODY)], expect=2)
+        await client.close()
+    finally:
+        await server.stop(0)
+        await collector.stop()
+    [root] = collector.named("epp.request")
+    assert root.service == "llm-d-router/epp"
+    assert {k: root.resource[k] for k in ("k8s.namespace.name", "k8s.node.name", "k8s.pod.name")} == {
+        "k8s.namespace.name": "llm", "k8s.node.name": "node-7", "k8s.pod.name": "router-epp-5d9c7-x2x9k"}
+    otel_env.setenv("OTEL_TRACES_SAMPLER_ARG", "0.1")  # the chart's default ratio
+    provider = provider_from_environment()
+    try:
+        assert provider.sampler.get_description().startswith("ParentBased{root:TraceIdRatioBased{0.1},")
+    finally:
+        provider.shutdown()
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])

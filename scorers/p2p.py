@@ -1,0 +1,116 @@
+"""p2p-source-producer: llm-d's peer-to-peer KV pull hint, `x-kv-cache-source-host-port`.
+
+Before scheduling, among the endpoints caching within one block of the most prompt tokens (only
+CPU-tier tokens when the prefix producer gives tiers: pulls are served from a peer's CPU tier),
+one is sampled in proportion to 1 / (1 + its waiting queue), at a point fixed by a hash of the
+request id (so pulls of a widely cached prefix spread over its holders). After the pick, the
+header names that peer when it holds at least `minCachedTokenDelta` more cached prompt tokens than
+the computing endpoint (the prefill profile's pick when there is one, else the primary pick); the
+decode pod's sidecar then asks its engine to pull those blocks instead of recomputing them. A
+client's own copy of the header never passes (the picker owns it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from epp.framework import (
+    KV_CACHE_SOURCE_HEADER,
+    PREFIX_TIER_MATCH,
+    CycleState,
+    DataProducer,
+    Endpoint,
+    InferenceRequest,
+    Plugin,
+    PluginContext,
+    PluginParams,
+    PrefixMatchInfo,
+    PreRequestHook,
+    SchedulingResult,
+    TierMatch,
+)
+from epp.scorers.prefix import prefix_source
+
+_FNV_OFFSET, _FNV_PRIME = 0x811C9DC5, 0x01000193
+
+
+def spread_fraction(request_id: str) -> float:
+    """A point in [0, 1) fixed by the request id (32-bit FNV-1a over its bytes)."""
+    value = _FNV_OFFSET
+    for byte in request_id.encode():
+        value = ((value ^ byte) * _FNV_PRIME) & 0xFFFFFFFF
+    return value / 2**32
+
+
+class P2PSourceProducer(DataProducer, PreRequestHook):
+    """Names a peer holding more of the prompt's KV cache than the computing endpoint in x-kv-cache-source-host-port."""
+
+    type_name = "p2p-source-producer"
+
+    def __init__(self, name: str, params: PluginParams, context: PluginContext) -> None:
+        super().__init__(name)
+        self.prefix = prefix_source(params)
+        self.min_delta = params.int("minCachedTokenDelta", 1, minimum=1)
+        self.prefill_profile = params.str("prefillProfileName", "prefill") or "prefill"
+
+    def describe(self) -> str:
+        source = f" prefixMatchInfoProducerName={self.prefix.name}" if self.prefix.name else ""
+        return f"minCachedTokenDelta={self.min_delta} prefillProfileName={self.prefill_profile}{source}"
+
+    def consumes(self) -> frozenset[str]:
+        return frozenset({self.prefix.key})
+
+    def consumes_optional(self) -> frozenset[str]:
+        return frozenset({PREFIX_TIER_MATCH})
+
+    def plugin_refs(self) -> Mapping[str, str]:
+        """The producer `prefixMatchInfoProducerName` names (resolved by the loader)."""
+        return self.prefix.refs()
+
+    def bind_plugins(self, plugins: Mapping[str, Plugin]) -> None:
+        self.prefix.bind(self.name, plugins)
+
+    def _tokens(self, state: CycleState, endpoint: str, *, source: bool) -> tuple[int, int]:
+        """(cached prompt tokens, block size) on `endpoint`; as a pull source only its CPU tier counts."""
+        info: PrefixMatchInfo | None = state.endpoint_data(self.prefix.read_key, endpoint)
+        if info is None:
+            return 0, 0
+        tiers: TierMatch | None = state.endpoint_data(self.prefix.key_of(PREFIX_TIER_MATCH), endpoint)
+        if tiers is not None:
+            return (tiers.cpu_tokens if source else tiers.cached_tokens), info.block_size_tokens
+        return int(info.matched_blocks) * info.block_size_tokens, info.block_size_tokens
+
+    async def prepare(self, state: CycleState, request: InferenceRequest, endpoints: Sequence[Endpoint]) -> None:
+        held = [(ep, *self._tokens(state, ep.name, source=True)) for ep in endpoints]
+        held = [(ep, cached, block) for ep, cached, block in held if cached > 0]
+        if not held:
+            state.put(self.name, None)
+            return
+        most = max(cached for _, cached, _ in held)
+        # Every holder within one block of the best, weighted away from queued ones.
+        band = [(ep, cached, 1.0 / (1.0 + ep.metrics.waiting_queue_size))
+                for ep, cached, block in held if cached + block >= most]
+        point = spread_fraction(request.request_id) * sum(w for _, _, w in band)
+        chosen = band[-1]
+        for entry in band:
+            if point < entry[2]:
+                chosen = entry
+                break
+            point -= entry[2]
+        state.put(self.name, (chosen[0].hostport, chosen[1]))
+
+    def pre_request(self, state: CycleState, request: InferenceRequest, result: SchedulingResult) -> None:
+        best: tuple[str, int] | None = state.get(self.name)
+        if best is None:
+            return
+        computing = result.profile_results.get(self.prefill_profile)
+        if computing is None or not computing.targets:
+            computing = result.profile_results.get(result.primary_profile)
+        if computing is None or not computing.targets:
+            return
+        target = computing.targets[0]
+        source, cached = best
+        if source == target.hostport:
+            return
+        if cached - self._tokens(state, target.name, source=False)[0] >= self.min_delta:
+            state.set_request_header(KV_CACHE_SOURCE_HEADER, source)
