@@ -220,12 +220,9 @@ REFUSED = [
     (LLMD + P + "    tokenProcessorConfig: {blockSizeTokens: 16}\n    blockSizeTokens: 32\n",
      "epp.yaml: plugins[0].parameters: plugin 'precise-prefix-cache-producer': parameter "
      "'tokenProcessorConfig.blockSizeTokens': sets 'blockSizeTokens', which the parameters also give directly"),
-    (LLMD + "plugins:\n- type: slo-headroom-tier-filter\n",
-     "epp.yaml: plugins[0].type: llm-d plugin type 'slo-headroom-tier-filter' is not supported here: needs "
-     "llm-d's latency predictor"),
-    (LLMD + "plugins:\n- type: mm-embeddings-cache-scorer\n",
-     "epp.yaml: plugins[0].type: llm-d plugin type 'mm-embeddings-cache-scorer' is not supported here: multimodal "
-     "embedding caches are not tracked"),
+    (LLMD + "plugins:\n- type: header-label-affinity-scorer\n",
+     "epp.yaml: plugins[0].type: llm-d plugin type 'header-label-affinity-scorer' is not supported here: alpha in "
+     "llm-d, not implemented"),
     (LLMD + "plugins:\n- type: load-aware-scorer\n  parameters: {treshold: 5}\n",
      "epp.yaml: plugins[0].parameters: plugin 'load-aware-scorer': unknown parameter(s) ['treshold']; allowed: "
      "['threshold', 'useInflight']"),
