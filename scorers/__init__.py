@@ -45,8 +45,25 @@ def register_builtin_plugins(registry: PluginRegistry) -> None:
     registry.register_class(approx_prefix.ApproxPrefixCacheProducer, default_producer_for=[PREFIX_MATCH_INFO])
     registry.register_class(inflight.InflightLoadProducer, default_producer_for=[INFLIGHT_LOAD])
     # Plugins of modules that register themselves, each exporting `register(registry)`.
-    from epp.scorers import pd, predicted_ttft, prefix_home, saturation, session_routing, sessions
+    from epp.scorers import (
+        endpoint_attributes,
+        mm_embeddings,
+        pd,
+        predicted_ttft,
+        prefix_home,
+        probabilistic_admitter,
+        rollout_screener,
+        saturation,
+        session_routing,
+        sessions,
+        topology,
+    )
 
+    endpoint_attributes.register(registry)
+    mm_embeddings.register(registry)
+    topology.register(registry)
+    probabilistic_admitter.register(registry)
+    rollout_screener.register(registry)
     saturation.register(registry)
     sessions.register(registry)
     session_routing.register(registry)

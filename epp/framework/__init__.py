@@ -42,6 +42,7 @@ from epp.framework.load import (
 from epp.framework.metrics import once_per_registry
 from epp.framework.params import PluginParams
 from epp.framework.plugin import (
+    PROFILE_RESULTS_STATE_KEY,
     Admitter,
     CapacityGate,
     CycleState,
@@ -87,4 +88,5 @@ __all__ = [
     "ResponseHeadersHook", "ResponseInfo", "SESSION", "SaturationDetector", "SchedulingResult", "ScoredEndpoint", "Scorer",
     "SessionKey", "TierMatch", "clamp_score", "default_registry", "estimate_prompt_tokens", "once_per_registry", "parse_duration",
     "prompt_characters", "publish_home",
+    "PROFILE_RESULTS_STATE_KEY",
 ]
