@@ -545,10 +545,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"epp (llm-epp) {epp_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _serve_parser(sub)
-    check = sub.add_parser("check-config", help="validate an EndpointPickerConfig and print the pipeline",
+    check = sub.add_parser("check-config", help="validate EndpointPickerConfigs: the pipeline, or one line per config",
                            description="Validate an EndpointPickerConfig file and print the resolved pipeline "
-                                       "(exit 0), or the first error with the field it is in (exit 1).")
-    check.add_argument("file", help="the EndpointPickerConfig YAML file (samples: examples/configs/)")
+                                       "(exit 0), or the first error with the field it is in (exit 1). Given several "
+                                       "files, a folder or a Helm values file (configs under a key such as "
+                                       "router.epp.pluginsCustomConfig), print one line per config: loads, maps "
+                                       "with notices (the first shown), or refused and why; then a count (exit 1 "
+                                       "when any is refused).")
+    check.add_argument("paths", nargs="+", metavar="PATH",
+                       help="EndpointPickerConfig files, Helm values files or folders (samples: examples/configs/)")
+    check.add_argument("--details", action="store_true", help="with one line per config: print each pipeline too")
+    check.add_argument("--list", dest="listing", action="store_true",
+                       help="one line per config even for a single config file")
     demo = sub.add_parser("demo", help="run Envoy + the picker + simulated replicas and a short workload",
                           description="Run real Envoy, the picker and simulated vLLM replicas on loopback, send "
                                       "the same workload through the picker and through Envoy round-robin, and "
@@ -666,7 +674,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "check-config":
         from epp.config.check import check_config_main
 
-        return check_config_main(args.file)
+        return check_config_main(args.paths, details=args.details, listing=args.listing or None)
     if args.command == "envoy-config":
         return _run_envoy_config(args)
     if args.command == "calibration":

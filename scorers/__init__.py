@@ -44,9 +44,27 @@ def register_builtin_plugins(registry: PluginRegistry) -> None:
     registry.register_class(approx_prefix.ApproxPrefixCacheProducer, default_producer_for=[PREFIX_MATCH_INFO])
     registry.register_class(inflight.InflightLoadProducer, default_producer_for=[INFLIGHT_LOAD])
     # Plugins of modules that register themselves, each exporting `register(registry)`.
-    from epp.scorers import parsers, pd, predicted_ttft, prefix_home, saturation, session_routing, sessions
+    from epp.scorers import (
+        endpoint_attributes,
+        mm_embeddings,
+        parsers,
+        pd,
+        predicted_ttft,
+        prefix_home,
+        probabilistic_admitter,
+        rollout_screener,
+        saturation,
+        session_routing,
+        sessions,
+        topology,
+    )
 
     parsers.register(registry)  # one module per request API format (epp.scorers.parsers)
+    endpoint_attributes.register(registry)
+    mm_embeddings.register(registry)
+    topology.register(registry)
+    probabilistic_admitter.register(registry)
+    rollout_screener.register(registry)
     saturation.register(registry)
     sessions.register(registry)
     session_routing.register(registry)

@@ -229,7 +229,10 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
             hit = matched.get(ep.name)
             state.put_endpoint_data(key_info, ep.name,
                                     no_match if hit is None else PrefixMatchInfo(hit, total, block_tokens))
-            state.put_endpoint_data(key_free, ep.name, max(0, self._capacity_for(ep) - index.held(ep.name)))
+            # In blocks of `block_tokens` tokens (the model server's), as the precise producer counts them: a
+            # hash block covers AVERAGE_CHARACTERS_PER_TOKEN / bytes_per_token of those.
+            state.put_endpoint_data(key_free, ep.name, int(
+                max(0, self._capacity_for(ep) - index.held(ep.name)) * AVERAGE_CHARACTERS_PER_TOKEN / self.bytes_per_token))
         if self.publish_tier_match:
             self._publish_tier_match(state, request, endpoints, matched, block_tokens)
         if hashes and not matched and self.rendezvous_home:

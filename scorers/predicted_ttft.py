@@ -43,6 +43,27 @@ same seconds as T). At 1, a conversation's later turn moves from the replica hol
 history only when the predicted TTFT gain exceeds the recompute cost of the move: the request's
 own T already pays its longer prefill, the charge adds the fleet's cost of doing that work again.
 
+**What a pick displaces** (`displacementWeight`, default 1; 0 = off): a request's new KV blocks
+evict others once the endpoint's cache is full, and an evicted block someone reads again is
+computed again. Each candidate is charged
+
+    D(e) = displacementWeight * reuse(e) * max(0, newBlocks(e) - freeBlocks(e)) * blockSize * cost(e)
+
+    newBlocks(e)  = prompt tokens not in e's GPU cache / block size (cache_config_info's block_size)
+    freeBlocks(e) = the prefix producer's PREFIX_CACHE_FREE_BLOCKS: e's KV capacity (num_gpu_blocks)
+                    less what its index sees resident
+    reuse(e)      = the share of e's recent prompt tokens served from its cache (usage's cached_tokens):
+                    how likely an evicted block was to be read again (0 where nothing is shared)
+    cost(e)       = e's prefill seconds per token; its CPU-load seconds per token when e has a CPU
+                    offload tier (num_cpu_blocks), where evicted blocks go and come back from
+
+Without it, a prefix no replica held predicted the same TTFT everywhere and calibration noise sent
+it to the replica already full of hot prefixes, evicting one of them: the loop that put 38 of 48
+shared-prefix requests on one real vLLM replica (bench/notes/2026-12-capacity-aware-prediction.md).
+
+**The prediction trace** (`traceCapacity`, default 0 = off): the last N picks, each candidate's
+terms beside the outcome on the one picked, in `debug_state` (bench/routing/pick_trace.py reads it).
+
 **Predictions for flow control** (`predict_latency`): the request's own prefill on its cheapest
 endpoint (base, uncached tokens, tier loads; no queue ahead) and the best T over the endpoints,
 which `slo-deadline-ordering-policy` orders and sheds by. With calibration the scorer also makes
@@ -55,17 +76,22 @@ or an untokenizable prompt) every endpoint is charged the whole prompt as uncach
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 import weakref
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from epp.framework import (
+    PREFIX_CACHE_FREE_BLOCKS,
+    PREFIX_MATCH_INFO,
     PREFIX_TIER_MATCH,
     Booking,
     CycleState,
@@ -75,6 +101,7 @@ from epp.framework import (
     PluginContext,
     PluginParams,
     PluginRegistry,
+    PrefixMatchInfo,
     ResponseInfo,
     Scorer,
     TierMatch,
@@ -91,6 +118,150 @@ DEBUG_FITS = 32
 # Parameter names in TERMS order.
 TERM_PARAMS = ("baseSeconds", "prefillSecondsPerToken", "secondsPerRunningRequest",
                "cpuLoadSecondsPerToken", "diskLoadSecondsPerToken", "queueSecondsPerWaitingRequest")
+
+
+@dataclass(slots=True)
+class Terms:
+    """One candidate's predicted TTFT, term by term (seconds; tokens where named so)."""
+
+    base_s: float
+    prefill_s_per_token: float
+    uncached: int  # prompt tokens not cached on the endpoint, as the prefix producer sees it
+    ahead_tokens: float = 0.0  # prefill tokens in flight ahead of it (the ledger's backlog)
+    queue_s: float = 0.0  # what those tokens ahead cost
+    waiting_s: float = 0.0  # the scraped waiting queue's share
+    running_s: float = 0.0  # the running requests' share of each step
+    tiers_s: float = 0.0  # loading CPU / disk tier blocks back
+    stickiness_s: float = 0.0  # the recompute charged for leaving the endpoint holding the most of the prompt
+    free_blocks: int | None = None  # KV blocks the index sees free on the endpoint (None: unknown)
+    evicted_blocks: int = 0  # blocks the request's new blocks would push out
+    reuse: float = 0.0  # the chance a pushed-out block is read again (the endpoint's recent token hit rate)
+    displacement_s: float = 0.0  # the expected recompute of what those blocks held
+
+    @property
+    def prefill_s(self) -> float:
+        """The request's own prefill of its uncached tokens."""
+        return self.prefill_s_per_token * self.uncached
+
+    @property
+    def ahead_s(self) -> float:
+        """Work ahead of the request on the endpoint."""
+        return self.queue_s + self.waiting_s + self.running_s
+
+    @property
+    def own_s(self) -> float:
+        """The request's own seconds: base, prefill, tier loads."""
+        return self.base_s + self.prefill_s + self.tiers_s
+
+    @property
+    def ttft_s(self) -> float:
+        """The predicted time to the first token."""
+        return self.ahead_s + self.own_s
+
+    @property
+    def total_s(self) -> float:
+        """What the score compares: the TTFT and the charges beside it (stickiness, displacement)."""
+        return self.ttft_s + self.stickiness_s + self.displacement_s
+
+
+class ReuseTracker:
+    """How hot each endpoint's cached prefixes are: the share of its recent prompt tokens it served from cache.
+
+    Decayed sums per endpoint of prompt tokens and of those found cached (the response's
+    `cached_tokens`, else the prefix match the pick was booked with), `decay` per request on that
+    endpoint. Bounded at `capacity` endpoints, least recently served first out (`evicted`).
+    """
+
+    def __init__(self, decay: float = 0.95, capacity: int = 4096) -> None:
+        self.decay = decay
+        self.capacity = capacity
+        self._sums: OrderedDict[str, list[float]] = OrderedDict()  # endpoint -> [cached, prompt]
+        self.evicted = 0
+
+    def observe(self, booking: Booking, response: Any) -> None:
+        """The ledger's observer: one completed request's prompt and cached tokens on its endpoint."""
+        prompt, cached = booking.prompt_tokens, booking.prompt_tokens - booking.uncached_tokens
+        usage = getattr(response, "usage", None) if isinstance(response, ResponseInfo) else None
+        if isinstance(usage, dict):
+            details = usage.get("prompt_tokens_details")
+            real_prompt = usage.get("prompt_tokens")
+            real_cached = details.get("cached_tokens") if isinstance(details, dict) else None
+            if isinstance(real_prompt, int) and isinstance(real_cached, int) and 0 <= real_cached <= real_prompt:
+                prompt, cached = real_prompt, real_cached
+        if prompt <= 0:
+            return
+        sums = self._sums.get(booking.endpoint)
+        if sums is None:
+            sums = self._sums[booking.endpoint] = [0.0, 0.0]
+            while len(self._sums) > self.capacity:
+                self._sums.popitem(last=False)
+                self.evicted += 1
+        else:
+            self._sums.move_to_end(booking.endpoint)
+        sums[0] = self.decay * sums[0] + max(0, cached)
+        sums[1] = self.decay * sums[1] + prompt
+
+    def reuse(self, endpoint: str) -> float:
+        """The endpoint's recent token hit rate in [0, 1]; 0 before it served anything (no evidence of reuse)."""
+        sums = self._sums.get(endpoint)
+        return sums[0] / sums[1] if sums is not None and sums[1] > 0 else 0.0
+
+    def __len__(self) -> int:
+        return len(self._sums)
+
+
+class PredictionTrace:
+    """The last `capacity` picks: every candidate's predicted terms beside what happened on the one picked.
+
+    A pick is held as pending from scoring until its response completes (the ledger's observer),
+    then moved to the completed ring; both are bounded by `capacity`, oldest first out, and a
+    pending pick pushed out unanswered counts in `dropped` (`epp_ttft_prediction_trace_*`). The
+    booking that completes is matched to the last pick scored before it was booked: scoring and
+    booking run in one step of the event loop, so nothing else is scored in between.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.pending: dict[float, dict[str, Any]] = {}  # scored_at -> entry, in time order
+        self._times: list[float] = []
+        self.done: deque[dict[str, Any]] = deque(maxlen=capacity)
+        self.dropped = 0
+
+    def scored(self, now: float, request_id: str, tokens: int, terms: Mapping[str, Terms],
+               scores: Mapping[str, float]) -> None:
+        """Hold one pick's candidates until its outcome comes back."""
+        if self._times and now <= self._times[-1]:
+            now = math.nextafter(self._times[-1], math.inf)  # one entry per pick, in time order
+        self.pending[now] = {"scored_at": now, "request": request_id, "tokens": tokens,
+                             "candidates": {name: {**asdict(t), "ttft_s": t.ttft_s, "total_s": t.total_s,
+                                                   "score": scores[name]}
+                                            for name, t in terms.items()}}
+        self._times.append(now)
+        while len(self._times) > self.capacity:
+            self.pending.pop(self._times.pop(0), None)
+            self.dropped += 1
+
+    def completed(self, booking: Booking, response: Any) -> None:
+        """The ledger's observer: the outcome of a pick (TTFT as the picker saw it, cached tokens from usage)."""
+        i = bisect.bisect_right(self._times, booking.picked_at) - 1
+        if i < 0:
+            return
+        entry = self.pending.pop(self._times.pop(i), None)
+        if entry is None or booking.endpoint not in entry["candidates"]:
+            return
+        usage = getattr(response, "usage", None) if isinstance(response, ResponseInfo) else None
+        details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+        entry["picked"] = booking.endpoint
+        entry["ttft_s"] = (booking.first_token_at - booking.picked_at
+                           if booking.ttft_observed and booking.first_token_at is not None else None)
+        entry["prompt_tokens"] = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        entry["cached_tokens"] = details.get("cached_tokens") if isinstance(details, dict) else None
+        self.done.append(entry)
+
+    def debug_state(self) -> dict[str, Any]:
+        """The completed picks, oldest first, and how many wait or were dropped."""
+        return {"capacity": self.capacity, "pending": len(self.pending), "dropped": self.dropped,
+                "picks": list(self.done)}
 
 
 class PredictedTTFTScorer(Scorer):
@@ -118,32 +289,47 @@ class PredictedTTFTScorer(Scorer):
         self.ledger: InflightLedger = context.load
         self.calibrator = TTFTCalibrator(tuple(values[k] for k in TERM_PARAMS),
                                          decay=params.float("calibrationDecay", 0.95, minimum=0.5, maximum=0.9999))
+        # What a pick displaces: the expected recompute of the prefixes its new blocks evict (0: not counted).
+        self.displacement_weight = params.float("displacementWeight", 1.0, minimum=0.0)
+        self.reuse = ReuseTracker(decay=params.float("calibrationDecay", 0.95, minimum=0.5, maximum=0.9999))
+        if self.displacement_weight > 0:
+            self.ledger.add_observer(self.reuse.observe)
+        trace_capacity = params.int("traceCapacity", 0, minimum=0)
+        # Off by default: what each pick predicted, term by term, beside what happened (debug state).
+        self.trace: PredictionTrace | None = PredictionTrace(trace_capacity) if trace_capacity else None
         if self.calibrate:
             self.ledger.add_observer(self._observe)
-            _collector(context.metrics_registry).scorers.add(self)
             tpot_learner(context)  # TPOT is learned next to TTFT (epp calibration shows both)
+        if self.trace is not None:
+            self.ledger.add_observer(self.trace.completed)
+        if self.calibrate or self.trace is not None or self.displacement_weight > 0:
+            _collector(context.metrics_registry).scorers.add(self)
 
     def describe(self) -> str:
         return (f"calibrate={str(self.calibrate).lower()} trackPendingPrefill={str(self.track_pending).lower()} "
-                f"stickiness={self.stickiness:g}")
+                f"stickiness={self.stickiness:g} displacementWeight={self.displacement_weight:g}")
 
     def consumes(self) -> frozenset[str]:
         return frozenset({PREFIX_TIER_MATCH})
 
     def debug_state(self) -> Mapping[str, Any]:
-        """The learned fits, most recently updated first (at most `DEBUG_FITS`)."""
+        """The learned fits, most recently updated first (at most `DEBUG_FITS`), and the prediction trace if kept."""
         fits = self.calibrator.fits()
-        return {"calibrate": self.calibrate, "fits": len(fits), "evicted": self.calibrator.evicted,
-                "recent": [{"endpoint": ep, "model": model, "observations": fit.observations,
-                            "residual_s": fit.residual_scale_s, "resets": fit.resets,
-                            "coefficients": dict(zip(TERMS, fit.coefficients()))}
-                           for ep, model, fit in reversed(fits[-DEBUG_FITS:])]}
+        state: dict[str, Any] = {
+            "calibrate": self.calibrate, "fits": len(fits), "evicted": self.calibrator.evicted,
+            "recent": [{"endpoint": ep, "model": model, "observations": fit.observations,
+                        "residual_s": fit.residual_scale_s, "resets": fit.resets,
+                        "coefficients": dict(zip(TERMS, fit.coefficients()))}
+                       for ep, model, fit in reversed(fits[-DEBUG_FITS:])]}
+        if self.trace is not None:
+            state["trace"] = self.trace.debug_state()
+        return state
 
     # -- prediction ---------------------------------------------------------------------------
 
-    def _split(self, endpoint: Endpoint, match: TierMatch | None, total_tokens: int, model: str,
-               now: float | None) -> tuple[float, float, float]:
-        """(seconds of work ahead, the request's own seconds, prefill seconds per token) on `endpoint`."""
+    def terms(self, endpoint: Endpoint, match: TierMatch | None, total_tokens: int, model: str = "",
+              now: float | None = None) -> Terms:
+        """The predicted TTFT of this request on `endpoint`, term by term."""
         if match is None:
             uncached, cpu, disk = total_tokens, 0, 0
         else:
@@ -154,20 +340,56 @@ class PredictedTTFTScorer(Scorer):
         own_ahead = load.prefill_backlog_tokens if self.track_pending else 0.0
         if not self.calibrate:
             scraped = m.waiting_queue_size * self.queue_s_per_waiting + m.running_requests_size * self.s_per_running
-            queue = max(scraped, own_ahead * self.prefill_s_per_token)
-            own = (self.base_s + uncached * self.prefill_s_per_token + cpu * self.cpu_load_s_per_token
-                   + disk * self.disk_load_s_per_token)
-            return queue, own, self.prefill_s_per_token
+            return Terms(base_s=self.base_s, prefill_s_per_token=self.prefill_s_per_token, uncached=uncached,
+                         ahead_tokens=own_ahead, queue_s=max(scraped, own_ahead * self.prefill_s_per_token),
+                         tiers_s=cpu * self.cpu_load_s_per_token + disk * self.disk_load_s_per_token)
         base, prefill, running_cost, cpu_cost, disk_cost, queue_cost, queued_prefill = self.calibrator.coefficients(
             endpoint.name, model, now)
-        ahead = queued_prefill * own_ahead + queue_cost * m.waiting_queue_size + running_cost * m.running_requests_size
-        return ahead, max(base, 1e-6) + prefill * uncached + cpu_cost * cpu + disk_cost * disk, prefill
+        return Terms(base_s=max(base, 1e-6), prefill_s_per_token=prefill, uncached=uncached, ahead_tokens=own_ahead,
+                     queue_s=queued_prefill * own_ahead,
+                     waiting_s=queue_cost * m.waiting_queue_size, running_s=running_cost * m.running_requests_size,
+                     tiers_s=cpu_cost * cpu + disk_cost * disk)
+
+    def _split(self, endpoint: Endpoint, match: TierMatch | None, total_tokens: int, model: str,
+               now: float | None) -> tuple[float, float, float]:
+        """(seconds of work ahead, the request's own seconds, prefill seconds per token) on `endpoint`."""
+        t = self.terms(endpoint, match, total_tokens, model, now)
+        return t.ahead_s, t.own_s, t.prefill_s_per_token
 
     def predict(self, endpoint: Endpoint, match: TierMatch | None, total_tokens: int, model: str = "",
                 now: float | None = None) -> float:
         """Predicted seconds to the first token of this request on `endpoint`."""
-        ahead, own, _ = self._split(endpoint, match, total_tokens, model, now)
-        return ahead + own
+        return self.terms(endpoint, match, total_tokens, model, now).ttft_s
+
+    def _displacement(self, t: Terms, endpoint: Endpoint, match: TierMatch | None, total_tokens: int,
+                      free_blocks: int | None, info: PrefixMatchInfo | None, model: str, now: float | None) -> None:
+        """Charge `t` the expected recompute of what the request's new blocks would evict on `endpoint`.
+
+        New GPU blocks: the prompt tokens not in its GPU cache (uncached ones are prefilled, CPU and
+        disk ones loaded back), in the index's block size (the model server's, else the producer's).
+        Beyond the free blocks the index sees (capacity from `vllm:cache_config_info` less what it
+        holds), each new block evicts one; an evicted block is read again with the chance `reuse` (the
+        endpoint's recent token hit rate) and then costs its prefill again, or, where the endpoint
+        has a CPU offload tier (`num_cpu_blocks`), its load back from there.
+        """
+        if free_blocks is None:
+            return
+        t.free_blocks = free_blocks
+        block = endpoint.metrics.cache_block_size or (info.block_size_tokens if info is not None else 0)
+        if block <= 0:
+            return
+        gpu = match.gpu_tokens if match is not None else 0
+        new_blocks = -(-max(0, total_tokens - gpu) // block)
+        t.evicted_blocks = max(0, new_blocks - free_blocks)
+        if not t.evicted_blocks:
+            return
+        t.reuse = self.reuse.reuse(endpoint.name)
+        if endpoint.metrics.cache_num_cpu_blocks > 0:
+            per_token = (self.calibrator.coefficients(endpoint.name, model, now)[TERMS.index("cpu_load_seconds_per_token")]
+                         if self.calibrate else self.cpu_load_s_per_token)
+        else:
+            per_token = t.prefill_s_per_token
+        t.displacement_s = self.displacement_weight * t.reuse * t.evicted_blocks * block * per_token
 
     def predict_latency(self, state: CycleState, request: InferenceRequest,
                         endpoints: Sequence[Endpoint]) -> tuple[float, float]:
@@ -187,17 +409,31 @@ class PredictedTTFTScorer(Scorer):
         now = time.monotonic()
         model = request.target_model
         best_cached = max((m.cached_tokens for m in data.values()), default=0) if self.stickiness else 0
+        # (Read when tracing too: a trace of the before shows what the term would have seen.)
+        free = state.all_endpoint_data(PREFIX_CACHE_FREE_BLOCKS) if self.displacement_weight > 0 or self.trace \
+            else {}
+        blocks = state.all_endpoint_data(PREFIX_MATCH_INFO) if free else {}
         predicted = {}
+        traced: dict[str, Terms] | None = {} if self.trace is not None else None
         for ep in endpoints:
             match = data.get(ep.name)
-            ahead, own, prefill = self._split(ep, match, total, model, now)
+            t = self.terms(ep, match, total, model, now)
             # The recompute cost of leaving the endpoint that holds the most of this prompt (0 there).
             thrown_away = best_cached - (match.cached_tokens if match is not None else 0)
-            predicted[ep.name] = ahead + own + self.stickiness * prefill * max(0, thrown_away)
+            if thrown_away > 0 and self.stickiness:
+                t.stickiness_s = self.stickiness * t.prefill_s_per_token * thrown_away
+            if free:
+                self._displacement(t, ep, match, total, free.get(ep.name), blocks.get(ep.name), model, now)
+            predicted[ep.name] = t.total_s
+            if traced is not None:
+                traced[ep.name] = t
         if not predicted:
             return {}
         best = min(predicted.values())
-        return {name: best / t for name, t in predicted.items()}
+        scores = {name: best / t for name, t in predicted.items()}
+        if self.trace is not None and traced is not None:
+            self.trace.scored(now, request.request_id, total, traced, scores)
+        return scores
 
     # -- learning -----------------------------------------------------------------------------
 
@@ -238,7 +474,29 @@ class _CalibrationCollector(Collector):
         resets = GaugeMetricFamily("epp_ttft_calibration_resets",
                                    "Step changes the calibration detected (old observations forgotten).",
                                    labels=["plugin", "endpoint", "model"])
+        traced = GaugeMetricFamily("epp_ttft_prediction_trace_entries",
+                                   "Picks the predicted-TTFT trace holds, completed or waiting for their outcome "
+                                   "(traceCapacity each).", labels=["plugin", "state"])
+        dropped = CounterMetricFamily("epp_ttft_prediction_trace_dropped",
+                                      "Traced picks evicted before their outcome came back (the trace was full).",
+                                      labels=["plugin"])
+        reuse = GaugeMetricFamily("epp_ttft_displacement_reuse",
+                                  "Share of each endpoint's recent prompt tokens served from its cache: the chance the "
+                                  "predicted-TTFT displacement term gives an evicted block of being read again.",
+                                  labels=["plugin", "endpoint"])
+        tracked = GaugeMetricFamily("epp_ttft_displacement_endpoints",
+                                    "Endpoints whose reuse the predicted-TTFT scorer tracks, and those evicted from that "
+                                    "table (capacity 4096, least recently served first).", labels=["plugin", "state"])
         for scorer in list(self.scorers):
+            if scorer.displacement_weight > 0:
+                for endpoint, (cached, prompt) in scorer.reuse._sums.items():
+                    reuse.add_metric([scorer.name, endpoint], cached / prompt if prompt else 0.0)
+                tracked.add_metric([scorer.name, "tracked"], len(scorer.reuse))
+                tracked.add_metric([scorer.name, "evicted"], scorer.reuse.evicted)
+            if scorer.trace is not None:
+                traced.add_metric([scorer.name, "completed"], len(scorer.trace.done))
+                traced.add_metric([scorer.name, "pending"], len(scorer.trace.pending))
+                dropped.add_metric([scorer.name], scorer.trace.dropped)
             for endpoint, model, fit in scorer.calibrator.fits():
                 labels = [scorer.name, endpoint, model]
                 for term, value in zip(TERMS, fit.coefficients()):
@@ -246,7 +504,7 @@ class _CalibrationCollector(Collector):
                 count.add_metric(labels, fit.observations)
                 scale.add_metric(labels, fit.residual_scale_s)
                 resets.add_metric(labels, fit.resets)
-        yield from (coef, count, scale, resets)
+        yield from (coef, count, scale, resets, traced, dropped, reuse, tracked)
 
 
 def _new_collector(registry: CollectorRegistry | None) -> _CalibrationCollector:

@@ -9,18 +9,26 @@
 - `vllm-router-*`: the vLLM router (`vllm-router`, a Rust proxy from PyPI), policies
   round_robin, cache_aware and kv_aware (fed by the replicas' KV-event sockets).
 - `sglang-router-cache-aware`: the SGLang router (`sglang-router launch`), policy cache_aware.
-Peers come from the venv that `bench/setup-peers` builds; when a peer cannot start, the
-contender raises `Unavailable` with the reason and the harness reports it instead of failing.
+- `llmd-*`: llm-d's guide pipelines (today `llmd-optimized-baseline`), a peer in every comparison,
+  from config files of ours (`configs/`) loaded by our own loader as written, with what the guide
+  has an operator set for their fleet set the same way (`llmd_config`).
+Peers come from the venv that `bench/setup-peers` builds; when a peer cannot start, or our loader
+refuses a config (a plugin type not registered here yet), the contender raises `Unavailable` with
+the reason and the harness reports it instead of failing. The variants that answered one question
+(random ties, worker and pod shapes, scrape intervals, ...) are in `experiments.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
+import random
 import re
 import shutil
 import signal
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -30,9 +38,13 @@ from typing import Any
 import aiohttp
 import yaml
 
+from bench.routing.workloads import text_of_tokens, tokenizer
+from epp.config import load_config_text
 from epp.config.compose import DEFAULT_CONFIG_YAML, endpoint_picker_config, plugin
 from epp.engine.sim.fleet import SimFleet
 from epp.envoy import EnvoyProcess, render_config
+from epp.framework.errors import ConfigError
+from epp.framework.registry import default_registry
 from epp.netutil import free_ports
 
 
@@ -57,7 +69,11 @@ def peer_binary(name: str) -> str:
 
 
 SAMPLE_CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
+LLMD_CONFIGS = Path(__file__).resolve().parent / "configs"  # llm-d's guide pipelines, in config files of ours
+# The guide's in-flight token gate: 286,720 tokens = 18 s at its fleet's calibrated 15,928 prefill tokens/s.
+LLMD_GATE_SECONDS = 286720 / 15928
 ORACLE_LABEL = "[uses the simulator's internals: not comparable with the peers] "
+TRACE_CAPACITY = 4096  # picks a traced contender keeps (a short run's all)
 
 
 @dataclass
@@ -72,6 +88,9 @@ class Tuning:
     block_size: int
     prefill_s_per_token: float  # wall seconds per uncached prompt token on one replica (oracle only)
     mean_prompt_tokens: int  # (oracle only)
+    max_model_len: int = 8192  # the engines' --max-model-len
+    chunk_tokens: int = 8192  # the engines' --max-num-batched-tokens (one prefill chunk)
+    kv_capacity_tokens: int | None = None  # one replica's GPU KV cache in tokens (vllm:cache_config_info)
 
 
 @dataclass
@@ -186,8 +205,77 @@ def _with_precise_producer(config: str, t: Tuning) -> str:
     return yaml.safe_dump(doc, sort_keys=False)
 
 
+def llmd_config(name: str, t: Tuning, peak_prefill_tokens_per_s: float | None = None) -> str:
+    """An llm-d guide pipeline (`configs/<name>.yaml`) with what the guide has an operator set for their fleet:
+    maxPrefixTokensToMatch at the engines' max-model-len, and the in-flight token gate at the guide's 18 s of the
+    fleet's calibrated peak prefill (left as the guide's when no calibration is given)."""
+    doc = yaml.safe_load((LLMD_CONFIGS / f"{name}.yaml").read_text())
+    for entry in doc.get("plugins", []):
+        params = entry.get("parameters")
+        if params is None:
+            continue
+        if entry.get("type") == "approx-prefix-cache-producer" and "maxPrefixTokensToMatch" in params:
+            params["maxPrefixTokensToMatch"] = t.max_model_len
+        if entry.get("type") == "prefix-cache-affinity-filter" and peak_prefill_tokens_per_s:
+            if "maxTokensInFlightPenalty" in params:
+                params["maxTokensInFlightPenalty"] = int(LLMD_GATE_SECONDS * peak_prefill_tokens_per_s)
+            if "peakPrefillThroughput" in params:
+                params["peakPrefillThroughput"] = int(peak_prefill_tokens_per_s)
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
+def missing_plugin_types(config: str) -> list[str]:
+    """The plugin types `config` names that our registry has not (yet) got."""
+    known = set(default_registry().types())
+    return sorted({str(p.get("type")) for p in yaml.safe_load(config).get("plugins", []) if p.get("type") not in known})
+
+
+def check_loads(config: str, source: str) -> None:
+    """Raise Unavailable with the loader's reason when our loader refuses `config` (a plugin type not here yet)."""
+    quiet = logging.getLogger("epp.config.loader")  # its warnings go to the picker's own log when it starts
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        load_config_text(config, source=source)
+    except ConfigError as exc:
+        raise Unavailable(f"our loader refuses {source}: {exc}") from None
+    finally:
+        quiet.setLevel(level)
+
+
+async def calibrate_peak_prefill(endpoint: str, t: Tuning, samples: int = 3) -> float:
+    """Peak prefill tokens/s of one replica as llm-d's calibration job measures it: prompts of one prefill chunk
+    (at most max-model-len and what one replica's KV cache holds), tokens over the median time to the first token."""
+    # A prompt the replica cannot hold at all is refused (vLLM answers 400 too): the chunk is capped by its KV cache.
+    fits = t.max_model_len - 16 if t.kv_capacity_tokens is None else min(t.max_model_len, t.kv_capacity_tokens) - 16
+    tokens = max(16, min(t.chunk_tokens, fits))
+    rng = random.Random(41)
+    tok = tokenizer(t.tokenizer_dir)
+    times = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        for i in range(samples + 1):  # the first warms the replica up
+            body = {"model": "sim-model", "prompt": text_of_tokens(rng, tokens - 8, tok, f"calibrate{i}:"),
+                    "max_tokens": 1, "stream": False}
+            t0 = time.perf_counter()
+            async with session.post(f"http://{endpoint}/v1/completions", json=body) as resp:
+                answer = await resp.json()
+                if resp.status != 200:
+                    raise Unavailable(f"prefill calibration answered {resp.status}: {answer}")
+            if i:
+                times.append(time.perf_counter() - t0)
+    return tokens / statistics.median(times)
+
+
 def epp_config(kind: str, t: Tuning) -> str:
     """The EndpointPickerConfig of one `epp-*` contender."""
+    if kind.endswith("+trace"):
+        # The predicted-TTFT scorer's per-pick trace (its debug state; bench/routing/pick_trace.py reads it).
+        return _with_parameter(epp_config(kind.removesuffix("+trace"), t), "predicted-ttft-scorer", "traceCapacity",
+                               TRACE_CAPACITY)
+    if kind.endswith("+no-displacement"):
+        # predicted-ttft-scorer without the expected recompute of what a pick evicts (the before of issue 42).
+        return _with_parameter(epp_config(kind.removesuffix("+no-displacement"), t), "predicted-ttft-scorer",
+                               "displacementWeight", 0)
     if kind.endswith("+precise"):
         return _with_precise_producer(epp_config(kind.removesuffix("+precise"), t), t)
     if kind.endswith("+random-ties"):
@@ -198,6 +286,8 @@ def epp_config(kind: str, t: Tuning) -> str:
         return _head_first_index(epp_config(kind.removesuffix("+head-first-index"), t))
     if kind.startswith("sample:"):
         return sample_config(kind.partition(":")[2], t)
+    if kind.startswith("llmd:"):
+        return llmd_config(kind.partition(":")[2], t)
     if kind.endswith("+no-home"):
         return _with_home(epp_config(kind.removesuffix("+no-home"), t), False)
     if kind.endswith("+home"):
@@ -264,9 +354,6 @@ class Contender:
         return self.kind in ("vllm-router", "sglang-router")
 
 
-# Name suffix, `--workers`, pods: one picker, two workers, two pods (the generated "before" contenders).
-_PICKER_SHAPES = (("", 1, 1), ("-w2", 2, 1), ("-pods2", 1, 2))
-
 CONTENDERS: dict[str, Contender] = {c.name: c for c in (
     Contender("round-robin", "envoy-rr", "", "Envoy ROUND_ROBIN cluster, no picker"),
     Contender("epp-random", "epp", "random", "our EPP behind Envoy: random-picker"),
@@ -287,77 +374,9 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
               "with shedding, predicted-TTFT with stickiness, approximate prefix)", default=False),
     Contender("epp-slo-precise", "epp", "sample:slo-aware+precise",
               "epp-slo with the precise prefix producer (KV events) instead of the approximate one", default=False),
-    Contender("epp-approx-ttft-head-first", "epp", "sample:approximate+head-first-index",
-              "epp-approx-ttft with the approximate index as GIE keeps it (chainAware: false; a chain's head "
-              "evicted first)", default=False),
-    Contender("epp-approx-scrape-only", "epp", "approx+scrape-only",
-              "before: GIE default with GIE's approximate producer and scrape-only load scorers", default=False),
-    Contender("epp-precise-scrape-only", "epp", "precise+scrape-only",
-              "before: epp-precise with scrape-only load scorers", default=False),
-    Contender("epp-precise-ttft-oracle", "epp", "precise-ttft-oracle",
-              ORACLE_LABEL + "predicted-TTFT with the simulator profile's prefill cost", default=False),
-    Contender("epp-precise-active", "epp", "precise-active",
-              "our EPP: precise prefix 3, active-request (in-flight) 2, kv 2", default=False),
-    Contender("epp-approx-headers", "epp", "approx",
-              "epp-approx with `epp envoy-config --responses headers`: no response body crosses gRPC",
-              default=False, responses="headers"),
-    Contender("epp-precise-headers", "epp", "precise", "epp-precise with `--responses headers`",
-              default=False, responses="headers"),
-    Contender("minimal-picker-headers", "minimal-picker", "", "minimal-picker with `--responses headers`",
-              default=False, responses="headers"),
-    *(Contender(f"epp-{prefix}-headers-scrape{ms}", "epp", prefix,
-                f"epp-{prefix}-headers scraping every {ms} ms (`--refresh-metrics-interval`)", default=False,
-                responses="headers", serve_args=("--refresh-metrics-interval", f"{ms / 1000:g}"))
-      for prefix in ("approx", "precise") for ms in (200, 500)),
-    *(Contender(f"epp-{prefix}-scrape{ms}", "epp", prefix,
-                f"epp-{prefix} scraping every {ms} ms (`--refresh-metrics-interval`; a real vLLM's /metrics page "
-                "costs its API server ~5 ms of CPU)", default=False,
-                serve_args=("--refresh-metrics-interval", f"{ms / 1000:g}"))
-      for prefix in ("approx", "precise") for ms in (200, 500)),
-    Contender("epp-approx-w2", "epp", "approx", "epp-approx with --workers 2 (two pickers sharing decisions)",
-              default=False, workers=2),
-    Contender("epp-precise-w2", "epp", "precise", "epp-precise with --workers 2 (two pickers sharing decisions)",
-              default=False, workers=2),
-    Contender("epp-approx-w4", "epp", "approx", "epp-approx with --workers 4", default=False, workers=4),
-    Contender("epp-precise-w4", "epp", "precise", "epp-precise with --workers 4", default=False, workers=4),
-    Contender("epp-approx-pods2", "epp", "approx",
-              "epp-approx as 2 pods: separate `epp serve` processes, peers of each other, one Envoy ext_proc cluster",
-              default=False, pods=2),
-    Contender("epp-approx-pods4", "epp", "approx", "epp-approx as 4 pods (as -pods2)", default=False, pods=4),
-    Contender("epp-precise-pods2", "epp", "precise", "epp-precise as 2 pods (as epp-approx-pods2)",
-              default=False, pods=2),
-    Contender("epp-precise-pods4", "epp", "precise", "epp-precise as 4 pods (as epp-approx-pods2)",
-              default=False, pods=4),
-    *(Contender(f"epp-{prefix}-{shape}-all-scrape", "epp", prefix,
-                f"before: epp-{prefix}-{shape} with every picker scraping every replica (`--no-shared-scrapes`)",
-                default=False, workers=workers, pods=pods, serve_args=("--no-shared-scrapes",))
-      for prefix in ("approx", "precise") for shape, workers, pods in (("w4", 4, 1), ("pods4", 1, 4))),
-    Contender("epp-approx-repeat", "epp", "approx",
-              "epp-approx again in the same run: how far two runs of one configuration differ", default=False),
-    Contender("epp-approx-no-tie-break", "epp", "approx+no-tie-break",
-              "before: epp-approx with queue-scorer on whole requests only (no prefill-backlog tie-break)",
-              default=False),
-    Contender("epp-precise-no-tie-break", "epp", "precise+no-tie-break",
-              "before: epp-precise with queue-scorer on whole requests only (no prefill-backlog tie-break)",
-              default=False),
-    *(Contender(f"epp-{prefix}{pickers}-random-ties", "epp", f"{prefix}+random-ties",
-                f"before: epp-{prefix}{pickers} with max-score-picker's ties broken at random (GIE), not by the "
-                "most free prefix cache", default=False, workers=workers, pods=pods)
-      for prefix in ("approx", "precise")
-      for pickers, workers, pods in (*_PICKER_SHAPES, ("-pods4", 1, 4))),
-    *(Contender(f"epp-{prefix}{pickers}-{suffix}", "epp", f"{prefix}+{suffix}",
-                f"epp-{prefix}{pickers} with rendezvousHome: {on}", default=False, workers=workers, pods=pods)
-      for prefix in ("approx", "precise")
-      for pickers, workers, pods in _PICKER_SHAPES
-      for suffix, on in (("no-home", "false"), ("home", "true")) if pickers or suffix == "no-home"),
-    Contender("epp-approx-fixed-lru", "epp", "approx+fixed-lru",
-              "epp-approx with autoTune: false (its LRU at lruCapacityPerServer, never full here: a tree that never "
-              "forgets)", default=False),
-    Contender("epp-approx-4cpt", "epp", "approx+4cpt",
-              "epp-approx sizing its LRU at GIE's 4 characters a token (charsPerToken: 4; ~1.8x the replicas' caches "
-              "on the simulator's text)", default=False),
-    Contender("epp-approx-pods4-home", "epp", "approx+home", "epp-approx-pods4 with rendezvousHome: true",
-              default=False, pods=4),
+    Contender("llmd-optimized-baseline", "epp", "llmd:llmd-optimized-baseline",
+              "llm-d's optimized-baseline guide pipeline (prefix-cache-affinity-filter 0.8, then token-load-scorer; "
+              "bench/routing/configs/llmd-optimized-baseline.yaml) through our loader"),
     Contender("vllm-router-rr", "vllm-router", "round_robin", "vllm-router --policy round_robin"),
     # vllm-router 0.1.17's cache_aware and kv_aware tokenize through the replicas' /v1/completions/render,
     # which vLLM serves only with --enable-scale-out (403 otherwise, and the router then routes blind).
@@ -578,7 +597,7 @@ async def _start(c: Contender, fleet: SimFleet, tuning: Tuning, workdir: Path) -
         grpc, health, metrics, listen, admin = free_ports(5)
         router = RunningRouter(f"http://127.0.0.1:{listen}", version="epp (this repo) + envoy")
         endpoints = _endpoint_list(fleet)
-        config = epp_config(c.variant, tuning)
+        config = await _epp_config_for(c, fleet, tuning)
         (workdir / "epp-config.yaml").write_text(config)
         log = workdir / "epp.log"
         proc = await _spawn([sys.executable, "-m", "epp.cli", "serve", "--grpc-port", str(grpc),
@@ -631,6 +650,17 @@ async def _start(c: Contender, fleet: SimFleet, tuning: Tuning, workdir: Path) -
     raise ValueError(f"unknown contender kind {c.kind!r}")
 
 
+async def _epp_config_for(c: Contender, fleet: SimFleet, tuning: Tuning) -> str:
+    """The contender's config, checked by our loader first (a refusal is Unavailable with the loader's reason);
+    an llm-d guide pipeline gets the peak prefill its calibration job measures on this fleet."""
+    config = epp_config(c.variant, tuning)
+    check_loads(config, f"{c.name} ({c.variant})")
+    if c.variant.startswith("llmd:"):
+        peak = await calibrate_peak_prefill(fleet.endpoints[0], tuning)
+        config = llmd_config(c.variant.partition(":")[2], tuning, peak)
+    return config
+
+
 def _endpoint_list(fleet: SimFleet) -> str:
     """`--endpoints` for the fleet: each replica with its KV-event ports as labels."""
     endpoints = []
@@ -650,7 +680,7 @@ async def _start_epp_pods(c: Contender, fleet: SimFleet, tuning: Tuning, workdir
     listen, admin, *pod_ports = free_ports(2 + 4 * c.pods)
     ports = [pod_ports[i:i + 4] for i in range(0, len(pod_ports), 4)]  # grpc, health, metrics, peer per pod
     router = RunningRouter(f"http://127.0.0.1:{listen}", version="epp (this repo) + envoy")
-    config = epp_config(c.variant, tuning)
+    config = await _epp_config_for(c, fleet, tuning)
     (workdir / "epp-config.yaml").write_text(config)
     endpoints = _endpoint_list(fleet)
     procs = []
@@ -694,5 +724,6 @@ async def _start_peer(argv: list[str], port: int, log: Path, version: str, prom:
     return router
 
 
-__all__ = ["CONTENDERS", "ORACLE_LABEL", "Contender", "RunningRouter", "Tuning", "Unavailable", "describe_argv",
-           "epp_config", "free_ports", "peer_binary", "peers_venv", "sample_config", "start_contender"]
+__all__ = ["CONTENDERS", "LLMD_CONFIGS", "ORACLE_LABEL", "Contender", "RunningRouter", "Tuning", "Unavailable",
+           "calibrate_peak_prefill", "check_loads", "describe_argv", "missing_plugin_types", "epp_config", "free_ports", "llmd_config",
+           "peer_binary", "peers_venv", "sample_config", "start_contender"]

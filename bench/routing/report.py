@@ -11,12 +11,13 @@ import statistics
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from bench.routing.measure import percentile
 from bench.routing.prefill_load import prefill_load_lines
-from bench.routing.runner import GOODPUT_CURVE_S, ContenderResult, StageSummary
 from bench.routing.scenarios import Scenario
-from bench.routing.ttft_floor import queued_floor
+from bench.routing.summary import GOODPUT_CURVE_S, ContenderResult, StageSummary
+from bench.routing.ttft_floor import queued_floor, tail_causes
 
 
 def _s(v: float | None, digits: int = 3) -> str:
@@ -186,24 +187,47 @@ def learned_costs(results: list[ContenderResult]) -> tuple[str, float, float] | 
     return None
 
 
-def floor_p90(results: list[ContenderResult], replicas: int) -> tuple[str, float, float, float, float] | None:
-    """(source, prefill s/token, base s, floor p90 without queueing, with queueing) at the costs learned in the run."""
+def floors(results: list[ContenderResult], replicas: int) -> dict[str, Any] | None:
+    """The run's TTFT floors at the costs learned in it: without a queue, with queueing, with finite KV capacity,
+    and what makes up each one's p90 (bench/routing/ttft_floor.py)."""
     learned = learned_costs(results)
     sample = next((r.floor_requests for r in results if r.floor_requests), None)
     if learned is None or sample is None:
         return None
     source, prefill, base = learned
-    plain = [base + prefill * (n - hit) for _, n, hit in sample]
-    queued = queued_floor([(at, n - hit) for at, n, hit in sorted(sample)], replicas, prefill, base)
-    p_plain, p_queued = percentile(plain, 90), percentile(queued, 90)
-    assert p_plain is not None and p_queued is not None
-    return source, prefill, base, p_plain, p_queued
+    ordered = sorted(sample)
+    prompts = [n for _, n, _, _ in ordered]
+    hits = [hit for _, _, hit, _ in ordered]
+    capped = [c for _, _, _, c in ordered]
+    plain = [base + prefill * (n - hit) for n, hit in zip(prompts, hits)]
+    queued = queued_floor([(at, n - hit) for at, n, hit, _ in ordered], replicas, prefill, base)
+    capacity = [base + prefill * (n - c) for n, c in zip(prompts, capped)]
+    p_plain, p_queued, p_capacity = percentile(plain, 90), percentile(queued, 90), percentile(capacity, 90)
+    assert p_plain is not None and p_queued is not None and p_capacity is not None
+    return {"source": source, "prefill_s_per_token": prefill, "base_s": base, "p90": p_plain, "p90_queued": p_queued,
+            "p90_capacity": p_capacity,
+            "tail_queued": tail_causes(queued, prompts, hits, own_s=plain),
+            "tail_capacity": tail_causes(capacity, prompts, hits, capped)}
+
+
+def floor_p90(results: list[ContenderResult], replicas: int) -> tuple[str, float, float, float, float] | None:
+    """(source, prefill s/token, base s, floor p90 without queueing, with queueing) at the costs learned in the run."""
+    f = floors(results, replicas)
+    return None if f is None else (f["source"], f["prefill_s_per_token"], f["base_s"], f["p90"], f["p90_queued"])
+
+
+def _tail_text(causes: dict[str, float]) -> str:
+    """'of the 54 requests at or above it: 61 % cold, 43 % long prompts, ...'."""
+    names = {"cold": "cold (nothing earlier shared)", "long": "long prompts (the longest tenth)",
+             "evicted": "their shared prefix lost to the finite caches", "queued": "waited longer than their own prefill"}
+    parts = [f"{causes[k]:.0%} {label}" for k, label in names.items() if k in causes]
+    return f"of the {int(causes.get('requests', 0))} requests at or above it: " + ", ".join(parts)
 
 
 def _peer_p90(results: list[ContenderResult]) -> tuple[str, float] | None:
     """The best peer router's TTFT p90 (a valid row)."""
     peers = [(r.overall.ttft_p90, r.name) for r in results if r.overall is not None and r.overall.ttft_p90 is not None
-             and r.verdict != "invalid" and r.name.startswith(("vllm-router", "sglang-router"))]
+             and r.verdict != "invalid" and r.name.startswith(("vllm-router", "sglang-router", "llmd-"))]
     return (min(peers)[1], min(peers)[0]) if peers else None
 
 
@@ -213,20 +237,25 @@ def goodput_lines(scenario: Scenario, results: list[ContenderResult]) -> list[st
              "answered, its TTFT met its objective and (latency-sensitive, >= 2 output tokens) its time per output "
              "token met the TPOT objective; rejected (429/503), failed and late requests count against the share "
              "(bench/routing/goodput.py).", ""]
+    full = floors(results, scenario.fleet.replicas)
     floor = floor_p90(results, scenario.fleet.replicas)
     peer = _peer_p90(results)
-    if floor is not None:
+    if full is not None and floor is not None:
         source, prefill, base, plain, queued = floor
         lines += [(f"TTFT floor of these requests (bench/routing/ttft_floor.py) at the costs `{source}` learned in this "
                    f"run ({prefill * 1e6:.1f} µs/token prefill, {base * 1e3:.1f} ms base): p90 {plain:.3f} s with every "
                    f"prefix cached and no queue, **{queued:.3f} s** with queueing on {scenario.fleet.replicas} replicas "
-                   "(least work left, every prefix everywhere: optimistic). TTFT p90 here counts every request sent, "
+                   "(least work left, every prefix everywhere: optimistic), **"
+                   f"{full['p90_capacity']:.3f} s** with the fleet's finite KV capacity ({scenario.capacity_blocks} blocks, "
+                   "perfect placement, Belady's eviction, no queue). TTFT p90 here counts every request sent, "
                    "a rejected or failed one as infinitely late, so shedding cannot improve it."
-                   + (f" Best peer: `{peer[0]}` at {peer[1]:.3f} s; \"gap closed\": the share of its gap to the "
-                      "queued floor that a row closes." if peer is not None else "")), ""]
+                   + (f" Best peer: `{peer[0]}` at {peer[1]:.3f} s; \"gap closed\": the share of its gap to a "
+                      "floor that a row closes (queued / capacity)." if peer is not None else "")), "",
+                  f"- With queueing, {_tail_text(full['tail_queued'])}.",
+                  f"- With finite capacity, {_tail_text(full['tail_capacity'])}.", ""]
     curve = " / ".join(f"{t:g}" for t in GOODPUT_CURVE_S)
-    lines += [f"| contender | good | goodput tok/s | 429/503 | TTFT p90 (s), unanswered = ∞ | gap closed | sensitive TTFT p90 (s) "
-              f"| sensitive good | TPOT met | answered within {curve} s | later turns moved | hit rate |",
+    lines += [f"| contender | good | goodput tok/s | 429/503 | TTFT p90 (s), unanswered = ∞ | gap closed (queued / capacity) "
+              f"| sensitive TTFT p90 (s) | sensitive good | TPOT met | answered within {curve} s | later turns moved | hit rate |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         o = r.overall
@@ -234,8 +263,9 @@ def goodput_lines(scenario: Scenario, results: list[ContenderResult]) -> list[st
             continue
         g = o.goodput
         gap = "-"
-        if floor is not None and peer is not None and math.isfinite(g.ttft_p90_all) and peer[1] > floor[4]:
-            gap = f"{(peer[1] - g.ttft_p90_all) / (peer[1] - floor[4]):.0%}"
+        if full is not None and peer is not None and math.isfinite(g.ttft_p90_all):
+            gap = " / ".join(f"{(peer[1] - g.ttft_p90_all) / (peer[1] - f):.0%}" if peer[1] > f else "-"
+                             for f in (full["p90_queued"], full["p90_capacity"]))
         tpot = f"{g.tpot_good}/{g.tpot_checked}" if g.tpot_checked else "-"
         moved = f"{g.moved_turns} of {g.later_turns}" if g.later_turns else "-"
         within = " / ".join(_pct(o.within.get(t)) for t in GOODPUT_CURVE_S)
@@ -302,10 +332,10 @@ def write_report(scenario: Scenario, results: list[ContenderResult], out_dir: Pa
                "results": [{"name": r.name, "status": r.status, "version": r.version, "flags": r.flags,
                             "verdict": r.verdict, "validity": r.validity,
                             "overall": asdict(r.overall) if r.overall else None,
-                            "stages": [asdict(s) for s in r.stages]} for r in results]}
-    floor = floor_p90(results, f.replicas)
+                            "stages": [asdict(s) for s in r.stages], "samples": r.samples} for r in results]}
+    floor = floors(results, f.replicas)
     if floor is not None:
-        summary["floor"] = dict(zip(("source", "prefill_s_per_token", "base_s", "p90", "p90_queued"), floor))
+        summary["floor"] = floor
     (out_dir / "results.json").write_text(json.dumps(summary, indent=1))
     return md
 

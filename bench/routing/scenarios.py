@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bench.routing.goodput import Objectives
 from bench.routing.loadgen import Stage, ramp
+from bench.routing.objectives import Objectives
 from bench.routing.traces import TraceReplay
 from bench.routing.workloads import (
     Agentic,
@@ -116,6 +116,31 @@ def no_sharing(scale: str) -> Scenario:
     return Scenario("no-sharing", scale, w, _fleet(scale, replicas, 1100, ts), ramp(2.0, 8.0, 4, 25.0), drain=40.0)
 
 
+def bursty(scale: str) -> Scenario:
+    """Bursts past the knee: shared-prefix traffic at a base rate below the fleet's knee, then bursts far past
+    it, back to back (a continuous run: a burst's backlog runs on into the calm after it)."""
+    if scale == "tiny":
+        w = SharedPrefix(groups=4, users=2, system_tokens=256, question_tokens=32, output_tokens=8)
+        stages = [Stage(1.5, 2.0), Stage(1.0, 12.0)] * 2
+        return Scenario("bursty", scale, w, _fleet(scale, 2, 48, 1.0), stages, drain=10.0, request_timeout=20.0,
+                        continuous=True)
+    if scale == "small":
+        # The shared-prefix fleet (prefixes ~73 % of its KV). Its ramp's top, 12 req/s, is where the prefix
+        # pipelines still held a TTFT p90 near 0.15 s (round-robin's knee was near 4): 3 req/s calm, bursts of
+        # 5 s at twice that top, three times.
+        w = SharedPrefix(groups=12, users=5, system_tokens=4096, question_tokens=512, output_tokens=32)
+        replicas, ts = 4, 5.0
+        blocks = int(w.shared_tokens() / 16 / 0.73 / replicas) + 1
+        stages = [Stage(10.0, 3.0), Stage(5.0, 24.0)] * 3
+        return Scenario("bursty", scale, w, _fleet(scale, replicas, blocks, ts), stages, drain=60.0, continuous=True)
+    w = SharedPrefix(groups=48, users=5, system_tokens=6000, question_tokens=1200, output_tokens=64)
+    replicas, ts = 8, 2.0
+    blocks = int(w.shared_tokens() / 16 / 0.73 / replicas) + 1
+    stages = [Stage(20.0, 8.0), Stage(10.0, 60.0)] * 3
+    return Scenario("bursty", scale, w, _fleet(scale, replicas, blocks, ts, max_model_len=16384), stages, drain=90.0,
+                    continuous=True)
+
+
 # Per scale: the TraceReplay knobs (tokens per hash block, prompt and output caps, speedup,
 # share of conversations) and the fleet (replicas, KV blocks each, time scale).
 TRACE_KNOBS: dict[str, dict[str, float]] = {
@@ -149,7 +174,7 @@ def trace(scale: str, path: str | None = None, **knobs: float | None) -> Scenari
 
 
 SCENARIOS = {"shared-prefix": shared_prefix, "multi-turn": multi_turn, "agentic": agentic,
-             "no-sharing": no_sharing, "trace": trace}
+             "no-sharing": no_sharing, "bursty": bursty, "trace": trace}
 
 
 def get_scenario(name: str, scale: str, trace_path: str | None = None, **trace_knobs: float | None) -> Scenario:

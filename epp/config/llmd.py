@@ -48,6 +48,34 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
         "prompt tokens from a token-producer when one is configured, else characters / 4 (llm-d auto-creates a "
         "token-producer); syncCrossReplicaState has no effect (each picker counts its own); requestTimeout (ours) "
         "bounds how long an unanswered request counts"),
+    "mm-embeddings-cache-producer": LlmdType(
+        "per endpoint, the multimodal items (images, videos, audio) of the requests sent there, an LRU of "
+        "cacheSizeInMBPerServer / 2 MiB entries; each candidate's matched and total items",
+        "items are identified by the URL or inline data the request carries (llm-d reads the renderer's "
+        "multimodal hashes when a token-producer gives them)"),
+    "mm-embeddings-cache-scorer": LlmdType("matched / total multimodal items of the request (0 without media)"),
+    "dcgm-data-source": LlmdType(
+        "scrapes the DCGM Exporter beside each endpoint (scheme, port 9400, path, interval, insecureSkipVerify) for "
+        "its dcgm-extractor",
+        "useNodeAddress: true (a DaemonSet exporter on the node) is refused: endpoints know neither their node nor "
+        "their pod name"),
+    "dcgm-extractor": LlmdType("GPUUtilization: the endpoint's highest DCGM_FI_DEV_GPU_UTIL, as a fraction"),
+    "endpoint-attribute-filter": LlmdType(
+        "keeps endpoints whose attribute passes algorithm.threshold (operator, value); onMissing, fallbackOnEmpty",
+        "producer is required (the core metrics extractor's custom metrics, llm-d's default, are not read)"),
+    "endpoint-attribute-scorer": LlmdType(
+        "linear score of an attribute (lower or higher is better) over fixedRange or the candidates' range",
+        "producer is required (the core metrics extractor's custom metrics, llm-d's default, are not read)"),
+    "topology-extractor": LlmdType(
+        "each endpoint's host, rack, zone and region from its labels (hostname, rack, zone, region: the label keys)",
+        "a pod's spec.hostname is not read (endpoints carry their labels only)"),
+    "topology-affinity-filter": LlmdType(
+        "keeps candidates sharing minAffinity (host, rack, zone, region) or tighter with the earlier profile's pick "
+        "(the decode endpoint); no peer topology or no candidate left: all kept",
+        "topologyProducerName is checked as a string: one extractor serves every reader"),
+    "topology-affinity-scorer": LlmdType(
+        "host 1.0, rack 0.2, zone 0.05, region 0.02 by the level shared with the earlier profile's pick",
+        "topologyProducerName is checked as a string: one extractor serves every reader"),
     # Scorers
     "prefix-cache-scorer": LlmdType(
         "(1 - matchLengthWeight) x matched/total blocks + matchLengthWeight x min(1, matched tokens / "
@@ -147,6 +175,14 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
         "targetPorts) need no handler"),
     "prefill-header-handler": LlmdType("names the prefill pick in x-prefiller-host-port (deprecated in llm-d)"),
     # Saturation, flow control
+    "probabilistic-admitter": LlmdType(
+        "sheds a sheddable request (priority < 0) with probability min(saturation^power x k, 1), saturation the mean "
+        "of max(queue/queueDepthThreshold, kv/kvCacheUtilThreshold)"),
+    "disaggregatedset-rollout-screener": LlmdType(
+        "keeps one DisaggregatedSet revision with a Ready endpoint of every required role per request (weighted "
+        "max-role or sum), for every profile; strict header selectors screen, all stamp the served label",
+        "it runs as a capacity gate (before admission); revisions come from the pool's endpoints' labels; "
+        "requiredRoles: [..] is read like requireRoles: {values: [..]}"),
     "utilization-detector": LlmdType("mean over endpoints of max(queue/5, kv/0.8); >= 1 is saturated"),
     "fcfs-ordering-policy": LlmdType("first come, first served within a flow"),
     "edf-ordering-policy": LlmdType("earliest deadline first within a flow"),
@@ -162,6 +198,10 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
     "priority-holdback-policy": LlmdType(
         "stepped ceilings per priority, maxCeiling for the highest band down to minCeiling for the lowest "
         "(domain rank or value)",
+        "the priorities are the configured bands and those requests used so far"),
+    "soft-reflective-ceiling-policy": LlmdType(
+        "band i of N: ceiling 1 - i x saturation / (N - 1); past it a band alternates open and closed, open one "
+        "call in round(saturation / (1 - saturation))",
         "the priorities are the configured bands and those requests used so far"),
     "program-aware-fairness": LlmdType(
         "least attained service across programs (fairness ids): lasWeightService x (1 - service) + "
@@ -200,6 +240,19 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
     "destination-endpoint-served-verifier": LlmdType("echoes the served endpoint in x-conformance-test-served-endpoint"),
 }
 
+# llm-d types whose factory never reads its `parameters` (llm-d accepts and ignores any given): here
+# the parameters our plugin does not take are ignored too, each listed in a note.
+PARAMETERLESS_TYPES = frozenset({
+    "queue-scorer", "kv-cache-utilization-scorer", "lora-affinity-scorer", "running-requests-size-scorer",
+    "single-profile-handler", "decode-filter", "prefill-filter", "encode-filter", "always-disagg-pd-decider",
+    "always-disagg-multimodal-decider", "openai-parser", "anthropic-parser", "passthrough-parser", "vllmhttp-parser",
+    "vllmgrpc-parser", "sglanghttp-parser", "vertexai-parser", "fcfs-ordering-policy", "edf-ordering-policy",
+    "global-strict-fairness-policy", "round-robin-fairness-policy", "slo-deadline-ordering-policy",
+    "priority-then-time-eviction-order-policy", "sheddable-eviction-filter", "header-based-testing-filter",
+    "destination-endpoint-served-verifier", "endpoint-notification-source", "models-data-extractor",
+    "dcgm-extractor", "local-syncer",
+})
+
 # llm-d's deprecated names: loaded as the current type, with a note.
 ALIASES: Mapping[str, str] = {
     "by-label-selector": "label-selector-filter",
@@ -207,46 +260,57 @@ ALIASES: Mapping[str, str] = {
 }
 
 _PREDICTED = "predicted-ttft-scorer weighs queue wait against uncached prefill, with costs learned online"
+_MULTICLUSTER = ("multi-cluster routing (a hub picker sending requests to other clusters' gateways by their pickers' "
+                 "pool-average metrics) is not supported; run a picker in each cluster for its own pool")
 REFUSED_TYPES: Mapping[str, str] = {
-    "slo-headroom-tier-filter": f"needs llm-d's latency predictor; {_PREDICTED}",
-    "latency-scorer": f"needs llm-d's latency predictor sidecar; {_PREDICTED}",
-    "predicted-latency-producer": f"needs llm-d's latency predictor sidecar; {_PREDICTED}",
-    "latency-slo-admitter": "sheddable requests (priority < 0) are shed by the saturation admitter while the pool "
-                            "is saturated; no latency predictor here",
-    "probabilistic-admitter": "not implemented; flow control (featureGates: [flowControl]) queues instead",
-    "multicluster-session-affinity-filter": "no multi-cluster pools",
-    "endpoint-attribute-filter": "alpha in llm-d, not implemented",
-    "endpoint-attribute-scorer": "alpha in llm-d, not implemented",
-    "topology-affinity-filter": "alpha in llm-d, not implemented",
-    "topology-affinity-scorer": "alpha in llm-d, not implemented",
+    "multicluster-session-affinity-filter": _MULTICLUSTER,
     "header-label-affinity-scorer": "alpha in llm-d, not implemented",
-    "mm-embeddings-cache-scorer": "multimodal embedding caches are not tracked",
-    "mm-embeddings-cache-producer": "multimodal embedding caches are not tracked",
     "session-id-producer": "session-affinity-scorer reads the session id header itself",
-    "burst-prefix-cache-producer": "alpha in llm-d; the approximate producer records each pick at once",
-    "multicluster-approx-prefix-cache-producer": "no multi-cluster pools",
-    "multicluster-queue-scorer": "no multi-cluster pools",
-    "multicluster-kv-cache-utilization-scorer": "no multi-cluster pools",
-    "multicluster-prefix-cache-scorer": "no multi-cluster pools",
-    "multicluster-metrics-data-source": "no multi-cluster pools",
-    "multicluster-metrics-extractor": "no multi-cluster pools",
-    "multicluster-file-discovery": "no multi-cluster pools",
-    "disaggregatedset-rollout-screener": "alpha in llm-d, not implemented",
+    "multicluster-approx-prefix-cache-producer": _MULTICLUSTER,
+    "multicluster-queue-scorer": _MULTICLUSTER,
+    "multicluster-kv-cache-utilization-scorer": _MULTICLUSTER,
+    "multicluster-prefix-cache-scorer": _MULTICLUSTER,
+    "multicluster-metrics-data-source": _MULTICLUSTER,
+    "multicluster-metrics-extractor": _MULTICLUSTER,
+    "multicluster-file-discovery": _MULTICLUSTER,
     "models-data-source": "the served models are read from the replicas by the fleet plugins (served-model-filter)",
     "models-data-extractor": "the served models are read from the replicas by the fleet plugins (served-model-filter)",
-    "k8s-notification-source": "Kubernetes objects are watched by the discovery (--pool-name), not by plugins",
-    "file-discovery": "endpoints from a file: --endpoints-file",
-    "topology-extractor": "alpha in llm-d, not implemented",
-    "dcgm-data-source": "alpha in llm-d; GPU telemetry is not read",
-    "dcgm-extractor": "alpha in llm-d; GPU telemetry is not read",
+    "k8s-notification-source": "watches Kubernetes objects for extractors, and no extractor here reads any; the "
+                               "pool's pods are watched by inference-pool-discovery (--pool-name)",
     "request-attribute-reporter": "not implemented (CEL over usage into dynamic metadata)",
     "vllmgrpc-parser": "gRPC request bodies are not read (HTTP/JSON APIs only); use vllmhttp-parser",
     "vertexai-parser": "Vertex AI's gRPC PredictionService is not read; use openai-parser for its OpenAI-compatible "
                        "chat completions",
-    "soft-reflective-ceiling-policy": "alpha in llm-d, not implemented",
     "sheddable-eviction-filter": "built into flow control: flowControl.enableEviction evicts sheddable requests",
     "priority-then-time-eviction-order-policy": "built into flow control: flowControl.enableEviction evicts the lowest "
                                                 "priority, newest dispatch first",
+}
+
+
+# Plugin types that appear in configs but are not llm-d router plugins (experimental images, other
+# projects' forks, names that were never released), each refused with what to use instead.
+REFUSED_OTHER_TYPES: Mapping[str, str] = {
+    "latency-observer-producer-hub": "a multi-cluster hub plugin (llm-d v0.11); " + _MULTICLUSTER,
+    "latency-observation-scorer-hub": "a multi-cluster hub plugin (llm-d v0.11); " + _MULTICLUSTER,
+    "lmetric-scorer": "not an llm-d router plugin (an experimental build); predicted-ttft-scorer ranks endpoints by "
+                      "predicted TTFT from the prefix match and in-flight load",
+    "slo-request-tracker": "an experimental build's plugin (before llm-d's latency plugins); use latency-scorer "
+                           "(served here by predicted-ttft-scorer)",
+    "slo-scorer": "an experimental build's plugin (before llm-d's latency plugins); use latency-scorer (served here "
+                  "by predicted-ttft-scorer)",
+    "slo-aware-profile-handler": "an experimental build's plugin (GIE v1.2 era); use one profile with latency-scorer "
+                                 "and slo-headroom-tier-filter",
+    "slo-aware-routing": "GIE v1.2's name before llm-d's latency plugins; use latency-scorer (served here by "
+                         "predicted-ttft-scorer)",
+    "pd-slo-optimizer": "an experimental build's plugin; use latency-scorer per profile (served here by "
+                        "predicted-ttft-scorer)",
+    "pd-slo-profile-handler": "an experimental build's plugin; use disagg-profile-handler with prefix-based-pd-decider",
+    "thunder-agent": "ThunderAgent is not implemented; program-aware-fairness with agent-identity and "
+                     "concurrency-detector is the nearest (docs/agentic.md)",
+    "local-syncer": "cross-replica syncers are not supported: pickers of one pool share state over the peer link "
+                    "(--peers or --workers)",
+    "redis-state-store": "cross-replica syncers are not supported: pickers of one pool share state over the peer "
+                         "link (--peers or --workers)",
 }
 
 
@@ -271,5 +335,5 @@ def refused(type_name: str, registered: bool) -> str | None:
     """Why an llm-d type is refused, or None (a type registered here by a plugin package is not refused)."""
     if registered:
         return None
-    reason = REFUSED_TYPES.get(type_name)
+    reason = REFUSED_TYPES.get(type_name) or REFUSED_OTHER_TYPES.get(type_name)
     return f"llm-d plugin type {type_name!r} is not supported here: {reason}" if reason else None

@@ -21,12 +21,15 @@ LLMD_FIELDS = ("tokenProcessorConfig", "indexerConfig", "kvEventsConfig", "specu
 # The fields that mark a document in llm-d's shape (speculativeTTL is a parameter of ours too).
 _LLMD_MARKERS = ("tokenProcessorConfig", "indexerConfig", "kvEventsConfig", "speculativeIndexing", "sessionManager")
 TOKEN_PROCESSOR_FIELDS = ("blockSizeTokens", "blockSize", "hashSeed", "hashAlgorithm")
-INDEXER_FIELDS = ("kvBlockIndexConfig", "kvCacheBackendConfigs", "tokenizersPoolConfig", "prefixStoreConfig")
+INDEXER_FIELDS = ("kvBlockIndexConfig", "kvCacheBackendConfigs", "tokenizersPoolConfig", "prefixStoreConfig",
+                  "tokenProcessorConfig", "speculativeIndexing")
+TOKENIZERS_POOL_FIELDS = ("modelName", "workersCount", "hf", "local", "uds")
 BLOCK_INDEX_FIELDS = ("inMemoryConfig", "redisConfig", "costAwareMemoryConfig", "enableMetrics",
                       "metricsLoggingInterval")
 KV_EVENTS_FIELDS = ("zmqEndpoint", "topicFilter", "concurrency", "engineType", "discoverPods", "podDiscoveryConfig",
-                    "tracing")
-POD_DISCOVERY_FIELDS = ("podLabelSelector", "podNamespace", "socketPort", "replaySocketPort")
+                    "tracing", "dataParallelSizeLocal", "servingPortBase")
+POD_DISCOVERY_FIELDS = ("podLabelSelector", "podNamespace", "socketPort", "replaySocketPort", "dataParallelSizeTotal",
+                        "dataParallelSize")
 HASH_ALGORITHMS = ("cbor-fnv", "xxh64")
 TIERS = ("gpu", "cpu", "disk")
 LLMD_TOPIC_FILTER = "kv@"
@@ -46,6 +49,8 @@ class _Mapper:
         self.name = name
         self.out: dict[str, Any] = {k: v for k, v in raw.items() if k not in LLMD_FIELDS}
         self.notes: list[str] = []
+        # The notes that say something is served differently from llm-d (a subset of notes).
+        self.notices: list[str] = []
         self.taken: list[str] = []
 
     def fail(self, path: str, message: str) -> ConfigError:
@@ -81,13 +86,15 @@ class _Mapper:
 
 
 def precise_parameters(name: str, raw: Mapping[str, Any], *, token_producer: bool
-                       ) -> tuple[dict[str, Any], list[str], list[str]]:
-    """(our parameters, the llm-d fields taken, notes) for llm-d-shaped producer parameters.
+                       ) -> tuple[dict[str, Any], list[str], list[str], list[str]]:
+    """(our parameters, the llm-d fields taken, notes, notices) for llm-d-shaped producer parameters; the
+    notices (fields served differently from llm-d) are among the notes too.
 
     `token_producer`: the document configures a `token-producer`, which then supplies the tokens
     (unless the parameters give our own `tokenizers`).
     """
     m = _Mapper(name, raw)
+    raw = _older_placements(m, raw)
     _token_processor(m, raw.get("tokenProcessorConfig"))
     _indexer(m, raw.get("indexerConfig"))
     _kv_events(m, raw.get("kvEventsConfig"))
@@ -111,7 +118,27 @@ def precise_parameters(name: str, raw: Mapping[str, Any], *, token_producer: boo
         m.notes.append("no token source: llm-d would auto-create a token-producer with the `estimate` backend, "
                        "whose token ids never match the engine's; here only requests that carry token ids are "
                        "matched. Add a token-producer with the vllm backend, or our `tokenizers` parameter")
-    return m.out, m.taken, m.notes
+    return m.out, m.taken, m.notes + m.notices, m.notices
+
+
+def _older_placements(m: _Mapper, raw: Mapping[str, Any]) -> Mapping[str, Any]:
+    """llm-d-kv-cache-manager's placement of `tokenProcessorConfig` and `speculativeIndexing` inside
+    `indexerConfig` (older guides), moved to the top level where llm-d reads them now."""
+    indexer = raw.get("indexerConfig")
+    if not isinstance(indexer, dict) or not ({"tokenProcessorConfig", "speculativeIndexing"} & set(indexer)):
+        return raw
+    moved = dict(raw)
+    inner = dict(indexer)
+    for key in ("tokenProcessorConfig", "speculativeIndexing"):
+        if key in inner:
+            if raw.get(key) is not None:
+                raise m.fail(f"indexerConfig.{key}", f"is set both here (its older place) and at the top level; keep "
+                             f"the top-level {key}")
+            moved[key] = inner.pop(key)
+            m.notes.append(f"indexerConfig.{key}: DEPRECATION: its older place (llm-d-kv-cache-manager); read as the "
+                           f"top-level {key}")
+    moved["indexerConfig"] = inner
+    return moved
 
 
 def _token_processor(m: _Mapper, raw: Any) -> None:
@@ -140,9 +167,7 @@ def _token_processor(m: _Mapper, raw: Any) -> None:
 def _indexer(m: _Mapper, raw: Any) -> None:
     item = m.mapping(raw, "indexerConfig", INDEXER_FIELDS)
     if item.get("tokenizersPoolConfig") is not None:
-        raise m.fail("indexerConfig.tokenizersPoolConfig", "not supported (llm-d's producer rejects it too): give "
-                     "the tokenizer files with our `tokenizers: {model: directory}` parameter, or configure a "
-                     "token-producer (vllm backend)")
+        _tokenizers_pool(m, item["tokenizersPoolConfig"])
     if item.get("prefixStoreConfig") is not None:
         raise m.fail("indexerConfig.prefixStoreConfig", "not supported: llm-d removed it (no prefix store; prompts "
                      "are tokenized whole)")
@@ -191,13 +216,66 @@ def _indexer(m: _Mapper, raw: Any) -> None:
         m.set("tierWeights", weights, path)
 
 
+def _tokenizers_pool(m: _Mapper, raw: Any) -> None:
+    """The deprecated scorer's own tokenizer (llm-d v0.8: a sidecar or the hub, by model name) -> ours in process."""
+    from epp.tokenization.hub import hub_source
+
+    base = "indexerConfig.tokenizersPoolConfig"
+    pool = m.mapping(raw, base, TOKENIZERS_POOL_FIELDS)
+    model = pool.get("modelName")
+    if not isinstance(model, str) or not model:
+        raise m.fail(f"{base}.modelName", "is required (the model whose tokenizer to load)")
+    if pool.get("local") is not None:
+        raise m.fail(f"{base}.local", "not supported: give the tokenizer directories with our `tokenizers: "
+                     "{model: directory}` parameter")
+    hf = m.mapping(pool.get("hf"), f"{base}.hf", ("huggingFaceToken", "tokenizersCacheDir"))
+    uds = m.mapping(pool.get("uds"), f"{base}.uds", ("socketFile",))
+    m.set("tokenizers", {model: hub_source(model)}, f"{base}.modelName")
+    source = "llm-d's tokenizer sidecar is not used: " if uds else ""
+    m.notices.append(f"{base}: {source}{model}'s tokenizer files are fetched from the Hugging Face hub (HF_TOKEN, "
+                     "cached in HF_HOME) and run in the picker")
+    for key in ("huggingFaceToken", "tokenizersCacheDir"):
+        if hf.get(key) is not None:
+            m.note(f"{base}.hf.{key}", "no effect: the hub client reads HF_TOKEN and HF_HOME from the environment")
+    if pool.get("workersCount") is not None:
+        m.note(f"{base}.workersCount", "no effect: long prompts are tokenized in the picker's worker threads")
+
+
 def _kv_events(m: _Mapper, raw: Any) -> None:
     item = m.mapping(raw, "kvEventsConfig", KV_EVENTS_FIELDS)
+    pods_raw = item.get("podDiscoveryConfig")
+    ranks = item.get("dataParallelSizeLocal")
+    if ranks is not None or item.get("servingPortBase") is not None:
+        # Data-parallel ranks served on consecutive ports, each its own endpoint (vLLM's external load
+        # balancing): rank r serves on servingPortBase + r and publishes on socketPort + r.
+        if ranks is None or item.get("servingPortBase") is None:
+            raise m.fail("kvEventsConfig.dataParallelSizeLocal", "goes with servingPortBase: the ranks' serving "
+                         "ports are servingPortBase + rank")
+        if m.typed(ranks, "kvEventsConfig.dataParallelSizeLocal", int, "a positive integer") < 1:
+            raise m.fail("kvEventsConfig.dataParallelSizeLocal", f"must be >= 1, got {ranks}")
+        m.set("ranksPerHost", ranks, "kvEventsConfig.dataParallelSizeLocal")
+        m.set("rankPortBase", _port(m, item["servingPortBase"], "kvEventsConfig.servingPortBase"),
+              "kvEventsConfig.servingPortBase")
+    if isinstance(pods_raw, dict) and pods_raw.get("dataParallelSize") not in (None, 1):
+        raise m.fail("kvEventsConfig.podDiscoveryConfig.dataParallelSize", "not supported: ranks sharing one serving "
+                     "port (vLLM internal or hybrid load balancing) are not addressed per rank here; serve each rank "
+                     "on its own port (external load balancing: one endpoint per rank, kv-events-port per rank or "
+                     "dataParallelSizeLocal with servingPortBase)")
+    if isinstance(pods_raw, dict) and pods_raw.get("dataParallelSizeTotal") is not None:
+        m.typed(pods_raw["dataParallelSizeTotal"], "kvEventsConfig.podDiscoveryConfig.dataParallelSizeTotal", int,
+                "a positive integer")
+        m.note("kvEventsConfig.podDiscoveryConfig.dataParallelSizeTotal", "no effect: each endpoint is one rank, "
+               "its event ports offset by its rank on its host (dataParallelSizeLocal)")
+    if isinstance(pods_raw, dict) and pods_raw.get("dataParallelSize") == 1:
+        m.note("kvEventsConfig.podDiscoveryConfig.dataParallelSize", "1: one rank per endpoint, as here")
     engine = item.get("engineType")
-    if engine is not None and engine != "vllm":
-        raise m.fail("kvEventsConfig.engineType", f"{engine!r} is not supported: the subscriber decodes vLLM's KV "
-                     "events only; allowed: vllm")
-    if engine is not None:
+    if engine is not None and engine not in ("vllm", "sglang"):
+        raise m.fail("kvEventsConfig.engineType", f"{engine!r} is not supported; allowed: vllm, sglang")
+    if engine == "sglang":
+        m.note("kvEventsConfig.engineType", "sglang: SGLang's KV events (batch [ts, events, dp_rank]; BlockStored "
+               "block_hashes, parent, token_ids, block_size, lora_id, medium, ...) are the leading fields of vLLM's "
+               "layout and its topics are kv@<pod>@<model>: the one decoder reads both")
+    elif engine is not None:
         m.taken.append("kvEventsConfig.engineType")
     if item.get("topicFilter") is not None:
         m.set("topicFilter", m.typed(item["topicFilter"], "kvEventsConfig.topicFilter", str, "a string"),
@@ -223,12 +301,20 @@ def _kv_events(m: _Mapper, raw: Any) -> None:
     if zmq_endpoint is not None:
         m.typed(zmq_endpoint, "kvEventsConfig.zmqEndpoint", str, "a ZMQ endpoint such as tcp://*:5557")
         if discover:
-            raise m.fail("kvEventsConfig.discoverPods", "true with zmqEndpoint: set one of them (zmqEndpoint: one "
-                         "socket the replicas publish to; discoverPods: a subscription to each endpoint)")
+            # llm-d binds the socket and also dials every pod; one mode per producer here: the pods are dialled.
+            m.taken.append("kvEventsConfig.zmqEndpoint")
+            m.notices.append(f"kvEventsConfig.zmqEndpoint: {zmq_endpoint} is not bound: with discoverPods each "
+                             "endpoint's publisher is dialled (one mode per producer here); replicas that connect "
+                             "out to a central socket are not heard")
+            zmq_endpoint = None
+    if zmq_endpoint is not None:
         m.set("mode", "centralized", "kvEventsConfig.zmqEndpoint")
         m.set("zmqEndpoint", zmq_endpoint, "kvEventsConfig.zmqEndpoint")
         if pods:
             raise m.fail("kvEventsConfig.podDiscoveryConfig", "applies to discoverPods, not to zmqEndpoint")
+        if "ranksPerHost" in m.out:
+            raise m.fail("kvEventsConfig.dataParallelSizeLocal", "applies to discoverPods (per-rank sockets to dial), "
+                         "not to zmqEndpoint (the topic names each rank's endpoint)")
         return
     if discover is False:
         m.set("subscribe", False, "kvEventsConfig.discoverPods")

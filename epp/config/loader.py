@@ -22,11 +22,12 @@ from epp.config.producers import ProducerWiring
 from epp.config.profiles import ProfileBuilder
 from epp.config.refs import bind_references
 from epp.config.saturation import add_shedding_admitter, flow_controller, saturation_detector
-from epp.config.schema import API_VERSION, API_VERSIONS, DEPRECATED_API_VERSION, KIND, TOP_LEVEL_FIELDS, Document
+from epp.config.schema import KIND, TOP_LEVEL_FIELDS, Document
 from epp.config.sections import data_layer, feature_gates, objectives, parsers
+from epp.config.versions import check_version, to_v1
 from epp.config.yaml_reading import read_yaml
+from epp.flowcontrol.config import BAND_FIELDS, FLOW_CONTROL_FIELDS, parse_flow_control
 from epp.flowcontrol.config import FEATURE_GATE as FLOW_CONTROL_GATE
-from epp.flowcontrol.config import FLOW_CONTROL_FIELDS, parse_flow_control
 from epp.framework.errors import ConfigError
 from epp.framework.plugin import (
     Admitter,
@@ -48,6 +49,12 @@ REFUSED_FLOW_CONTROL_FIELDS = {
     "noEndpointRequestTTL": "a request with no endpoint is answered at once (503), not queued",
     "defaultNegativePriorityBand": "negative priorities use defaultPriorityBand",
     "enableEviction": "dispatched requests are never evicted",
+    "bandSelectionPolicyPluginRef": "bands are offered dispatch from the highest priority down (llm-d's default "
+                                    "order); band selection policies are not implemented",
+}
+# llm-d.ai/v1's per-band fields the flow controller does not take (its own are BAND_FIELDS).
+REFUSED_BAND_FIELDS = {
+    "defaultRequestTTL": "a band's queue wait is bounded by flowControl.defaultRequestTTL, the same for every band",
 }
 
 
@@ -63,21 +70,12 @@ class _Builder:
         if doc is None:
             raise self.doc.fail("", f"the document is empty; expected an {KIND}")
         doc = self.doc.mapping(doc, "", TOP_LEVEL_FIELDS, required=("apiVersion", "kind"))
-        if doc["apiVersion"] not in API_VERSIONS:
-            raise self.doc.fail("apiVersion", f"unsupported apiVersion {doc['apiVersion']!r}; allowed: "
-                                f"{', '.join(API_VERSIONS)}")
-        if doc["kind"] != KIND:
-            raise self.doc.fail("kind", f"unsupported kind {doc['kind']!r}; allowed: {KIND}")
-        if doc["apiVersion"] == DEPRECATED_API_VERSION:
-            # The line llm-d logs, once per load.
-            warning = f"DEPRECATION: apiVersion {DEPRECATED_API_VERSION}/{KIND} is deprecated; use {API_VERSION}"
-            log.warning("%s: %s", self.doc.source, warning)
-            self.doc.note("apiVersion", warning)
+        doc = to_v1(self.doc, doc, check_version(self.doc, doc))
         gates = feature_gates(self.doc, doc)
         objective_priorities = objectives(self.doc, doc)
         self.plugins.add_configured(doc)
-        data_sources, scrape = data_layer(self.doc, self.plugins, doc)
-        request_parsers = parsers(self.doc, self.plugins, doc)
+        data_sources, scrape, discovery = data_layer(self.doc, self.plugins, doc)
+        request_parsers = parsers(self.doc, self.plugins, self._request_handler(doc))
         profile_builder = ProfileBuilder(self.doc, self.plugins)
         profiles = profile_builder.build_profiles(doc)
         handler = profile_builder.profile_handler(profiles)
@@ -120,7 +118,22 @@ class _Builder:
             capacity_gates=tuple(p for p in plugins if isinstance(p, CapacityGate)),
             flow_controller=controller,
             notes=tuple(self.doc.notes),
+            notices=tuple(self.doc.notices),
+            discovery=discovery,
         )
+
+    def _request_handler(self, doc: dict) -> dict:
+        """The document with `requestHandler.propagatePriority` (llm-d.ai/v1) taken out: `true` is refused."""
+        handler = doc.get("requestHandler")
+        if not isinstance(handler, dict) or "propagatePriority" not in handler:
+            return doc
+        value = self.doc.boolean(handler["propagatePriority"], "requestHandler.propagatePriority", False)
+        if value:
+            raise self.doc.fail("requestHandler.propagatePriority", "not supported: the request body is forwarded "
+                                "unchanged (the resolved priority is not written into its `priority` field); "
+                                "give the priority to the model server in the request itself")
+        self.doc.note("requestHandler.propagatePriority", "false: the body is forwarded unchanged, as here")
+        return {**doc, "requestHandler": {k: v for k, v in handler.items() if k != "propagatePriority"}}
 
     def _flow_control_section(self, doc: dict) -> dict | None:
         """The `flowControl` section for the flow controller: llm-d's fields it cannot act on refused."""
@@ -130,6 +143,13 @@ class _Builder:
         for key, reason in REFUSED_FLOW_CONTROL_FIELDS.items():
             if key in raw and key not in FLOW_CONTROL_FIELDS:
                 raise self.doc.fail(f"flowControl.{key}", f"not supported: {reason}")
+        bands = [("flowControl.defaultPriorityBand", raw.get("defaultPriorityBand"))]
+        if isinstance(raw.get("priorityBands"), list):
+            bands += [(f"flowControl.priorityBands[{i}]", b) for i, b in enumerate(raw["priorityBands"])]
+        for path, band in bands:
+            for key, reason in REFUSED_BAND_FIELDS.items():
+                if isinstance(band, dict) and key in band and key not in BAND_FIELDS:
+                    raise self.doc.fail(f"{path}.{key}", f"not supported: {reason}")
         return {k: v for k, v in raw.items() if k != "saturationDetector"}
 
     def _detector_ref(self, doc: dict) -> tuple[Any, str]:

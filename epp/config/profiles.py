@@ -48,13 +48,17 @@ class ProfileBuilder:
                 raise self.doc.fail(f"{ref_path}.pluginRef", f"plugin {entry.name!r} is listed twice in this profile")
             seen.add(entry.name)
             if not isinstance(plugin, (Filter, Scorer, Picker)):
-                raise self.doc.fail(f"{ref_path}.pluginRef",
-                                    f"plugin {entry.name!r} (type {entry.type_name}, kinds: {', '.join(plugin_kinds(plugin))})"
-                                    " cannot be used in a profile; allowed: a filter, a scorer or a picker")
+                # llm-d puts a profile's plugins into its filter, scorer and picker slots and passes over
+                # the others (guides list their producers there); they run in their own stage.
+                kinds = ", ".join(plugin_kinds(plugin)) or "config only"
+                self.doc.note(f"{ref_path}.pluginRef", f"{entry.name!r} (type {entry.type_name}: {kinds}) is no "
+                              "filter, scorer or picker; it has no place in a profile and runs in its own stage for "
+                              "every request (llm-d passes over it too)")
+                continue
             if weight is not None and not isinstance(plugin, Scorer):
-                raise self.doc.fail(f"{ref_path}.weight",
-                                    f"only scorers take a weight; {entry.name!r} (type {entry.type_name}) is a "
-                                    f"{'/'.join(plugin_kinds(plugin))}")
+                self.doc.note(f"{ref_path}.weight", f"no effect: only scorers take a weight; {entry.name!r} (type "
+                              f"{entry.type_name}) is a {'/'.join(plugin_kinds(plugin))} (llm-d ignores it too)")
+                weight = None
             if weight is not None and (not is_number(weight) or not math.isfinite(weight) or weight < 0):
                 raise self.doc.fail(f"{ref_path}.weight", f"must be a non-negative number, got {weight!r}")
             if isinstance(plugin, Filter):

@@ -6,33 +6,43 @@ Every error names the source (file), the field path inside the document
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from epp.framework.errors import ConfigError
 from epp.framework.registry import did_you_mean
 
-# llm-d router's group (current); GIE's old group still loads, with a deprecation warning, as llm-d does.
-API_VERSION = "llm-d.ai/v1alpha1"
+log = logging.getLogger("epp.config.loader")
+
+# llm-d 1.0's layout (current). The two v1alpha1 groups still load, converted to it with a deprecation
+# warning each, as llm-d does: llm-d's own v1alpha1 and GIE's group from before the move to llm-d.
+API_VERSION = "llm-d.ai/v1"
+V1ALPHA1_API_VERSION = "llm-d.ai/v1alpha1"
 DEPRECATED_API_VERSION = "inference.networking.x-k8s.io/v1alpha1"
-API_VERSIONS = (API_VERSION, DEPRECATED_API_VERSION)
+API_VERSIONS = (API_VERSION, V1ALPHA1_API_VERSION, DEPRECATED_API_VERSION)
 KIND = "EndpointPickerConfig"
 # Gates that act: flowControl (the flow controller). The others are accepted because what they
 # switch on is always on here; `epp check-config` says so.
-KNOWN_FEATURE_GATES = ("flowControl", "haPopulateNonLeaderDatastore", "enableLegacyMetrics", "dataLayer")
+KNOWN_FEATURE_GATES = ("flowControl", "haPopulateNonLeaderDatastore", "enableLegacyMetrics", "dataLayer",
+                       "prepareDataPlugins")
+# `saturationDetector`, `parser` (llm-d v1alpha1) and `data` (GIE v1.3-v1.4) are deprecated forms: they
+# load with a warning naming their place in llm-d.ai/v1. `objectives` is ours.
 TOP_LEVEL_FIELDS = ("apiVersion", "kind", "plugins", "schedulingProfiles", "featureGates", "dataLayer",
-                    "flowControl", "requestHandler", "saturationDetector", "parser", "objectives")
+                    "flowControl", "requestHandler", "saturationDetector", "parser", "data", "objectives")
 PLUGIN_FIELDS = ("name", "type", "parameters")
 PROFILE_FIELDS = ("name", "plugins")
 PROFILE_PLUGIN_FIELDS = ("pluginRef", "weight")
 OBJECTIVE_FIELDS = ("name", "priority")
 METRICS_SOURCE_TYPE = "metrics-data-source"
 NOTIFICATION_SOURCE_TYPE = "endpoint-notification-source"
-DATA_SOURCE_TYPES = (METRICS_SOURCE_TYPE, NOTIFICATION_SOURCE_TYPE)
+DCGM_SOURCE_TYPE = "dcgm-data-source"
+DATA_SOURCE_TYPES = (METRICS_SOURCE_TYPE, NOTIFICATION_SOURCE_TYPE, DCGM_SOURCE_TYPE)
 # The extractors each source type takes: the metrics parser, or plugins that follow the pool's endpoints.
 EXTRACTOR_TYPES = {
     METRICS_SOURCE_TYPE: ("core-metrics-extractor",),
-    NOTIFICATION_SOURCE_TYPE: ("precise-prefix-cache-producer", "inflight-load-producer"),
+    NOTIFICATION_SOURCE_TYPE: ("precise-prefix-cache-producer", "inflight-load-producer", "mm-embeddings-cache-producer"),
+    DCGM_SOURCE_TYPE: ("dcgm-extractor",),
 }
 
 
@@ -49,10 +59,24 @@ class Document:
         # What `epp check-config` must say beyond the pipeline: deprecations, fields accepted with no
         # effect here (and why), differences from llm-d's meaning.
         self.notes: list[str] = []
+        # The notes that say something is served differently from llm-d (a plugin mapped to our nearest
+        # equivalent, a field that does not act as there): a config with any "maps with notices".
+        self.notices: list[str] = []
 
     def note(self, path: str, message: str) -> None:
         """Record a note about the field at `path` (printed by `epp check-config`)."""
         self.notes.append(f"{path}: {message}" if path else message)
+
+    def notice(self, path: str, message: str) -> None:
+        """Record that the field at `path` is served differently from llm-d (a note, counted as a notice)."""
+        self.note(path, message)
+        self.notices.append(self.notes[-1])
+
+    def deprecate(self, path: str, message: str) -> None:
+        """A deprecated form that still loads: one warning in the log (as llm-d logs it) and a note."""
+        line = f"DEPRECATION: {message}"
+        log.warning("%s: %s", self.source, f"{path}: {line}" if path else line)
+        self.note(path, line)
 
     def fail(self, path: str, message: str) -> ConfigError:
         """The error for `path` (a field path; empty: the document)."""

@@ -12,6 +12,7 @@ from typing import Any
 from epp.config.plugins import PluginSet
 from epp.config.schema import (
     DATA_SOURCE_TYPES,
+    DCGM_SOURCE_TYPE,
     EXTRACTOR_TYPES,
     KNOWN_FEATURE_GATES,
     METRICS_SOURCE_TYPE,
@@ -19,6 +20,7 @@ from epp.config.schema import (
     Document,
 )
 from epp.framework.parsing import DEFAULT_PARSER_TYPES, Parser
+from epp.framework.plugin import Plugin
 from epp.requestcontrol.pipeline import DataSourceConfig, PluginEntry, ScrapeSettings
 
 # Gates whose feature is always on here: accepted, with a note.
@@ -26,19 +28,17 @@ ALWAYS_ON_GATES = {
     "haPopulateNonLeaderDatastore": "every picker replica keeps its endpoints and their metrics, leader or not",
     "enableLegacyMetrics": "GIE's legacy metrics path reads the same vLLM series this scraper reads",
     "dataLayer": "GIE's deprecated gate; the data layer is always on",
+    "prepareDataPlugins": "data producers always run before scheduling here",
 }
-DATA_LAYER_FIELDS = ("injectDefaults", "sources", "discovery", "peerDiscovery", "crossReplicaSyncerPluginRef",
-                     "crossReplicaSyncInterval")
+DATA_LAYER_FIELDS = ("injectDefaults", "sources", "discovery", "crossReplica")
+DISCOVERY_FIELDS = ("endpoints", "peers")
+CROSS_REPLICA_FIELDS = ("syncerPluginRef", "syncInterval", "publishTimeout")
 # llm-d data-layer fields this picker cannot act on, and what to use instead.
-_PEER_LINK = ("pickers of one pool share prefix routes, KV claims and scrapes over the peer link (--peers or "
-              "--workers); cross-replica syncer plugins are not supported")
 REFUSED_DATA_LAYER_FIELDS = {
-    "discovery": "endpoints come from the command line (--pool-name or --endpoint-selector for Kubernetes, "
-                 "--endpoints-file, --endpoints); discovery plugins are not supported",
-    "peerDiscovery": "the other pickers of a pool are given with --peers (or --workers); peer discovery plugins "
-                     "are not supported",
-    "crossReplicaSyncerPluginRef": _PEER_LINK,
-    "crossReplicaSyncInterval": _PEER_LINK,
+    "discovery.peers": "the other pickers of a pool are given with --peers (or --workers); peer discovery plugins "
+                       "are not supported",
+    "crossReplica": "pickers of one pool share prefix routes, KV claims, in-flight load and scrapes over the peer "
+                    "link (--peers or --workers); cross-replica syncer plugins are not supported",
 }
 PASSTHROUGH_PARSER = "passthrough-parser"
 
@@ -92,11 +92,21 @@ def parsers(document: Document, plugins: PluginSet, doc: Mapping[str, Any]) -> t
     refs: list[tuple[Any, str]] = []
     raw = doc.get("requestHandler")
     if raw is not None:
-        item = document.mapping(raw, "requestHandler", ("parsers",))
+        item = document.mapping(raw, "requestHandler", ("parsers", "parser"))
         for i, entry in enumerate(document.sequence(item.get("parsers"), "requestHandler.parsers", "parsers")):
             path = f"requestHandler.parsers[{i}]"
             refs.append((document.mapping(entry, path, ("pluginRef",), required=("pluginRef",))["pluginRef"],
                          f"{path}.pluginRef"))
+        if item.get("parser") is not None:
+            # llm-d's API reference (and its deprecation comment) show `requestHandler.parser`; its decoder
+            # has only `parsers`. Configs written from those docs are read as a chain of that one parser.
+            single = document.mapping(item["parser"], "requestHandler.parser", ("pluginRef",), required=("pluginRef",))
+            if refs:
+                raise document.fail("requestHandler.parser", "set either requestHandler.parsers or the single "
+                                    "requestHandler.parser, not both")
+            document.note("requestHandler.parser", "read as requestHandler.parsers: [it] (llm-d's decoder knows "
+                          "only parsers)")
+            refs.append((single["pluginRef"], "requestHandler.parser.pluginRef"))
     legacy = doc.get("parser")
     if legacy is not None:
         item = document.mapping(legacy, "parser", ("pluginRef",), required=("pluginRef",))
@@ -156,14 +166,38 @@ def _scrape_settings(entry: PluginEntry) -> ScrapeSettings:
                           families=source.families)
 
 
-def data_layer(document: Document, plugins: PluginSet,
-               doc: Mapping[str, Any]) -> tuple[tuple[DataSourceConfig, ...], ScrapeSettings | None]:
-    """The `dataLayer.sources` with their extractors, and the scrape settings they make (None: no scraping)."""
+def discovery_plugin(document: Document, plugins: PluginSet, item: Mapping[str, Any]) -> Plugin | None:
+    """The endpoint discovery plugin `dataLayer.discovery.endpoints.pluginRef` names (None: the command line's)."""
+    from epp.datalayer.discovery_plugins import EndpointDiscoveryPlugin
+
+    raw = item.get("discovery")
+    if raw is None:
+        return None
+    discovery = document.mapping(raw, "dataLayer.discovery", DISCOVERY_FIELDS)
+    if discovery.get("peers") is not None:
+        raise document.fail("dataLayer.discovery.peers", f"not supported: {REFUSED_DATA_LAYER_FIELDS['discovery.peers']}")
+    if discovery.get("endpoints") is None:
+        return None
+    path = "dataLayer.discovery.endpoints"
+    ref = document.mapping(discovery["endpoints"], path, ("pluginRef",), required=("pluginRef",))["pluginRef"]
+    entry = plugins.ref(ref, f"{path}.pluginRef")
+    if not isinstance(entry.plugin, EndpointDiscoveryPlugin):
+        types = ", ".join(plugins.types_of(EndpointDiscoveryPlugin)) or "none"
+        raise document.fail(f"{path}.pluginRef", f"plugin {entry.name!r} (type {entry.type_name}) is no endpoint "
+                            f"discovery plugin; discovery types: {types}")
+    return entry.plugin
+
+
+def data_layer(document: Document, plugins: PluginSet, doc: Mapping[str, Any]
+               ) -> tuple[tuple[DataSourceConfig, ...], ScrapeSettings | None, Plugin | None]:
+    """The `dataLayer.sources` with their extractors, the scrape settings they make (None: no scraping) and
+    the endpoint discovery plugin (None: the command line's)."""
     raw = doc.get("dataLayer")
     item = document.mapping(raw if raw is not None else {}, "dataLayer", DATA_LAYER_FIELDS)
-    for key, reason in REFUSED_DATA_LAYER_FIELDS.items():
-        if item.get(key) is not None:
-            raise document.fail(f"dataLayer.{key}", f"not supported: {reason}")
+    if item.get("crossReplica") is not None:
+        document.mapping(item["crossReplica"], "dataLayer.crossReplica", CROSS_REPLICA_FIELDS)
+        raise document.fail("dataLayer.crossReplica", f"not supported: {REFUSED_DATA_LAYER_FIELDS['crossReplica']}")
+    discovery = discovery_plugin(document, plugins, item)
     inject_defaults = document.boolean(item.get("injectDefaults"), "dataLayer.injectDefaults", True)
     sources: list[DataSourceConfig] = []
     metrics_sources: list[PluginEntry] = []
@@ -180,14 +214,21 @@ def data_layer(document: Document, plugins: PluginSet,
                                                      "extractors")):
             ex_path = f"{path}.extractors[{j}]"
             ex_item = document.mapping(raw_ex, ex_path, ("pluginRef",), required=("pluginRef",))
-            extractors.append(plugins.typed_ref(ex_item["pluginRef"], f"{ex_path}.pluginRef",
-                                                EXTRACTOR_TYPES[entry.type_name]))
+            extractors.append(plugins.extractor_ref(ex_item["pluginRef"], f"{ex_path}.pluginRef",
+                                                    EXTRACTOR_TYPES[entry.type_name]))
         if entry.type_name == METRICS_SOURCE_TYPE:
             if not extractors:
                 raise document.fail(f"{path}.extractors", "a metrics source needs core-metrics-extractor: without "
                                     "an extractor nothing it scrapes is read")
             metrics_sources.append(entry)
+        attach = getattr(entry.plugin, "attach", None)  # a source that feeds its extractors itself (DCGM)
+        if attach is not None:
+            attach(extractors)
         sources.append(DataSourceConfig(entry.plugin, tuple(extractors)))
+    listed = {id(s.source) for s in sources}
+    for unpaired in (e for e in plugins.entries if e.type_name == DCGM_SOURCE_TYPE and id(e.plugin) not in listed):
+        raise document.fail("dataLayer.sources", f"{unpaired.type_name} {unpaired.name!r} is in no source: list it "
+                            "with its dcgm-extractor (llm-d reads its pages through dataLayer.sources only)")
     if not metrics_sources:
         # A metrics-data-source in `plugins` but in no `dataLayer.sources` is the source (llm-d
         # injects one of each default type that is missing).
@@ -197,9 +238,9 @@ def data_layer(document: Document, plugins: PluginSet,
                                 "one; only one metrics source is supported")
         metrics_sources = configured
     if metrics_sources:
-        return tuple(sources), _scrape_settings(metrics_sources[0])
+        return tuple(sources), _scrape_settings(metrics_sources[0]), discovery
     if not inject_defaults:
         document.note("dataLayer.injectDefaults", "false and no metrics source: endpoints' /metrics are not "
                       "scraped (scorers see no queue or KV-cache figures)")
-        return tuple(sources), None
-    return tuple(sources), ScrapeSettings()
+        return tuple(sources), None, discovery
+    return tuple(sources), ScrapeSettings(), discovery

@@ -82,9 +82,14 @@ class EndpointFileError(ValueError):
     """An endpoints file that cannot be used; the message names the entry and field."""
 
 
+ENTRY_FIELDS = ("address", "port", "metricsPort", "labels", "name", "namespace")
+
+
 def parse_endpoint_document(document: Any) -> list[EndpointSpec]:
     """Endpoints from a decoded file: `{endpoints: [...]}` or a bare list; each entry is
-    `{address, port, metricsPort?, labels?}` or an `ip:port#k=v;k=v` string."""
+    `{address, port, metricsPort?, labels?}` or an `ip:port#k=v;k=v` string. llm-d's file-discovery
+    entries load too: `port` may be a string of digits, and `name` (unique in the file) and `namespace`
+    name the entry in errors (an endpoint is known here by its `ip:port`)."""
     if isinstance(document, Mapping):
         unknown = sorted(set(document) - {"endpoints"})
         if unknown:
@@ -95,6 +100,7 @@ def parse_endpoint_document(document: Any) -> list[EndpointSpec]:
     if not isinstance(document, list):
         raise EndpointFileError("'endpoints' must be a list")
     specs: list[EndpointSpec] = []
+    named: dict[str, str] = {}  # namespace/name -> the entry that has it
     for index, entry in enumerate(document):
         where = f"endpoints[{index}]"
         if isinstance(entry, str):
@@ -105,10 +111,19 @@ def parse_endpoint_document(document: Any) -> list[EndpointSpec]:
             continue
         if not isinstance(entry, Mapping):
             raise EndpointFileError(f"{where}: expected a mapping or an 'ip:port' string")
-        unknown = sorted(set(entry) - {"address", "port", "metricsPort", "labels"})
+        unknown = sorted(set(entry) - set(ENTRY_FIELDS))
         if unknown:
-            raise EndpointFileError(
-                f"{where}: unknown field(s) {unknown}; allowed: ['address', 'labels', 'metricsPort', 'port']")
+            raise EndpointFileError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(ENTRY_FIELDS)}")
+        if entry.get("name") is not None:
+            name = entry["name"]
+            if not isinstance(name, str) or not name:
+                raise EndpointFileError(f"{where}.name: must be a non-empty string, got {name!r}")
+            qualified = f"{entry.get('namespace') or 'default'}/{name}"
+            if qualified in named:
+                raise EndpointFileError(f"{where}.name: {name!r} is already the name of {named[qualified]}; names "
+                                        "must be unique in the file")
+            named[qualified] = where
+            where = f"{where} ({name})"
         address = entry.get("address")
         try:
             ipaddress.ip_address(address)
@@ -132,6 +147,8 @@ def parse_endpoint_document(document: Any) -> list[EndpointSpec]:
 
 
 def _port(value: Any, where: str) -> int:
+    if isinstance(value, str) and value.isdigit():  # llm-d's files write ports as strings
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
         raise EndpointFileError(f"{where}: must be an integer port 1-65535, got {value!r}")
     return value
@@ -152,21 +169,26 @@ def load_endpoint_file(text: str, path: str = "") -> list[EndpointSpec]:
 
 class FileDiscovery(Discovery):
     """Follows a YAML/JSON file of endpoints: polled every `poll_interval` seconds and re-read
-    when its size, mtime or inode changes. A file that cannot be read or decoded keeps the
-    previous view (and the registry stays unsynced until a first good read)."""
+    when its size, mtime or inode changes (`watch=False`: until the first good read only). A file
+    that cannot be read or decoded keeps the previous view (and the registry stays unsynced until a
+    first good read)."""
 
     def __init__(self, registry: EndpointRegistry, path: str | os.PathLike[str],
-                 poll_interval: float = 1.0) -> None:
+                 poll_interval: float = 1.0, watch: bool = True) -> None:
         super().__init__(registry)
         self.path = os.fspath(path)
         self.poll_interval = poll_interval
+        # False (llm-d's `watchFile: false`): the first good read is the pool for good.
+        self.watch = watch
         self.errors = 0
         self._signature: tuple[int, int, int] | None = None
         self._last_error: str | None = None
 
     async def run(self) -> None:
         while True:
-            await self.poll_once()
+            published = await self.poll_once()
+            if published and not self.watch:
+                return
             await asyncio.sleep(self.poll_interval)
 
     async def poll_once(self) -> bool:

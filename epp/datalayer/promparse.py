@@ -62,6 +62,7 @@ class VllmMetrics:
     max_lora: int | None = None
     block_size: int | None = None
     num_gpu_blocks: int | None = None
+    num_cpu_blocks: int | None = None
     prefix_cache_queries: float | None = None
     prefix_cache_hits: float | None = None
     sleeping: bool | None = None  # from vllm:engine_sleep_state{sleep_state="awake"}; None: not exported
@@ -172,10 +173,10 @@ def lora_fields(raw_labels: bytes) -> tuple[frozenset[str], frozenset[str], int 
 
 
 @functools.lru_cache(maxsize=LABEL_CACHE_SIZE)
-def cache_config_fields(raw_labels: bytes) -> tuple[int | None, int | None]:
-    """(block_size, num_gpu_blocks) from a `cache_config_info` label block."""
+def cache_config_fields(raw_labels: bytes) -> tuple[int | None, int | None, int | None]:
+    """(block_size, num_gpu_blocks, num_cpu_blocks) from a `cache_config_info` label block."""
     labels = parse_labels(raw_labels)
-    return _int_label(labels, "block_size"), _int_label(labels, "num_gpu_blocks")
+    return _int_label(labels, "block_size"), _int_label(labels, "num_gpu_blocks"), _int_label(labels, "num_cpu_blocks")
 
 
 def _sleeping(samples: Iterable[Sample]) -> bool | None:
@@ -195,10 +196,10 @@ def parse_vllm_metrics(page: bytes | str) -> VllmMetrics:
     lora = choose_lora_sample(found.get(LORA_INFO, ()))
     if lora is not None:
         running_adapters, waiting_adapters, max_lora = lora_fields(lora.raw_labels)
-    block_size = num_gpu_blocks = None
+    block_size = num_gpu_blocks = num_cpu_blocks = None
     cache_config = choose_sample(found.get(CACHE_CONFIG, ()))
     if cache_config is not None:
-        block_size, num_gpu_blocks = cache_config_fields(cache_config.raw_labels)
+        block_size, num_gpu_blocks, num_cpu_blocks = cache_config_fields(cache_config.raw_labels)
     return VllmMetrics(
         waiting=_gauge(found, WAITING),
         running=_gauge(found, RUNNING),
@@ -208,6 +209,7 @@ def parse_vllm_metrics(page: bytes | str) -> VllmMetrics:
         max_lora=max_lora,
         block_size=block_size,
         num_gpu_blocks=num_gpu_blocks,
+        num_cpu_blocks=num_cpu_blocks,
         prefix_cache_queries=_gauge(found, PREFIX_QUERIES),
         prefix_cache_hits=_gauge(found, PREFIX_HITS),
         sleeping=_sleeping(found.get(SLEEP_STATE, ())),

@@ -63,6 +63,7 @@ from epp.framework.parsing import (
     shorten_strings,
 )
 from epp.framework.plugin import (
+    PROFILE_RESULTS_STATE_KEY,
     Admitter,
     CapacityGate,
     CycleState,
@@ -111,6 +112,7 @@ __all__ = [
     "ResponseHeadersHook", "ResponseInfo", "SESSION", "SaturationDetector", "SchedulingResult", "ScoredEndpoint", "Scorer",
     "SessionKey", "TierMatch", "clamp_score", "default_registry", "estimate_prompt_tokens", "once_per_registry", "parse_duration",
     "prompt_characters", "publish_home",
+    "PROFILE_RESULTS_STATE_KEY",
     # Request parsers (epp.framework.parsing) and the JSON helpers they share.
     "DEFAULT_PARSER_TYPES", "MediaItem", "ParseLimits", "ParsedBody", "Parser", "RenderRequest", "RequestFormat",
     "UnreadableResponse", "body_prompt_characters", "compact_json", "decode_json_object", "go_json",

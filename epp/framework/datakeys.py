@@ -86,8 +86,9 @@ PREFIX_MATCH_INFO: DataKey[PrefixMatchInfo] = DataKey("prefix-cache-match-info")
 # Per endpoint. Written by precise-prefix-cache-producer only.
 PREFIX_TIER_MATCH: DataKey[TierMatch] = DataKey("prefix-cache-tier-match")
 # Per endpoint: the blocks of its prefix cache its index believes hold no prefix yet (its
-# capacity less the blocks indexed on it; absent when the capacity is unknown). Written by the
-# prefix producers; max-score-picker breaks ties with it.
+# capacity less the blocks indexed on it; absent when the capacity is unknown), in blocks of the
+# model server's block size. Written by the prefix producers; max-score-picker breaks ties with it,
+# predicted-ttft-scorer counts what a pick would evict beyond it.
 PREFIX_CACHE_FREE_BLOCKS: DataKey[int] = DataKey("prefix-cache-free-blocks")
 # Per endpoint. Written by inflight-load-producer.
 INFLIGHT_LOAD: DataKey[InflightLoad] = DataKey("inflight-load")

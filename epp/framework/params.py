@@ -121,9 +121,13 @@ class PluginParams:
         value: Mapping[builtins.str, Any] | None = self._get(key, default, (dict,), "a mapping")
         return value
 
+    def unread(self) -> builtins.list[builtins.str]:
+        """The parameters the plugin did not read (after it was built), sorted."""
+        return sorted(set(self._raw) - self._seen)
+
     def finish(self) -> None:
         """Fail on any parameter the plugin did not read."""
-        unknown = sorted(set(self._raw) - self._seen)
+        unknown = self.unread()
         if unknown:
             raise ConfigError(
                 f"plugin {self._plugin!r}: unknown parameter(s) {unknown}; allowed: {sorted(self._seen) or 'none'}"

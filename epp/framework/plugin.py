@@ -33,6 +33,11 @@ def clamp_score(value: float) -> float:
     return 0.0 if value < 0.0 else 1.0 if value > 1.0 else value
 
 
+# `CycleState.get` key of the scheduling cycle's profile results so far (name -> result), for plugins of a
+# later profile that read an earlier pick (llm-d's `peer-endpoint`: the prefill profile sees the decode pick).
+PROFILE_RESULTS_STATE_KEY = "epp.framework/profile-results"
+
+
 class CycleState:
     """Per-request state shared by the plugins of one scheduling cycle and the request's hooks.
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from epp.framework.errors import DropReason, ErrorCode, InferenceError
 from epp.framework.plugin import (
+    PROFILE_RESULTS_STATE_KEY,
     CycleState,
     Filter,
     Picker,
@@ -168,6 +169,7 @@ class Scheduler:
             trace = ScheduleTrace(self._recording)
             state.put(SCORE_TRACE_STATE_KEY, trace)
         results: dict[str, ProfileRunResult | None] = {}
+        state.put(PROFILE_RESULTS_STATE_KEY, results)
         # A handler that never stops would hang the request; profiles can run at most once each.
         for _ in range(len(self.profiles) + 1):
             t0 = time.perf_counter()

@@ -32,6 +32,8 @@ class EndpointMetrics:
     prefix_cache_hits: float = 0.0
     # vLLM sleep mode: the engine holds requests without serving them until woken (`/wake_up`).
     sleeping: bool = False
+    # KV blocks of the CPU offload tier (`cache_config_info`'s num_cpu_blocks; 0: none or not said).
+    cache_num_cpu_blocks: int = 0
 
     def age(self, now: float | None = None) -> float:
         """Seconds since these metrics were scraped (`time.monotonic()` clock); infinite if never."""

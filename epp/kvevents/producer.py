@@ -28,6 +28,8 @@ Topics: vLLM publishes on topic `""` unless `--kv-events-config` sets one. `mode
 `defaultModel`, or the one model of `tokenizers` when there is exactly one. `mode: centralized`
 binds one socket for all replicas and needs the topic `kv@<ip:port>@<model>` to tell them
 apart; messages on any other topic are dropped, counted and explained in a warning.
+Data-parallel ranks on consecutive ports (`rankPortBase`, `ranksPerHost`): the endpoint of rank r
+subscribes at `eventsPort + r` (and replays at `replayPort + r`), vLLM's per-rank offsets.
 Index backend: `indexBackend: memory` (default, this process) or `redis` (entries in the Redis
 at `redisUrl`, shared by every picker of the pool; see epp.kvevents.redis_index: capacity is
 Redis's maxmemory, and a Redis that is down or slower than `redisTimeout` means no prefix scores).
@@ -123,6 +125,8 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
             bind_endpoint=params.str("zmqEndpoint", "tcp://*:5557"),
             events_port=params.int("eventsPort", 5557, minimum=1),
             replay_port=params.int("replayPort", 0, minimum=0) or None,  # 0: no replay socket
+            rank_port_base=params.int("rankPortBase", None, minimum=1),
+            ranks_per_host=params.int("ranksPerHost", 1, minimum=1),
             topic_filter=params.str("topicFilter", ""),
             default_model=params.str("defaultModel", None),
             replay_timeout_s=params.duration("replayTimeout", 10.0),

@@ -21,7 +21,9 @@ end marker), holding live messages meanwhile. A gap that cannot be repaired (no 
 timeout, the cooldown after a failed replay, or the publisher no longer buffers the missing batches) drops that
 endpoint's entries, counted in `epp_kv_events_endpoint_resets_total`.
 Per-endpoint event ports come from the endpoint labels `kv-events-port` / `kv-replay-port`
-when present (several replicas on one host), else from the configured ports.
+when present (several replicas on one host), else from the configured ports; with `rankPortBase`
+(data-parallel ranks served on consecutive ports, vLLM's external load balancing) the endpoint of
+rank r (port rankPortBase + r, r < ranksPerHost) uses the configured ports + r, as vLLM offsets them.
 
 A replica may have a second publisher: the disk-tier manager (engine/disk_tier) publishes the
 BlockRemoved events of the disk files it deletes, on the replica's topic but with sequence
@@ -88,6 +90,12 @@ class SubscriberConfig:
     max_replay_messages: int = 20_000
     apply_budget_s: float = 0.005  # yield the event loop after this much work
 
+    # Data-parallel ranks served on consecutive ports (vLLM external load balancing): the endpoint on
+    # port rank_port_base + r publishes on events_port + r (and replays on replay_port + r), as vLLM
+    # offsets its KV-event sockets by the rank. None: every endpoint uses the ports as given.
+    rank_port_base: int | None = None
+    ranks_per_host: int = 1
+
     shard: int = 0  # with a shared (Redis) index: apply only the endpoints of this shard...
     shards: int = 1  # ...of this many (by a hash of the endpoint name); 1: every endpoint
 
@@ -96,6 +104,13 @@ class SubscriberConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if not 0 <= self.shard < self.shards:
             raise ValueError(f"shard must be in [0, {self.shards}), got {self.shard}")
+
+    def rank_offset(self, endpoint: Endpoint) -> int:
+        """The endpoint's data-parallel rank on its host (0 without rank ports, or outside their range)."""
+        if self.rank_port_base is None:
+            return 0
+        rank = endpoint.port - self.rank_port_base
+        return rank if 0 <= rank < self.ranks_per_host else 0
 
     def owns(self, endpoint: str) -> bool:
         """Whether this subscriber applies `endpoint`'s events (its shard of the pool)."""
@@ -223,7 +238,8 @@ class KVEventSubscriber:
             for key in [k for k in self._sockets if _endpoint_of(k) not in current]:
                 self._forget(_endpoint_of(key))
             for name, ep in current.items():
-                self._dial(name, _label_port(ep, LABEL_EVENTS_PORT, self.config.events_port), ep)
+                self._dial(name, _label_port(ep, LABEL_EVENTS_PORT,
+                                             self.config.events_port + self.config.rank_offset(ep)), ep)
                 disk_port = _label_port(ep, LABEL_DISK_EVENTS_PORT, None)
                 if disk_port is not None:
                     self._dial(name + SECONDARY_SUFFIX, disk_port, ep)
@@ -278,7 +294,10 @@ class KVEventSubscriber:
 
     def _replay_address(self, endpoint: str, pod: str | None) -> str | None:
         ep = self.registry.get(endpoint) if self.registry is not None else None
-        port = _label_port(ep, LABEL_REPLAY_PORT, self.config.replay_port)
+        replay = self.config.replay_port
+        if replay is not None and ep is not None:
+            replay += self.config.rank_offset(ep)
+        port = _label_port(ep, LABEL_REPLAY_PORT, replay)
         if port is None:
             return None
         host = ep.address if ep is not None else pod_host(pod or endpoint.rsplit(":", 1)[0])

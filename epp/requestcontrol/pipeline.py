@@ -117,6 +117,11 @@ class LoadedConfig:
     flow_controller: FlowController | None = None
     # Deprecations, fields accepted with no effect here, differences from llm-d (`epp check-config`).
     notes: tuple[str, ...] = ()
+    # The notes that say something is served differently from llm-d (a subset of `notes`).
+    notices: tuple[str, ...] = ()
+    # The config's endpoint discovery plugin (`dataLayer.discovery.endpoints.pluginRef`); None: the command
+    # line's discovery flags.
+    discovery: Plugin | None = None
 
     @property
     def parser(self) -> Parser | None:

@@ -291,8 +291,10 @@ class EppServer:
 
         sharing = self.peer if self.peer is not None and self.options.shared_scrapes else None
         scrape = self.pipeline.scrape if self.pipeline is not None else None
+        discovery = self.pipeline.discovery if self.pipeline is not None else None
         self._background.extend(await start_data_layer(self.options, self.endpoints, self.metrics, self.objectives,
-                                                       sharing=sharing, scrape=scrape))
+                                                       sharing=sharing, scrape=scrape,
+                                                       discovery_plugin=discovery))
 
     async def begin_drain(self) -> None:
         """Report NOT_SERVING (but alive) and hand the lease over, still taking streams (llm-d's drain window)."""

@@ -35,6 +35,7 @@ from tokenizers import Tokenizer
 from epp.framework.metrics import once_per_registry
 from epp.framework.types import InferenceRequest
 from epp.tokenization.chat_template import ChatTemplate
+from epp.tokenization.hub import hub_model_dir, is_hub_source
 from epp.tokenization.prefix_cache import TokenizationCache
 from epp.tokenization.prefix_store import PrefixStoreMetrics
 
@@ -136,7 +137,9 @@ class TokenizerPool:
     def __init__(self, model_dirs: Mapping[str, str | Path], *, cache_tokens: int = 4_000_000,
                  cache_min_chars: int = 512, offload_chars: int = 4096, workers: int = 2,
                  registry: CollectorRegistry | None = None) -> None:
-        self.model_dirs = {name: Path(path) for name, path in model_dirs.items()}
+        # A directory, or a Hugging Face model id (`hf://org/name`) whose files are fetched on first load.
+        self.model_dirs: dict[str, str | Path] = {
+            name: path if is_hub_source(path) else Path(path) for name, path in model_dirs.items()}
         self.cache_tokens = cache_tokens
         self.cache_min_chars = cache_min_chars
         self.offload_chars = offload_chars
@@ -152,7 +155,7 @@ class TokenizerPool:
         self.metrics.store.bind(lambda: sum(t.cache.bytes for t in list(self._tokenizers.values())),
                                 lambda: sum(len(t.cache) for t in list(self._tokenizers.values())))
 
-    def _dir_for(self, model: str) -> tuple[str, Path] | None:
+    def _dir_for(self, model: str) -> tuple[str, str | Path] | None:
         if model in self.model_dirs:
             return model, self.model_dirs[model]
         if "*" in self.model_dirs:
@@ -175,7 +178,7 @@ class TokenizerPool:
             cache = TokenizationCache(self.cache_tokens, min_chars=self.cache_min_chars,
                                       on_outcome=self.metrics.outcome, store_metrics=self.metrics.store)
             try:
-                tok = ModelTokenizer(path, cache)
+                tok = ModelTokenizer(hub_model_dir(str(path)) if is_hub_source(path) else Path(path), cache)
             except Exception as exc:  # noqa: BLE001 - missing/corrupt files: serve on without this tokenizer
                 if failed is None:
                     log.error("tokenizer for model %r not loadable from %s (%s); its prompts route without "

@@ -43,6 +43,7 @@ from epp.framework import (
     once_per_registry,
 )
 from epp.framework.datakeys import PROMPT_TOKENS, PromptTokens
+from epp.tokenization.estimate import EstimateSettings, describe_estimate
 from epp.tokenization.pool import TokenizerPool
 
 log = logging.getLogger(__name__)
@@ -108,9 +109,12 @@ class TokenProducer(DataProducer):
         self.model_name = params.str("modelName", None)
         vllm = params.mapping("vllm", None)
         tokenizers = params.mapping("tokenizers", None)
-        if params.mapping("estimate", None) is not None:
-            raise ConfigError(f"plugin {name!r}: parameter 'estimate' (multimodal placeholder estimation) is not "
-                              "supported: the estimate backend counts 4 bytes of text per token")
+        estimate = params.mapping("estimate", None)
+        if estimate is not None and (tokenizers or vllm is not None or self.model_name):
+            raise ConfigError(f"plugin {name!r}: 'estimate' selects the estimate backend; it goes with neither "
+                              "'vllm'/'modelName' nor 'tokenizers'")
+        # Images and videos of a request counted as llm-d's estimate backend counts them.
+        self.estimate = EstimateSettings.parse(name, estimate)
         if tokenizers and (vllm is not None or self.model_name):
             raise ConfigError(f"plugin {name!r}: set either 'tokenizers' (local tokenizer files) or "
                               "'vllm'/'modelName' (the model server's renderer), not both")
@@ -175,6 +179,8 @@ class TokenProducer(DataProducer):
         if self.backend == "vllm":
             return (f"backend=vllm url={self.url} modelName={self.model_name} timeout={self.timeout_s:g}s "
                     f"maxConcurrency={self.max_concurrency} cacheTokens={self._cache.capacity}")
+        if self.backend == "estimate":
+            return f"backend=estimate ({describe_estimate(self.estimate)})"
         return f"backend={self.backend}"
 
     def produces(self) -> frozenset[str]:
@@ -220,7 +226,8 @@ class TokenProducer(DataProducer):
         outcomes = self._metrics.outcomes
         if self.backend == "estimate":
             outcomes.labels(self.name, self.backend, "estimated").inc()
-            return PromptTokens(estimate_token_ids(request), exact=False)
+            media = self.estimate.media_token_ids(request.body, request.headers)
+            return PromptTokens(estimate_token_ids(request) + media, exact=False)
         if self.backend == "local":
             assert self._pool is not None
             ids = await self._pool.tokenize(request)

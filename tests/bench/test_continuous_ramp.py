@@ -36,3 +36,16 @@ async def test_stages_do_not_wait_for_in_flight_requests_and_the_end_drains_them
     assert len(records) >= 4 and all(r.ok for r in records), [r.error for r in records]
     # Drained stages would have serialised: here the second stage's requests overlap the first's.
     assert max(r.sent for r in second.records) < max(r.sent + r.e2e for r in first.records)
+
+
+def test_the_bursty_scenario_alternates_calm_and_bursts_past_the_knee_without_draining():
+    from bench.routing.scenarios import get_scenario
+
+    for scale in ("tiny", "small", "medium"):
+        sc = get_scenario("bursty", scale)
+        rates = [s.rate for s in sc.stages]
+        assert sc.continuous and len(rates) >= 4
+        calm, burst = rates[0::2], rates[1::2]
+        assert len(set(calm)) == 1 and len(set(burst)) == 1 and burst[0] >= 6 * calm[0]
+    # The small scale's bursts are twice its shared-prefix ramp's top rate (12 req/s).
+    assert get_scenario("bursty", "small").stages[1].rate >= 2 * get_scenario("shared-prefix", "small").stages[-1].rate

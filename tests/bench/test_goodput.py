@@ -8,7 +8,7 @@ import pytest
 
 from bench.routing.goodput import Objectives, goodput, is_good, moved_turns
 from bench.routing.loadgen import RequestRecord
-from bench.routing.report import floor_p90
+from bench.routing.report import floor_p90, floors
 from bench.routing.runner import ContenderResult
 
 
@@ -67,10 +67,16 @@ def test_the_floor_comes_from_the_costs_learned_in_the_run():
     calibrating = ContenderResult("epp-x", "", router_metrics={
         'epp_ttft_calibration{endpoint="a",model="m",plugin="p",term="prefill_seconds_per_token"}': 1e-3,
         'epp_ttft_calibration{endpoint="a",model="m",plugin="p",term="base_seconds"}': 0.05},
-        floor_requests=[(0.0, 100, 0), (0.0, 100, 0), (10.0, 300, 200)])
+        floor_requests=[(0.0, 100, 0, 0), (0.0, 100, 0, 0), (10.0, 300, 200, 0)])
     source, prefill, base, plain, queued = floor_p90([calibrating], replicas=1)
     assert (source, prefill, base) == ("epp-x", 1e-3, 0.05)
     assert plain == pytest.approx(0.15)  # every request prefills 100 uncached tokens
     # On one replica the second waits for the first: TTFTs 0.15, 0.25, 0.15 s; p90 by interpolation 0.23 s.
     assert queued == pytest.approx(0.23)
     assert floor_p90([ContenderResult("rr", "")], replicas=1) is None
+    # With finite capacity the third lost its 200 shared tokens: TTFTs 0.15, 0.15, 0.35 s; p90 0.31 s, and that
+    # request is the tail: a long prompt whose shared prefix the caches lost.
+    full = floors([calibrating], replicas=1)
+    assert full is not None and full["p90_capacity"] == pytest.approx(0.31)
+    assert full["tail_capacity"] == {"requests": 1.0, "cold": 0.0, "long": 1.0, "evicted": 1.0}
+    assert full["tail_queued"]["requests"] == 1.0 and full["tail_queued"]["queued"] == 0.0

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from bench.routing.contenders import CONTENDERS, peers_venv
+from bench.routing.contenders import CONTENDERS, Tuning, epp_config, missing_plugin_types, peers_venv
 from bench.routing.report import write_report
 from bench.routing.runner import ContenderResult, run_contender, run_scenario
 from bench.routing.scenarios import get_scenario
+from epp.engine.sim.fleet import default_tokenizer_dir
 from tests.support.require import under_ci
 
 # The module fixture runs every contender once (~4 s each) inside the first test: its limit grows with the list.
@@ -38,12 +39,23 @@ def smoke(tmp_path_factory) -> tuple[dict[str, ContenderResult], Path]:
     return {r.name: r for r in results}, out
 
 
+def _not_loadable_yet(name: str) -> list[str]:
+    """The plugin types an llm-d guide pipeline needs that this tree has not registered yet."""
+    tuning = Tuning(tokenizer_dir=default_tokenizer_dir(), block_size=16, prefill_s_per_token=0.0, mean_prompt_tokens=0)
+    c = CONTENDERS[name]
+    return missing_plugin_types(epp_config(c.variant, tuning)) if c.variant.startswith("llmd:") else []
+
+
 @pytest.mark.parametrize("name", list(CONTENDERS))
 def test_contender_starts_routes_and_reports(smoke, name):
     results, _ = smoke
     if name not in results:
         pytest.skip(f"peer routers not installed in {peers_venv()} (run bench/setup-peers)")
     r = results[name]
+    missing = _not_loadable_yet(name)
+    if missing:  # until those plugins merge: reported unavailable with our loader's reason, never an error
+        assert r.status.startswith("unavailable: our loader refuses") and missing[0] in r.status, r.status
+        pytest.skip(f"{name} needs plugin types not registered yet: {missing} (reported unavailable, as checked)")
     assert r.status == "ok", r.status
     o = r.overall
     assert o is not None and o.requests >= 8

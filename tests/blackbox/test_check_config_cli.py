@@ -82,9 +82,9 @@ INVALID = [
      VALID.replace("priority: -1", "priority: low"),
      "objectives[0].priority: must be an integer (negative = sheddable), got 'low'"),
     ("apiVersion",
-     VALID.replace("llm-d.ai/v1alpha1", "llm-d.ai/v9"),
+     VALID.replace("apiVersion: llm-d.ai/v1\n", "apiVersion: llm-d.ai/v9\n"),
      ("apiVersion: unsupported apiVersion 'llm-d.ai/v9'; "
-      "allowed: llm-d.ai/v1alpha1, inference.networking.x-k8s.io/v1alpha1")),
+      "allowed: llm-d.ai/v1, llm-d.ai/v1alpha1, inference.networking.x-k8s.io/v1alpha1")),
 ]
 
 

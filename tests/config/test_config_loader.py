@@ -195,17 +195,17 @@ INVALID = [
     ("plugins: [\n", "epp.yaml: invalid YAML:"),
     ("- a\n", "epp.yaml: must be a mapping with fields ['apiVersion', 'kind', 'plugins', 'schedulingProfiles', "
               "'featureGates', 'dataLayer', 'flowControl', 'requestHandler', 'saturationDetector', 'parser', "
-              "'objectives'], got list"),
+              "'data', 'objectives'], got list"),
     ("kind: EndpointPickerConfig\n", "epp.yaml: apiVersion: is required"),
     ("apiVersion: v1\nkind: EndpointPickerConfig\n",
-     "epp.yaml: apiVersion: unsupported apiVersion 'v1'; allowed: llm-d.ai/v1alpha1, "
+     "epp.yaml: apiVersion: unsupported apiVersion 'v1'; allowed: llm-d.ai/v1, llm-d.ai/v1alpha1, "
      "inference.networking.x-k8s.io/v1alpha1"),
     ("apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: Pod\n",
      "epp.yaml: kind: unsupported kind 'Pod'; allowed: EndpointPickerConfig"),
     (HEADER + "pluginz: []\n",
      "epp.yaml: pluginz: unknown field (did you mean 'plugins'?); allowed fields: apiVersion, kind, plugins, "
      "schedulingProfiles, featureGates, dataLayer, flowControl, requestHandler, saturationDetector, parser, "
-     "objectives"),
+     "data, objectives"),
     (HEADER + "plugins:\n- type: queue-scorer\n  weight: 2\n",
      "epp.yaml: plugins[0].weight: unknown field; allowed fields: name, type, parameters"),
     (HEADER + "plugins:\n- name: x\n", "epp.yaml: plugins[0].type: is required"),
@@ -231,19 +231,10 @@ INVALID = [
      "epp.yaml: schedulingProfiles[0].plugins[0].weight: must be a non-negative number, got 'high'"),
     (HEADER + P + "schedulingProfiles:\n- name: a\n  plugins:\n  - pluginRef: queue-scorer\n    weight: .nan\n",
      "epp.yaml: schedulingProfiles[0].plugins[0].weight: must be a non-negative number, got nan"),
-    (HEADER + "plugins:\n- type: random-picker\nschedulingProfiles:\n- name: a\n  plugins:\n"
-              "  - pluginRef: random-picker\n    weight: 1\n",
-     "epp.yaml: schedulingProfiles[0].plugins[0].weight: only scorers take a weight; 'random-picker' "
-     "(type random-picker) is a picker"),
     (HEADER + "plugins:\n- type: random-picker\n- type: max-score-picker\nschedulingProfiles:\n- name: a\n"
               "  plugins:\n  - pluginRef: random-picker\n  - pluginRef: max-score-picker\n",
      "epp.yaml: schedulingProfiles[0].plugins[1].pluginRef: profile 'a' has several pickers (random-picker, "
      "max-score-picker); allowed: exactly one picker per profile"),
-    (HEADER + "plugins:\n- type: approx-prefix-cache-producer\nschedulingProfiles:\n- name: a\n  plugins:\n"
-              "  - pluginRef: approx-prefix-cache-producer\n",
-     "epp.yaml: schedulingProfiles[0].plugins[0].pluginRef: plugin 'approx-prefix-cache-producer' (type "
-     "approx-prefix-cache-producer, kinds: data-producer, pre-request) cannot be used in a profile; allowed: "
-     "a filter, a scorer or a picker"),
     (HEADER + P + "schedulingProfiles:\n- name: a\n  plugins:\n  - pluginRef: queue-scorer\n"
                   "  - pluginRef: queue-scorer\n",
      "epp.yaml: schedulingProfiles[0].plugins[1].pluginRef: plugin 'queue-scorer' is listed twice in this profile"),
@@ -260,7 +251,7 @@ INVALID = [
      "exactly one scheduling profile, got 2: ['a', 'b']"),
     (HEADER + "featureGates: [flowcontrol]\n",
      "epp.yaml: featureGates[0]: unknown feature gate 'flowcontrol'; allowed: flowControl, "
-     "haPopulateNonLeaderDatastore, enableLegacyMetrics, dataLayer"),
+     "haPopulateNonLeaderDatastore, enableLegacyMetrics, dataLayer, prepareDataPlugins"),
     (HEADER + "objectives:\n- {name: a, priority: high}\n",
      "epp.yaml: objectives[0].priority: must be an integer (negative = sheddable), got 'high'"),
     (HEADER + "objectives:\n- {name: a}\n- {name: a}\n",

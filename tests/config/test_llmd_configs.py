@@ -15,10 +15,11 @@ from epp.kvevents.producer import PrecisePrefixCacheProducer
 from epp.scorers.prefix import PrefixCacheScorer
 from epp.tokenization.producer import TokenProducer
 
-LLMD = "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n"
+LLMD = "apiVersion: llm-d.ai/v1\nkind: EndpointPickerConfig\n"
+V1ALPHA1 = "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n"
 GIE = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
 DEPRECATION = ("DEPRECATION: apiVersion inference.networking.x-k8s.io/v1alpha1/EndpointPickerConfig is deprecated; "
-               "use llm-d.ai/v1alpha1")
+               "use llm-d.ai/v1")
 
 # The shape of llm-d's precise-prefix-cache-routing guide (rewritten here): a vLLM token-producer, the
 # producer with nested kv-cache settings, the generic prefix scorer naming it, endpoint notifications.
@@ -73,12 +74,15 @@ def test_llm_d_api_version_loads_without_a_warning(caplog):
     assert loaded.notes == ()
 
 
-def test_old_api_version_loads_with_one_deprecation_line(caplog):
+@pytest.mark.parametrize("header, version", [(GIE, "inference.networking.x-k8s.io/v1alpha1"),
+                                             (V1ALPHA1, "llm-d.ai/v1alpha1")])
+def test_old_api_versions_load_with_one_deprecation_line(caplog, header, version):
     with caplog.at_level(logging.WARNING, logger="epp.config"):
-        loaded = load(GIE + "plugins:\n- type: queue-scorer\n- type: prefix-cache-scorer\n")
+        loaded = load(header + "plugins:\n- type: queue-scorer\n- type: prefix-cache-scorer\n")
+    line = f"DEPRECATION: apiVersion {version}/EndpointPickerConfig is deprecated; use llm-d.ai/v1"
     lines = [r.getMessage() for r in caplog.records if "DEPRECATION" in r.getMessage()]
-    assert lines == [f"epp.yaml: {DEPRECATION}"]
-    assert loaded.notes == (f"apiVersion: {DEPRECATION}",)
+    assert lines == [f"epp.yaml: {line}"]
+    assert loaded.notes == (f"apiVersion: {line}",) and loaded.notices == ()
     assert [ws.scorer.name for ws in loaded.scheduler.profiles["default"].scorers] == \
         ["queue-scorer", "prefix-cache-scorer"]
 
@@ -196,35 +200,50 @@ REFUSED = [
     (LLMD + P + "    kvEventsConfig: {zmqEndpont: 'tcp://*:5557'}\n",
      "epp.yaml: plugins[0].parameters: plugin 'precise-prefix-cache-producer': parameter 'kvEventsConfig.zmqEndpont': "
      "unknown field; allowed: zmqEndpoint, topicFilter, concurrency, engineType, discoverPods, podDiscoveryConfig, "
-     "tracing"),
-    (LLMD + P + "    kvEventsConfig: {engineType: sglang}\n",
+     "tracing, dataParallelSizeLocal, servingPortBase"),
+    (LLMD + P + "    kvEventsConfig: {engineType: trtllm}\n",
      "epp.yaml: plugins[0].parameters: plugin 'precise-prefix-cache-producer': parameter 'kvEventsConfig.engineType': "
-     "'sglang' is not supported: the subscriber decodes vLLM's KV events only; allowed: vllm"),
+     "'trtllm' is not supported; allowed: vllm, sglang"),
     (LLMD + P + "    indexerConfig: {kvBlockIndexConfig: {costAwareMemoryConfig: {size: 2GiB}}}\n",
      "epp.yaml: plugins[0].parameters: plugin 'precise-prefix-cache-producer': parameter "
      "'indexerConfig.kvBlockIndexConfig.costAwareMemoryConfig': not supported"),
-    (LLMD + P + "    indexerConfig: {tokenizersPoolConfig: {modelName: m}}\n",
+    (LLMD + P + "    indexerConfig: {tokenizersPoolConfig: {modelName: m, local: {dir: /t}}}\n",
      "epp.yaml: plugins[0].parameters: plugin 'precise-prefix-cache-producer': parameter "
-     "'indexerConfig.tokenizersPoolConfig': not supported"),
+     "'indexerConfig.tokenizersPoolConfig.local': not supported: give the tokenizer directories"),
+    (LLMD + P + "    kvEventsConfig: {discoverPods: true, dataParallelSizeLocal: 8}\n",
+     "epp.yaml: plugins[0].parameters: plugin 'precise-prefix-cache-producer': parameter "
+     "'kvEventsConfig.dataParallelSizeLocal': goes with servingPortBase"),
+    (LLMD + P + "    kvEventsConfig: {discoverPods: true, podDiscoveryConfig: {dataParallelSize: 8}}\n",
+     "epp.yaml: plugins[0].parameters: plugin 'precise-prefix-cache-producer': parameter "
+     "'kvEventsConfig.podDiscoveryConfig.dataParallelSize': not supported: ranks sharing one serving port"),
     (LLMD + P + "    tokenProcessorConfig: {blockSize: 16, blockSizeTokens: 16}\n",
      "epp.yaml: plugins[0].parameters: plugin 'precise-prefix-cache-producer': parameter "
      "'tokenProcessorConfig.blockSize': is the deprecated name of blockSizeTokens; set one of them"),
     (LLMD + P + "    tokenProcessorConfig: {blockSizeTokens: 16}\n    blockSizeTokens: 32\n",
      "epp.yaml: plugins[0].parameters: plugin 'precise-prefix-cache-producer': parameter "
      "'tokenProcessorConfig.blockSizeTokens': sets 'blockSizeTokens', which the parameters also give directly"),
-    (LLMD + "plugins:\n- type: slo-headroom-tier-filter\n",
-     "epp.yaml: plugins[0].type: llm-d plugin type 'slo-headroom-tier-filter' is not supported here: needs "
-     "llm-d's latency predictor"),
-    (LLMD + "plugins:\n- type: mm-embeddings-cache-scorer\n",
-     "epp.yaml: plugins[0].type: llm-d plugin type 'mm-embeddings-cache-scorer' is not supported here: multimodal "
-     "embedding caches are not tracked"),
+    (LLMD + "plugins:\n- type: header-label-affinity-scorer\n",
+     "epp.yaml: plugins[0].type: llm-d plugin type 'header-label-affinity-scorer' is not supported here: alpha in "
+     "llm-d, not implemented"),
     (LLMD + "plugins:\n- type: load-aware-scorer\n  parameters: {treshold: 5}\n",
      "epp.yaml: plugins[0].parameters: plugin 'load-aware-scorer': unknown parameter(s) ['treshold']; allowed: "
      "['threshold', 'useInflight']"),
-    (LLMD + "dataLayer: {discovery: {pluginRef: file-discovery}}\n",
-     "epp.yaml: dataLayer.discovery: not supported: endpoints come from the command line"),
+    (LLMD + "plugins:\n- type: queue-scorer\ndataLayer: {discovery: {endpoints: {pluginRef: queue-scorer}}}\n",
+     "epp.yaml: dataLayer.discovery.endpoints.pluginRef: plugin 'queue-scorer' (type queue-scorer) is no endpoint "
+     "discovery plugin; discovery types: endpoint-selector-discovery, file-discovery, inference-pool-discovery, "
+     "static-discovery"),
+    (LLMD + "dataLayer: {discovery: {peers: {pluginRef: x}}}\n",
+     "epp.yaml: dataLayer.discovery.peers: not supported: the other pickers of a pool are given with --peers"),
+    (LLMD + "dataLayer: {crossReplica: {syncInterval: 5s}}\n",
+     "epp.yaml: dataLayer.crossReplica: not supported: pickers of one pool share"),
+    (V1ALPHA1 + "dataLayer: {crossReplicaSyncInterval: 5s}\n",
+     "epp.yaml: dataLayer.crossReplica: not supported: pickers of one pool share"),
     (LLMD + "dataLayer: {crossReplicaSyncInterval: 5s}\n",
-     "epp.yaml: dataLayer.crossReplicaSyncInterval: not supported: pickers of one pool share"),
+     "epp.yaml: dataLayer.crossReplicaSyncInterval: is llm-d.ai/v1alpha1's field; in llm-d.ai/v1 it is "
+     "dataLayer.crossReplica.syncInterval"),
+    (LLMD + "plugins:\n- type: redis-state-store\n",
+     "epp.yaml: plugins[0].type: llm-d plugin type 'redis-state-store' is not supported here: cross-replica syncers "
+     "are not supported"),
     (LLMD + "flowControl: {enableEviction: sometimes}\n",
      "epp.yaml: flowControl.enableEviction: must be true or false, got 'sometimes'"),
     (LLMD + "featureGates: [haPopulateNonLeaderDatastore=false]\n",
@@ -332,8 +351,10 @@ def test_describe_lists_notes_last():
 def test_the_compatibility_page_lists_every_mapped_and_refused_type():
     from pathlib import Path
 
-    from epp.config.llmd import ALIASES, LLMD_TYPES, REFUSED_TYPES
+    from epp.config.llmd import ALIASES, LLMD_TYPES, REFUSED_OTHER_TYPES, REFUSED_TYPES
+    from epp.config.llmd_mapped import MAPPED_TYPES
 
     page = (Path(__file__).parents[2] / "docs" / "llm-d-compatibility.md").read_text()
-    missing = [t for t in (*LLMD_TYPES, *REFUSED_TYPES, *ALIASES) if f"`{t}`" not in page]
+    names = (*LLMD_TYPES, *REFUSED_TYPES, *ALIASES, *REFUSED_OTHER_TYPES, *MAPPED_TYPES)
+    missing = [t for t in names if f"`{t}`" not in page]
     assert not missing, f"add these llm-d types to docs/llm-d-compatibility.md: {missing}"

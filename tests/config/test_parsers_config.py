@@ -121,3 +121,13 @@ def test_the_grpc_parsers_are_refused_with_what_to_use(type_name, use):
 def test_the_parser_parameters_are_checked():
     with pytest.raises(ConfigError, match="responseAffinityTTL"):
         load(BARE + "- type: openai-parser\n  parameters: {responseAffinityTTL: 0s}\n")
+
+
+def test_a_single_request_handler_parser_as_llm_ds_docs_show_it_is_a_chain_of_one():
+    loaded = load(BARE + "- type: vllmhttp-parser\nrequestHandler:\n  parser: {pluginRef: vllmhttp-parser}\n")
+    assert [p.type_name for p in loaded.parsers] == ["vllmhttp-parser", "passthrough-parser"]
+    assert "requestHandler.parser: read as requestHandler.parsers: [it] (llm-d's decoder knows only parsers)" \
+        in loaded.notes
+    with pytest.raises(ConfigError, match="not both"):
+        load(BARE + "- type: vllmhttp-parser\nrequestHandler:\n  parser: {pluginRef: vllmhttp-parser}\n"
+                    "  parsers: [{pluginRef: vllmhttp-parser}]\n")

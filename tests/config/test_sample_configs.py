@@ -22,6 +22,7 @@ def test_sample_config_passes_check_config(path, capsys):
     out, err = capsys.readouterr()
     assert code == 0, err
     assert out.startswith(f"EndpointPickerConfig {path}: OK\n")
+    assert "DEPRECATION" not in out + err, "samples use the current apiVersion and fields (llm-d.ai/v1)"
 
 
 @pytest.mark.parametrize("path", FILES, ids=[f.name for f in FILES])

@@ -109,7 +109,9 @@ async def test_file_discovery_is_not_synced_until_a_good_read(tmp_path):
 @pytest.mark.parametrize("text, message", [
     ("endpoints: {a: 1}", "'endpoints' must be a list"),
     ("endpoints: [{address: 10.0.0.1, port: 0}]", "endpoints[0].port: must be an integer port"),
-    ("endpoints: [{address: 10.0.0.1, port: '80'}]", "endpoints[0].port"),
+    ("endpoints: [{address: 10.0.0.1, port: 'http'}]", "endpoints[0].port"),
+    ("endpoints: [{name: a, address: 10.0.0.1, port: '80'}, {name: a, address: 10.0.0.2, port: '80'}]",
+     "endpoints[1].name: 'a' is already the name of endpoints[0]"),
     ("endpoints: [{address: 10.0.0.1, port: 80, weight: 2}]", "unknown field(s) ['weight']"),
     ("endpoints: [{address: 10.0.0.1, port: 80, labels: [a]}]", "endpoints[0].labels"),
     ("endpoints: [{address: 10.0.0.1, port: 80, metricsPort: 70000}]", "endpoints[0].metricsPort"),
