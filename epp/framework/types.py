@@ -218,6 +218,13 @@ class RequestFormat:
         """The id the model server stored the response under, when the API stores responses (Responses' `id`)."""
         return None
 
+    def response_stored(self, request: InferenceRequest, response: ResponseInfo, endpoint: str) -> None:
+        """The response to `request` ended and `endpoint` stored it under `response.response_id`.
+
+        Called once per request, only for a response that named a stored id (so it costs other
+        requests nothing): a format whose follow-ups must reach that endpoint remembers it here.
+        """
+
     def error_body(self, err: InferenceError) -> bytes:
         """The JSON body of the picker's own error answer, in the shape this API's clients read (default OpenAI's)."""
         return openai_error_body(err)

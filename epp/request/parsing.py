@@ -93,11 +93,15 @@ class RequestParser:
         self.max_prompt_chars = max_prompt_chars
         self.parsers = tuple(parsers) if parsers else default_parsers()
         self.fallback = next((p for p in self.parsers if p.fallback), None)
+        self._limits = ParseLimits(max_json_depth, max_prompt_chars)
 
     @property
     def limits(self) -> ParseLimits:
-        """The bounds parsers apply (read per request: `max_prompt_chars` may be changed at run time)."""
-        return ParseLimits(self.max_json_depth, self.max_prompt_chars)
+        """The bounds parsers apply (`max_json_depth` and `max_prompt_chars` may be changed at run time)."""
+        limits = self._limits
+        if limits.max_json_depth != self.max_json_depth or limits.max_prompt_chars != self.max_prompt_chars:
+            limits = self._limits = ParseLimits(self.max_json_depth, self.max_prompt_chars)
+        return limits
 
     def parser_for(self, path: str) -> tuple[Parser, str] | None:
         """The parser that reads `path` and the API it names, or None when none claims it and there is no fallback."""

@@ -223,4 +223,13 @@ class RequestLifecycle:
             self.accounting.usage(series, self.response.usage)
         except Exception as exc:  # metrics of a finished request never fail the response
             log_failure(log, logging.ERROR, "token usage of request %s not recorded", exc, request.request_id)
-        self.director.response_complete(self.state, request, self.response, self.target)
+        response = self.response
+        if response.response_id is not None and request.format is not None and self.target is not None:
+            # The model server stored this response: its API's format remembers where (Responses follow-ups).
+            # Envoy names the endpoint that served it when that was not the first one picked.
+            try:
+                request.format.response_stored(request, response, response.served_endpoint or self.target.name)
+            except Exception as exc:
+                log_failure(log, logging.ERROR, "stored response of request %s not recorded", exc,
+                            request.request_id)
+        self.director.response_complete(self.state, request, response, self.target)

@@ -28,8 +28,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from epp.framework import (
-    CycleState,
-    Endpoint,
     ErrorCode,
     InferenceError,
     InferenceRequest,
@@ -40,7 +38,6 @@ from epp.framework import (
     PluginContext,
     PluginParams,
     RenderRequest,
-    ResponseCompleteHook,
     ResponseInfo,
     UnreadableResponse,
     body_prompt_characters,
@@ -249,7 +246,7 @@ def json_usage(body: bytes) -> tuple[Any, dict[str, Any] | None]:
     return parsed, usage if isinstance(usage, dict) else None
 
 
-class OpenAIParser(Parser, ResponseCompleteHook):
+class OpenAIParser(Parser):
     """OpenAI completions, chat, Responses (previous_response_id affinity), conversations, embeddings; vLLM rerank."""
 
     type_name = "openai-parser"
@@ -463,15 +460,11 @@ class OpenAIParser(Parser, ResponseCompleteHook):
                     return found
         return None
 
-    def on_response_complete(self, state: CycleState, request: InferenceRequest, response: ResponseInfo,
-                             target: Endpoint | None) -> None:
-        """Learn which endpoint stored a Responses response (from the requests this parser read)."""
-        if response.response_id is None or request.format is not self or target is None:
+    def response_stored(self, request: InferenceRequest, response: ResponseInfo, endpoint: str) -> None:
+        """Learn which endpoint stored a Responses response: a follow-up naming it must go there."""
+        if response.response_id is None or response.status != "200" or request.body.get("store") is False:
             return
-        if response.status != "200" or request.body.get("store") is False:
-            return
-        # Envoy names the endpoint that served it when that was not the first one picked.
-        self.responses.learn(response.response_id, response.served_endpoint or target.name)
+        self.responses.learn(response.response_id, endpoint)
 
 
 def _response_id(value: Any) -> str | None:

@@ -98,8 +98,7 @@ schedulingProfiles:
     assert [p.name for p in loaded.data_producers] == ["approx-prefix-cache-producer"]
     assert loaded.data_producers[0].block_size_tokens == 32
     assert [p.name for p in loaded.pre_request_hooks] == ["approx-prefix-cache-producer", "active-request-scorer"]
-    # openai-parser learns which replica stored each Responses response from its completion.
-    assert [p.name for p in loaded.response_complete_hooks] == ["active-request-scorer", "openai-parser"]
+    assert [p.name for p in loaded.response_complete_hooks] == ["active-request-scorer"]
     assert [p.name for p in loaded.response_headers_hooks] == ["destination-endpoint-served-verifier"]
     assert loaded.parser.name == "openai-parser"
     text = describe(loaded)

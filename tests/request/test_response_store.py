@@ -9,9 +9,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from epp.datalayer.registry import EndpointRegistry, parse_endpoint_list
-from epp.framework import DropReason, ErrorCode, InferenceError, PluginContext, ResponseInfo
+from epp.framework import DropReason, ErrorCode, InferenceError, PluginContext
 from epp.framework.registry import default_registry
 from epp.request.parsing import RequestParser
+from epp.requestcontrol.lifecycle import RequestAccounting, RequestLifecycle
 from epp.scorers.parsers.response_store import ResponseStore
 from tests.support.scheduling import DirectorHarness, endpoint, request
 
@@ -79,21 +80,30 @@ def follow_up(reader: RequestParser, previous: str):
     return reader.parse(request_id="r", headers={":path": "/v1/responses"}, body=body, subset_hint=None)[0]
 
 
-def test_the_parser_learns_from_a_completed_response_and_pins_the_follow_up():
-    reader, openai, pool = parser_with_pool("10.0.0.1:8000", "10.0.0.2:8000")
-    first, _ = reader.parse(request_id="r", headers={":path": "/v1/responses"},
-                            body=b'{"model":"m","input":"hi"}', subset_hint=None)
-    target = pool.get("10.0.0.2:8000")
-    response = ResponseInfo(status="200", response_id="resp_1")
-    openai.on_response_complete(None, first, response, target)
-    assert follow_up(reader, "resp_1").pinned_endpoint == "10.0.0.2:8000"
+async def test_the_parser_learns_from_a_completed_response_and_pins_the_follow_up():
+    harness = DirectorHarness()  # the default config: llm-d's parser chain, openai-parser first
+    harness.set_pool([endpoint(0), endpoint(1)])
+    reader = RequestParser(parsers=harness.loaded.parsers)
+
+    async def answered(response_id: str, status: str = "200", served: str | None = None, body: bytes | None = None):
+        """One Responses request through the lifecycle, answered with `response_id`; the replica it went to."""
+        request, _ = reader.parse(request_id="r", headers={":path": "/v1/responses"},
+                                  body=body or b'{"model":"m","input":"hi"}', subset_hint=None)
+        life = RequestLifecycle(harness.director, RequestAccounting(harness.metrics))
+        result = await life.schedule(request, 10)
+        life.response.status, life.response.response_id, life.response.served_endpoint = status, response_id, served
+        life.complete()
+        return result.targets[0].name
+
+    picked = await answered("resp_1")
+    assert follow_up(reader, "resp_1").pinned_endpoint == picked
     # Envoy's served endpoint (a fallback) wins over the first pick.
-    openai.on_response_complete(None, first, ResponseInfo(status="200", response_id="resp_2",
-                                                          served_endpoint="10.0.0.1:8000"), target)
-    assert follow_up(reader, "resp_2").pinned_endpoint == "10.0.0.1:8000"
-    # A failed response stores nothing.
-    openai.on_response_complete(None, first, ResponseInfo(status="500", response_id="resp_3"), target)
-    assert follow_up(reader, "resp_3").pinned_endpoint is None
+    await answered("resp_2", served=endpoint(1).name)
+    assert follow_up(reader, "resp_2").pinned_endpoint == endpoint(1).name
+    # A failed response, or one the request asked not to store, teaches nothing.
+    await answered("resp_3", status="500")
+    await answered("resp_4", body=b'{"model":"m","input":"hi","store":false}')
+    assert follow_up(reader, "resp_3").pinned_endpoint is None and follow_up(reader, "resp_4").pinned_endpoint is None
 
 
 def test_a_follow_up_whose_replica_left_the_pool_is_a_404_naming_the_field():
