@@ -25,7 +25,8 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.routing.contenders import CONTENDERS, Tuning, start_contender  # noqa: E402
+from bench.routing.contenders import Tuning, start_contender  # noqa: E402
+from bench.routing.experiments import known  # noqa: E402
 from bench.routing.workloads import completion_request, text_of_tokens, tokenizer  # noqa: E402
 from epp.calibration_cli import read_calibration  # noqa: E402
 from epp.engine.sim import FleetConfig, SimFleet  # noqa: E402
@@ -70,7 +71,7 @@ async def main(args: argparse.Namespace) -> int:
     tok = tokenizer(tok_dir)
     rng = random.Random(args.seed)
     prompts = [text_of_tokens(rng, rng.randint(256, 4096), tok, f"cal{i}:") for i in range(2 * args.requests)]
-    contender = CONTENDERS[args.contender]
+    contender = known()[args.contender]
     truth = get_profile(PROFILE).prefill_per_token * args.time_scale
     config = FleetConfig(replicas=args.replicas, model="sim-model", tokenizer_dir=tok_dir, profile=PROFILE,
                          time_scale=args.time_scale, num_gpu_blocks=4000, processes=1)
@@ -107,7 +108,7 @@ if __name__ == "__main__":
     parser.add_argument("--slowdown", type=float, default=2.0, help="replica slowdown for phase 2 (default 2)")
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--time-scale", type=float, default=5.0, help="simulator slowdown (default 5)")
-    parser.add_argument("--contender", default="epp-approx-ttft", choices=[n for n in CONTENDERS
-                                                                          if CONTENDERS[n].kind == "epp"])
+    parser.add_argument("--contender", default="epp-approx-ttft", choices=[n for n, c in known().items()
+                                                                          if c.kind == "epp"])
     parser.add_argument("--seed", type=int, default=7)
     sys.exit(asyncio.run(main(parser.parse_args())))

@@ -1,4 +1,4 @@
-"""`python -m bench.routing run SCENARIO [--scale S] [--contenders a,b] [--out DIR]` and `list`."""
+"""`python -m bench.routing run SCENARIO [--scale S] [--contenders a,b] [--repeats N] [--out DIR]`, `combine`, `list`."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from bench.routing.combine import load_runs, write_combined
 from bench.routing.contenders import CONTENDERS
-from bench.routing.goodput import DEFAULT_TTFT_OBJECTIVE_MS, Objectives
+from bench.routing.experiments import FAMILIES, known
 from bench.routing.loadgen import Stage
+from bench.routing.objectives import DEFAULT_TTFT_OBJECTIVE_MS, Objectives
 from bench.routing.report import write_report
 from bench.routing.runner import run_scenario
 from bench.routing.scenarios import SCALES, SCENARIOS, TRACE_KNOBS, get_scenario
@@ -29,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("scenario", choices=sorted(SCENARIOS))
     run.add_argument("--scale", choices=SCALES, default="small")
     run.add_argument("--contenders", default="all",
-                     help=f"comma-separated list from: {', '.join(CONTENDERS)} (default all but epp-precise-active)")
+                     help="comma-separated names of contenders or experiments (`list` shows both; default: "
+                          f"all: {', '.join(n for n, c in CONTENDERS.items() if c.default)})")
     run.add_argument("--out", help="output directory (default bench/results/<scenario>)")
     run.add_argument("--rates", help="override the schedule: comma-separated open-loop rates (req/s, wall clock)")
     run.add_argument("--stage-seconds", type=float, help="override every stage's duration")
@@ -60,10 +63,26 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--epp-arg", action="append", default=[], metavar="ARG",
                      help="one more `epp serve` argument for every epp contender (repeat for each word, e.g. "
                           "--epp-arg=--refresh-metrics-interval --epp-arg=0.045)")
+    run.add_argument("--repeats", type=int, default=1,
+                     help="run the whole scenario N times (every contender once per run, the runs in turn): each run "
+                          "into <out>/run-<k>/, then the combined report with 95 %% intervals into <out>/ (a claim "
+                          "needs 3)")
     run.add_argument("--no-raw", action="store_true", help="do not keep per-request records (raw/*.jsonl)")
     run.add_argument("--quiet", action="store_true", help="no progress output")
-    sub.add_parser("list", help="list scenarios and contenders")
+    comb = sub.add_parser("combine", help="combine runs of one scenario (folders of single runs or combinations) "
+                                          "into one result with 95 % intervals")
+    comb.add_argument("runs", nargs="+", help="result folders (each with a results.json)")
+    comb.add_argument("--out", required=True, help="output folder")
+    sub.add_parser("list", help="list scenarios, contenders and experiments")
     args = parser.parse_args(argv)
+    command = "python -m bench.routing " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    if args.command == "combine":
+        try:
+            runs = load_runs(Path(p) for p in args.runs)
+        except (ValueError, KeyError, OSError) as exc:
+            parser.error(str(exc))
+        print(f"report: {write_combined(runs, Path(args.out), command)}")
+        return 0
     if args.command == "list":
         for name in SCENARIOS:
             for scale in SCALES:
@@ -71,13 +90,19 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{name:14s} {scale:7s} a Mooncake or Bailian JSONL trace (--trace PATH), knobs {TRACE_KNOBS[scale]}")
                     continue
                 print(f"{name:14s} {scale:7s} {get_scenario(name, scale).workload.describe()}")
+        print("\ncontenders (`all`: those marked *)")
         for c in CONTENDERS.values():
-            print(f"{c.name:26s} {c.description}")
+            print(f"{'*' if c.default else ' '} {c.name:32s} {c.description}")
+        print("\nexperiments (bench/routing/experiments.py), by the question each family answers")
+        for family in FAMILIES:
+            print(f"\n  {family.question} (bench/notes/{family.note})")
+            for c in family.contenders:
+                print(f"    {c.name:32s} {c.description}")
         return 0
     names = [n for n, c in CONTENDERS.items() if c.default] if args.contenders == "all" else [n.strip() for n in args.contenders.split(",")]
-    unknown = [n for n in names if n not in CONTENDERS]
+    unknown = [n for n in names if n not in known()]
     if unknown:
-        parser.error(f"unknown contenders {unknown}; known: {list(CONTENDERS)}")
+        parser.error(f"unknown contenders {unknown}; `python -m bench.routing list` shows the contenders and experiments")
     # Peers probe replicas with an HTTP/2 preface first; in-process replicas would log each probe.
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
     if args.scenario == "trace" and (args.rates or args.concurrency or args.arrivals):
@@ -103,14 +128,23 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--time-scale must be > 0")
         scenario.fleet = replace(scenario.fleet, time_scale=args.time_scale)
     scenario.continuous = scenario.continuous or args.continuous
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
     out = Path(args.out) if args.out else RESULTS / args.scenario
-    command = "python -m bench.routing " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    results = asyncio.run(run_scenario(scenario, names, out, progress=not args.quiet, keep_raw=not args.no_raw,
-                                       epp_args=tuple(args.epp_arg)))
-    md = write_report(scenario, results, out, command, started)
+    ok = True
+    run_dirs = [out] if args.repeats == 1 else [out / f"run-{k + 1}" for k in range(args.repeats)]
+    for k, run_dir in enumerate(run_dirs):
+        if args.repeats > 1 and not args.quiet:
+            print(f"== run {k + 1} of {args.repeats} -> {run_dir}", flush=True)
+        started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+        results = asyncio.run(run_scenario(scenario, names, run_dir, progress=not args.quiet, keep_raw=not args.no_raw,
+                                           epp_args=tuple(args.epp_arg)))
+        md = write_report(scenario, results, run_dir, command, started)
+        ok = ok and all(r.overall is not None or r.status.startswith("unavailable") for r in results)
+    if args.repeats > 1:
+        md = write_combined(load_runs(run_dirs), out, command, [d.name for d in run_dirs])
     print(f"report: {md}")
-    return 0 if all(r.overall is not None or r.status.startswith("unavailable") for r in results) else 1
+    return 0 if ok else 1
 
 
 def _schedule(stages: list[Stage], args: argparse.Namespace) -> list[Stage]:

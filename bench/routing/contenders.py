@@ -264,9 +264,6 @@ class Contender:
         return self.kind in ("vllm-router", "sglang-router")
 
 
-# Name suffix, `--workers`, pods: one picker, two workers, two pods (the generated "before" contenders).
-_PICKER_SHAPES = (("", 1, 1), ("-w2", 2, 1), ("-pods2", 1, 2))
-
 CONTENDERS: dict[str, Contender] = {c.name: c for c in (
     Contender("round-robin", "envoy-rr", "", "Envoy ROUND_ROBIN cluster, no picker"),
     Contender("epp-random", "epp", "random", "our EPP behind Envoy: random-picker"),
@@ -287,77 +284,6 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
               "with shedding, predicted-TTFT with stickiness, approximate prefix)", default=False),
     Contender("epp-slo-precise", "epp", "sample:slo-aware+precise",
               "epp-slo with the precise prefix producer (KV events) instead of the approximate one", default=False),
-    Contender("epp-approx-ttft-head-first", "epp", "sample:approximate+head-first-index",
-              "epp-approx-ttft with the approximate index as GIE keeps it (chainAware: false; a chain's head "
-              "evicted first)", default=False),
-    Contender("epp-approx-scrape-only", "epp", "approx+scrape-only",
-              "before: GIE default with GIE's approximate producer and scrape-only load scorers", default=False),
-    Contender("epp-precise-scrape-only", "epp", "precise+scrape-only",
-              "before: epp-precise with scrape-only load scorers", default=False),
-    Contender("epp-precise-ttft-oracle", "epp", "precise-ttft-oracle",
-              ORACLE_LABEL + "predicted-TTFT with the simulator profile's prefill cost", default=False),
-    Contender("epp-precise-active", "epp", "precise-active",
-              "our EPP: precise prefix 3, active-request (in-flight) 2, kv 2", default=False),
-    Contender("epp-approx-headers", "epp", "approx",
-              "epp-approx with `epp envoy-config --responses headers`: no response body crosses gRPC",
-              default=False, responses="headers"),
-    Contender("epp-precise-headers", "epp", "precise", "epp-precise with `--responses headers`",
-              default=False, responses="headers"),
-    Contender("minimal-picker-headers", "minimal-picker", "", "minimal-picker with `--responses headers`",
-              default=False, responses="headers"),
-    *(Contender(f"epp-{prefix}-headers-scrape{ms}", "epp", prefix,
-                f"epp-{prefix}-headers scraping every {ms} ms (`--refresh-metrics-interval`)", default=False,
-                responses="headers", serve_args=("--refresh-metrics-interval", f"{ms / 1000:g}"))
-      for prefix in ("approx", "precise") for ms in (200, 500)),
-    *(Contender(f"epp-{prefix}-scrape{ms}", "epp", prefix,
-                f"epp-{prefix} scraping every {ms} ms (`--refresh-metrics-interval`; a real vLLM's /metrics page "
-                "costs its API server ~5 ms of CPU)", default=False,
-                serve_args=("--refresh-metrics-interval", f"{ms / 1000:g}"))
-      for prefix in ("approx", "precise") for ms in (200, 500)),
-    Contender("epp-approx-w2", "epp", "approx", "epp-approx with --workers 2 (two pickers sharing decisions)",
-              default=False, workers=2),
-    Contender("epp-precise-w2", "epp", "precise", "epp-precise with --workers 2 (two pickers sharing decisions)",
-              default=False, workers=2),
-    Contender("epp-approx-w4", "epp", "approx", "epp-approx with --workers 4", default=False, workers=4),
-    Contender("epp-precise-w4", "epp", "precise", "epp-precise with --workers 4", default=False, workers=4),
-    Contender("epp-approx-pods2", "epp", "approx",
-              "epp-approx as 2 pods: separate `epp serve` processes, peers of each other, one Envoy ext_proc cluster",
-              default=False, pods=2),
-    Contender("epp-approx-pods4", "epp", "approx", "epp-approx as 4 pods (as -pods2)", default=False, pods=4),
-    Contender("epp-precise-pods2", "epp", "precise", "epp-precise as 2 pods (as epp-approx-pods2)",
-              default=False, pods=2),
-    Contender("epp-precise-pods4", "epp", "precise", "epp-precise as 4 pods (as epp-approx-pods2)",
-              default=False, pods=4),
-    *(Contender(f"epp-{prefix}-{shape}-all-scrape", "epp", prefix,
-                f"before: epp-{prefix}-{shape} with every picker scraping every replica (`--no-shared-scrapes`)",
-                default=False, workers=workers, pods=pods, serve_args=("--no-shared-scrapes",))
-      for prefix in ("approx", "precise") for shape, workers, pods in (("w4", 4, 1), ("pods4", 1, 4))),
-    Contender("epp-approx-repeat", "epp", "approx",
-              "epp-approx again in the same run: how far two runs of one configuration differ", default=False),
-    Contender("epp-approx-no-tie-break", "epp", "approx+no-tie-break",
-              "before: epp-approx with queue-scorer on whole requests only (no prefill-backlog tie-break)",
-              default=False),
-    Contender("epp-precise-no-tie-break", "epp", "precise+no-tie-break",
-              "before: epp-precise with queue-scorer on whole requests only (no prefill-backlog tie-break)",
-              default=False),
-    *(Contender(f"epp-{prefix}{pickers}-random-ties", "epp", f"{prefix}+random-ties",
-                f"before: epp-{prefix}{pickers} with max-score-picker's ties broken at random (GIE), not by the "
-                "most free prefix cache", default=False, workers=workers, pods=pods)
-      for prefix in ("approx", "precise")
-      for pickers, workers, pods in (*_PICKER_SHAPES, ("-pods4", 1, 4))),
-    *(Contender(f"epp-{prefix}{pickers}-{suffix}", "epp", f"{prefix}+{suffix}",
-                f"epp-{prefix}{pickers} with rendezvousHome: {on}", default=False, workers=workers, pods=pods)
-      for prefix in ("approx", "precise")
-      for pickers, workers, pods in _PICKER_SHAPES
-      for suffix, on in (("no-home", "false"), ("home", "true")) if pickers or suffix == "no-home"),
-    Contender("epp-approx-fixed-lru", "epp", "approx+fixed-lru",
-              "epp-approx with autoTune: false (its LRU at lruCapacityPerServer, never full here: a tree that never "
-              "forgets)", default=False),
-    Contender("epp-approx-4cpt", "epp", "approx+4cpt",
-              "epp-approx sizing its LRU at GIE's 4 characters a token (charsPerToken: 4; ~1.8x the replicas' caches "
-              "on the simulator's text)", default=False),
-    Contender("epp-approx-pods4-home", "epp", "approx+home", "epp-approx-pods4 with rendezvousHome: true",
-              default=False, pods=4),
     Contender("vllm-router-rr", "vllm-router", "round_robin", "vllm-router --policy round_robin"),
     # vllm-router 0.1.17's cache_aware and kv_aware tokenize through the replicas' /v1/completions/render,
     # which vLLM serves only with --enable-scale-out (403 otherwise, and the router then routes blind).

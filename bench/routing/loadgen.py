@@ -26,7 +26,7 @@ import aiohttp
 import msgspec
 from tqdm import tqdm
 
-from bench.routing.goodput import Objectives
+from bench.routing.objectives import Objectives
 from bench.routing.workloads import BenchRequest
 
 _decode = msgspec.json.Decoder().decode

@@ -21,7 +21,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bench.routing.runner import ContenderResult, StageSummary
+from bench.routing.summary import ContenderResult, StageSummary
 
 _PREFILL_TERM = re.compile(r'^epp_ttft_calibration\{.*term="prefill_seconds_per_token"')
 

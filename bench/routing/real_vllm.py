@@ -47,12 +47,13 @@ from typing import Any
 import aiohttp
 
 from bench.cgroups import CgroupError, CpuGroups, GroupSpec, GroupStats, interrupt_on_sigterm, unavailable
-from bench.routing.contenders import CONTENDERS
+from bench.routing.experiments import known, lookup
 from bench.routing.loadgen import Stage
 from bench.routing.measure import Histogram, histogram
 from bench.routing.report import SUMMARY_COLUMNS, SUMMARY_HEADER, is_distribution, summary_row, versions
-from bench.routing.runner import ContenderResult, run_contender_on
+from bench.routing.runner import run_contender_on
 from bench.routing.scenarios import Scenario
+from bench.routing.summary import ContenderResult
 from bench.routing.validity import metric_sum
 from bench.routing.workloads import (
     MultiTurn,
@@ -458,7 +459,7 @@ async def run(args: argparse.Namespace, groups: CpuGroups | None, binds: list[st
                 await fleet.reset()
                 print(f"[real vLLM / {work.name}] {name}", flush=True)
                 probe = Probe(fleet.endpoints, groups, len(scenario.stages) - 1)
-                res = await run_contender_on(scenario, CONTENDERS[name], fleet, workdir / "real" / work.name,
+                res = await run_contender_on(scenario, lookup(name), fleet, workdir / "real" / work.name,
                                              progress=False, raw_dir=workdir / "raw" / "real" / work.name,
                                              stage_hook=probe)
                 seen = probe.seen or {"engine": {}, "groups": {}}
@@ -470,7 +471,7 @@ async def run(args: argparse.Namespace, groups: CpuGroups | None, binds: list[st
             print(f"[real vLLM / capacity] round-robin, {args.capacity_clients} clients", flush=True)
             probe = Probe(fleet.endpoints, groups, 0)
             res = await run_contender_on(_capacity(config, args.capacity_clients, args.capacity_seconds),
-                                         CONTENDERS["round-robin"], fleet, workdir / "real" / "capacity",
+                                         lookup("round-robin"), fleet, workdir / "real" / "capacity",
                                          progress=False, raw_dir=workdir / "raw" / "real" / "capacity", stage_hook=probe)
             seen = probe.seen or {"engine": {}, "groups": {}}
             # Saturation is this phase's purpose: its throttling is shown, never a reason to refuse it.
@@ -494,14 +495,14 @@ async def run(args: argparse.Namespace, groups: CpuGroups | None, binds: list[st
         rows = sim[work.name] = []
         for name in names:
             print(f"[simulator / {work.name}] {name}", flush=True)
-            res = await run_contender_on(scenario, CONTENDERS[name], None, workdir / "sim" / work.name,
+            res = await run_contender_on(scenario, lookup(name), None, workdir / "sim" / work.name,
                                          progress=False, raw_dir=workdir / "raw" / "sim" / work.name)
             rows.append(_row(res, {"summary": summary_row(res)}))
             _print(rows[-1])
     if args.capacity_clients and args.sim:
         print(f"[simulator / capacity] round-robin, {args.capacity_clients} clients", flush=True)
         res = await run_contender_on(_capacity(sim_config, args.capacity_clients, args.capacity_seconds),
-                                     CONTENDERS["round-robin"], None, workdir / "sim" / "capacity", progress=False,
+                                     lookup("round-robin"), None, workdir / "sim" / "capacity", progress=False,
                                      raw_dir=workdir / "raw" / "sim" / "capacity")
         sim["capacity"] = [_row(res, {"summary": summary_row(res)})]
         _print(sim["capacity"][0])
@@ -872,7 +873,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-throttled", type=float, default=MAX_THROTTLED,
                    help="refuse a row whose replica was throttled by its quota more than this share of the wall clock")
     args = p.parse_args(argv)
-    unknown = [n for n in args.contenders.split(",") if n not in CONTENDERS]
+    unknown = [n for n in args.contenders.split(",") if n not in known()]
     if unknown:
         p.error(f"unknown contenders {unknown}")
     if args.profile and args.profile not in PROFILES:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from bench.routing.measure import percentile
 from bench.routing.prefill_load import prefill_load_lines
-from bench.routing.runner import GOODPUT_CURVE_S, ContenderResult, StageSummary
 from bench.routing.scenarios import Scenario
+from bench.routing.summary import GOODPUT_CURVE_S, ContenderResult, StageSummary
 from bench.routing.ttft_floor import queued_floor
 
 
@@ -302,7 +302,7 @@ def write_report(scenario: Scenario, results: list[ContenderResult], out_dir: Pa
                "results": [{"name": r.name, "status": r.status, "version": r.version, "flags": r.flags,
                             "verdict": r.verdict, "validity": r.validity,
                             "overall": asdict(r.overall) if r.overall else None,
-                            "stages": [asdict(s) for s in r.stages]} for r in results]}
+                            "stages": [asdict(s) for s in r.stages], "samples": r.samples} for r in results]}
     floor = floor_p90(results, f.replicas)
     if floor is not None:
         summary["floor"] = dict(zip(("source", "prefill_s_per_token", "base_s", "p90", "p90_queued"), floor))

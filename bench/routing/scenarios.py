@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bench.routing.goodput import Objectives
 from bench.routing.loadgen import Stage, ramp
+from bench.routing.objectives import Objectives
 from bench.routing.traces import TraceReplay
 from bench.routing.workloads import (
     Agentic,

@@ -143,8 +143,10 @@ async def test_open_loop_stage_streams_measures_ttft_and_is_bounded_in_time():
 def test_no_home_contenders_turn_the_rendezvous_home_off_in_the_config_they_run():
     import yaml
 
-    from bench.routing.contenders import CONTENDERS, Tuning, epp_config
+    from bench.routing.contenders import Tuning, epp_config
+    from bench.routing.experiments import known
 
+    CONTENDERS = known()
     tuning = Tuning(tokenizer_dir="/tok", block_size=16, prefill_s_per_token=0.0, mean_prompt_tokens=0)
     for name in ("epp-approx-no-home", "epp-approx-w2-no-home", "epp-precise-w2-no-home"):
         doc = yaml.safe_load(epp_config(CONTENDERS[name].variant, tuning))
@@ -159,8 +161,10 @@ def test_no_home_contenders_turn_the_rendezvous_home_off_in_the_config_they_run(
 def test_lru_sizing_contenders_change_only_the_approximate_producers_sizing():
     import yaml
 
-    from bench.routing.contenders import CONTENDERS, Tuning, epp_config
+    from bench.routing.contenders import Tuning, epp_config
+    from bench.routing.experiments import known
 
+    CONTENDERS = known()
     tuning = Tuning(tokenizer_dir="/tok", block_size=16, prefill_s_per_token=0.0, mean_prompt_tokens=0)
     base = yaml.safe_load(epp_config(CONTENDERS["epp-approx"].variant, tuning))
     for name, parameters in (("epp-approx-fixed-lru", {"autoTune": False}), ("epp-approx-4cpt", {"charsPerToken": 4.0})):

@@ -112,3 +112,61 @@ def test_a_row_the_results_cannot_back_is_refused_with_the_reason(tmp_path, row,
 
     with pytest.raises(StandingError, match=error):
         render([row], tmp_path, tmp_path)
+
+
+def combined_run(root: Path, folder: str, ttfts: dict[str, list[list[float]]]) -> None:
+    """A combined routing results.json: per contender one list of per-request TTFTs per run."""
+    runs = []
+    for i in range(len(next(iter(ttfts.values())))):
+        results = [{"name": name, "verdict": "valid", "overall": {"ttft_p90": sorted(t[i])[int(0.9 * len(t[i]))]},
+                    "samples": {"ttft": t[i]}} for name, t in ttfts.items()]
+        runs.append({"scenario": "x", "scale": "small", "command": "python -m bench.routing run x",
+                     "started": f"2026-12-0{i + 1} 10:00:00 UTC", "results": results})
+    from bench.routing.combine import combined
+    (root / folder).mkdir(parents=True)
+    (root / folder / "results.json").write_text(json.dumps(combined(runs, "python -m bench.routing run x --repeats 3")))
+
+
+def beats_peer(folder: str = "runs") -> Row:
+    return Row("Routing", "ours beats the best peer (#0)", "{ci(vs(F, 'ours', best_peer(F)))}", (folder,),
+               claims="[vs(F, 'ours', best_peer(F))]")
+
+
+def ttfts(scale: float, seed: int, runs: int = 3) -> list[list[float]]:
+    import random
+    rng = random.Random(seed)
+    return [[round(rng.expovariate(1 / scale), 4) for _ in range(300)] for _ in range(runs)]
+
+
+def test_a_claim_whose_interval_clears_one_is_met(tmp_path):
+    combined_run(tmp_path, "runs", {"ours": ttfts(0.1, 1), "vllm-router-kv-aware": ttfts(0.3, 2)})
+    table = render([beats_peer()], tmp_path, tmp_path)
+    assert "| met |" in table and ", 3 runs |" in table
+    assert "`python -m bench.routing run x --repeats 3`" in table and "2026-12-03" in table  # the last run's date
+
+
+def test_a_claim_whose_interval_includes_one_is_a_tie_not_a_win(tmp_path):
+    # ours is a little faster in every run, but not by more than the requests and the runs scatter.
+    combined_run(tmp_path, "runs", {"ours": ttfts(0.100, 3), "vllm-router-kv-aware": ttfts(0.103, 4)})
+    table = render([beats_peer()], tmp_path, tmp_path)
+    assert "**tie**: the 95 % interval of ours against vllm-router-kv-aware includes 1x" in table
+    assert "| met |" not in table
+
+
+def test_a_claim_on_fewer_than_three_runs_is_not_shown_however_large(tmp_path):
+    combined_run(tmp_path, "runs", {"ours": ttfts(0.1, 5, runs=2), "vllm-router-kv-aware": ttfts(1.0, 6, runs=2)})
+    assert "**not shown**: 2 runs with per-request samples, a claim needs 3" in render([beats_peer()], tmp_path, tmp_path)
+    # A single run from before the samples were kept: no interval at all.
+    routing_run(tmp_path, "old", {"ours": 0.1, "vllm-router-kv-aware": 1.0})
+    table = render([beats_peer("old")], tmp_path, tmp_path)
+    assert "no interval" in table and "**not shown**: 0 runs" in table
+
+
+def test_a_target_ratio_and_a_lost_claim(tmp_path):
+    combined_run(tmp_path, "runs", {"ours": ttfts(0.3, 7), "vllm-router-kv-aware": ttfts(0.1, 8)})
+    assert "**not met**" in render([beats_peer()], tmp_path, tmp_path)
+    row = Row("Routing", "ours 2x (#0)", "x", ("runs",), claims="[(vs(F, 'vllm-router-kv-aware', 'ours'), 2)]")
+    assert "| met |" in render([row], tmp_path, tmp_path)  # 3x faster clears 2x
+    both = Row("Routing", "both (#0)", "x", ("runs",), claims="[vs(F, 'ours', 'vllm-router-kv-aware')]", met="True")
+    with pytest.raises(StandingError, match="claims and met"):
+        render([both], tmp_path, tmp_path)

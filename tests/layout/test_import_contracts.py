@@ -23,9 +23,10 @@ def lint(tree: Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture
 def tree(tmp_path: Path) -> Path:
-    """A copy of what the import check reads: pyproject.toml, the package folders and the script."""
+    """A copy of what the import check reads: pyproject.toml, the package folders, bench/ and the script."""
     for folder in ("epp", "scorers", "engine"):
         shutil.copytree(REPO / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "bench", tmp_path / "bench", ignore=shutil.ignore_patterns("__pycache__", "results", "notes"))
     (tmp_path / ".ci").mkdir()
     shutil.copy(REPO / ".ci" / "lint-imports", tmp_path / ".ci" / "lint-imports")
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
@@ -76,3 +77,19 @@ def test_an_import_cycle_counts_even_when_one_side_is_only_for_type_checking(tre
     assert result.returncode == 1
     assert "No cycles are allowed in epp.datalayer" in result.stdout
     assert "- .second -> .first" in result.stdout
+
+
+def test_a_cycle_in_the_benchmarks_breaks_their_contract(tree: Path):
+    folder = tree / "bench" / "routing"
+    (folder / "loadgen.py").write_text((folder / "loadgen.py").read_text() + "\nfrom bench.routing import goodput\n")
+    result = lint(tree)
+    assert result.returncode == 1
+    assert "No cycles are allowed in bench.routing" in result.stdout
+
+
+def test_the_picker_importing_the_benchmarks_breaks_its_contract(tree: Path):
+    (tree / "epp" / "netutil_bench.py").write_text("from bench.routing import workloads\n")
+    result = lint(tree)
+    assert result.returncode == 1
+    assert "epp is not allowed to import bench" in result.stdout
+    assert "epp.netutil_bench -> bench.routing.workloads" in result.stdout

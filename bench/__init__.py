@@ -1,0 +1,1 @@
+"""The benchmarks: measurements of the picker against its peers (not installed; run from the repository)."""
