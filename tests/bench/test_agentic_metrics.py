@@ -208,23 +208,31 @@ def test_combined_runs_give_medians_and_claims_with_intervals(tmp_path):
 
 def test_cpu_bench_conversations_stay_around_their_context_and_the_fit_reads_the_slope():
     convs = agentic_cpu.Conversations(5, 20_000, seed=1)
-    seen = set()
-    for _ in range(200):
+    assert all(16_000 <= c.tokens <= 24_000 for c in convs.items)
+    ids = {c.session_id for c in convs.items}
+    compacted = 0
+    for _ in range(300):
         c = convs.pick()
-        assert c is not None
-        seen.add(c.session_id)
+        assert c is not None and c.session_id in ids
         assert c.segments[0].role == "prefix" and c.segments[0].key == f"prefix:{c.kind.name}"
-        assert 20_000 <= c.tokens <= 20_000 * 1.15 + 34_000  # at most one reply and tool result past the bound
+        before = list(c.segments)
         convs.grow(c)
-    assert len(seen) > 5  # conversations past the bound were replaced by new ones
+        if len(c.segments) == len(before) + 2:  # a continuation: the context resent, a reply and a tool result added
+            assert c.segments[:len(before)] == before and [s.role for s in c.segments[-2:]] == ["reply", "tool"]
+        else:  # past 1.6x the context: the prefix, a summary and the tool result
+            compacted += 1
+            assert [s.role for s in c.segments] == ["prefix", "summary", "tool"] and c.segments[0] == before[0]
+            assert sum(s.tokens for s in before) > 20_000 * 1.6 - 34_000
+        assert c.tokens <= 20_000 * 1.6 + 34_000
+    assert compacted > 0
     busy = [convs.pick() for _ in range(5)]
     for c in busy:
         c.busy = True
     assert convs.pick() is None
-    rows = [{"rate": 0.0, "held": True, "cores": {"picker": 0.2}},
-            {"rate": 2.0, "held": True, "cores": {"picker": 0.24}},
-            {"rate": 4.0, "held": True, "cores": {"picker": 0.28}},
-            {"rate": 8.0, "held": False, "cores": {"picker": 0.9}}]
+    rows = [{"rate": 0.0, "held": True, "cores": {"picker": 0.2}, "answered": 0, "seconds": 10},
+            {"rate": 2.0, "held": True, "cores": {"picker": 0.24}, "answered": 20, "seconds": 10},
+            {"rate": 5.0, "held": True, "cores": {"picker": 0.28}, "answered": 40, "seconds": 10},  # 4 answered a second
+            {"rate": 8.0, "held": False, "cores": {"picker": 0.9}, "answered": 10, "seconds": 10}]
     f = agentic_cpu.fit(rows)
     assert f["idle_cores"] == pytest.approx(0.2) and f["cpu_s_per_turn"] == pytest.approx(0.02)
     steps = [{"rate": 0.0, "cores": {"picker": 0.2}, "answered": 0, "seconds": 10},

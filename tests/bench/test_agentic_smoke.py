@@ -40,3 +40,20 @@ def test_a_tiny_run_measures_programs_and_reports_what_cannot_run(tmp_path):
     md = (out / "report.md").read_text()
     assert "| epp-agentic | valid | 4/4 |" in md and "llmd-agentic" in md
     assert (out / "completion_cdf.png").exists()
+
+
+def test_a_bailian_trace_replays_as_sessions(tmp_path):
+    from tests.bench.test_trace_replay import bailian_rows, write_trace
+
+    trace = write_trace(tmp_path / "qwen.jsonl", bailian_rows(conversations=3, turns=3, gap_s=0.5))
+    out = tmp_path / "bailian"
+    assert main(["run", "--scale", "tiny", "--trace", trace, "--trace-block-tokens", "16", "--quiet",
+                 "--contenders", "round-robin", "--out", str(out)]) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["scenario"] == "bailian" and doc["workload"]["trace"]["block_tokens"] == 16
+    assert doc["pauses"]["trace"] == 1.0  # one wall second per trace second at speedup 1
+    row = doc["results"][0]
+    assert row["sessions"]["programs"] == row["sessions"]["complete"] == 3
+    assert row["overall"]["requests"] == 9 and row["overall"]["errors"] == 0
+    # Closed loop: a conversation of 3 turns 0.5 trace seconds apart takes at least its two gaps.
+    assert min(v for v in row["samples"]["completion"]) >= 1.0
