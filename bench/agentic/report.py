@@ -46,6 +46,7 @@ def run_document(sc: AgenticScenario, rows: list[dict[str, Any]], command: str, 
             "python": platform.python_version(), "workload": sc.workload, "plan": sc.describe(),
             "fleet": asdict(sc.fleet), "pauses": asdict(sc.pauses),
             "deadline_s": sc.deadline_s, "ttft_objective_ms": sc.ttft_objective_ms, "text_seed": sc.text_seed,
+            "notes": sc.notes,
             "results": rows}
 
 
@@ -118,7 +119,8 @@ def write_run(sc: AgenticScenario, rows: list[dict[str, Any]], out: Path, comman
     lines = [f"# Agentic benchmark: {sc.name} ({sc.scale})", "", f"Command: `{command}`  ", f"Started: {started}", "",
              "## Setup", "", f"- Workload: {sc.describe()}", f"- Parameters and seeds: {_params(sc)} (all of them in results.json)",
              f"- Fleet: {_fleet(sc)}", f"- Pauses: {_pauses(sc)}", f"- Deadline: {sc.deadline_s:g} s; TTFT objective "
-             f"{sc.ttft_objective_ms:g} ms", "", "## Results", "", *HEADER, *(_row(r) for r in rows), "",
+             f"{sc.ttft_objective_ms:g} ms", *(f"- {n}" for n in sc.notes), "", "## Results", "", *HEADER,
+             *(_row(r) for r in rows), "",
              *_legend(), ""]
     if plot:
         lines += [f"![program completion CDF]({plot.name})", ""]
