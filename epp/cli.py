@@ -593,7 +593,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "spans (epp serve --tracing) join its traces (docs/tracing.md)")
     envoy.add_argument("--responses", choices=RESPONSE_MODES, default="full",
                        help="how much of each response the picker sees: full (GIE's contract: headers and "
-                            "every body chunk), headers (headers and the end: far less picker CPU for streamed "
+                            "every body chunk), first-token (headers and each body up to its first token, then "
+                            "the rest passes Envoy unread: the first token's timing is kept, a streamed answer's "
+                            "usage and end are not), headers (headers and the end: far less picker CPU for streamed "
                             "answers; no token usage, first-token timing or model-name rewrite back), none "
                             "(request phases only; the picker no longer sees requests end)")
     envoy.add_argument("--request-only", action="store_true", help="the same as --responses none")

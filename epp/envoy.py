@@ -73,7 +73,13 @@ _EXT_PROC_FILTER = """\
 """
 
 # How much of each response Envoy shows the picker (see `render_config`).
-RESPONSE_MODES = ("full", "headers", "none")
+RESPONSE_MODES = ("full", "first-token", "headers", "none")
+# Envoy's body mode for responses, by response mode: `first-token` has Envoy send each chunk and keep
+# it until the picker answers (STREAMED), so the picker can close the stream once it has read what
+# it needs and Envoy passes the rest on unread; under FULL_DUPLEX_STREAMED chunks already sent to a
+# picker that closes are lost (and Envoy 1.40 ignores `mode_override` whenever a body mode is
+# FULL_DUPLEX_STREAMED), so this is the only way to stop the chunks mid-response.
+_RESPONSE_BODY_MODES = {"full": "FULL_DUPLEX_STREAMED", "first-token": "STREAMED", "headers": "NONE", "none": "NONE"}
 # How Envoy talks to the model servers: HTTP/1.1, or HTTP/2 cleartext with prior knowledge
 # (an InferencePool's `appProtocol: kubernetes.io/h2c`).
 UPSTREAM_PROTOCOLS = ("http", "h2c")
@@ -284,8 +290,9 @@ def render_config(*, listen_port: int = 8081, admin_port: int = 19000, epp_port:
     pool; Envoy spreads the ext_proc streams over them round-robin).
 
     `responses` is how much of each response the picker sees (`RESPONSE_MODES`): "full" (GIE's
-    contract: headers and every body chunk), "headers" (headers, then the stream's end: no chunk
-    crosses gRPC) or "none" (request phases only).
+    contract: headers and every body chunk), "first-token" (headers and the body up to its first
+    token, then the picker lets the rest pass: docs/response-modes.md), "headers" (headers, then the
+    stream's end: no chunk crosses gRPC) or "none" (request phases only).
 
     `upstream_protocol` (`UPSTREAM_PROTOCOLS`): "http" (HTTP/1.1) or "h2c" (HTTP/2 cleartext, prior
     knowledge) to the model servers. `failure_mode_allow` (FailOpen): requests go on while the
@@ -315,7 +322,7 @@ def render_config(*, listen_port: int = 8081, admin_port: int = 19000, epp_port:
         filters = _STRIP_FILTER + _EXT_PROC_FILTER.format(
             failure_mode_allow=str(failure_mode_allow).lower(), message_timeout=message_timeout,
             response_header_mode="SKIP" if responses == "none" else "SEND",
-            response_body_mode="FULL_DUPLEX_STREAMED" if responses == "full" else "NONE",
+            response_body_mode=_RESPONSE_BODY_MODES[responses],
             # Sending trailers keeps the ext_proc stream open until the response has ended (Envoy
             # 1.40 closes it after the last phase it will send): with "headers" that close is how
             # the picker learns the request finished, without reading its body.

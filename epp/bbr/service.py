@@ -58,7 +58,7 @@ class _BbrStream:
     """One request through the router: headers held until the body ends, then the model headers."""
 
     __slots__ = ("service", "headers", "request_id", "rejected", "subset_hint", "response_body_sent",
-                 "body_parts", "body_size", "answered")
+                 "response_body_streamed", "body_parts", "body_size", "answered")
 
     def __init__(self, service: BodyRouter) -> None:
         self.service = service
@@ -67,6 +67,7 @@ class _BbrStream:
         self.rejected = False
         self.subset_hint: tuple[str, ...] | None = None
         self.response_body_sent = True
+        self.response_body_streamed = False
         self.body_parts: list[bytes] = []
         self.body_size = 0
         self.answered = False
@@ -74,6 +75,10 @@ class _BbrStream:
     @property
     def scheduled(self) -> bool:
         return self.answered
+
+    @property
+    def released(self) -> bool:
+        return False  # the router never stops reading a stream early
 
     @property
     def ended(self) -> bool:

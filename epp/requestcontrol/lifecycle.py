@@ -207,8 +207,12 @@ class RequestLifecycle:
         self.first_token_seen = True
         self.director.first_token(self.state, request=self.request, target=self.target)
 
-    def complete(self, *, aborted: bool = False) -> None:
-        """Finish the request once: metrics and completion hooks (also when the stream died)."""
+    def complete(self, *, aborted: bool = False, released: bool = False) -> None:
+        """Finish the request once: metrics and completion hooks (also when the stream died).
+
+        `released`: the picker stopped reading the response before its end (`--responses
+        first-token`): the request ends for the picker here, and its duration is not observed.
+        """
         if self.finished or not self.scheduled:
             return
         self.finished = True
@@ -217,7 +221,7 @@ class RequestLifecycle:
         if request is None or series is None:
             return
         series.running.dec()
-        if not aborted:
+        if not aborted and not released:
             series.duration.observe(time.monotonic() - self.started)
         try:
             self.accounting.usage(series, self.response.usage)

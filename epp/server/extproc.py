@@ -6,7 +6,9 @@ are sent back to back. Response headers, body and trailers are answered as they 
 streamed through piece by piece, JSON is buffered so the model name can be rewritten back.
 When Envoy says (in the stream's `protocol_config`) that it sends no response body
 (`epp envoy-config --responses headers`), the response headers end the request's prefill and
-the stream's close ends the request.
+the stream's close ends the request. When it sends the body STREAMED (`--responses first-token`),
+each chunk is answered as it comes and the picker closes the stream once the response holds
+nothing more it needs (a streamed answer's first token; Envoy passes the rest on unread).
 """
 
 from __future__ import annotations
@@ -46,6 +48,11 @@ log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
 SERVED_ENDPOINT_KEY = "x-gateway-destination-endpoint-served"
+# A JSON answer whose model name is rewritten back is held whole up to this size before its chunks are
+# answered (STREAMED body mode); past it each chunk is rewritten on its own. Envoy holds the chunks it
+# sent until they are answered and stops reading the answer past its buffer limit (1 MiB by default),
+# so holding more could wait for an end that never comes.
+STREAMED_HOLD_LIMIT = 256 * 1024
 # Re-exported: they were defined here before the transport had its own module.
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "RESPONSE_PHASES", "SUBSET_HINT_KEY", "SUBSET_HINT_NAMESPACE", "ExtProcService",
            "carries_token", "served_endpoint_of", "subset_hint_of"]
@@ -77,7 +84,7 @@ class _Stream:
 
     __slots__ = ("service", "life", "headers", "body_parts", "body_size", "subset_hint", "request_id",
                  "rewriter", "response_parts", "response_size", "passthrough", "rejected", "response_body_sent",
-                 "trace", "grpc_metadata", "eviction")
+                 "response_body_streamed", "released", "trace", "grpc_metadata", "eviction")
 
     def __init__(self, service: ExtProcService) -> None:
         self.service = service
@@ -92,8 +99,12 @@ class _Stream:
         self.response_size = 0
         self.passthrough = False
         self.rejected = False
-        # Whether Envoy sends the response body (its first message says when it does not).
+        # Whether Envoy sends the response body (its first message says when it does not), and whether
+        # STREAMED (`--responses first-token`): one reply per chunk, and the picker may stop reading.
         self.response_body_sent = True
+        self.response_body_streamed = False
+        # The picker has read all it needs of the response: the transport closes the stream.
+        self.released = False
         self.trace: RequestTrace | NoTrace = NO_TRACE
         # The stream's gRPC metadata, kept when tracing: a tracing Envoy puts its own trace context there.
         self.grpc_metadata: tuple[tuple[str, Any], ...] = ()
@@ -197,6 +208,8 @@ class _Stream:
         return replies
 
     def on_response_body(self, msg: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        if self.response_body_streamed:
+            return self._on_held_chunk(msg)
         chunk = msg.body
         life = self.life
         response = life.response
@@ -236,8 +249,92 @@ class _Stream:
         return replies
 
     def on_response_trailers(self) -> list[pb.ProcessingResponse]:
+        replies = self._answer_held(whole=True) if self.response_body_streamed else []
         self.life.complete()
-        return [messages.response_trailers_response()]
+        replies.append(messages.response_trailers_response())
+        return replies
+
+    # -- response body held by Envoy (STREAMED: `--responses first-token`) -----------------------
+
+    def _on_held_chunk(self, msg: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        """One chunk Envoy holds until it is answered: one reply each, in order; reading stops once it can.
+
+        A streamed answer is read up to its first token (and the stored response's id, which comes
+        before it); then the stream is released and Envoy sends the rest without the picker. A JSON
+        answer is read whole for its usage. A model name rewritten back keeps the picker on every chunk.
+        """
+        chunk = msg.body
+        life = self.life
+        request = life.request
+        rewriter = self.rewriter
+        rewriting = rewriter is not None and rewriter.active
+        if life.response.streaming:
+            if life.awaiting_first_token and carries_token(request, chunk):
+                life.first_token()
+                self.trace.first_token()
+            out = rewriter.rewrite(chunk) if rewriting and rewriter is not None else chunk
+            if request is not None and request.format is not None:
+                self._read_streamed(request, out)
+            replies = [_answer(chunk, out)]
+            if msg.end_of_stream:
+                life.complete()
+            elif not rewriting and not life.awaiting_first_token:
+                self._release()
+            return replies
+        if self.passthrough:  # too big to read (or to hold) whole: each chunk goes on as it comes
+            out = rewriter.rewrite(chunk) if rewriting and rewriter is not None else chunk
+            replies = [_answer(chunk, out)]
+            if msg.end_of_stream:
+                life.complete()
+            return replies
+        size = self.response_size + len(chunk)
+        self.response_parts.append(chunk)
+        self.response_size = size
+        if msg.end_of_stream:
+            replies = self._answer_held(whole=True) if rewriting else [messages.response_body_unchanged()]
+            if not rewriting:
+                self._answer_held(whole=True)  # read it: its chunks were answered as they came
+            life.complete()
+            return replies
+        if rewriting:
+            if size <= STREAMED_HOLD_LIMIT:
+                return []  # answered with the whole (rewritten) answer at its end
+            return self._answer_held(whole=False)
+        if size > self.service.max_body_bytes:
+            # Too big to read whole: Envoy sends the rest on unread.
+            self.response_parts = []
+            self._release()
+        return [messages.response_body_unchanged()]
+
+    def _answer_held(self, *, whole: bool) -> list[pb.ProcessingResponse]:
+        """Replies to the JSON chunks not answered yet; `whole`: the answer ended, read it (and rewrite it whole).
+
+        Only a rewritten answer's chunks wait for their reply; the others were answered unchanged
+        as they came and are kept only to be read at the end.
+        """
+        parts, self.response_parts = self.response_parts, []
+        rewriter = self.rewriter
+        rewriting = rewriter is not None and rewriter.active
+        request = self.life.request
+        if not whole:  # past the hold limit: each held chunk rewritten on its own, unread
+            self.passthrough = True
+            assert rewriter is not None
+            return [_answer(part, rewriter.rewrite(part)) for part in parts]
+        if not parts:
+            return []
+        body = b"".join(parts)
+        if rewriting and rewriter is not None:
+            body = rewriter.rewrite(body)
+        if request is not None and request.format is not None:
+            self._read_whole(request, body)
+        if not rewriting:
+            return []  # each chunk was answered unchanged when it came
+        return [messages.response_body_cleared()] * (len(parts) - 1) + [messages.response_body_replaced(body)]
+
+    def _release(self) -> None:
+        """The picker has all it needs of this response: the request ends here, the stream closes."""
+        self.released = True
+        self.life.complete(released=True)
 
     def on_close(self) -> None:
         """Envoy closed the stream: without a response body, that is how a response ends."""
@@ -252,7 +349,7 @@ class _Stream:
         body (`--responses headers|none`), when the stream's close is how a routed request ends.
         """
         life = self.life
-        return life.finished or self.rejected or (not self.response_body_sent and life.scheduled)
+        return life.finished or self.rejected or self.released or (not self.response_body_sent and life.scheduled)
 
     def opened(self, context: grpc.aio.ServicerContext) -> None:
         """A tracing picker keeps the stream's gRPC metadata: a tracing Envoy puts its trace context there."""
@@ -309,10 +406,23 @@ class _Stream:
         if kind == "response_trailers":
             return [messages.response_trailers_response()]
         msg = req.response_body
+        if self.response_body_streamed:
+            # One reply for each chunk Envoy still holds (a rewritten JSON answer's held ones and this
+            # one), unchanged; then the picker stops reading and Envoy sends the rest on.
+            rewriting = self.rewriter is not None and self.rewriter.active
+            waiting = len(self.response_parts) if rewriting and not self.passthrough else 0
+            self.response_parts = []
+            self._release()
+            return [messages.response_body_unchanged()] * (waiting + 1)
         held, self.response_parts = b"".join(self.response_parts) + msg.body, []
         self.passthrough = True
         return [messages.response_body_response(piece, eos)
                 for piece, eos in messages.streamed_body_chunks(held, end_of_stream=msg.end_of_stream)]
+
+
+def _answer(chunk: bytes, out: bytes) -> pb.ProcessingResponse:
+    """The reply to a chunk Envoy holds that the picker turned into `out` (unchanged: no body sent back)."""
+    return messages.response_body_unchanged() if out == chunk else messages.response_body_replaced(out)
 
 
 class ExtProcService(ExtProcTransport):

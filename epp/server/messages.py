@@ -102,10 +102,30 @@ def response_body_response(body: bytes, end_of_stream: bool) -> pb.ProcessingRes
     return response
 
 
+def response_body_replaced(body: bytes) -> pb.ProcessingResponse:
+    """The reply to a response chunk Envoy holds (STREAMED body mode): the chunk is replaced by `body`."""
+    response = pb.ProcessingResponse()
+    response.response_body.response.body_mutation.body = body
+    return response
+
+
+def response_body_unchanged() -> pb.ProcessingResponse:
+    """The reply to a response chunk Envoy holds (STREAMED body mode): Envoy sends the chunk on as it is."""
+    return _RESPONSE_BODY_UNCHANGED
+
+
+def response_body_cleared() -> pb.ProcessingResponse:
+    """The reply to a response chunk Envoy holds (STREAMED body mode): the chunk is dropped (sent in a later one)."""
+    return _RESPONSE_BODY_CLEARED
+
+
 # Replies without content are the same every time: built once, sent many times (never mutated).
 _EMPTY_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse()))
 _REQUEST_TRAILERS = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
 _RESPONSE_TRAILERS = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+_RESPONSE_BODY_UNCHANGED = pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse()))
+_RESPONSE_BODY_CLEARED = pb.ProcessingResponse(response_body=pb.BodyResponse(
+    response=pb.CommonResponse(body_mutation=pb.BodyMutation(clear_body=True))))
 
 
 def response_headers_response(set_headers: Iterable[tuple[str, str]] = (),

@@ -72,6 +72,9 @@ class StreamHandler(Protocol):
     rejected: bool  # answered with an immediate response: Envoy answers the client itself
     subset_hint: tuple[str, ...] | None
     response_body_sent: bool  # whether Envoy sends the response body (its protocol_config says)
+    # Envoy sends the response body STREAMED: it holds each chunk until answered, so the handler may
+    # close the stream mid-response (`released`) and Envoy passes the rest on unread.
+    response_body_streamed: bool
 
     @property
     def scheduled(self) -> bool:
@@ -80,6 +83,10 @@ class StreamHandler(Protocol):
     @property
     def ended(self) -> bool:
         """Envoy has nothing more to send: its close (EOF or reset) is no error."""
+
+    @property
+    def released(self) -> bool:
+        """The handler needs nothing more of this stream: the transport closes it once its replies are written."""
 
     def opened(self, context: grpc.aio.ServicerContext) -> None:
         """The stream's gRPC call began."""
@@ -218,6 +225,10 @@ class ExtProcTransport(pb_grpc.ExternalProcessorServicer):
                     replies = self._on_failure(stream, req, exc)
                 for reply in replies:
                     await context.write(reply)
+                if stream.released:
+                    # A clean close: Envoy (STREAMED response body) passes the rest of the response on
+                    # without the picker, each chunk it still held included.
+                    break
         except _Interrupted as interrupted:
             # Flow control's eviction (llm-d: 429 with the reason header); Envoy resets the upstream request.
             metrics.stream_errors.labels(interrupted.label).inc()
@@ -288,7 +299,9 @@ class ExtProcTransport(pb_grpc.ExternalProcessorServicer):
                 stream.subset_hint = hint
             if kind == "request_headers":
                 if req.HasField("protocol_config"):
-                    stream.response_body_sent = req.protocol_config.response_body_mode != ProcessingMode.NONE
+                    mode = req.protocol_config.response_body_mode
+                    stream.response_body_sent = mode != ProcessingMode.NONE
+                    stream.response_body_streamed = mode == ProcessingMode.STREAMED
                 return await stream.on_request_headers(req.request_headers)
             return await stream.on_request_body(req.request_body)
         if kind == "response_headers":
