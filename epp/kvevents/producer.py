@@ -44,7 +44,7 @@ import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from epp.framework import (
     ConfigError,
@@ -72,11 +72,11 @@ from epp.framework.datakeys import (
 from epp.framework.rendezvous import publish_home
 from epp.kvevents.backend import BACKENDS, InMemoryKVIndex, KVIndexBackend
 from epp.kvevents.decoding import Tier
-from epp.kvevents.keys import DEFAULT_KEY_CACHE_BYTES, BlockKeyCache, media_extras
+from epp.kvevents.keys import DEFAULT_KEY_CACHE_BYTES, BlockKeyCache, KeyWork, media_extras
 from epp.kvevents.match_memo import MatchMemo, MatchMemoMetrics
 from epp.kvevents.metrics import KVIndexMetrics, KVSubscriberMetrics
 from epp.kvevents.subscriber import MODES, KVEventSubscriber, SubscriberConfig
-from epp.tokenization.pool import TokenizerPool, token_ids_of
+from epp.tokenization.pool import TokenizerPool, finished_anyway, token_ids_of
 from epp.tokenization.prefix_store import PrefixStoreMetrics
 
 if TYPE_CHECKING:
@@ -227,38 +227,27 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
 
     async def prepare(self, state: CycleState, request: InferenceRequest,
                       endpoints: Sequence[Endpoint]) -> None:
-        tokens: Sequence[int] | None
-        media: Sequence[MediaItem] = ()
+        keyed: _Keyed | None
         if self.use_token_producer:
             produced: PromptTokens | None = state.get(PROMPT_TOKENS)
             # Estimated ids are no engine's: keyed, they would never match an event.
             tokens = produced.token_ids if produced is not None and produced.exact else None
-            media = produced.media if produced is not None else ()
-        else:
-            tokens = await self.prompt_tokens(request)
+            keyed = None if tokens is None else await self._key_given(
+                tokens, request, produced.media if produced is not None else ())
+        elif self.tokenizers is not None and request.token_ids() is None:
+            # Tokens and keys in one piece of work: a long prompt's runs in a worker thread and is
+            # finished (both caches filled) even when this request runs out of time, so the
+            # conversation's next turn costs what its new part costs, whatever happened to this one.
             media = request.media()
-        if tokens is None:
+            done = await self.tokenizers.tokenize_then(request, lambda ids: self._key(ids, request, media))
+            keyed = None if done is None else done[1]
+        else:  # a token-in request: its own ids
+            tokens = token_ids_of(request)
+            keyed = None if tokens is None else await self._key_given(tokens, request, request.media())
+        if keyed is None:
             return
+        tokens, keys, shared_blocks, previous_last_key = keyed
         bs = self.block_size
-        tokens = tokens[: self.max_blocks * bs]
-        # Media placed in the token ids (the renderer's or a token-in client's features) salt the keys where
-        # vLLM's block hashes carry them; media without a place (local tokenization) cannot be placed, and
-        # their blocks then simply match nothing.
-        placed = [(m.engine_hash, m.token_offset) for m in media
-                  if m.engine_hash is not None and m.token_offset is not None and m.token_offset < len(tokens)]
-        previous_last_key = None
-        shared_blocks = 0
-        if placed:
-            keys = self.index.keyer.chain(self.index.keyer.root(request.target_model, request.cache_salt), tokens,
-                                          media_extras(placed, bs))
-        else:
-            work = self.key_cache.start(tokens, request.target_model, request.cache_salt)
-            shared_blocks = len(work.keys)
-            previous_last_key = work.found.value[-1] if work.found is not None and work.found.value else None
-            if work.to_hash > OFFLOAD_KEYING_BLOCKS:  # ~1 ms per 3,000 blocks: keep the loop responsive
-                keys = await asyncio.to_thread(self.key_cache.finish, work)
-            else:
-                keys = self.key_cache.finish(work)
         names = [ep.name for ep in endpoints]
         matches: Mapping[str, Sequence[int]]
         if not keys:
@@ -283,6 +272,42 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
                                         max(0, ep.metrics.cache_num_blocks - self.index.engine_blocks(ep.name)))
         if keys and not matches and self.rendezvous_home:
             publish_home(state, keys[0], endpoints, self._ledger.load)
+
+    def _key(self, tokens: Sequence[int], request: InferenceRequest, media: Sequence[MediaItem]) -> _Keyed:
+        """The prompt's block keys (thread-safe: run where its tokens were computed)."""
+        return self._finish_keys(self._start_keys(tokens, request, media))
+
+    async def _key_given(self, tokens: Sequence[int], request: InferenceRequest,
+                         media: Sequence[MediaItem]) -> _Keyed:
+        """The block keys of tokens the request (or a token producer) gave: many new blocks are hashed in a thread."""
+        started = self._start_keys(tokens, request, media)
+        work = started[1]
+        if isinstance(work, KeyWork) and work.to_hash > OFFLOAD_KEYING_BLOCKS:  # ~1 ms per 3,000 blocks
+            job = asyncio.get_running_loop().run_in_executor(None, self._finish_keys, started)
+            return await finished_anyway(job)
+        return self._finish_keys(started)
+
+    def _start_keys(self, tokens: Sequence[int], request: InferenceRequest,
+                    media: Sequence[MediaItem]) -> tuple[Sequence[int], KeyWork | list[int]]:
+        """The keys found in the key cache (a `KeyWork` to finish), or all of them when media salt them."""
+        bs = self.block_size
+        tokens = tokens[: self.max_blocks * bs]
+        # Media placed in the token ids (the renderer's or a token-in client's features) salt the keys where
+        # vLLM's block hashes carry them; media without a place (local tokenization) cannot be placed, and
+        # their blocks then simply match nothing.
+        placed = [(m.engine_hash, m.token_offset) for m in media
+                  if m.engine_hash is not None and m.token_offset is not None and m.token_offset < len(tokens)]
+        if placed:
+            return tokens, self.index.keyer.chain(self.index.keyer.root(request.target_model, request.cache_salt),
+                                                  tokens, media_extras(placed, bs))
+        return tokens, self.key_cache.start(tokens, request.target_model, request.cache_salt)
+
+    def _finish_keys(self, started: tuple[Sequence[int], KeyWork | list[int]]) -> _Keyed:
+        tokens, work = started
+        if not isinstance(work, KeyWork):
+            return _Keyed(tokens, work, 0, None)
+        previous_last_key = work.found.value[-1] if work.found is not None and work.found.value else None
+        return _Keyed(tokens, self.key_cache.finish(work), len(work.keys), previous_last_key)
 
     # ---- after the pick ------------------------------------------------------------------------
     def pre_request(self, state: CycleState, request: InferenceRequest, result: SchedulingResult) -> None:
@@ -314,6 +339,16 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
         if self._endpoints is not None and self._endpoints.get(endpoint) is None:
             return  # not (or no longer) in this picker's pool
         self.index.add_speculative(endpoint, keys)
+
+
+class _Keyed(NamedTuple):
+    """A prompt's token ids (cut to `maxPrefixBlocks`), their block keys, how many keys came from the key cache,
+    and the last key of the cached prompt they came from (the match memo resumes from it)."""
+
+    tokens: Sequence[int]
+    keys: Sequence[int]
+    shared_blocks: int
+    previous_last_key: int | None
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,10 @@
   onto chat messages as vLLM does) or the text prompt: nothing here knows an API.
 - Prompts longer than `offload_chars` are rendered and tokenized in a worker thread (the
   `tokenizers` batch call releases the GIL), so the event loop never stalls on a 256 KB prompt.
+  Once submitted, that work is finished even when the caller stops waiting (a request whose data
+  producers ran out of time): its tokens fill the cache, so the conversation's next turn reuses
+  them instead of tokenizing the whole prompt again (`tokenize_then` finishes the caller's own
+  work on the tokens there too).
 A model directory holds `tokenizer.json` and `tokenizer_config.json` (chat template, special
 tokens) or `chat_template.jinja`. A model named `*` in the configuration serves every other model.
 A directory whose files are missing or unreadable does not stop the picker: that model's prompts
@@ -24,10 +28,10 @@ import logging
 import threading
 import time
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from tokenizers import Tokenizer
@@ -40,6 +44,8 @@ from epp.tokenization.prefix_cache import TokenizationCache
 from epp.tokenization.prefix_store import PrefixStoreMetrics
 
 log = logging.getLogger(__name__)
+
+R = TypeVar("R")
 
 class TokenizationMetrics:
     """Cache outcomes, reused tokens, tokens held, and tokenizations by where they ran."""
@@ -224,6 +230,20 @@ class TokenizerPool:
         direct = token_ids_of(request)
         if direct is not None:
             return direct
+        done = await self.tokenize_then(request, _nothing)
+        return None if done is None else done[0]
+
+    async def tokenize_then(self, request: InferenceRequest,
+                            then: Callable[[Sequence[int]], R]) -> tuple[Sequence[int], R] | None:
+        """The prompt's token ids (as `tokenize`) and `then(ids)`, computed where the tokenization runs.
+
+        A long prompt's tokenization and `then` run together in a worker thread and are finished
+        even when the caller stops waiting (cancelled by a deadline): whatever they cache (these
+        tokens, the keys `then` computes from them) is there for the conversation's next turn.
+        """
+        direct = token_ids_of(request)
+        if direct is not None:
+            return direct, then(direct)
         if request.format is None:
             return None
         # The parser's count (role names included) when it made one: a walk of the messages saved.
@@ -233,17 +253,42 @@ class TokenizerPool:
         try:
             if size > self.offload_chars or cold:
                 self.metrics.runs.labels("thread").inc()
-                loop = asyncio.get_running_loop()
-                return await loop.run_in_executor(self._executor, self._tokenize_sync, request)
+                job = asyncio.get_running_loop().run_in_executor(self._executor, self._tokenize_then, request, then)
+                return await finished_anyway(job)
             self.metrics.runs.labels("inline").inc()
-            return self._tokenize_sync(request)
+            return self._tokenize_then(request, then)
         except Exception:  # noqa: BLE001 - a broken template or prompt must not fail routing
             self.metrics.failures.labels("error").inc()
             return None
 
+    def _tokenize_then(self, request: InferenceRequest,
+                       then: Callable[[Sequence[int]], R]) -> tuple[Sequence[int], R] | None:
+        ids = self._tokenize_sync(request)
+        return None if ids is None else (ids, then(ids))
+
     def close(self) -> None:
         """Stop the worker threads."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _nothing(_: Sequence[int]) -> None:
+    return None
+
+
+def _retrieved(job: asyncio.Future[Any]) -> None:
+    """Mark a worker's outcome as seen: its caller may have stopped waiting, and its failure was counted or logged."""
+    if not job.cancelled() and job.exception() is not None:
+        log.debug("tokenization finished for a request no longer waiting failed", exc_info=job.exception())
+
+
+async def finished_anyway(job: asyncio.Future[R]) -> R:
+    """Await a worker thread's `job`; a caller cancelled meanwhile stops waiting, but the job is not cancelled.
+
+    A job still queued in the pool would otherwise be dropped (`run_in_executor` cancels it with
+    its awaiter), and the work it would have cached lost for the next request that needs it.
+    """
+    job.add_done_callback(_retrieved)
+    return await asyncio.shield(job)
 
 
 def token_ids_of(request: InferenceRequest) -> list[int] | None:
