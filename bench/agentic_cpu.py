@@ -69,6 +69,7 @@ from bench.routing.contenders import RunningRouter, Tuning, start_contender  # n
 from bench.routing.loadgen import RequestRecord, send  # noqa: E402
 from bench.routing.measure import process_cpu_seconds  # noqa: E402
 from epp.engine.sim.fleet import FleetConfig, SimFleet, default_tokenizer_dir  # noqa: E402
+from epp.envoy import RESPONSE_MODES  # noqa: E402
 
 # llm-d docs/operations.md: ~99 turns/s of 100k-token agentic traffic against 100 pods took 35-46 cores; 500 req/s of
 # 200-token prompts about 5.
@@ -301,6 +302,7 @@ async def measure(args: argparse.Namespace, pipeline: str, cond: Condition, rate
     """One pipeline under one condition: its fixed cost as deployed, then its cost per turn (the module docstring)."""
     contender = resolve(pipeline)
     assert contender is not None
+    contender = replace(contender, responses=args.responses)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
     # 1. The fixed part: the deployment as it is (scraping every 50 ms), nothing routed.
     router: RunningRouter = await start_contender(contender, fleet, tuning, workdir / f"{pipeline}-{cond.name}-idle")
@@ -421,7 +423,8 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, out: Path) -
     (out / "results.json").write_text(json.dumps(doc, indent=1, default=str))
     lines = ["# The picker's CPU at agentic sizes (100 endpoints, through Envoy)", "",
              f"Command: `{doc['command']}`  ", f"Started: {args.started}", "",
-             f"{args.endpoints} simulated replicas (fast profile, KV events), `epp serve` (one process) behind Envoy. "
+             f"{args.endpoints} simulated replicas (fast profile, KV events), `epp serve` (one process) behind Envoy "
+             f"(`epp envoy-config --responses {args.responses}`). "
              f"Agentic: {args.conversations} conversations around {args.context:,} tokens, {args.output_tokens} tokens "
              f"out; short: {args.short_tokens}-token unique prompts, {args.short_output_tokens} out. {args.seconds:g} s "
              "a step.", "", "## Steps", "",
@@ -507,6 +510,9 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--quiet-scrape", type=float, default=2.0,
                    help="the picker's scrape interval (s) while the cost per turn is measured")
+    p.add_argument("--responses", choices=RESPONSE_MODES, default="full",
+                   help="how much of each response Envoy shows the picker (`epp envoy-config --responses`): full "
+                        "(every streamed chunk crosses gRPC), first-token (each answer up to its first token)")
     p.add_argument("--seed", type=int, default=43)
     p.add_argument("--out", type=Path, default=Path("/tmp/epp-agentic-cpu"))
     args = p.parse_args()
