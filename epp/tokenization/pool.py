@@ -30,6 +30,7 @@ import time
 from array import array
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -46,6 +47,7 @@ from epp.tokenization.prefix_store import PrefixStoreMetrics
 log = logging.getLogger(__name__)
 
 R = TypeVar("R")
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 
 class TokenizationMetrics:
     """Cache outcomes, reused tokens, tokens held, and tokenizations by where they ran."""
@@ -109,7 +111,7 @@ class ModelTokenizer:
         # encode_batch releases the GIL, so other threads (and the event loop) keep running.
         enc = self.tokenizer.encode_batch([text], add_special_tokens=False)[0]
         offsets = enc.offsets
-        return enc.ids, [o[0] for o in offsets], [o[1] for o in offsets]
+        return enc.ids, list(map(_FIRST, offsets)), list(map(_SECOND, offsets))  # C-speed unzip
 
     def encode_text(self, text: str, add_special_tokens: bool) -> array:
         """Token ids of a text as vLLM computes them, through the tokenization cache."""

@@ -82,6 +82,19 @@ def test_unknown_fields_and_event_types_are_skipped_and_counted():
     assert batch.malformed_events == 2
 
 
+@pytest.mark.parametrize("tokens", [[1, True], [1, 2.0], [1, "2"], [1, None], "12"])
+def test_a_block_stored_whose_tokens_are_not_all_ints_is_malformed(tokens):
+    payload = msgspec.msgpack.encode([1.5, [
+        {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": tokens,
+         "block_size": 2, "medium": "GPU"},
+        {"type": "BlockStored", "block_hashes": [2], "parent_block_hash": 1, "token_ids": [3, 4],
+         "block_size": 2, "medium": "GPU"},
+    ], 0])
+    batch = decode_batch(payload)
+    assert batch.malformed_events == 1
+    assert [e.token_ids for e in batch.events] == [(3, 4)]
+
+
 @pytest.mark.parametrize("payload", [b"\xc1", msgspec.msgpack.encode("x"), msgspec.msgpack.encode([1.0])])
 def test_a_payload_that_is_no_batch_raises_a_decode_error(payload):
     with pytest.raises(KVEventDecodeError):
