@@ -45,6 +45,20 @@ def test_a_lookup_touches_only_the_blocks_it_matched():
     assert matched(index, prompt(1, 3), A) == [Tier.GPU] * 3
 
 
+@pytest.mark.parametrize("stored_first", [2, 3])
+def test_a_lookup_touches_what_it_matched_once_the_index_is_past_half_its_capacity(stored_first):
+    """At half the capacity or below a match leaves the order alone (nothing is near eviction); past it, it touches."""
+    index, _ = make_index(capacity=8)
+    for p in range(stored_first):
+        store_prompt(index, A, p)
+    assert matched(index, prompt(0), A) == [Tier.GPU] * 2  # at 4 of 8 entries: not touched; at 6: touched
+    for p in range(stored_first, 5):
+        store_prompt(index, A, p)  # the fifth prompt goes over capacity: the oldest two entries go
+    gone = 0 if stored_first == 2 else 1
+    assert matched(index, prompt(gone), A) == []
+    assert matched(index, prompt(1 - gone), A) == [Tier.GPU] * 2
+
+
 def test_over_capacity_the_least_recently_used_keys_go_first_a_batch_at_a_time():
     capacity = 512  # large enough for a batch: evicts down to 510 (capacity - capacity // 256)
     index, registry = make_index(capacity=capacity)
