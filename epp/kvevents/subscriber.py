@@ -330,10 +330,10 @@ class KVEventSubscriber:
                 await self._maybe_yield()
                 if not self._running:
                     return
-                try:
+                try:  # asked first: a failed non-blocking read raises, which costs more than asking
+                    if not ready.get(zmq.EVENTS) & zmq.POLLIN:
+                        break  # nothing more yet: wait for the next one
                     frames = ready.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break  # nothing more yet: wait for the next one
                 except zmq.ZMQError:
                     break  # closed or failing: the awaited receive reports it
 
