@@ -6,7 +6,8 @@ llm-d's operations guide budgets its router at 0.5-1 core per request/s of 100k-
 
 - 100 simulated replicas (`epp sim`'s fleet, the fast latency profile, KV events on: the precise
   pipeline's index is fed by real events) behind Envoy, our picker as its ext_proc (`epp serve`, one
-  process, responses streamed through the picker as the default deployment has them);
+  process; `--responses full`, the default deployment, streams every answer's chunks through the
+  picker, `--responses first-token` each answer up to its first token: docs/response-modes.md);
 - **agentic**: `--conversations` coding-agent conversations around `--context` tokens (an agent
   kind's prefix of 10-18k tokens shared by its conversations, then a history, 0.8-1.2x `--context`
   in all; each turn adds the model's reply and a tool result from the agentic generator's
@@ -42,7 +43,7 @@ EPP pods only; Envoy's is reported beside), (4) routing on metrics 2 s old costs
 given both ways: all-in at the highest rate held (scraping slowed) and marginal (1 / per_turn).
 
     python bench/agentic_cpu.py --pipelines epp-precise,epp-approx --rates 1,2,4 --seconds 30 \\
-        --short-rates 25,50,100 --out bench/results/agentic-cpu
+        --short-rates 25,50,100 --responses first-token --out bench/results/agentic-cpu
 """
 
 from __future__ import annotations
@@ -357,7 +358,8 @@ async def measure(args: argparse.Namespace, pipeline: str, cond: Condition, rate
 # What the picker's own counters say of its caches at the end (why a turn cost what it did).
 _COUNTERS = ("epp_tokenization_cache_lookups_total", "epp_tokenization_requests_total",
              "epp_tokenization_cache_store_evictions_total", "epp_kv_key_cache_lookups_total",
-             "epp_kv_key_cache_store_evictions_total", "epp_kv_index_events_applied_total")
+             "epp_kv_key_cache_store_evictions_total", "epp_kv_index_events_applied_total",
+             "epp_kv_match_memo_lookups_total", "epp_extproc_messages_total")
 
 
 async def picker_counters(http: aiohttp.ClientSession, url: str | None) -> dict[str, float]:
