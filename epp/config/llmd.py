@@ -160,7 +160,9 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
         "names in x-kv-cache-source-host-port a peer caching at least minCachedTokenDelta more prompt tokens "
         "than the computing endpoint (sampled within one block of the best, away from queued peers)",
         "not gated behind --allow-experimental-plugins (alpha in llm-d); the pull itself is the sidecar's "
-        "(epp engine pd-sidecar adds kv_transfer_params.remote_kv_source) and the engine's P2P connector"),
+        "(epp engine pd-sidecar adds kv_transfer_params.remote_kv_source) and the engine's P2P connector; "
+        "p2pPortBase (not a field of llm-d's released producer) sends the source's P2P port, base + its "
+        "data-parallel rank, in x-kv-cache-source-p2p-port for the sidecar"),
     "prefix-based-pd-decider": LlmdType(
         "disaggregate when the decode pick's uncached prompt is at least nonCachedTokens (0: never)",
         "with precise KV events the cached tokens are exact (any tier) rather than matched blocks x block size"),

@@ -29,6 +29,7 @@ from epp.framework.headers import (
     ENCODER_HOSTS_PORTS_HEADER,
     FAIRNESS_ID_HEADERS,
     KV_CACHE_SOURCE_HEADER,
+    KV_CACHE_SOURCE_P2P_PORT_HEADER,
     PREFILLER_HOST_PORT_HEADER,
 )
 from epp.framework.load import (
@@ -81,6 +82,7 @@ __all__ = [
     "EndpointLoad", "EndpointMetrics", "EndpointSource",
     "ErrorCode", "FAIRNESS_ID_HEADERS", "Filter", "FirstTokenHook", "INFLIGHT_LOAD", "InferenceError",
     "InferenceRequest", "InflightLedger", "InflightLoad", "KV_CACHE_SOURCE_HEADER",
+    "KV_CACHE_SOURCE_P2P_PORT_HEADER",
     "NO_LOAD", "PREFILLER_HOST_PORT_HEADER", "PREFIX_CACHE_FREE_BLOCKS", "PREFIX_HOME", "PREFIX_MATCH_INFO",
     "PREFIX_TIER_MATCH", "PROMPT_TOKENS", "Picker", "Plugin", "PluginContext", "PluginParams", "PluginRegistry", "PluginSpec",
     "PreRequestHook", "PrefixMatchInfo", "PromptTokens", "ProfileHandler", "ProfileRunResult", "RequestPreprocessor",

@@ -447,7 +447,7 @@ schedulingProfiles:
     ("P2P KV transfer source", V1 + """plugins:
 - {type: approx-prefix-cache-producer, name: gpu-prefix-cache-producer}
 - type: p2p-source-producer
-  parameters: {minCachedTokenDelta: 2048, prefillProfileName: prefill,
+  parameters: {minCachedTokenDelta: 2048, prefillProfileName: prefill, p2pPortBase: 7777,
                prefixMatchInfoProducerName: gpu-prefix-cache-producer}
 - type: prefill-filter
 - type: decode-filter
