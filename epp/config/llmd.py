@@ -207,10 +207,12 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
         "the priorities are the configured bands and those requests used so far"),
     "program-aware-fairness": LlmdType(
         "least attained service across programs (fairness ids): lasWeightService x (1 - service) + "
-        "lasWeightHeadWait x head wait, service decayed by lasHalfLifeSeconds",
-        "lasDecayFactor (llm-d's older per-dispatch decay) is taken; a head that waited agingWindow (60s) goes "
-        "first; a turn's cached prefix is not charged (cachedTokenWeight: 1 gives llm-d's charge); program state "
-        "is capped at maxPrograms (docs/agentic.md)"),
+        "lasWeightHeadWait x head wait, service decayed by lasHalfLifeSeconds; strategy turn-priority: the "
+        "deepest session first, turn + turnPriorityTimeWeight x head wait",
+        "lasDecayFactor (llm-d's older per-dispatch decay) is taken; with las a head that waited agingWindow "
+        "(60s) goes first; a turn's cached prefix is not charged (cachedTokenWeight: 1 gives llm-d's charge); "
+        "turn-priority's inactivity gap runs to the head's arrival and restarts the session's count; drr and rr "
+        "are refused; program state is capped at maxPrograms (docs/agentic.md)"),
     "concurrency-detector": LlmdType(
         "saturation = in-flight requests (or tokens, or hybrid) over maxConcurrency x endpoints; as a filter "
         "keeps endpoints under the limit x (1 + headroom)",

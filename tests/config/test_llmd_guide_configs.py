@@ -484,7 +484,10 @@ plugins:
 - {type: program-aware-fairness, parameters: {strategy: turn-priority}}
 - type: queue-scorer
 flowControl:
-  defaultPriorityBand: {fairnessPolicyRef: program-aware-fairness}
+  enableEviction: true
+  priorityBands:
+  - {priority: -1, defaultRequestTTL: 9000s, fairnessPolicyRef: program-aware-fairness}
+  - {priority: 0}
 """, PLAIN, ("program-aware-fairness strategy turn-priority",)),
 ]
 
