@@ -48,7 +48,6 @@ log = logging.getLogger(__name__)
 REFUSED_FLOW_CONTROL_FIELDS = {
     "noEndpointRequestTTL": "a request with no endpoint is answered at once (503), not queued",
     "defaultNegativePriorityBand": "negative priorities use defaultPriorityBand",
-    "enableEviction": "dispatched requests are never evicted",
     "bandSelectionPolicyPluginRef": "bands are offered dispatch from the highest priority down (llm-d's default "
                                     "order); band selection policies are not implemented",
 }
