@@ -280,7 +280,7 @@ class ProgramAwareFairness(FairnessPolicy):
         state = self.programs.get(program, now, touch=False)
         if state is None or self._dormant(state, head):
             return 1
-        return state.dispatched + 1
+        return int(state.dispatched) + 1
 
     # -- choice -------------------------------------------------------------------------------
 
