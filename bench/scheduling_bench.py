@@ -26,7 +26,6 @@ from types import MappingProxyType
 from epp.config import load_default_config
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
 from epp.framework import (
-    ApiKind,
     CycleState,
     Endpoint,
     EndpointMetrics,
@@ -36,8 +35,12 @@ from epp.framework import (
 )
 from epp.metrics import EppMetrics
 from epp.requestcontrol.director import Director
+from epp.scorers.parsers.openai import OpenAIParser
 from epp.scorers.prefix_hashing import block_hashes, chain_seed
 from epp.scorers.prompt_text import user_input_bytes
+
+# The format the picker's parser gives OpenAI requests (what prefix hashing asks for the prompt's bytes).
+OPENAI = OpenAIParser()
 
 PREFIX_GROUPS = 32
 
@@ -65,8 +68,8 @@ def make_prompt(prefixes: list[str], size_bytes: int, i: int) -> str:
 
 
 def make_request(prompt: str, i: int) -> InferenceRequest:
-    return InferenceRequest(request_id=f"r{i}", api=ApiKind.COMPLETIONS, model="llama", target_model="llama",
-                            body={"model": "llama", "prompt": prompt, "max_tokens": 16})
+    return InferenceRequest(request_id=f"r{i}", api="completions", model="llama", target_model="llama",
+                            body={"model": "llama", "prompt": prompt, "max_tokens": 16}, format=OPENAI)
 
 
 def director_over(endpoints: Sequence[Endpoint]) -> Director:
@@ -111,13 +114,13 @@ async def measure(endpoint_count: int, size_kb: int, iterations: int, seed: int)
     return percentile(samples, 0.50), percentile(samples, 0.99), statistics.fmean(samples)
 
 
-def hashing_cost(size_kb: int, max_blocks: int, api: ApiKind, repeats: int = 50) -> float:
+def hashing_cost(size_kb: int, max_blocks: int, api: str, repeats: int = 50) -> float:
     """Median microseconds to get the user-input bytes and hash up to `max_blocks` 64-byte blocks."""
     text = ("lorem ipsum dolor sit amet " * (size_kb * 1024 // 27 + 1))[: size_kb * 1024]
-    body = ({"model": "m", "prompt": text} if api is ApiKind.COMPLETIONS else
+    body = ({"model": "m", "prompt": text} if api == "completions" else
             {"model": "m", "messages": [{"role": "system", "content": text[: len(text) // 2]},
                                         {"role": "user", "content": text[len(text) // 2:]}]})
-    req = InferenceRequest("h", api, "m", "m", body)
+    req = InferenceRequest("h", api, "m", "m", body, format=OPENAI)
     block_chars = 64
     times = []
     for _ in range(repeats):
@@ -152,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("| prompt | API | blocks hashed (cap) | µs |")
     print("|---:|---|---:|---:|")
     for size in (1, 16, 256):
-        for api in (ApiKind.COMPLETIONS, ApiKind.CHAT_COMPLETIONS):
+        for api in ("completions", "chat/completions"):
             for cap in (256, 4096):
                 print(f"| {size} KB | {api.value} | {min(cap, size * 16)} ({cap}) | "
                       f"{hashing_cost(size, cap, api):.0f} |", flush=True)

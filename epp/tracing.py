@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from epp.framework.errors import ErrorCode
 from epp.framework.plugin import CycleState, Plugin, ProfileRunResult
 from epp.framework.scheduler import PluginTimer
-from epp.framework.types import ApiKind, Endpoint, InferenceRequest, ResponseInfo
+from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -42,9 +42,6 @@ _PROFILE_POINTS = frozenset({"Filter", "Scorer", "Picker"})
 # The profile handler's bookkeeping (which profiles run, which result is primary) gets no span of its
 # own: what it decided shows in the profile spans and the request's `epp.profile`; spans cost CPU.
 _UNTRACED_POINTS = frozenset({"ProfilePicker", "ProcessProfilesResults"})
-# GenAI semantic conventions' operation names for the APIs that have one.
-_OPERATIONS = {ApiKind.CHAT_COMPLETIONS: "chat", ApiKind.COMPLETIONS: "text_completion",
-               ApiKind.EMBEDDINGS: "embeddings"}
 # OTLP exporter entry-point names by `OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL`, as the SDK registers them.
 _OTLP_BY_PROTOCOL = {"grpc": "otlp_proto_grpc", "http/protobuf": "otlp_proto_http"}
 EXPORTER_ENTRY_POINTS = "opentelemetry_traces_exporter"
@@ -238,10 +235,11 @@ class RequestTrace:
         """The request's model and API on the request span (never its prompt)."""
         root = self.root
         root.set_attribute("gen_ai.request.model", request.model)
-        operation = _OPERATIONS.get(request.api)
+        # The GenAI semantic conventions' operation name, for the APIs that have one (the parser knows).
+        operation = request.format.operation(request) if request.format is not None else None
         if operation is not None:
             root.set_attribute("gen_ai.operation.name", operation)
-        root.set_attribute("epp.api", request.api.value)
+        root.set_attribute("epp.api", request.api)
         if request.target_model != request.model:
             root.set_attribute("epp.target_model", request.target_model)
         root.set_attribute("epp.priority", request.priority)

@@ -35,8 +35,7 @@ def register_builtin_plugins(registry: PluginRegistry) -> None:
         context_length.ContextLengthAware, disagg.DisaggProfileHandler, disagg.PrefixBasedPDDecider,
         disagg.AlwaysDisaggPDDecider, disagg.DataParallelProfileHandler,
         datalayer_compat.MetricsDataSource, datalayer_compat.CoreMetricsExtractor,
-        datalayer_compat.EndpointNotificationSource, datalayer_compat.OpenAIParser, datalayer_compat.AnthropicParser,
-        datalayer_compat.PassthroughParser, affinity_filter.PrefixCacheAffinityFilter,
+        datalayer_compat.EndpointNotificationSource, affinity_filter.PrefixCacheAffinityFilter,
         affinity.SessionAffinityFilter, utilization_filter.UtilizationFilter, profile_handlers.HeaderProfileHandler,
         label_filters.EncodeFilter, disagg.AlwaysDisaggMultimodalDecider, disagg.DisaggHeadersHandler,
         p2p.P2PSourceProducer,
@@ -48,6 +47,7 @@ def register_builtin_plugins(registry: PluginRegistry) -> None:
     from epp.scorers import (
         endpoint_attributes,
         mm_embeddings,
+        parsers,
         pd,
         predicted_ttft,
         prefix_home,
@@ -59,6 +59,7 @@ def register_builtin_plugins(registry: PluginRegistry) -> None:
         topology,
     )
 
+    parsers.register(registry)  # one module per request API format (epp.scorers.parsers)
     endpoint_attributes.register(registry)
     mm_embeddings.register(registry)
     topology.register(registry)

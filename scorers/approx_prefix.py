@@ -283,7 +283,7 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
 
     def pre_request(self, state: CycleState, request: InferenceRequest, result: SchedulingResult) -> None:
         info: _RequestPrefix | None = state.get(self.name)
-        if info is None or not info.hashes:
+        if info is None or not info.hashes or not request.generates:  # a token count caches no prefix
             return
         targets = list(result.targets[:1])
         prefill = result.profile_results.get(PREFILL_PROFILE)

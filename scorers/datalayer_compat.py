@@ -1,4 +1,4 @@
-"""Data-layer and parser plugin types of llm-d/GIE configs: their settings reach the scraper.
+"""Data-layer plugin types of llm-d/GIE configs: their settings reach the scraper (parsers: epp.scorers.parsers).
 
 `metrics-data-source` holds how endpoints' metrics are scraped (scheme, path, TLS, interval,
 families); the loader turns it into the scrape settings the server's scraper runs with.
@@ -117,21 +117,3 @@ class EndpointNotificationSource(Plugin):
     """Endpoint add/remove events to producers (always on: producers follow the pool's endpoints)."""
 
     type_name = "endpoint-notification-source"
-
-
-class OpenAIParser(Plugin):
-    """The OpenAI request parser (completions, chat, responses, conversations, embeddings by path)."""
-
-    type_name = "openai-parser"
-
-
-class AnthropicParser(Plugin):
-    """The Anthropic Messages parser (`/v1/messages`: system, messages of content blocks; always on)."""
-
-    type_name = "anthropic-parser"
-
-
-class PassthroughParser(Plugin):
-    """Requests on paths no parser reads pass through to any endpoint (always on)."""
-
-    type_name = "passthrough-parser"

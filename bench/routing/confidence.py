@@ -172,12 +172,15 @@ def _run_log_ratio(x: np.ndarray, y: np.ndarray, paired: bool, rng: np.random.Ge
     return point, boot[np.isfinite(boot)]
 
 
-def compare(a_runs: Sequence[RunSamples], b_runs: Sequence[RunSamples], metric: str = "ttft_p90", *,
+def compare(a_runs: Sequence[RunSamples], b_runs: Sequence[RunSamples], metric: str | Metric = "ttft_p90", *,
             a: str = "A", b: str = "B", seed: int = 42, resamples: int = RESAMPLES) -> Comparison:
-    """A against B over paired runs (run i of A beside run i of B): the ratio and its 95 % interval."""
+    """A against B over paired runs (run i of A beside run i of B): the ratio and its 95 % interval.
+
+    `metric`: a name of `METRICS` or a `Metric` of the caller's own (its name goes into the comparison)."""
     if len(a_runs) != len(b_runs):
         raise ValueError(f"{a} has {len(a_runs)} runs and {b} {len(b_runs)}: runs are compared pairwise")
-    m = METRICS[metric]
+    m = metric if isinstance(metric, Metric) else METRICS[metric]
+    metric = metric.name if isinstance(metric, Metric) else metric
     rng = np.random.default_rng(seed)
     logs: list[float] = []
     variances: list[float] = []

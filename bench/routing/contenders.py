@@ -124,7 +124,12 @@ def _precise_producer(t: Tuning) -> dict[str, Any]:
 
 def sample_config(name: str, t: Tuning) -> str:
     """A sample config of `examples/configs/`, its precise producer pointed at the fleet's tokenizer."""
-    doc = yaml.safe_load((SAMPLE_CONFIGS / f"{name}.yaml").read_text())
+    return config_file(SAMPLE_CONFIGS / f"{name}.yaml", t)
+
+
+def config_file(path: Path, t: Tuning) -> str:
+    """The config at `path` (variant `file:PATH`), its precise producer pointed at the fleet's tokenizer."""
+    doc = yaml.safe_load(path.read_text())
     for entry in doc.get("plugins", []):
         if entry.get("type") == "precise-prefix-cache-producer":
             params = entry.setdefault("parameters", {})
@@ -288,6 +293,8 @@ def epp_config(kind: str, t: Tuning) -> str:
         return sample_config(kind.partition(":")[2], t)
     if kind.startswith("llmd:"):
         return llmd_config(kind.partition(":")[2], t)
+    if kind.startswith("file:"):
+        return config_file(Path(kind.partition(":")[2]), t)
     if kind.endswith("+no-home"):
         return _with_home(epp_config(kind.removesuffix("+no-home"), t), False)
     if kind.endswith("+home"):
@@ -348,6 +355,7 @@ class Contender:
     pods: int = 1  # epp: N separate `epp serve` processes (peers of each other) in one Envoy ext_proc cluster
     responses: str = "full"  # epp, minimal-picker: how much of each response Envoy shows the picker
     serve_args: tuple[str, ...] = ()  # epp: more `epp serve` arguments
+    peer_args: tuple[str, ...] = ()  # vllm-router, sglang-router: more arguments after the policy
 
     @property
     def is_peer(self) -> bool:
@@ -637,6 +645,7 @@ async def _start(c: Contender, fleet: SimFleet, tuning: Tuning, workdir: Path) -
                 if d.get("kv_replay_endpoint"):
                     argv += ["--kv-event-replay-source", f"{url}={d['kv_replay_endpoint']}"]
             argv += ["--kv-event-block-size", str(tuning.block_size), "--kv-event-model", "sim-model"]
+        argv += c.peer_args
         return await _start_peer(argv, port, workdir / "vllm-router.log",
                                  f"vllm-router {_pip_version('vllm-router')}", prom)
     if c.kind == "sglang-router":
@@ -644,7 +653,7 @@ async def _start(c: Contender, fleet: SimFleet, tuning: Tuning, workdir: Path) -
         port, prom = free_ports(2)
         argv = [binary, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
                 "--policy", c.variant, "--prometheus-port", str(prom), "--log-level", "warn",
-                "--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "30"]
+                "--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "30", *c.peer_args]
         return await _start_peer(argv, port, workdir / "sglang-router.log",
                                  f"sglang-router {_pip_version('sglang-router')}", prom)
     raise ValueError(f"unknown contender kind {c.kind!r}")
@@ -725,5 +734,5 @@ async def _start_peer(argv: list[str], port: int, log: Path, version: str, prom:
 
 
 __all__ = ["CONTENDERS", "LLMD_CONFIGS", "ORACLE_LABEL", "Contender", "RunningRouter", "Tuning", "Unavailable",
-           "calibrate_peak_prefill", "check_loads", "describe_argv", "missing_plugin_types", "epp_config", "free_ports", "llmd_config",
-           "peer_binary", "peers_venv", "sample_config", "start_contender"]
+           "calibrate_peak_prefill", "check_loads", "config_file", "describe_argv", "epp_config", "free_ports",
+           "llmd_config", "missing_plugin_types", "peer_binary", "peers_venv", "sample_config", "start_contender"]

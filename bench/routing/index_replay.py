@@ -30,19 +30,22 @@ from typing import Any
 
 from bench.routing.scenarios import get_scenario
 from bench.routing.workloads import BenchRequest
-from epp.framework.types import ApiKind, InferenceRequest
+from epp.framework.types import InferenceRequest
+from epp.scorers.parsers.openai import OpenAIParser
 from epp.scorers.prefix_hashing import AVERAGE_CHARACTERS_PER_TOKEN, block_hashes, chain_seed
 from epp.scorers.prefix_index import PrefixIndex
 from epp.scorers.prompt_text import user_input_bytes
 
 _FORGOT, _PHANTOM = "forgot", "phantom"
+# The format the picker's parser gives OpenAI requests (it says what prefix hashing reads of a prompt).
+_OPENAI = OpenAIParser()
 
 
 def request_hashes(req: BenchRequest, block_tokens: int = 16, max_blocks: int = 256) -> list[int]:
     """The block-hash chain `approx-prefix-cache-producer` computes for a benchmark request."""
-    api = ApiKind.CHAT_COMPLETIONS if "messages" in req.body else ApiKind.COMPLETIONS
+    api = "chat/completions" if "messages" in req.body else "completions"
     model = str(req.body.get("model", ""))
-    ir = InferenceRequest("replay", api, model, model, req.body)
+    ir = InferenceRequest("replay", api, model, model, req.body, format=_OPENAI)
     block_chars = block_tokens * AVERAGE_CHARACTERS_PER_TOKEN
     data = user_input_bytes(ir, limit=block_chars * max_blocks)
     return block_hashes(data, block_chars, max_blocks, chain_seed(model, None))

@@ -41,7 +41,7 @@ from bench.routing.summary import ContenderResult, StageSummary, request_samples
 from bench.routing.ttft_floor import capacity_reusable, reusable_tokens
 from bench.routing.validity import check
 from bench.routing.workloads import BenchRequest
-from epp.engine.sim.fleet import SimFleet, default_tokenizer_dir
+from epp.engine.sim.fleet import FleetConfig, SimFleet, default_tokenizer_dir
 from epp.engine.sim.profiles import get_profile
 
 
@@ -53,16 +53,21 @@ def _busy_span(result: StageResult) -> float:
 
 def tuning_for(scenario: Scenario) -> Tuning:
     """Model knobs for contenders that need them (tokenizer, block size, prefill cost)."""
-    profile = get_profile(scenario.fleet.profile)
-    block_size = scenario.fleet.block_size or profile.block_size
-    return Tuning(tokenizer_dir=scenario.fleet.tokenizer_dir or default_tokenizer_dir(),
+    return fleet_tuning(scenario.fleet, scenario.workload.mean_prompt_tokens())
+
+
+def fleet_tuning(fleet: FleetConfig, mean_prompt_tokens: int) -> Tuning:
+    """What an operator of `fleet` knows of its engines (tokenizer, block size, lengths, KV size) as contender knobs."""
+    profile = get_profile(fleet.profile)
+    block_size = fleet.block_size or profile.block_size
+    return Tuning(tokenizer_dir=fleet.tokenizer_dir or default_tokenizer_dir(),
                   block_size=block_size,
-                  prefill_s_per_token=profile.prefill_per_token * scenario.fleet.time_scale,
-                  mean_prompt_tokens=scenario.workload.mean_prompt_tokens(),
-                  max_model_len=scenario.fleet.max_model_len or profile.max_model_len,
-                  chunk_tokens=scenario.fleet.max_num_batched_tokens or profile.max_num_batched_tokens,
+                  prefill_s_per_token=profile.prefill_per_token * fleet.time_scale,
+                  mean_prompt_tokens=mean_prompt_tokens,
+                  max_model_len=fleet.max_model_len or profile.max_model_len,
+                  chunk_tokens=fleet.max_num_batched_tokens or profile.max_num_batched_tokens,
                   # Like vLLM's BlockPool, one block is the reserved null block.
-                  kv_capacity_tokens=((scenario.fleet.num_gpu_blocks or profile.num_gpu_blocks) - 1) * block_size)
+                  kv_capacity_tokens=((fleet.num_gpu_blocks or profile.num_gpu_blocks) - 1) * block_size)
 
 
 async def run_contender(scenario: Scenario, contender: Contender, workdir: Path, *, progress: bool = True,

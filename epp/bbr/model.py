@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from epp.framework.errors import InferenceError
 from epp.request.parsing import RequestParser
 
 _PARSER = RequestParser()
@@ -21,3 +22,8 @@ def request_model(headers: Mapping[str, str], body: bytes, parser: RequestParser
     """
     request, _ = parser.parse(request_id="bbr", headers=headers, body=body, subset_hint=None)
     return request.model
+
+
+def error_body(err: InferenceError, path: str | None, parser: RequestParser = _PARSER) -> bytes:
+    """The body of the router's own error answer, in the shape of the path's API (its parser's)."""
+    return parser.error_body(err, path)

@@ -18,7 +18,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from epp.bbr.adapters import AdapterMap
-from epp.bbr.model import request_model
+from epp.bbr.model import error_body, request_model
 from epp.framework.errors import ErrorCode, InferenceError
 from epp.limits import Limits
 from epp.server import messages
@@ -169,6 +169,10 @@ class BodyRouter(ExtProcTransport):
         self.metrics: BbrMetrics = metrics
         # The adapter mapping in use now (the watcher swaps it in; read once per request).
         self.adapters = adapters
+
+    def error_body(self, err: InferenceError, path: str | None) -> bytes | None:
+        """The picker's error shape for the path's API (its parser says: Anthropic's on `/v1/messages`...)."""
+        return error_body(err, path)
 
     def new_stream(self) -> _BbrStream:
         """A router stream."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from epp.config.defaults import DEFAULT_PARSER_TYPE
 from epp.config.yaml_reading import yaml_value
 from epp.flowcontrol.config import FEATURE_GATE as FLOW_CONTROL_GATE
 from epp.framework.plugin import FirstTokenHook, Plugin
@@ -60,8 +59,7 @@ def describe(loaded: LoadedConfig) -> str:
     lines.append(f"  first-token hooks: {_names(loaded.plugins_of(FirstTokenHook))}")
     lines.append(f"  response-headers hooks: {_names(loaded.response_headers_hooks)}")
     lines.append(f"  response-complete hooks: {_names(loaded.response_complete_hooks)}")
-    lines.append(f"  parsers: {_names(loaded.parsers) if loaded.parsers else DEFAULT_PARSER_TYPE + ' (default)'}; "
-                 "requests on other paths pass through")
+    lines.append(f"  parsers (asked in order; a path goes to the first that claims it): {_names(loaded.parsers)}")
     for ds in loaded.data_sources:
         lines.append(f"  data source: {ds.source.name} (extractors: {_names(ds.extractors)})")
     lines.append(f"  metrics scrape: {loaded.scrape.describe() if loaded.scrape else 'off'}")

@@ -229,10 +229,18 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
     "endpoint-notification-source": LlmdType("endpoint add/remove events to producers",
                                              "always on: producers follow the pool's endpoints"),
     "openai-parser": LlmdType("OpenAI completions, chat, responses, conversations and embeddings by path; "
-                              "vLLM's rerank too"),
-    "anthropic-parser": LlmdType("Anthropic Messages (/v1/messages): system, messages of content blocks",
-                                 "always on, like openai-parser"),
-    "passthrough-parser": LlmdType("requests on other paths pass through to any endpoint (always on here)"),
+                              "vLLM's rerank too",
+                              "Responses previous_response_id follow-ups go to the replica that stored the response "
+                              "(our responseAffinityCapacity, responseAffinityTTL)"),
+    "anthropic-parser": LlmdType("Anthropic Messages (/v1/messages) and /v1/messages/count_tokens: system, "
+                                 "messages of content blocks"),
+    "vllmhttp-parser": LlmdType("vLLM's /inference/v1/generate (token ids, multimodal features), then every "
+                                "openai-parser path"),
+    "sglanghttp-parser": LlmdType("SGLang's /generate (input_ids or text, extra_key, image_data)",
+                                  "text prompts and image_data are read too (llm-d: input_ids only)"),
+    "passthrough-parser": LlmdType("the fallback: requests on paths no parser claims go on unread, routed by "
+                                   "load",
+                                   "added last to a chain without a fallback"),
     "destination-endpoint-served-verifier": LlmdType("echoes the served endpoint in x-conformance-test-served-endpoint"),
 }
 
@@ -274,10 +282,9 @@ REFUSED_TYPES: Mapping[str, str] = {
     "k8s-notification-source": "watches Kubernetes objects for extractors, and no extractor here reads any; the "
                                "pool's pods are watched by inference-pool-discovery (--pool-name)",
     "request-attribute-reporter": "not implemented (CEL over usage into dynamic metadata)",
-    "vllmhttp-parser": "not implemented; vLLM's /v1 OpenAI paths go through openai-parser",
-    "vllmgrpc-parser": "no gRPC model servers (HTTP only)",
-    "vertexai-parser": "not implemented",
-    "sglanghttp-parser": "SGLang is not supported (vLLM metrics and KV events only)",
+    "vllmgrpc-parser": "gRPC request bodies are not read (HTTP/JSON APIs only); use vllmhttp-parser",
+    "vertexai-parser": "Vertex AI's gRPC PredictionService is not read; use openai-parser for its OpenAI-compatible "
+                       "chat completions",
     "sheddable-eviction-filter": "built into flow control: flowControl.enableEviction evicts sheddable requests",
     "priority-then-time-eviction-order-policy": "built into flow control: flowControl.enableEviction evicts the lowest "
                                                 "priority, newest dispatch first",

@@ -44,7 +44,6 @@ EXTRACTOR_TYPES = {
     NOTIFICATION_SOURCE_TYPE: ("precise-prefix-cache-producer", "inflight-load-producer", "mm-embeddings-cache-producer"),
     DCGM_SOURCE_TYPE: ("dcgm-extractor",),
 }
-PARSER_TYPES = ("openai-parser", "anthropic-parser", "passthrough-parser")
 
 
 def is_number(value: Any) -> bool:

@@ -17,9 +17,9 @@ from epp.config.schema import (
     KNOWN_FEATURE_GATES,
     METRICS_SOURCE_TYPE,
     OBJECTIVE_FIELDS,
-    PARSER_TYPES,
     Document,
 )
+from epp.framework.parsing import DEFAULT_PARSER_TYPES, Parser
 from epp.framework.plugin import Plugin
 from epp.requestcontrol.pipeline import DataSourceConfig, PluginEntry, ScrapeSettings
 
@@ -40,7 +40,7 @@ REFUSED_DATA_LAYER_FIELDS = {
     "crossReplica": "pickers of one pool share prefix routes, KV claims, in-flight load and scrapes over the peer "
                     "link (--peers or --workers); cross-replica syncer plugins are not supported",
 }
-DEFAULT_PARSER = "openai-parser"
+PASSTHROUGH_PARSER = "passthrough-parser"
 
 
 def feature_gates(document: Document, doc: Mapping[str, Any]) -> frozenset[str]:
@@ -81,16 +81,32 @@ def objectives(document: Document, doc: Mapping[str, Any]) -> dict[str, int]:
     return out
 
 
-def parsers(document: Document, plugins: PluginSet, doc: Mapping[str, Any]) -> tuple[Plugin, ...]:
-    """`requestHandler.parsers` (or the deprecated `parser`, copied as llm-d does)."""
+def parsers(document: Document, plugins: PluginSet, doc: Mapping[str, Any]) -> tuple[Parser, ...]:
+    """`requestHandler.parsers` (or the deprecated `parser`, copied as llm-d does), in the order they are asked.
+
+    None listed: llm-d's default chain (`DEFAULT_PARSER_TYPES`), each the configured plugin of
+    that type when `plugins` defines exactly one, else auto-created. A chain without a fallback
+    (a parser that claims no path) gets `passthrough-parser` last, so requests on other paths
+    are still routed, by load, as they always were here.
+    """
     refs: list[tuple[Any, str]] = []
     raw = doc.get("requestHandler")
     if raw is not None:
-        item = document.mapping(raw, "requestHandler", ("parsers",))
+        item = document.mapping(raw, "requestHandler", ("parsers", "parser"))
         for i, entry in enumerate(document.sequence(item.get("parsers"), "requestHandler.parsers", "parsers")):
             path = f"requestHandler.parsers[{i}]"
             refs.append((document.mapping(entry, path, ("pluginRef",), required=("pluginRef",))["pluginRef"],
                          f"{path}.pluginRef"))
+        if item.get("parser") is not None:
+            # llm-d's API reference (and its deprecation comment) show `requestHandler.parser`; its decoder
+            # has only `parsers`. Configs written from those docs are read as a chain of that one parser.
+            single = document.mapping(item["parser"], "requestHandler.parser", ("pluginRef",), required=("pluginRef",))
+            if refs:
+                raise document.fail("requestHandler.parser", "set either requestHandler.parsers or the single "
+                                    "requestHandler.parser, not both")
+            document.note("requestHandler.parser", "read as requestHandler.parsers: [it] (llm-d's decoder knows "
+                          "only parsers)")
+            refs.append((single["pluginRef"], "requestHandler.parser.pluginRef"))
     legacy = doc.get("parser")
     if legacy is not None:
         item = document.mapping(legacy, "parser", ("pluginRef",), required=("pluginRef",))
@@ -99,11 +115,46 @@ def parsers(document: Document, plugins: PluginSet, doc: Mapping[str, Any]) -> t
         else:
             document.note("parser", "deprecated; copied into requestHandler.parsers (as in llm-d)")
             refs.append((item["pluginRef"], "parser.pluginRef"))
-    found = tuple(plugins.typed_ref(ref, path, PARSER_TYPES) for ref, path in refs)
-    if found and not any(p.type_name == DEFAULT_PARSER for p in found):
-        raise document.fail(refs[0][1], f"this picker always parses OpenAI requests; list {DEFAULT_PARSER} among "
-                            "the parsers (requests on other paths pass through to any endpoint)")
-    return found
+    chain: list[Parser] = []
+    for ref, path in refs:
+        entry = plugins.ref(ref, path)
+        if not isinstance(entry.plugin, Parser):
+            raise document.fail(path, f"plugin {entry.name!r} has type {entry.type_name}, which is not a request "
+                                f"parser; parser types: {', '.join(_parser_types(plugins))}")
+        if entry.plugin in chain:
+            raise document.fail(path, f"parser {entry.name!r} is listed twice")
+        chain.append(entry.plugin)
+    if not chain:
+        if not all(t in plugins.registry.types() for t in DEFAULT_PARSER_TYPES):
+            return ()  # a registry without the parsers (a test's): requests are read by the installed defaults
+        for type_name in DEFAULT_PARSER_TYPES:
+            chain.append(_default_parser(plugins, type_name))
+    if not any(p.fallback for p in chain):
+        document.note("requestHandler.parsers", f"no fallback parser listed; {PASSTHROUGH_PARSER} added last, so "
+                      "requests on paths no listed parser claims are routed by load with their body unread")
+        chain.append(_default_parser(plugins, PASSTHROUGH_PARSER))
+    return tuple(chain)
+
+
+def _default_parser(plugins: PluginSet, type_name: str) -> Parser:
+    """The configured plugin of `type_name` when there is exactly one, else one auto-created with defaults."""
+    configured = [e for e in plugins.entries if e.type_name == type_name and not e.auto_created]
+    if len(configured) == 1 and isinstance(configured[0].plugin, Parser):
+        return configured[0].plugin
+    entry = plugins.add(type_name, plugins.free_name(type_name), None, "requestHandler.parsers",
+                        auto_created="llm-d's default parser chain (requestHandler.parsers)")
+    assert isinstance(entry.plugin, Parser)
+    return entry.plugin
+
+
+def _parser_types(plugins: PluginSet) -> list[str]:
+    """The registered plugin types that are request parsers."""
+    out = []
+    for type_name in plugins.registry.types():
+        factory = plugins.registry.get(type_name).factory
+        if isinstance(factory, type) and issubclass(factory, Parser):
+            out.append(type_name)
+    return out
 
 
 def _scrape_settings(entry: PluginEntry) -> ScrapeSettings:

@@ -169,7 +169,7 @@ async def explain(director: Director, parser: RequestParser, given: ExplainInput
         answer["error"] = InferenceError(ErrorCode.INTERNAL, f"scheduling failed: {type(exc).__name__}").body
     # As the stages saw it: the preprocessors give it its session's fairness id.
     request = run.request
-    answer["request"] = {"model": request.model, "target_model": request.target_model, "api": request.api.value,
+    answer["request"] = {"model": request.model, "target_model": request.target_model, "api": request.api,
                          "path": request.path, "objective": request.objective, "priority": request.priority,
                          "fairness_id": request.fairness_id, "stream": request.stream,
                          "slo_ttft_ms": request.slo_ttft_ms, "slo_tpot_ms": request.slo_tpot_ms}

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from epp.framework.types import MediaItem
+
 T = TypeVar("T")
 
 
@@ -63,6 +65,9 @@ class PromptTokens:
 
     token_ids: tuple[int, ...]
     exact: bool
+    # The media items with the placeholder tokens each takes in `token_ids` and the engine's identifier of it
+    # (`token_offset`, `engine_hash`), when the renderer said; the precise prefix keys hash them in.
+    media: tuple[MediaItem, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

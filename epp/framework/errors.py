@@ -59,15 +59,18 @@ class InferenceError(Exception):
     """A request-level failure answered to the client; its text is `inference error: <Code> - <msg>`.
 
     `drop_reason` (a `DropReason`, or another word of llm-d's form) says why a request was
-    dropped; a 429 or 503 without one gets its code's default (`DEFAULT_DROP_REASONS`).
+    dropped; a 429 or 503 without one gets its code's default (`DEFAULT_DROP_REASONS`). `param`
+    names the body field the error is about, when one is (OpenAI's error shape carries it).
     """
 
-    def __init__(self, code: ErrorCode, message: str, *, drop_reason: str | None = None):
+    def __init__(self, code: ErrorCode, message: str, *, drop_reason: str | None = None,
+                 param: str | None = None):
         super().__init__(message)
         if drop_reason is not None and not _DROP_REASON_FORM.fullmatch(drop_reason):
             raise ValueError(f"drop reason {drop_reason!r} is not of llm-d's form rejected-<word> or evicted[-<word>]")
         self.code = code
         self.message = message
+        self.param = param
         self._drop_reason = drop_reason
 
     @property

@@ -463,9 +463,10 @@ def _text_length(value: Any, budget: int, depth: int = 0) -> int:
     return total
 
 
-def body_prompt_characters(body: Mapping[str, Any], limit: int = 1 << 22) -> int:
-    """Characters of a request body's prompt text (strings of its prompt fields, any API; a token id counts 4)."""
-    parts = [body.get(key) for key in _PROMPT_FIELDS if key in body]
+def body_prompt_characters(body: Mapping[str, Any], limit: int = 1 << 22,
+                           fields: tuple[str, ...] = _PROMPT_FIELDS) -> int:
+    """Characters of a request body's prompt text: the strings of its prompt `fields` (a token id counts 4)."""
+    parts = [body.get(key) for key in fields if key in body]
     return _text_length(parts, limit)
 
 

@@ -42,7 +42,7 @@ from typing import Any, Protocol
 import xxhash
 
 from epp.kvevents.decoding import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, Tier
-from epp.kvevents.keys import BlockKeyer
+from epp.kvevents.keys import BlockKeyer, media_extras
 from epp.kvevents.metrics import KVIndexMetrics
 
 BIT = (1, 2, 4)  # Tier -> its bit in a holder's tier mask
@@ -307,7 +307,7 @@ class EngineMap:
             self._hold(endpoint, fresh, 1)
 
     def _stored_general(self, endpoint: str, blocks: dict[int, _EngineEntry], ev: BlockStored,
-                        parent: _EngineEntry | None, chain: int, extras_by_block: dict[int, int] | None) -> None:
+                        parent: _EngineEntry | None, chain: int, extras_by_block: _Extras | None) -> None:
         """Any other event: engine and index block sizes differ (tails), extra keys, CPU/disk tiers."""
         if parent is None or parent.__class__ is int:
             tail: tuple[int, ...] = ()
@@ -323,9 +323,12 @@ class EngineMap:
         combined = tail + ev.token_ids if tail else ev.token_ids
         extras: dict[int, int] | None = None
         if extras_by_block:
+            media, others = extras_by_block
+            # A media item salts the index block its first placeholder token is in (`keys.media_extras`): the
+            # engine block where it starts names it with its offset in that block (>= 0; later blocks, < 0).
+            extras = media_extras(((ident, offset + j * esize + rel) for j, ident, rel in media), bsize)
             # Salt every index block that overlaps an engine block with unreproducible extras.
-            extras = {}
-            for j, value in extras_by_block.items():
+            for j, value in others.items():
                 first = (offset + j * esize) // bsize
                 last = (offset + (j + 1) * esize - 1) // bsize
                 for k in range(first, last + 1):
@@ -476,13 +479,41 @@ def _all_keys(blocks: dict[int, _EngineEntry]) -> Iterator[int]:
             yield from _keys_of(entry.keys)  # type: ignore[union-attr]
 
 
-def _split_extra_keys(extra_keys: tuple[Any, ...] | None, lora_name: str | None) -> tuple[str | None, dict[int, int]]:
-    """From the events' untagged extra keys: the cache salt (a string on block 0 that is not the
-    LoRA name) and, per block, a hash of inputs we cannot rebuild from text (MM ids, embeds)."""
+# From an event's extra keys: its media items as (engine block, identifier, offset of the item's first
+# placeholder token from the block's start), and per engine block a hash of what no request can reproduce.
+_Extras = tuple[list[tuple[int, str, int]], dict[int, int]]
+
+
+def _split_extra_keys(extra_keys: tuple[Any, ...] | None,
+                      lora_name: str | None) -> tuple[str | None, _Extras | None]:
+    """From the events' untagged extra keys: the cache salt (a string on block 0 that is not the LoRA
+    name), the media items vLLM tags blocks with (`(identifier, offset)`, kept where the item starts:
+    offset >= 0), and per block a hash of inputs we cannot rebuild (prompt embeds); None when there are neither."""
     salt = None
+    media: list[tuple[int, str, int]] = []
     extras: dict[int, int] = {}
     if not extra_keys:
-        return salt, extras
+        return salt, None
+    for j, entry in enumerate(extra_keys):
+        if not entry:
+            continue
+        items = entry if isinstance(entry, (list, tuple)) else (entry,)
+        other = []
+        for item in items:
+            if isinstance(item, str) and item == lora_name:
+                continue
+            if j == 0 and salt is None and isinstance(item, str):
+                salt = item
+                continue
+            if isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str) \
+                    and isinstance(item[1], int) and not isinstance(item[1], bool):
+                if item[1] >= 0:  # the block it starts in; blocks it runs on into say < 0 (chained from there)
+                    media.append((j, item[0], item[1]))
+                continue
+            other.append(item)
+        if other:
+            extras[j] = xxhash.xxh64_intdigest(repr(other).encode())
+    return salt, (media, extras) if media or extras else None
     for j, entry in enumerate(extra_keys):
         if not entry:
             continue

@@ -4,8 +4,14 @@ key(block 0) = xxh64(tokens of block 0, seed = root(model, cache_salt))
 key(block i) = xxh64(tokens of block i, seed = key(block i-1))
 where root = xxh64("epp-kv", model or LoRA name, cache_salt). Tokens are hashed as little-endian
 uint32. Only full blocks get keys (a partial tail block is never cached by the engine either).
-Blocks that carry extra hash inputs we cannot reproduce from text (multimodal ids, prompt
-embeds) mix a hash of those inputs into the seed, so text-only requests never match them.
+Multimodal items: each item's identifier (vLLM's mm hash, what its events carry in `extra_keys`
+as `(identifier, offset)`) is mixed into the seed of the block its first placeholder token falls
+in, with that token's place in the block (`media_extras`); the chain carries it to every later
+block. Events and requests compute it alike: events from the offsets vLLM tags each engine block
+with, requests from the placeholder ranges vLLM's renderer (or a token-in client) gives. So the
+same image at the same place matches, another image or none does not. Other extra inputs we
+cannot reproduce (prompt embeds) mix a hash of themselves into the seed of the blocks they
+overlap, so no request matches them.
 
 `BlockKeyCache` keeps the keys of recent prompts: a prompt that repeats the head of one (the next
 turn of a conversation) is keyed from where the shared blocks end, so a 50,000-token turn costs
@@ -15,7 +21,7 @@ the hashing of its new blocks, not of all 3,000.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -68,6 +74,20 @@ class BlockKeyer:
                      cache_salt: str | None = None) -> list[int]:
         """Keys of a prompt's full blocks, from the start of the prompt."""
         return self.chain(self.root(model, cache_salt), tokens)
+
+
+def media_extra(identifier: str, place: int) -> int:
+    """The salt one media item adds to the block its first placeholder token is in, at `place` in that block."""
+    return _xxh64(b"epp-mm\x00" + identifier.encode("utf-8", "surrogatepass") + b"\x00" + str(place).encode())
+
+
+def media_extras(items: Iterable[tuple[str, int]], block_size: int) -> dict[int, int]:
+    """Block index -> salt for media items given as (identifier, offset of the first placeholder token)."""
+    extras: dict[int, int] = {}
+    for identifier, offset in items:
+        block, place = divmod(offset, block_size)
+        extras[block] = extras.get(block, 0) ^ media_extra(identifier, place)
+    return extras
 
 
 # 4.5 bytes a token (its id, and a key per 16): the prompts of about as many tokens as the

@@ -52,6 +52,7 @@ from epp.framework import (
     DataProducer,
     Endpoint,
     InferenceRequest,
+    MediaItem,
     PluginContext,
     PluginParams,
     PluginRegistry,
@@ -71,7 +72,7 @@ from epp.framework.datakeys import (
 from epp.framework.rendezvous import publish_home
 from epp.kvevents.backend import BACKENDS, InMemoryKVIndex, KVIndexBackend
 from epp.kvevents.decoding import Tier
-from epp.kvevents.keys import DEFAULT_KEY_CACHE_BYTES, BlockKeyCache
+from epp.kvevents.keys import DEFAULT_KEY_CACHE_BYTES, BlockKeyCache, media_extras
 from epp.kvevents.match_memo import MatchMemo, MatchMemoMetrics
 from epp.kvevents.metrics import KVIndexMetrics, KVSubscriberMetrics
 from epp.kvevents.subscriber import MODES, KVEventSubscriber, SubscriberConfig
@@ -227,23 +228,37 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
     async def prepare(self, state: CycleState, request: InferenceRequest,
                       endpoints: Sequence[Endpoint]) -> None:
         tokens: Sequence[int] | None
+        media: Sequence[MediaItem] = ()
         if self.use_token_producer:
             produced: PromptTokens | None = state.get(PROMPT_TOKENS)
             # Estimated ids are no engine's: keyed, they would never match an event.
             tokens = produced.token_ids if produced is not None and produced.exact else None
+            media = produced.media if produced is not None else ()
         else:
             tokens = await self.prompt_tokens(request)
+            media = request.media()
         if tokens is None:
             return
         bs = self.block_size
         tokens = tokens[: self.max_blocks * bs]
-        work = self.key_cache.start(tokens, request.target_model, request.cache_salt)
-        shared_blocks = len(work.keys)
-        previous_last_key = work.found.value[-1] if work.found is not None and work.found.value else None
-        if work.to_hash > OFFLOAD_KEYING_BLOCKS:  # ~1 ms per 3,000 blocks: keep the loop responsive
-            keys = await asyncio.to_thread(self.key_cache.finish, work)
+        # Media placed in the token ids (the renderer's or a token-in client's features) salt the keys where
+        # vLLM's block hashes carry them; media without a place (local tokenization) cannot be placed, and
+        # their blocks then simply match nothing.
+        placed = [(m.engine_hash, m.token_offset) for m in media
+                  if m.engine_hash is not None and m.token_offset is not None and m.token_offset < len(tokens)]
+        previous_last_key = None
+        shared_blocks = 0
+        if placed:
+            keys = self.index.keyer.chain(self.index.keyer.root(request.target_model, request.cache_salt), tokens,
+                                          media_extras(placed, bs))
         else:
-            keys = self.key_cache.finish(work)
+            work = self.key_cache.start(tokens, request.target_model, request.cache_salt)
+            shared_blocks = len(work.keys)
+            previous_last_key = work.found.value[-1] if work.found is not None and work.found.value else None
+            if work.to_hash > OFFLOAD_KEYING_BLOCKS:  # ~1 ms per 3,000 blocks: keep the loop responsive
+                keys = await asyncio.to_thread(self.key_cache.finish, work)
+            else:
+                keys = self.key_cache.finish(work)
         names = [ep.name for ep in endpoints]
         matches: Mapping[str, Sequence[int]]
         if not keys:
@@ -272,7 +287,7 @@ class PrecisePrefixCacheProducer(DataProducer, PreRequestHook):
     # ---- after the pick ------------------------------------------------------------------------
     def pre_request(self, state: CycleState, request: InferenceRequest, result: SchedulingResult) -> None:
         picked: _Picked | None = state.get(self.name)
-        if picked is None or not picked.keys:
+        if picked is None or not picked.keys or not request.generates:  # a token count caches no prefix
             return
         for profile in result.profile_results.values():
             if profile is not None and profile.targets:

@@ -1,6 +1,6 @@
-"""Request and response handling of the OpenAI-style bodies the picker sees."""
+"""Reading requests (the parser chain, `parsing.py`) and what the picker does to every response (`response.py`)."""
 
-from epp.request.parsing import RequestParser, api_kind_for_path
-from epp.request.response import ResponseRewriter, parse_usage
+from epp.request.parsing import RequestParser, default_parsers
+from epp.request.response import ResponseRewriter
 
-__all__ = ["RequestParser", "ResponseRewriter", "api_kind_for_path", "parse_usage"]
+__all__ = ["RequestParser", "ResponseRewriter", "default_parsers"]

@@ -75,6 +75,16 @@ def match_subset(endpoints: Sequence[Endpoint], hint: Sequence[str]) -> list[End
     return [ep for ep in endpoints if ep.hostport in exact or ep.address in hosts]
 
 
+def _pinned(endpoints: Sequence[Endpoint], name: str) -> list[Endpoint]:
+    """The one endpoint a request is pinned to (its parser said it holds the state the request continues)."""
+    found = [ep for ep in endpoints if ep.name == name]
+    if not found:
+        raise InferenceError(ErrorCode.SERVICE_UNAVAILABLE,
+                             f"the request continues state held only by replica {name}, which is not ready to serve "
+                             "(unhealthy or asleep); retry later", drop_reason=DropReason.NO_ENDPOINTS)
+    return found
+
+
 @dataclass(frozen=True, slots=True)
 class Stage:
     """One step of the director's pipeline; `side_effects` says what it changes beyond the request (None: nothing).
@@ -167,17 +177,26 @@ class Director:
         forgotten in a GIE config; this cannot), exactly like unhealthy ones.
         """
         endpoints = [ep for ep in self.endpoints.snapshot() if ep.healthy and not ep.metrics.sleeping]
+        if request.pinned_endpoint is not None:
+            endpoints = _pinned(endpoints, request.pinned_endpoint)
         if self.use_subset_hint and request.subset_hint is not None:
             endpoints = match_subset(endpoints, request.subset_hint)
+            if not endpoints and request.pinned_endpoint is not None:
+                raise InferenceError(ErrorCode.SERVICE_UNAVAILABLE,
+                                     f"the request continues state held only by replica {request.pinned_endpoint}, "
+                                     "which the subset hint (x-gateway-destination-endpoint-subset) leaves out",
+                                     drop_reason=DropReason.NO_ENDPOINTS)
         if self.metrics_freshness_s is not None:
             endpoints = prefer_fresh(endpoints, self.metrics_freshness_s)
         return endpoints
 
-    def random_endpoint(self, subset_hint: Sequence[str] | None = None) -> Endpoint:
-        """Any healthy, awake endpoint (within the subset hint), for requests without a body."""
+    def random_endpoint(self, subset_hint: Sequence[str] | None = None, pinned: str | None = None) -> Endpoint:
+        """Any healthy, awake endpoint (within the subset hint), for requests without a body; `pinned`: that one."""
         endpoints = [ep for ep in self.endpoints.snapshot() if ep.healthy and not ep.metrics.sleeping]
         if not endpoints:
             raise InferenceError(ErrorCode.INTERNAL, "no pods available in datastore")
+        if pinned is not None:
+            endpoints = _pinned(endpoints, pinned)
         if self.use_subset_hint and subset_hint is not None:
             endpoints = match_subset(endpoints, subset_hint)
             if not endpoints:
@@ -366,7 +385,9 @@ class Director:
         tier: TierMatch | None = state.endpoint_data(PREFIX_TIER_MATCH, target.name)
         cpu = disk = 0
         characters = prompt_characters(request)
-        if tier is not None and tier.total_tokens > 0:
+        if not request.generates:  # a token count, say: the replica runs no prefill for it
+            prompt = uncached = 0
+        elif tier is not None and tier.total_tokens > 0:
             prompt, uncached = tier.total_tokens, tier.total_tokens - tier.cached_tokens
             cpu, disk = tier.cpu_tokens, tier.disk_tokens
         else:

@@ -16,11 +16,11 @@ import msgspec
 
 from epp.framework.errors import ErrorCode
 from epp.framework.headers import MODEL_REWRITE_HEADERS, header_value
+from epp.framework.jsonbody import nesting_exceeds
 from epp.framework.plugin import CycleState, SchedulingResult
 from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 from epp.logutil import log_failure
 from epp.metrics import EppMetrics
-from epp.request.jsoncheck import nesting_exceeds
 from epp.requestcontrol.director import Director
 
 log = logging.getLogger(__name__)
@@ -157,9 +157,10 @@ class RequestLifecycle:
         """Scheduled, and no first token (or whole response) seen yet."""
         return self.scheduled and not self.first_token_seen
 
-    def route_without_body(self, subset_hint: Sequence[str] | None) -> Endpoint:
-        """A request that ended with its headers goes to any eligible endpoint (GIE does the same)."""
-        self.target = self.director.random_endpoint(subset_hint)
+    def route_without_body(self, subset_hint: Sequence[str] | None, pinned: str | None = None) -> Endpoint:
+        """A request that ended with its headers goes to any eligible endpoint (GIE does the same), or to the
+        one its path's state is held on (`pinned`: a stored response's `GET`)."""
+        self.target = self.director.random_endpoint(subset_hint, pinned)
         self.scheduled = True
         return self.target
 
@@ -222,4 +223,13 @@ class RequestLifecycle:
             self.accounting.usage(series, self.response.usage)
         except Exception as exc:  # metrics of a finished request never fail the response
             log_failure(log, logging.ERROR, "token usage of request %s not recorded", exc, request.request_id)
-        self.director.response_complete(self.state, request, self.response, self.target)
+        response = self.response
+        if response.response_id is not None and request.format is not None and self.target is not None:
+            # The model server stored this response: its API's format remembers where (Responses follow-ups).
+            # Envoy names the endpoint that served it when that was not the first one picked.
+            try:
+                request.format.response_stored(request, response, response.served_endpoint or self.target.name)
+            except Exception as exc:
+                log_failure(log, logging.ERROR, "stored response of request %s not recorded", exc,
+                            request.request_id)
+        self.director.response_complete(self.state, request, response, self.target)

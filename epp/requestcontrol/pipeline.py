@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from epp.flowcontrol.config import FEATURE_GATE as FLOW_CONTROL_GATE
 from epp.flowcontrol.config import FlowControlConfig
+from epp.framework.parsing import Parser
 from epp.framework.plugin import (
                                   Admitter,
                                   CapacityGate,
@@ -107,7 +108,8 @@ class LoadedConfig:
     data_sources: tuple[DataSourceConfig, ...] = ()
     # How endpoints' metrics are scraped; None: no metrics source (`dataLayer.injectDefaults: false`).
     scrape: ScrapeSettings | None = ScrapeSettings()
-    parsers: tuple[Plugin, ...] = ()
+    # The request parsers in the order they are asked (`requestHandler.parsers`, or llm-d's default chain).
+    parsers: tuple[Parser, ...] = ()
     # The `flowControl` section, validated even when the feature gate is off; used only with the gate.
     flow_control_section: FlowControlConfig | None = None
     capacity_gates: tuple[CapacityGate, ...] = ()
@@ -122,7 +124,7 @@ class LoadedConfig:
     discovery: Plugin | None = None
 
     @property
-    def parser(self) -> Plugin | None:
+    def parser(self) -> Parser | None:
         """The first configured request parser (`requestHandler.parsers`), if any."""
         return self.parsers[0] if self.parsers else None
 
@@ -165,7 +167,8 @@ class LoadedConfig:
 
 def plugin_kinds(plugin: Plugin) -> list[str]:
     """What a plugin is (filter, scorer, ...), for messages and `describe`."""
-    kinds = [("filter", Filter), ("scorer", Scorer), ("picker", Picker), ("profile-handler", ProfileHandler),
+    kinds = [("parser", Parser),
+             ("filter", Filter), ("scorer", Scorer), ("picker", Picker), ("profile-handler", ProfileHandler),
              ("data-producer", DataProducer), ("admitter", Admitter), ("pre-request", PreRequestHook),
              ("first-token", FirstTokenHook), ("response-headers", ResponseHeadersHook),
              ("response-complete", ResponseCompleteHook),

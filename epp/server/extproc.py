@@ -22,10 +22,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from epp.debug.scores import ENDPOINT_SCORES_KEY, endpoint_scores_of
 from epp.flowcontrol.controller import EVICTED_MESSAGE, eviction_signal
 from epp.framework.errors import DropReason, ErrorCode, InferenceError
+from epp.framework.jsonbody import UnreadableResponse
+from epp.framework.types import InferenceRequest
 from epp.limits import Limits
 from epp.metrics import EppMetrics
 from epp.request.parsing import RequestParser
-from epp.request.response import ResponseRewriter, UnreadableBody, only_anthropic_preamble, parse_usage
+from epp.request.response import ResponseRewriter
 from epp.requestcontrol.director import Director
 from epp.requestcontrol.lifecycle import RequestAccounting, RequestLifecycle
 from epp.server import messages
@@ -56,16 +58,14 @@ def served_endpoint_of(req: pb.ProcessingRequest) -> str | None:
     return namespace.fields[SERVED_ENDPOINT_KEY].string_value or None
 
 
-def carries_token(chunk: bytes) -> bool:
-    """Whether a streamed response chunk holds generated output, not only the role announcement.
+def carries_token(request: InferenceRequest | None, chunk: bytes) -> bool:
+    """Whether a streamed response chunk holds generated output, as the request's API format reads it.
 
-    vLLM's first chat chunk carries `"role":"assistant","content":""`; it is sent with the first
-    token, but a server may send it earlier, so the first token is timed from the next chunk.
-    Anthropic streams open with `message_start` and `content_block_start` events: not output either.
+    A request routed without a body (no parser read it): any non-empty chunk.
     """
-    if not chunk.strip() or only_anthropic_preamble(chunk):
-        return False
-    return not (b'"role"' in chunk and b'"content":""' in chunk and chunk.count(b"data:") <= 1)
+    if request is None or request.format is None:
+        return bool(chunk.strip())
+    return request.format.carries_token(request, chunk)
 
 
 class _Stream:
@@ -114,7 +114,8 @@ class _Stream:
             self.trace = self.service.tracing.start(self.headers, self.life.state, self.grpc_metadata)
         if not msg.end_of_stream:
             return []  # held until the body has been scheduled
-        target = self.life.route_without_body(self.subset_hint)
+        pinned = self.service.parser.path_affinity(self.headers.get(":path") or "")
+        target = self.life.route_without_body(self.subset_hint, pinned)
         return [messages.request_headers_response(
             [(messages.DESTINATION_ENDPOINT_HEADER, target.hostport), (REQUEST_ID_HEADER, self.request_id),
              *self.trace.routed((target,))],
@@ -199,14 +200,15 @@ class _Stream:
         chunk = msg.body
         life = self.life
         response = life.response
+        request = life.request
         if response.streaming or self.passthrough:
-            if life.awaiting_first_token and carries_token(chunk):
+            if life.awaiting_first_token and carries_token(request, chunk):
                 life.first_token()
                 self.trace.first_token()
             if self.rewriter is not None:
                 chunk = self.rewriter.rewrite(chunk)
-            if response.streaming and response.usage is None and b"usage" in chunk:
-                response.usage = self._usage_of(chunk, sse=True)
+            if response.streaming and request is not None and request.format is not None:
+                self._read_streamed(request, chunk)
             replies = [messages.response_body_response(chunk, msg.end_of_stream)]
         # Held parts are dropped only once their reply is built: `pass_through` re-sends them on a failure.
         elif self.response_size + len(chunk) > self.service.max_body_bytes:
@@ -224,7 +226,8 @@ class _Stream:
             body = b"".join(self.response_parts) + chunk
             if self.rewriter is not None:
                 body = self.rewriter.rewrite(body)
-            response.usage = self._usage_of(body, sse=False)
+            if request is not None and request.format is not None:
+                self._read_whole(request, body)
             replies = [messages.response_body_response(piece, eos)
                        for piece, eos in messages.streamed_body_chunks(body)]
             self.response_parts = []
@@ -274,13 +277,29 @@ class _Stream:
         self.life.complete(aborted=True)
         self.trace.end(self.life.response)
 
-    def _usage_of(self, body: bytes, *, sse: bool) -> dict[str, Any] | None:
-        """Token usage of a response body; a body the picker cannot read is counted and passed on."""
+    def _read_streamed(self, request: InferenceRequest, chunk: bytes) -> None:
+        """Usage and the stored response's id from one streamed chunk, as the request's format reads them."""
+        fmt = request.format
+        assert fmt is not None
+        response = self.life.response
         try:
-            return parse_usage(body, sse=sse)
-        except UnreadableBody:
+            if response.usage is None:
+                response.usage = fmt.usage(request, chunk, streamed=True)
+            if response.response_id is None:
+                response.response_id = fmt.response_id(request, chunk, streamed=True)
+        except UnreadableResponse:
             self.service.unreadable_response("too_deep")
-            return None
+
+    def _read_whole(self, request: InferenceRequest, body: bytes) -> None:
+        """Usage and the stored response's id of a whole response; a body the picker cannot read is counted."""
+        fmt = request.format
+        assert fmt is not None
+        response = self.life.response
+        try:
+            response.usage = fmt.usage(request, body, streamed=False)
+            response.response_id = fmt.response_id(request, body, streamed=False)
+        except UnreadableResponse:
+            self.service.unreadable_response("too_deep")
 
     def pass_through(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         """The reply to a response message the picker failed on: the model server's bytes, unchanged."""
@@ -313,6 +332,10 @@ class ExtProcService(ExtProcTransport):
         self.parser = parser
         self.metrics: EppMetrics = metrics
         self._unreadable_logged = False
+
+    def error_body(self, err: InferenceError, path: str | None) -> bytes | None:
+        """The error body in the shape of the API whose parser claims `path` (Anthropic's on `/v1/messages`...)."""
+        return self.parser.error_body(err, path)
 
     def new_stream(self) -> _Stream:
         """A picker stream: its request is parsed, scheduled and its response read."""

@@ -15,7 +15,7 @@ from epp.framework.headers import (
     KV_CACHE_SOURCE_P2P_PORT_HEADER,
     PREFILLER_HOST_PORT_HEADER,
 )
-from epp.request.error_body import error_body, is_anthropic_path
+from epp.framework.types import openai_error_body
 
 # Some Envoy deployments cap streamed body messages at 64 KiB; GIE re-emits bodies in 62,000-byte pieces.
 BODY_CHUNK_LIMIT = 62_000
@@ -132,11 +132,11 @@ def response_trailers_response() -> pb.ProcessingResponse:
     return _RESPONSE_TRAILERS
 
 
-def error_response(err: InferenceError, path: str | None) -> pb.ProcessingResponse:
+def error_response(err: InferenceError, body: bytes | None = None) -> pb.ProcessingResponse:
     """Answer the client directly with `err`; the request goes nowhere.
 
-    The body is JSON in the shape client libraries read (Anthropic's on the Messages API, else
-    OpenAI's); a dropped request (429, 503) says why in `x-llm-d-request-dropped-reason`.
+    `body` is the JSON in the shape the request's API's clients read (its parser's `error_body`;
+    default OpenAI's); a dropped request (429, 503) says why in `x-llm-d-request-dropped-reason`.
     """
     headers = [("content-type", "application/json")]
     reason = err.drop_reason
@@ -144,4 +144,4 @@ def error_response(err: InferenceError, path: str | None) -> pb.ProcessingRespon
         headers.append((DROP_REASON_HEADER, reason))
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
         status=http_status_pb2.HttpStatus(code=err.code.http_status),
-        body=error_body(err, anthropic=is_anthropic_path(path)), headers=header_mutation(headers)))
+        body=body if body is not None else openai_error_body(err), headers=header_mutation(headers)))

@@ -199,7 +199,7 @@ class EppServer:
         if opts.tracing and self.tracing is None:
             self.tracing, self._owns_tracing = RequestTracing.from_environment(), True
         limits = opts.limits
-        parser = RequestParser(objectives, max_json_depth=limits.max_json_depth,
+        parser = RequestParser(objectives, parsers=pipeline.parsers, max_json_depth=limits.max_json_depth,
                                max_prompt_chars=limits.max_prompt_chars)
         parser.objective_priorities = self.objectives  # a live view: InferenceObjectives change at run time
         self.parser = parser

@@ -142,6 +142,14 @@ class ExtProcTransport(pb_grpc.ExternalProcessorServicer):
         """The handler of a new stream."""
         raise NotImplementedError
 
+    def error_body(self, err: InferenceError, path: str | None) -> bytes | None:
+        """The JSON body of an answer to `err` in the shape the path's API's clients read; None: OpenAI's."""
+        return None
+
+    def error_reply(self, err: InferenceError, path: str | None) -> pb.ProcessingResponse:
+        """The immediate answer to `err` on a request to `path`."""
+        return messages.error_response(err, self.error_body(err, path))
+
     def check_request_headers(self, headers: Any) -> None:
         """Raise 431 when request headers exceed the count or size limit."""
         entries = headers.headers
@@ -205,7 +213,7 @@ class ExtProcTransport(pb_grpc.ExternalProcessorServicer):
                 except InferenceError as err:
                     stream.rejected = True
                     stream.on_refused(err, counted=True)
-                    replies = [messages.error_response(err, stream.headers.get(":path"))]
+                    replies = [self.error_reply(err, stream.headers.get(":path"))]
                 except Exception as exc:
                     replies = self._on_failure(stream, req, exc)
                 for reply in replies:
@@ -214,14 +222,14 @@ class ExtProcTransport(pb_grpc.ExternalProcessorServicer):
             # Flow control's eviction (llm-d: 429 with the reason header); Envoy resets the upstream request.
             metrics.stream_errors.labels(interrupted.label).inc()
             stream.on_refused(interrupted.error, counted=False)
-            await context.write(messages.error_response(interrupted.error, stream.headers.get(":path")))
+            await context.write(self.error_reply(interrupted.error, stream.headers.get(":path")))
         except TimeoutError:
             metrics.stream_errors.labels("idle").inc()
             if not stream.rejected:
                 err = InferenceError(ErrorCode.REQUEST_TIMEOUT,
                                      f"no request data for {self.limits.stream_idle_timeout_s:g} s")
                 stream.on_refused(err, counted=False)
-                await context.write(messages.error_response(err, stream.headers.get(":path")))
+                await context.write(self.error_reply(err, stream.headers.get(":path")))
         except DecodeError:
             # A message that is not a ProcessingRequest: one log line (throttled), no traceback.
             metrics.stream_errors.labels("bad_message").inc()
@@ -251,7 +259,7 @@ class ExtProcTransport(pb_grpc.ExternalProcessorServicer):
                              f"too many concurrent requests (limit {self.limits.max_concurrent_streams})",
                              drop_reason=DropReason.SATURATED)
         path = header_map(first.request_headers.headers).get(":path") if first.HasField("request_headers") else None
-        await context.write(messages.error_response(err, path))
+        await context.write(self.error_reply(err, path))
 
     def _on_failure(self, stream: StreamHandler, req: pb.ProcessingRequest,
                     exc: Exception) -> list[pb.ProcessingResponse]:
@@ -267,7 +275,7 @@ class ExtProcTransport(pb_grpc.ExternalProcessorServicer):
         stream.rejected = True
         err = InferenceError(ErrorCode.INTERNAL, "internal error while processing request")
         stream.on_refused(err, counted=False)
-        return [messages.error_response(err, stream.headers.get(":path"))]
+        return [self.error_reply(err, stream.headers.get(":path"))]
 
     async def _dispatch(self, stream: StreamHandler, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         kind = req.WhichOneof("request")

@@ -4,7 +4,8 @@
   token-id prompts are used as they are; a list of prompts routes by its first one.
 - Chat: messages are rendered with the model's chat template (`add_generation_prompt` true by
   default) and tokenized without adding special tokens (vLLM's chat default), since the template
-  writes them itself. Anthropic Messages bodies are mapped onto chat messages as vLLM does first.
+  writes them itself. The request's parser gives the chat body (an Anthropic Messages body mapped
+  onto chat messages as vLLM does) or the text prompt: nothing here knows an API.
 - Prompts longer than `offload_chars` are rendered and tokenized in a worker thread (the
   `tokenizers` batch call releases the GIL), so the event loop never stalls on a 256 KB prompt.
 A model directory holds `tokenizer.json` and `tokenizer_config.json` (chat template, special
@@ -32,15 +33,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from tokenizers import Tokenizer
 
 from epp.framework.metrics import once_per_registry
-from epp.framework.types import ApiKind, InferenceRequest
-from epp.tokenization.chat_template import ChatTemplate, anthropic_chat_body
+from epp.framework.types import InferenceRequest
+from epp.tokenization.chat_template import ChatTemplate
 from epp.tokenization.hub import hub_model_dir, is_hub_source
 from epp.tokenization.prefix_cache import TokenizationCache
 from epp.tokenization.prefix_store import PrefixStoreMetrics
 
 log = logging.getLogger(__name__)
-# APIs whose prompt is rendered by the chat template.
-_CHAT_APIS = frozenset({ApiKind.CHAT_COMPLETIONS, ApiKind.MESSAGES})
 
 class TokenizationMetrics:
     """Cache outcomes, reused tokens, tokens held, and tokenizations by where they ran."""
@@ -204,32 +203,31 @@ class TokenizerPool:
             unavailable = self._dir_for(request.target_model) is not None
             self.metrics.failures.labels("tokenizer_unavailable" if unavailable else "no_tokenizer").inc()
             return None
-        if request.api in _CHAT_APIS:
-            template = tok.chat_template
-            if template is None:
-                self.metrics.failures.labels("no_chat_template").inc()
-                return None
-            if request.api is ApiKind.MESSAGES:
-                return tok.encode_chat(anthropic_chat_body(
-                    request.body, merge_inline_system=not template.accepts_inline_system))
-            return tok.encode_chat(request.body)
-        prompt = request.prompt
-        if isinstance(prompt, list) and prompt:
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            add_special = request.body.get("add_special_tokens", True) is not False
-            return tok.encode_text(prompt, add_special)
-        return None
+        fmt = request.format
+        if fmt is None:
+            return None
+        text = fmt.completion_text(request)
+        if text is not None:
+            return tok.encode_text(*text)
+        template = tok.chat_template
+        # Asked only with the template's answer: whether inline system messages are merged depends on it.
+        chat = fmt.chat_body(request, merge_inline_system=template is not None and not template.accepts_inline_system)
+        if chat is None:
+            return None
+        if template is None:
+            self.metrics.failures.labels("no_chat_template").inc()
+            return None
+        return tok.encode_chat(chat)
 
     async def tokenize(self, request: InferenceRequest) -> Sequence[int] | None:
         """The prompt token ids vLLM will see for `request` (an `array("I")` when tokenized here), or None."""
         direct = token_ids_of(request)
         if direct is not None:
             return direct
-        if request.api is not ApiKind.COMPLETIONS and request.api not in _CHAT_APIS:
+        if request.format is None:
             return None
         # The parser's count (role names included) when it made one: a walk of the messages saved.
-        size = request.prompt_chars if request.prompt_chars is not None else _prompt_chars(request)
+        size = request.prompt_chars if request.prompt_chars is not None else len(request.prompt_text())
         loaded = self._dir_for(request.target_model)
         cold = loaded is not None and loaded[0] not in self._tokenizers
         try:
@@ -249,27 +247,6 @@ class TokenizerPool:
 
 
 def token_ids_of(request: InferenceRequest) -> list[int] | None:
-    """A completions prompt given as token ids (or the first of a list of them)."""
-    if request.api is not ApiKind.COMPLETIONS:
-        return None
-    prompt = request.prompt
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)
-        if isinstance(prompt[0], list):
-            return list(prompt[0])
-    return None
-
-
-def _prompt_chars(request: InferenceRequest) -> int:
-    if request.api in _CHAT_APIS:
-        total = 0
-        for message in request.messages or ():
-            content = message.get("content") if isinstance(message, Mapping) else None
-            if isinstance(content, str):
-                total += len(content)
-            elif isinstance(content, Sequence):
-                total += sum(len(p.get("text", "")) for p in content if isinstance(p, Mapping))
-        return total
-    prompt = request.prompt
-    return len(prompt) if isinstance(prompt, str) else sum(len(p) for p in prompt or () if isinstance(p, str))
+    """The prompt's token ids when the client sent them (a completions prompt of ids, a token-in API)."""
+    ids = request.token_ids()
+    return list(ids) if ids is not None else None

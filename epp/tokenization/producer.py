@@ -23,7 +23,7 @@ import json
 import logging
 import ssl
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
@@ -36,21 +36,20 @@ from epp.framework import (
     DataProducer,
     Endpoint,
     InferenceRequest,
+    MediaItem,
     PluginContext,
     PluginParams,
     PluginRegistry,
     once_per_registry,
 )
 from epp.framework.datakeys import PROMPT_TOKENS, PromptTokens
-from epp.framework.types import ApiKind
-from epp.tokenization.chat_template import anthropic_chat_body
 from epp.tokenization.estimate import EstimateSettings, describe_estimate
 from epp.tokenization.pool import TokenizerPool
 
 log = logging.getLogger(__name__)
 
-RENDER_PATHS = {ApiKind.COMPLETIONS: "/v1/completions/render", ApiKind.CHAT_COMPLETIONS: "/v1/chat/completions/render",
-                ApiKind.RESPONSES: "/v1/responses/render", ApiKind.MESSAGES: "/v1/messages/render"}
+# What the start-up probe renders (any vLLM that serves the render API serves this one).
+PROBE_RENDER_PATH = "/v1/completions/render"
 TOKENIZE_PATH = "/tokenize"
 # The chat fields vLLM's /tokenize takes besides the messages.
 _TOKENIZE_CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
@@ -69,29 +68,33 @@ class _Metrics:
                                   "of rendered prompts", ["plugin"], registry=registry)
 
 
+# A rendered prompt: its token ids and its media items (with their placeholder ranges).
+_Rendered = tuple[tuple[int, ...], tuple[MediaItem, ...]]
+
+
 class _TokenCache:
     """Rendered prompts by body digest, bounded by the tokens held; least recently used out."""
 
     def __init__(self, capacity_tokens: int, gauge: Gauge) -> None:
         self.capacity = capacity_tokens
         self.tokens = 0
-        self._entries: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
+        self._entries: OrderedDict[bytes, _Rendered] = OrderedDict()
         self._gauge = gauge
 
-    def get(self, key: bytes) -> tuple[int, ...] | None:
+    def get(self, key: bytes) -> _Rendered | None:
         found = self._entries.get(key)
         if found is not None:
             self._entries.move_to_end(key)
         return found
 
-    def put(self, key: bytes, ids: tuple[int, ...]) -> None:
-        if len(ids) > self.capacity or key in self._entries:
+    def put(self, key: bytes, rendered: _Rendered) -> None:
+        if len(rendered[0]) > self.capacity or key in self._entries:
             return
-        self._entries[key] = ids
-        self.tokens += len(ids)
+        self._entries[key] = rendered
+        self.tokens += len(rendered[0])
         while self.tokens > self.capacity:
             _, dropped = self._entries.popitem(last=False)
-            self.tokens -= len(dropped)
+            self.tokens -= len(dropped[0])
         self._gauge.set(self.tokens)
 
 
@@ -202,7 +205,7 @@ class TokenProducer(DataProducer):
         """Render `modelName` once: a renderer that refuses the render API (403/404/405) means /tokenize."""
         body = {"model": self.model_name, "prompt": "probe", "max_tokens": 1}
         try:
-            status, _ = await self._post(RENDER_PATHS[ApiKind.COMPLETIONS], body, self.timeout_s)
+            status, _ = await self._post(PROBE_RENDER_PATH, body, self.timeout_s)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             log.warning("token-producer %s: %s does not answer (%r); rendering is tried per request", self.name,
                         self.url, exc)
@@ -234,7 +237,7 @@ class TokenProducer(DataProducer):
 
     async def _render(self, request: InferenceRequest) -> PromptTokens | None:
         outcomes = self._metrics.outcomes.labels
-        path, body = self._request_for(request)
+        path, body, chat = self._request_for(request)
         if path is None:
             outcomes(self.name, self.backend, "unsupported").inc()
             return None
@@ -243,8 +246,8 @@ class TokenProducer(DataProducer):
         cached = self._cache.get(key)
         if cached is not None:
             outcomes(self.name, self.backend, "cached").inc()
-            return PromptTokens(cached, exact=True)
-        timeout = self.timeout_s if request.api is ApiKind.COMPLETIONS else self.chat_timeout_s
+            return PromptTokens(cached[0], exact=True, media=cached[1])
+        timeout = self.chat_timeout_s if chat else self.timeout_s
         try:
             async with self._semaphore:
                 status, answer = await self._post(path, data, timeout)
@@ -259,33 +262,36 @@ class TokenProducer(DataProducer):
         if ids is None:
             outcomes(self.name, self.backend, "failed").inc()
             return None
+        media = _rendered_media(answer, len(ids))
         outcomes(self.name, self.backend, "tokenized" if path == TOKENIZE_PATH else "rendered").inc()
-        self._cache.put(key, ids)
-        return PromptTokens(ids, exact=True)
+        self._cache.put(key, (ids, media))
+        return PromptTokens(ids, exact=True, media=media)
 
-    def _request_for(self, request: InferenceRequest) -> tuple[str | None, dict[str, Any]]:
-        """The renderer path and JSON body for this request (None: the API has no rendering)."""
-        body = dict(request.body)
+    def _request_for(self, request: InferenceRequest) -> tuple[str | None, dict[str, Any], bool]:
+        """The renderer path and JSON body for this request, and whether it is a chat (None: the API has no rendering).
+
+        What to send is the request's parser's to say (`RequestFormat`): its render API call, or
+        for `/tokenize` its text prompt or chat body.
+        """
+        fmt = request.format
+        if fmt is None:
+            return None, {}, False
         if self._use_tokenize:
-            if request.api is ApiKind.COMPLETIONS and isinstance(request.prompt, str):
-                return TOKENIZE_PATH, {"model": request.target_model, "prompt": request.prompt,
-                                       "add_special_tokens": body.get("add_special_tokens", True) is not False}
-            if request.api is ApiKind.CHAT_COMPLETIONS and request.messages is not None:
-                out = {"model": request.target_model, "messages": request.messages}
-                out.update({k: body[k] for k in _TOKENIZE_CHAT_FIELDS if k in body})
-                return TOKENIZE_PATH, out
-            if request.api is ApiKind.MESSAGES:
-                # The model's template is not known here: inline system messages are sent as they are.
-                out = anthropic_chat_body(body)
-                out["model"] = request.target_model
-                return TOKENIZE_PATH, out
-            return None, {}
-        path = RENDER_PATHS.get(request.api)
-        if path is not None and self.prefill_only:
-            body["max_tokens"] = 1  # a render-only output budget (llm-d's prefillOnly)
-            if "max_completion_tokens" in body:
-                body["max_completion_tokens"] = 1
-        return path, body
+            text = fmt.completion_text(request)
+            if text is not None:
+                return TOKENIZE_PATH, {"model": request.target_model, "prompt": text[0],
+                                       "add_special_tokens": text[1]}, False
+            # The model's template is not known here: inline system messages are sent as they are.
+            chat = fmt.chat_body(request)
+            if chat is None:
+                return None, {}, False
+            out: dict[str, Any] = {"model": request.target_model, "messages": chat.get("messages")}
+            out.update({k: chat[k] for k in _TOKENIZE_CHAT_FIELDS if k in chat})
+            return TOKENIZE_PATH, out, True
+        render = fmt.render_request(request, prefill_only=self.prefill_only)
+        if render is None:
+            return None, {}, False
+        return render.path, dict(render.body), render.chat
 
     async def _post(self, path: str, body: dict[str, Any] | bytes, timeout: float) -> tuple[int, Any]:
         if self._session is None:
@@ -310,23 +316,38 @@ def _token_ids(answer: Any) -> tuple[int, ...] | None:
     return tuple(ids)
 
 
-def _prompt_text(request: InferenceRequest) -> str:
-    prompt = request.prompt
-    if isinstance(prompt, str):
-        return prompt
-    parts: list[str] = []
-    for message in request.messages or ():
-        content = message.get("content") if isinstance(message, Mapping) else None
-        if isinstance(content, str):
-            parts.append(content)
-        elif isinstance(content, list):
-            parts.extend(str(block.get("text", "")) for block in content if isinstance(block, Mapping))
-    return "\n".join(parts)
+def _rendered_media(answer: Any, token_count: int) -> tuple[MediaItem, ...]:
+    """The media items of a render answer (`features`: hashes and placeholder ranges by modality), in prompt order.
+
+    A `/tokenize` answer, or features that do not fit the token ids, give none: the ids are still exact.
+    """
+    if isinstance(answer, list):
+        answer = answer[0] if len(answer) == 1 else None
+    features = answer.get("features") if isinstance(answer, dict) else None
+    if not isinstance(features, dict):
+        return ()
+    hashes, places = features.get("mm_hashes"), features.get("mm_placeholders")
+    if not isinstance(hashes, dict) or not isinstance(places, dict):
+        return ()
+    out = []
+    for modality, idents in hashes.items():
+        spans = places.get(modality)
+        if not isinstance(idents, list) or not isinstance(spans, list) or len(idents) != len(spans):
+            return ()
+        for ident, span in zip(idents, spans):
+            offset = span.get("offset") if isinstance(span, dict) else None
+            length = span.get("length") if isinstance(span, dict) else None
+            if not isinstance(ident, str) or not isinstance(offset, int) or not isinstance(length, int) \
+                    or offset < 0 or length < 1 or offset + length > token_count:
+                return ()
+            out.append(MediaItem(str(modality), ident, 0, engine_hash=ident, token_offset=offset,
+                                 token_length=length))
+    return tuple(sorted(out, key=lambda m: m.token_offset or 0))
 
 
 def estimate_token_ids(request: InferenceRequest) -> tuple[int, ...]:
     """llm-d's `estimate` backend: every 4 bytes of prompt text packed into one id (a count, not the engine's ids)."""
-    data = _prompt_text(request).encode()
+    data = request.prompt_text().encode("utf-8", "surrogatepass")
     step = ESTIMATE_BYTES_PER_TOKEN
     return tuple(int.from_bytes(data[i:i + step], "little") for i in range(0, len(data), step))
 

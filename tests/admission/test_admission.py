@@ -11,7 +11,6 @@ from prometheus_client import CollectorRegistry
 from epp.config import load_config_text
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
 from epp.framework import (
-    ApiKind,
     ConfigError,
     CycleState,
     DataProducer,
@@ -39,7 +38,7 @@ def endpoints(*queues: int) -> list[Endpoint]:
 
 
 def request(priority: int) -> InferenceRequest:
-    return InferenceRequest("r", ApiKind.COMPLETIONS, "m", "m", {"prompt": "x"}, priority=priority)
+    return InferenceRequest("r", "completions", "m", "m", {"prompt": "x"}, priority=priority)
 
 
 def admitter(detector: SaturationDetector, **context) -> SaturationAdmitter:

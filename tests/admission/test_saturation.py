@@ -9,7 +9,7 @@ import pytest
 from epp.framework.errors import ConfigError
 from epp.framework.plugin import CycleState, PluginContext
 from epp.framework.registry import PluginRegistry
-from epp.framework.types import ApiKind, Endpoint, EndpointMetrics, InferenceRequest
+from epp.framework.types import Endpoint, EndpointMetrics, InferenceRequest
 from epp.scorers.saturation import UtilizationDetector, register
 
 NOW = 1000.0
@@ -23,7 +23,7 @@ def endpoint(i: int, q: int = 0, kv: float = 0.0, at: float = FRESH, healthy: bo
 
 
 def request() -> InferenceRequest:
-    return InferenceRequest("r1", ApiKind.COMPLETIONS, "m", "m", {"prompt": "hi"})
+    return InferenceRequest("r1", "completions", "m", "m", {"prompt": "hi"})
 
 
 @pytest.mark.parametrize("endpoints, expected", [

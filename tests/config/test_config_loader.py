@@ -260,8 +260,8 @@ INVALID = [
     (HEADER + P + "saturationDetector: {pluginRef: detector}\n",
      "epp.yaml: saturationDetector.pluginRef: unknown plugin 'detector'; defined plugins: queue-scorer"),
     (HEADER + P + "parser: {pluginRef: queue-scorer}\n",
-     "epp.yaml: parser.pluginRef: plugin 'queue-scorer' has type queue-scorer; allowed types: openai-parser, "
-     "anthropic-parser, passthrough-parser"),
+     "epp.yaml: parser.pluginRef: plugin 'queue-scorer' has type queue-scorer, which is not a request parser; "
+     "parser types: anthropic-parser, openai-parser, passthrough-parser, sglanghttp-parser, vllmhttp-parser"),
     (HEADER + P + "dataLayer:\n  sources:\n  - pluginRef: queue-scorer\n",
      "epp.yaml: dataLayer.sources[0].pluginRef: plugin 'queue-scorer' has type queue-scorer; allowed types: "
      "metrics-data-source"),

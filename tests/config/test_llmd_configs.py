@@ -162,11 +162,13 @@ parser: {pluginRef: openai-parser}
 saturationDetector: {pluginRef: strict}
 """)
     assert loaded.plugins[0].type_name == "label-selector-filter"
-    assert [p.name for p in loaded.parsers] == ["openai-parser"]
+    assert [p.name for p in loaded.parsers] == ["openai-parser", "passthrough-parser"]
     assert loaded.saturation_detector is loaded.plugin("strict")
     assert loaded.notes == (
         "plugins[0].type: by-label-selector is deprecated in llm-d; loaded as label-selector-filter",
         "parser: deprecated; copied into requestHandler.parsers (as in llm-d)",
+        "requestHandler.parsers: no fallback parser listed; passthrough-parser added last, so requests on paths no "
+        "listed parser claims are routed by load with their body unread",
         "saturationDetector: deprecated; copied into flowControl.saturationDetector (as in llm-d)",
     )
 
@@ -277,8 +279,12 @@ REFUSED = [
             "[{pluginRef: core-metrics-extractor}]}\n  - {pluginRef: b, extractors: [{pluginRef: "
             "core-metrics-extractor}]}\n",
      "epp.yaml: dataLayer.sources[1]: only one metrics-data-source is supported"),
-    (LLMD + "plugins:\n- type: passthrough-parser\nrequestHandler: {parsers: [{pluginRef: passthrough-parser}]}\n",
-     "epp.yaml: requestHandler.parsers[0].pluginRef: this picker always parses OpenAI requests; list openai-parser"),
+    (LLMD + "plugins:\n- type: passthrough-parser\nrequestHandler: {parsers: [{pluginRef: passthrough-parser}, "
+            "{pluginRef: passthrough-parser}]}\n",
+     "epp.yaml: requestHandler.parsers[1].pluginRef: parser 'passthrough-parser' is listed twice"),
+    (LLMD + "plugins:\n- type: vllmgrpc-parser\n",
+     "epp.yaml: plugins[0].type: llm-d plugin type 'vllmgrpc-parser' is not supported here: gRPC request bodies are "
+     "not read (HTTP/JSON APIs only); use vllmhttp-parser"),
     (LLMD + "plugins:\n- type: token-producer\n  parameters: {vllm: {url: 'http://r:8000'}}\n",
      "epp.yaml: plugins[0].parameters: plugin 'token-producer': parameter 'modelName' is required with the vllm "
      "backend"),

@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent("""
     import asyncio, json
     from types import MappingProxyType
     from epp.config import load_config_text, describe
-    from epp.framework import ApiKind, CycleState, Endpoint, EndpointMetrics, InferenceRequest
+    from epp.framework import CycleState, Endpoint, EndpointMetrics, InferenceRequest
 
     CONFIG = '''
     apiVersion: inference.networking.x-k8s.io/v1alpha1
@@ -39,7 +39,7 @@ SCRIPT = textwrap.dedent("""
         eps = [Endpoint("10.1.0.%d" % i, 8000, metrics=EndpointMetrics(kv_cache_usage=kv))
                for i, kv in enumerate([0.45, 0.05, 0.30, 0.90])]
         scorer = loaded.plugin("kv-headroom-scorer")
-        req = InferenceRequest("r1", ApiKind.COMPLETIONS, "m", "m", {"model": "m", "prompt": "hi"})
+        req = InferenceRequest("r1", "completions", "m", "m", {"model": "m", "prompt": "hi"})
         state = CycleState()
         picks = {loaded.scheduler.schedule(CycleState(), req, eps).targets[0].name for _ in range(20)}
         scores = scorer.score(state, req, eps)

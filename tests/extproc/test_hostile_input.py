@@ -213,12 +213,12 @@ async def test_garbage_protobuf_logs_one_line_without_traceback(picker, caplog):
 
 async def test_any_failure_in_a_response_phase_passes_the_bytes_through(picker, monkeypatch):
     server, client = picker
-    import epp.server.extproc as extproc
+    from epp.scorers.parsers.openai import OpenAIParser
 
-    def unreadable(body, *, sse):
+    def unreadable(self, request, body, *, streamed):
         raise LookupError("a bug in reading usage")
 
-    monkeypatch.setattr(extproc, "parse_usage", unreadable)
+    monkeypatch.setattr(OpenAIParser, "usage", unreadable)
     chunks = [b'{"usage":{"prompt_tokens":', b"3}", b',"x":1}']
     replies = await client.exchange(
         [request_headers(), request_body(b'{"model":"m","prompt":"hello"}'),

@@ -12,7 +12,7 @@ import epp.requestcontrol.director as director_module
 from epp.datalayer.registry import EndpointRegistry, parse_endpoint_list
 from epp.framework.errors import ErrorCode, InferenceError
 from epp.framework.plugin import DataProducer
-from epp.framework.types import ApiKind, InferenceRequest
+from epp.framework.types import InferenceRequest
 from epp.metrics import EppMetrics
 from epp.requestcontrol.director import Director
 from epp.requestcontrol.lifecycle import RequestAccounting, RequestLifecycle
@@ -31,7 +31,7 @@ def _open(director: Director) -> RequestLifecycle:
 
 
 def _request(model: str = "m", target: str = "m-v2", priority: int = 0) -> InferenceRequest:
-    return InferenceRequest(request_id="r1", api=ApiKind.COMPLETIONS, model=model, target_model=target,
+    return InferenceRequest(request_id="r1", api="completions", model=model, target_model=target,
                             body={"model": model, "prompt": "hello"}, headers={}, priority=priority)
 
 

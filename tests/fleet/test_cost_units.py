@@ -14,7 +14,7 @@ from epp.datalayer.registry import EndpointRegistry, EndpointSpec
 from epp.fleet.cost import PriceError, cost_lines, load_prices, read_counters, window_counters
 from epp.fleet.pool_gauges import PoolGauges, RateWindow
 from epp.framework.plugin import CycleState
-from epp.framework.types import ApiKind, EndpointMetrics, InferenceRequest, ResponseInfo
+from epp.framework.types import EndpointMetrics, InferenceRequest, ResponseInfo
 from epp.server.runner import EppServer, ServeOptions
 
 PAGE = """# TYPE epp_prompt_tokens_reported counter
@@ -115,7 +115,7 @@ async def test_cost_command_scrapes_a_live_picker_twice(tmp_path):
                                     scrape_metrics=False))
     await server.start()
     try:
-        request = InferenceRequest("r", ApiKind.COMPLETIONS, "m", "m", {})
+        request = InferenceRequest("r", "completions", "m", "m", {})
         usage = {"prompt_tokens": 100, "completion_tokens": 5, "prompt_tokens_details": {"cached_tokens": 60}}
         server.accounting.on_response_complete(CycleState(), request, ResponseInfo(usage=usage), None)
         (tmp_path / "p.yaml").write_text("default: {input: 1, cached: 0.5, output: 2}\n")

@@ -14,7 +14,7 @@ from epp.datalayer.registry import EndpointRegistry, EndpointSpec
 from epp.datalayer.scraper import MetricsScraper
 from epp.framework.errors import InferenceError
 from epp.framework.plugin import CycleState
-from epp.framework.types import ApiKind, EndpointMetrics, InferenceRequest
+from epp.framework.types import EndpointMetrics, InferenceRequest
 from tests.fleet.support import config, spec, start_fleet
 from tests.support.pods import start_picker
 from tests.support.ports import free_port
@@ -29,7 +29,7 @@ vllm:num_requests_waiting{{engine="0",model_name="m"}} 0
 
 
 def request_for(model: str, i: int = 0) -> InferenceRequest:
-    return InferenceRequest(request_id=f"r{i}", api=ApiKind.COMPLETIONS, model=model, target_model=model,
+    return InferenceRequest(request_id=f"r{i}", api="completions", model=model, target_model=model,
                             body={"model": model, "prompt": f"question {i}", "max_tokens": 1})
 
 

@@ -18,13 +18,13 @@ from epp.flowcontrol.controller import (
 from epp.flowcontrol.usage import PriorityHoldbackPolicy
 from epp.framework import ConfigError, CycleState, PluginParams, ProfileRunResult, SchedulingResult
 from epp.framework.load import InflightLedger
-from epp.framework.types import ApiKind, Endpoint, InferenceRequest, ResponseInfo
+from epp.framework.types import Endpoint, InferenceRequest, ResponseInfo
 
 A, B = Endpoint("10.0.0.1", 8000), Endpoint("10.0.0.2", 8000)
 
 
 def request(rid: str, priority: int = 0, prompt_chars: int = 400) -> InferenceRequest:
-    return InferenceRequest(rid, ApiKind.COMPLETIONS, "m", "m", {"prompt": "x" * prompt_chars}, priority=priority)
+    return InferenceRequest(rid, "completions", "m", "m", {"prompt": "x" * prompt_chars}, priority=priority)
 
 
 def placed_on(detector: ConcurrencyDetector, endpoint: Endpoint, req: InferenceRequest) -> CycleState:

@@ -14,7 +14,7 @@ from epp.flowcontrol.controller import Dispatch, FlowController
 from epp.flowcontrol.usage import StaticUsageLimitPolicy
 from epp.framework.errors import DropReason, InferenceError
 from epp.framework.load import Booking, InflightLedger
-from epp.framework.types import ApiKind, Endpoint, EndpointMetrics, InferenceRequest
+from epp.framework.types import Endpoint, EndpointMetrics, InferenceRequest
 from epp.scorers.saturation import UtilizationDetector
 
 
@@ -48,7 +48,7 @@ def place(fc: FlowController, dispatch: Dispatch, endpoint: str) -> Booking:
 
 
 def request(rid: str, priority: int = 0, tenant: str = "default-flow", **headers: str) -> InferenceRequest:
-    return InferenceRequest(rid, ApiKind.COMPLETIONS, "m", "m", {"prompt": "hi"}, headers=headers,
+    return InferenceRequest(rid, "completions", "m", "m", {"prompt": "hi"}, headers=headers,
                             priority=priority, fairness_id=tenant)
 
 

@@ -20,7 +20,7 @@ from epp.flowcontrol.program_aware import ProgramAwareFairness
 from epp.flowcontrol.queues import PriorityBand
 from epp.framework import ConfigError, CycleState, PluginContext, PluginParams, ResponseInfo
 from epp.framework.load import InflightLedger
-from epp.framework.types import ApiKind, Endpoint, InferenceRequest
+from epp.framework.types import Endpoint, InferenceRequest
 from tests.support.scheduling import DirectorHarness
 
 
@@ -330,7 +330,7 @@ class Pool:
 
 
 def request(rid: str, program: str) -> InferenceRequest:
-    return InferenceRequest(rid, ApiKind.COMPLETIONS, "m", "m", {"prompt": "x" * 400}, fairness_id=program)
+    return InferenceRequest(rid, "completions", "m", "m", {"prompt": "x" * 400}, fairness_id=program)
 
 
 async def test_through_the_controller_finished_turns_charge_their_program():

@@ -16,7 +16,7 @@ from epp.flowcontrol.controller import FlowController, PredictedLatency
 from epp.flowcontrol.ordering import SLODeadlineOrderingPolicy
 from epp.framework.errors import InferenceError
 from epp.framework.load import InflightLedger
-from epp.framework.types import ApiKind, Endpoint, EndpointMetrics, InferenceRequest
+from epp.framework.types import Endpoint, EndpointMetrics, InferenceRequest
 from epp.scorers.saturation import UtilizationDetector
 from tests.flowcontrol.test_controller import Pool, place
 from tests.support.scheduling import DirectorHarness
@@ -32,7 +32,7 @@ def slo_controller(pool: Pool, policy: SLODeadlineOrderingPolicy, section: str =
 
 
 def request(rid: str, ttft_ms: float | None = None, priority: int = 0) -> InferenceRequest:
-    return InferenceRequest(rid, ApiKind.COMPLETIONS, "m", "m", {"prompt": "hi"}, priority=priority,
+    return InferenceRequest(rid, "completions", "m", "m", {"prompt": "hi"}, priority=priority,
                             slo_ttft_ms=ttft_ms)
 
 

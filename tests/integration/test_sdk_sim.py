@@ -111,16 +111,21 @@ async def test_openai_responses_and_a_follow_up_on_the_replica_that_holds_it(sta
     first = raw.parse()
     holder = raw.headers["x-sim-replica"]
     assert first.status == "incomplete" and first.output_text.strip() and first.usage.output_tokens == 6
-    pinned = {SUBSET: stack.replicas[holder]}
-    follow_up = await client.responses.create(model="sim-model", input="And hoes?", previous_response_id=first.id,
-                                              max_output_tokens=4, extra_headers=pinned)
+    # The picker learned which replica stored the response: the follow-up goes there, no header needed.
+    raw_follow_up = await client.responses.with_raw_response.create(
+        model="sim-model", input="And hoes?", previous_response_id=first.id, max_output_tokens=4)
+    follow_up = raw_follow_up.parse()
+    assert raw_follow_up.headers["x-sim-replica"] == holder
     assert follow_up.previous_response_id == first.id
     assert follow_up.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // 16 * 16 > 0
-    # Sent to the other replica, the follow-up gets vLLM's 404: a routing mistake shows.
+    # A subset hint that leaves that replica out cannot be honoured: the picker says so.
     other = next(name for name in stack.replicas if name != holder)
-    with pytest.raises(openai.NotFoundError, match=f"Response with id '{first.id}' not found"):
+    with pytest.raises(openai.InternalServerError, match=f"held only by replica {stack.replicas[holder]}"):
         await client.responses.create(model="sim-model", input="And hoes?", previous_response_id=first.id,
                                       extra_headers={SUBSET: stack.replicas[other]})
+    # An id the picker never saw goes anywhere; a replica that does not hold it answers vLLM's 404.
+    with pytest.raises(openai.NotFoundError, match="Response with id 'resp_never_stored' not found"):
+        await client.responses.create(model="sim-model", input="And hoes?", previous_response_id="resp_never_stored")
     events = []
     async with client.responses.stream(model="sim-model", input="Stream it.", max_output_tokens=3) as stream:
         async for event in stream:

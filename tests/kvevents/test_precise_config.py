@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from epp.config.compose import endpoint_picker_config, plugin
-from epp.framework.types import ApiKind, Endpoint, InferenceRequest
+from epp.framework.types import Endpoint, InferenceRequest
 from epp.kvevents.decoding import decode_batch
 from tests.kvevents import wire
+from tests.support.requests import format_of
 from tests.support.scheduling import DirectorHarness
 
 
@@ -27,7 +28,7 @@ async def pick(cpu_weight: float) -> str:
     producer.index.apply_batch(a.name, decode_batch(wire.encode_batch([wire.stored([1, 2], tokens[:8])])), "m")
     producer.index.apply_batch(b.name, decode_batch(wire.encode_batch(
         [wire.stored([1, 2, 3, 4], tokens[:16], medium="CPU")])), "m")
-    result, _ = await picker.cycle(InferenceRequest("r", ApiKind.COMPLETIONS, "m", "m", {"prompt": tokens}), [a, b])
+    result, _ = await picker.cycle(InferenceRequest("r", "completions", "m", "m", {"prompt": tokens}, format=format_of("completions")), [a, b])
     return result.targets[0].name
 
 

@@ -22,13 +22,14 @@ from epp.framework.plugin import (
     ProfileRunResult,
     SchedulingResult,
 )
-from epp.framework.types import ApiKind, Endpoint, EndpointMetrics, InferenceRequest
+from epp.framework.types import Endpoint, EndpointMetrics, InferenceRequest
 from epp.kvevents import producer as precise_prefix
 from epp.kvevents.decoding import decode_batch
 from epp.scorers import predicted_ttft
 from epp.scorers.prefix import PrefixCacheScorer
 from tests.kvevents import wire
 from tests.kvevents.publisher import FakePublisher
+from tests.support.requests import format_of
 
 BS = 4
 TOKENS = list(range(500, 532))  # 8 blocks of 4
@@ -53,7 +54,7 @@ def producer(**params):
 
 
 def request(tokens=TOKENS, model="m", salt=None):
-    return InferenceRequest("r1", ApiKind.COMPLETIONS, model, model, {"prompt": list(tokens)}, cache_salt=salt)
+    return InferenceRequest("r1", "completions", model, model, {"prompt": list(tokens)}, cache_salt=salt, format=format_of("completions"))
 
 
 def feed(prod, endpoint, *events):
@@ -175,7 +176,7 @@ async def test_string_prompts_are_tokenized_with_the_models_tokenizer(tmp_path):
     prod = producer(tokenizers={"tiny": str(model_dir)})
     await prod.start()
     try:
-        req = InferenceRequest("r", ApiKind.COMPLETIONS, "tiny", "tiny", {"prompt": "the cache block " * 20})
+        req = InferenceRequest("r", "completions", "tiny", "tiny", {"prompt": "the cache block " * 20}, format=format_of("completions"))
         tokens = await prod.prompt_tokens(req)
         assert tokens and tokens[0] == prod.tokenizers.load("tiny").special_prefix[0]
         prod.index.apply_batch(A.name, decode_batch(wire.encode_batch([wire.stored([1], list(tokens[:BS]))])), "tiny")
@@ -340,8 +341,8 @@ async def test_real_vllm_events_and_requests_match_end_to_end(tmp_path):
             prod.index.apply_batch(replica.name, decode_batch(base64.b64decode(frame["payload_b64"])), "tiny")
         for name, blocks in (("chat_turn2", 293 // block), ("prefix_a", 385 // block), ("salted_prefix_a", 0)):
             body = requests[name]["body"]
-            api = ApiKind.CHAT_COMPLETIONS if requests[name]["kind"] == "chat" else ApiKind.COMPLETIONS
-            req = InferenceRequest("r", api, "tiny", "tiny", body, cache_salt=body.get("cache_salt"))
+            api = "chat/completions" if requests[name]["kind"] == "chat" else "completions"
+            req = InferenceRequest("r", api, "tiny", "tiny", body, cache_salt=body.get("cache_salt"), format=format_of(api))
             state = CycleState()
             await prod.prepare(state, req, [replica])
             info = state.endpoint_data(PREFIX_MATCH_INFO, replica.name)

@@ -14,12 +14,13 @@ from epp.framework.datakeys import PREFIX_MATCH_INFO
 from epp.framework.errors import ConfigError
 from epp.framework.plugin import CycleState, PluginContext
 from epp.framework.registry import PluginRegistry
-from epp.framework.types import ApiKind, Endpoint, InferenceRequest
+from epp.framework.types import Endpoint, InferenceRequest
 from epp.kvevents import producer as precise_prefix
 from epp.kvevents.decoding import decode_batch
 from epp.kvevents.redis_index import RedisKVIndex
 from epp.scorers import register_builtin_plugins
 from tests.kvevents import wire
+from tests.support.requests import format_of
 
 pytestmark = pytest.mark.redis  # needs redis-server: skipped locally without it, a failure under CI
 
@@ -74,7 +75,7 @@ def test_bad_backend_settings_are_config_errors(params, message):
 
 async def route(loaded) -> tuple[str, dict[str, float]]:
     """One request through the producer and the scheduler: the pick and each endpoint's matched blocks."""
-    request = InferenceRequest("r", ApiKind.COMPLETIONS, "m", "m", {"prompt": TOKENS})
+    request = InferenceRequest("r", "completions", "m", "m", {"prompt": TOKENS}, format=format_of("completions"))
     state = CycleState()
     for producer in loaded.data_producers:
         await producer.prepare(state, request, [A, B])

@@ -18,10 +18,11 @@ import pytest
 
 from epp.engine.sim import FleetConfig, SimFleet
 from epp.engine.sim.fleet import default_tokenizer_dir
-from epp.framework.types import ApiKind, InferenceRequest
+from epp.framework.types import InferenceRequest
 from epp.kvevents.decoding import Tier
 from tests.support.configs import endpoint_picker_config, plugin
 from tests.support.precise import Picker, fleet_specs, post_completion, prompt_of
+from tests.support.requests import format_of
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -46,7 +47,7 @@ def picker_config(tokenizer_dir: str, prefill_s: float) -> str:
 async def predicted_ttft(picker: Picker, prefill_s: float, request: str, endpoints: list[str]) -> dict[str, float]:
     """The documented formula, from the picker's scraped metrics and index (GPU-only blocks here)."""
     tokens = await picker.producer.prompt_tokens(
-        InferenceRequest("probe", ApiKind.COMPLETIONS, MODEL, MODEL, {"prompt": request}))
+        InferenceRequest("probe", "completions", MODEL, MODEL, {"prompt": request}, format=format_of("completions")))
     held = await picker.held_tiers(MODEL, request, endpoints)
     out = {}
     for name in endpoints:

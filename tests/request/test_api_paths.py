@@ -1,4 +1,4 @@
-"""Which API a path names, what each API's body must hold, and paths no parser reads (passed through)."""
+"""Which parser and API a path names, what each API's body must hold, and paths no parser reads (passed through)."""
 
 from __future__ import annotations
 
@@ -6,24 +6,29 @@ import json
 
 import pytest
 
-from epp.framework import ApiKind, ErrorCode, InferenceError
-from epp.request.parsing import RequestParser, api_kind_for_path
+from epp.framework import ErrorCode, InferenceError
+from epp.request.parsing import RequestParser
 
 
-@pytest.mark.parametrize("path, kind", [
-    ("/v1/completions", ApiKind.COMPLETIONS),
-    ("/v1/chat/completions?x=1", ApiKind.CHAT_COMPLETIONS),
-    ("/v1/responses", ApiKind.RESPONSES),
-    ("/v1/conversations", ApiKind.CONVERSATIONS),
-    ("/v1/embeddings/", ApiKind.EMBEDDINGS),
-    ("/v1/messages", ApiKind.MESSAGES),
-    ("/v1/messages?beta=true", ApiKind.MESSAGES),
-    ("/rerank", ApiKind.RERANK), ("/v1/rerank", ApiKind.RERANK), ("/v2/rerank", ApiKind.RERANK),
-    ("/v1/messages/count_tokens", ApiKind.PASSTHROUGH),
-    ("/v1/score", ApiKind.PASSTHROUGH), ("/tokenize", ApiKind.PASSTHROUGH), ("/v1/models", ApiKind.PASSTHROUGH),
+@pytest.mark.parametrize("path, parser, kind", [
+    ("/v1/completions", "openai-parser", "completions"),
+    ("/v1/chat/completions?x=1", "openai-parser", "chat/completions"),
+    ("/v1/responses", "openai-parser", "responses"),
+    ("/v1/conversations", "openai-parser", "conversations"),
+    ("/v1/embeddings/", "openai-parser", "embeddings"),
+    ("/v1/messages", "anthropic-parser", "messages"),
+    ("/v1/messages?beta=true", "anthropic-parser", "messages"),
+    ("/v1/messages/count_tokens", "anthropic-parser", "messages/count_tokens"),
+    ("/rerank", "openai-parser", "rerank"), ("/v1/rerank", "openai-parser", "rerank"),
+    ("/v2/rerank", "openai-parser", "rerank"),
+    ("/inference/v1/generate", "vllmhttp-parser", "generate"),
+    ("/generate", "passthrough-parser", "passthrough"),  # SGLang's: not in llm-d's default chain
+    ("/v1/score", "passthrough-parser", "passthrough"), ("/tokenize", "passthrough-parser", "passthrough"),
+    ("/v1/models", "passthrough-parser", "passthrough"),
 ])
-def test_the_path_names_the_api(path, kind):
-    assert api_kind_for_path(path) is kind
+def test_the_path_names_the_parser_and_api_in_the_default_chain(path, parser, kind):
+    found, api = RequestParser().parser_for(path)
+    assert (found.type_name, api) == (parser, kind)
 
 
 def parse(path: str, body: bytes | dict, **headers: str):
@@ -47,7 +52,7 @@ def test_a_messages_body_is_read_for_its_model_stream_and_salt():
                 {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "look", "input": {}}]},
                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "a cat"}]}]}
     request, forwarded = parse("/v1/messages", body)
-    assert (request.api, request.model, request.stream, request.cache_salt) == (ApiKind.MESSAGES, "claude-ish", True,
+    assert (request.api, request.model, request.stream, request.cache_salt) == ("messages", "claude-ish", True,
                                                                               "s1")
     assert forwarded == json.dumps(body).encode()
 
@@ -85,7 +90,7 @@ def test_a_bad_messages_body_is_refused_like_the_openai_paths(body, message):
 
 def test_a_rerank_body_needs_its_query_and_documents():
     request, _ = parse("/v2/rerank", {"model": "m", "query": "q", "documents": ["a"]})
-    assert request.api is ApiKind.RERANK
+    assert request.api == "rerank"
     assert refusal("/v1/rerank", {"model": "m", "query": "q"}) == \
         "invalid rerank request: must have query and documents fields"
     assert refusal("/rerank", {"query": "q", "documents": ["a"]}) == "model not found in request body"
@@ -101,7 +106,7 @@ def test_a_rerank_body_needs_its_query_and_documents():
 ])
 def test_a_body_on_a_path_no_parser_reads_is_passed_on_unchecked(body, model):
     request, forwarded = parse("/v1/score", body)
-    assert (request.api, request.model, request.target_model, forwarded) == (ApiKind.PASSTHROUGH, model, model, body)
+    assert (request.api, request.model, request.target_model, forwarded) == ("passthrough", model, model, body)
     assert request.body == {}
 
 
@@ -116,4 +121,4 @@ def test_a_passed_through_request_still_has_its_control_headers_read():
 def test_a_request_without_a_path_is_read_as_completions():
     request, _ = RequestParser().parse(request_id="r", headers={}, body=b'{"model":"m","prompt":"p"}',
                                        subset_hint=None)
-    assert request.api is ApiKind.COMPLETIONS
+    assert request.api == "completions"

@@ -6,10 +6,17 @@ import json
 
 import pytest
 
-from epp.framework import DropReason, ErrorCode, InferenceError
-from epp.request.error_body import error_body, is_anthropic_path
+from epp.framework import DropReason, ErrorCode, InferenceError, openai_error_body
+from epp.request.parsing import RequestParser
+from epp.scorers.parsers.anthropic import AnthropicParser
 from epp.server.messages import error_response
 from tests.support.extproc import headers_of
+
+PARSERS = RequestParser()
+
+
+def error_body(err: InferenceError, *, anthropic: bool = False) -> bytes:
+    return AnthropicParser().error_body(err) if anthropic else openai_error_body(err)
 
 
 @pytest.mark.parametrize("code, drop_reason", [
@@ -60,18 +67,25 @@ def test_a_message_with_a_lone_surrogate_still_makes_a_body():
 @pytest.mark.parametrize("path, anthropic", [
     ("/v1/messages", True), ("/v1/messages/", True), ("/v1/messages?beta=true", True),
     ("/v1/messages/count_tokens", True), ("/v1/chat/completions", False), ("/v1/messages/batches", False),
-    (None, False), ("", False),
+    ("/inference/v1/generate", False), ("/v1/score", False), (None, False), ("", False),
 ])
 def test_the_anthropic_shape_is_for_the_messages_api(path, anthropic):
-    assert is_anthropic_path(path) is anthropic
+    err = InferenceError(ErrorCode.BAD_REQUEST, "no")
+    assert PARSERS.error_body(err, path) == error_body(err, anthropic=anthropic)
+
+
+def test_an_error_about_a_field_names_it_in_openais_shape():
+    err = InferenceError(ErrorCode.NOT_FOUND, "gone", param="previous_response_id")
+    assert json.loads(PARSERS.error_body(err, "/v1/responses"))["error"]["param"] == "previous_response_id"
 
 
 def test_the_reply_carries_status_json_and_the_drop_reason():
     reply = error_response(InferenceError(ErrorCode.SERVICE_UNAVAILABLE, "request timed out in queue",
-                                          drop_reason=DropReason.TTL_EXPIRED), "/v1/completions").immediate_response
+                                          drop_reason=DropReason.TTL_EXPIRED)).immediate_response
     assert reply.status.code == 503
     assert headers_of(reply.headers) == {"content-type": "application/json",
                                          "x-llm-d-request-dropped-reason": "rejected-ttl-expired"}
-    reply = error_response(InferenceError(ErrorCode.BAD_REQUEST, "no"), "/v1/messages").immediate_response
+    err = InferenceError(ErrorCode.BAD_REQUEST, "no")
+    reply = error_response(err, PARSERS.error_body(err, "/v1/messages")).immediate_response
     assert headers_of(reply.headers) == {"content-type": "application/json"}
     assert json.loads(reply.body)["type"] == "error"

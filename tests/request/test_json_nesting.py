@@ -10,11 +10,10 @@ from typing import Any
 
 import pytest
 
+from epp.framework import UnreadableResponse, nesting_exceeds
 from epp.framework.errors import InferenceError
 from epp.metrics import EppMetrics, GcPauseRecorder
-from epp.request.jsoncheck import nesting_exceeds
 from epp.request.parsing import RequestParser
-from epp.request.response import UnreadableBody, parse_usage
 
 
 def _depth(value: Any) -> int:
@@ -79,6 +78,8 @@ def test_deep_json_leaves_stack_for_the_garbage_collectors_callbacks(frequent_co
     # Parsed as deep as it went, json.loads sat at the interpreter's recursion limit, and a
     # collection that started there failed in the callback (RecursionError, unraisable).
     parser = RequestParser()
+    request, _ = parser.parse(request_id="r", headers={}, body=b'{"model":"m","prompt":"p"}', subset_hint=None)
+    read = request.format
     deep_array = ("[" * 5000 + "]" * 5000).encode()
     deep_object = ('{"a":' * 3000 + "1" + "}" * 3000).encode()
     for _ in range(200):
@@ -86,8 +87,8 @@ def test_deep_json_leaves_stack_for_the_garbage_collectors_callbacks(frequent_co
             with pytest.raises(InferenceError, match="deeper than 128 levels"):
                 parser.parse(request_id="r", headers={}, body=b'{"model":"m","prompt":' + body + b"}",
                              subset_hint=None)
-            with pytest.raises(UnreadableBody):
-                parse_usage(body, sse=False)
-            with pytest.raises(UnreadableBody):
-                parse_usage(b"data: " + body + b" usage\n\n", sse=True)
+            with pytest.raises(UnreadableResponse):
+                read.usage(request, body, streamed=False)
+            with pytest.raises(UnreadableResponse):
+                read.usage(request, b"data: " + body + b" usage\n\n", streamed=True)
     assert frequent_collections_timed_by_the_pause_metric == []

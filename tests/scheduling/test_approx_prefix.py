@@ -7,7 +7,7 @@ import xxhash
 from prometheus_client import CollectorRegistry
 
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
-from epp.framework import ApiKind, ConfigError, CycleState, PluginContext, ProfileRunResult, SchedulingResult
+from epp.framework import ConfigError, CycleState, PluginContext, ProfileRunResult, SchedulingResult
 from epp.framework.datakeys import PREFIX_CACHE_FREE_BLOCKS, PREFIX_MATCH_INFO
 from epp.scorers.prefix_index import PrefixIndex
 from epp.scorers.prompt_text import user_input_bytes
@@ -174,30 +174,30 @@ def test_producer_parameters_are_validated(params, message):
 
 
 @pytest.mark.parametrize("api, body, expected", [
-    (ApiKind.COMPLETIONS, {"prompt": "hi there"}, b"hi there"),
-    (ApiKind.COMPLETIONS, {"prompt": ["a", "b"]}, b"a b"),
-    (ApiKind.CHAT_COMPLETIONS, {"messages": [{"role": "user", "content": "hé"}]},
+    ("completions", {"prompt": "hi there"}, b"hi there"),
+    ("completions", {"prompt": ["a", "b"]}, b"a b"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hé"}]},
      '[{"role":"user","content":"hé"}]'.encode()),
-    (ApiKind.RESPONSES, {"input": "x", "instructions": "be brief"},
+    ("responses", {"input": "x", "instructions": "be brief"},
      b'[{"instructions":"be brief"},{"tools":null},{"input":"x"}]'),
-    (ApiKind.CONVERSATIONS, {"items": [{"type": "message"}]}, b'[{"type":"message"}]'),
-    (ApiKind.EMBEDDINGS, {"input": ["a", "b"]}, b'["a","b"]'),
-    (ApiKind.MESSAGES, {"system": "be brief", "messages": [{"role": "user", "content": "hi"}]},
+    ("conversations", {"items": [{"type": "message"}]}, b'[{"type":"message"}]'),
+    ("embeddings", {"input": ["a", "b"]}, b'["a","b"]'),
+    ("messages", {"system": "be brief", "messages": [{"role": "user", "content": "hi"}]},
      b'[{"system":"be brief"},{"tools":null},{"role":"user","content":"hi"}]'),
-    (ApiKind.RERANK, {"query": "q", "documents": ["a", "b"]}, b'[{"query":"q"},{"documents":["a","b"]}]'),
-    (ApiKind.PASSTHROUGH, {}, b""),
+    ("rerank", {"query": "q", "documents": ["a", "b"]}, b'[{"query":"q"},{"documents":["a","b"]}]'),
+    ("passthrough", {}, b""),
 ])
 def test_user_input_bytes_per_api(api, body, expected):
     assert user_input_bytes(request(api=api, body={"model": "m", **body})) == expected
 
 
 @pytest.mark.parametrize("api, body", [
-    (ApiKind.CHAT_COMPLETIONS, {"messages": [{"role": "user", "content": "m" * 1000} for _ in range(300)]}),
-    (ApiKind.CHAT_COMPLETIONS, {"messages": [{"role": "system", "content": "é\"\n" * 50000, "name": "x"},
+    ("chat/completions", {"messages": [{"role": "user", "content": "m" * 1000} for _ in range(300)]}),
+    ("chat/completions", {"messages": [{"role": "system", "content": "é\"\n" * 50000, "name": "x"},
                                              {"role": "user", "content": [{"type": "text", "text": "t" * 9000}]}]}),
-    (ApiKind.EMBEDDINGS, {"input": ["a" * 7000, "b" * 7000]}),
-    (ApiKind.COMPLETIONS, {"prompt": "ü" * 9000}),
-    (ApiKind.MESSAGES, {"system": [{"type": "text", "text": "s" * 6000}], "messages": [
+    ("embeddings", {"input": ["a" * 7000, "b" * 7000]}),
+    ("completions", {"prompt": "ü" * 9000}),
+    ("messages", {"system": [{"type": "text", "text": "s" * 6000}], "messages": [
         {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": "A" * 9000}},
                                      {"type": "text", "text": "é" * 4000}]}] * 40}),
 ])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from epp.framework import ApiKind, CycleState, PluginContext, ProfileRunResult, SchedulingResult
+from epp.framework import CycleState, PluginContext, ProfileRunResult, SchedulingResult
 from epp.framework.datakeys import PREFIX_MATCH_INFO, PREFIX_TIER_MATCH
 from epp.scorers.prefix_index import PrefixIndex
 from tests.support.scheduling import endpoint, make_plugin, request
@@ -74,7 +74,7 @@ async def test_a_chat_session_keeps_its_history_match_when_other_sessions_fill_t
 
 def chat(messages: list[str]) -> object:
     body = {"model": "my-model", "messages": [{"role": "user", "content": m} for m in messages]}
-    return request(api=ApiKind.CHAT_COMPLETIONS, body=body)
+    return request(api="chat/completions", body=body)
 
 
 async def test_learns_hashed_bytes_per_character_of_chat_json():

@@ -9,7 +9,7 @@ import pytest
 
 from epp.framework import CycleState, PluginContext, ResponseInfo
 from epp.framework.datakeys import PREFIX_CACHE_FREE_BLOCKS, PREFIX_TIER_MATCH, TierMatch
-from epp.framework.types import ApiKind, Endpoint, EndpointMetrics, InferenceRequest
+from epp.framework.types import Endpoint, EndpointMetrics, InferenceRequest
 from tests.support.scheduling import make_plugin
 
 FULL, ROOMY = "10.0.0.1:8000", "10.0.0.2:8000"
@@ -47,7 +47,7 @@ def pick(params: dict, free: dict[str, int], hot: dict[str, float], *, cpu_block
     for endpoint in (FULL, ROOMY):
         state.put_endpoint_data(PREFIX_TIER_MATCH, endpoint, TierMatch((held or {}).get(endpoint, 0), 0, 0, PROMPT))
         state.put_endpoint_data(PREFIX_CACHE_FREE_BLOCKS, endpoint, free[endpoint])
-    request = InferenceRequest("r", ApiKind.COMPLETIONS, "m", "m", {"prompt": "x"})
+    request = InferenceRequest("r", "completions", "m", "m", {"prompt": "x"})
     scores = scorer.score(state, request, fleet(cpu_blocks))
     return max(scores, key=scores.__getitem__), scores, scorer
 
@@ -100,7 +100,7 @@ def test_unknown_capacity_or_residency_charges_nothing():
     state = CycleState()
     state.put_endpoint_data(PREFIX_TIER_MATCH, FULL, TierMatch(0, 0, 0, PROMPT))
     state.put_endpoint_data(PREFIX_TIER_MATCH, ROOMY, TierMatch(0, 0, 0, PROMPT))
-    request = InferenceRequest("r", ApiKind.COMPLETIONS, "m", "m", {"prompt": "x"})
+    request = InferenceRequest("r", "completions", "m", "m", {"prompt": "x"})
     # No producer said what is free: no displacement, both score alike.
     assert set(scorer.score(state, request, fleet()).values()) == {1.0}
 
@@ -121,7 +121,7 @@ def test_the_trace_holds_each_picks_terms_beside_what_happened_bounded():
     context = PluginContext()
     scorer = make_plugin("predicted-ttft-scorer", {"prefillSecondsPerToken": PREFILL, "traceCapacity": 2},
                          context=context)
-    request = InferenceRequest("r", ApiKind.COMPLETIONS, "m", "m", {"prompt": "x"})
+    request = InferenceRequest("r", "completions", "m", "m", {"prompt": "x"})
     for i in range(3):
         state = CycleState()
         for endpoint in (FULL, ROOMY):

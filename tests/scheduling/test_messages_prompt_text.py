@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import os
 
-from epp.framework import ApiKind, InferenceRequest
+from epp.framework import InferenceRequest
 from epp.scorers.prompt_text import user_input_bytes
+from tests.support.requests import format_of
 
 SYSTEM = [{"type": "text", "text": "You review pull requests. " * 20}]
 
 
 def messages_request(messages, system=SYSTEM, **body) -> InferenceRequest:
-    return InferenceRequest("r", ApiKind.MESSAGES, "m", "m",
-                            {"model": "m", "max_tokens": 8, "system": system, "messages": messages, **body})
+    return InferenceRequest("r", "messages", "m", "m",
+                            {"model": "m", "max_tokens": 8, "system": system, "messages": messages, **body}, format=format_of("messages"))
 
 
 def image(data: str, kind: str = "image") -> dict:

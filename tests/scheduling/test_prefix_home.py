@@ -4,15 +4,16 @@ from collections import Counter
 
 from epp.framework import PluginParams
 from epp.framework.plugin import CycleState, PluginContext
-from epp.framework.types import ApiKind, Endpoint, InferenceRequest
+from epp.framework.types import Endpoint, InferenceRequest
 from epp.scorers.prefix_home import PrefixHomeScorer
+from tests.support.requests import format_of
 
 ENDPOINTS = [Endpoint(f"10.0.0.{i}", 8000) for i in range(1, 9)]
 
 
 def chat(system: str, question: str, salt: str | None = None) -> InferenceRequest:
     body = {"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
-    return InferenceRequest("id", ApiKind.CHAT_COMPLETIONS, "m", "m", body, cache_salt=salt)
+    return InferenceRequest("id", "chat/completions", "m", "m", body, cache_salt=salt, format=format_of("chat/completions"))
 
 
 def home(scorer, request, endpoints=ENDPOINTS) -> str:

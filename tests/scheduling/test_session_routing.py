@@ -22,7 +22,7 @@ from epp.framework import (
     SessionKey,
     TierMatch,
 )
-from epp.framework.types import ApiKind, EndpointMetrics, InferenceRequest
+from epp.framework.types import EndpointMetrics, InferenceRequest
 from epp.scorers.predicted_ttft import PredictedTTFTScorer
 from epp.scorers.session_routing import SessionAffinityCostScorer, SessionHome
 from epp.scorers.ttft_calibration import features
@@ -53,7 +53,7 @@ schedulingProfiles:
 
 def turn(tokens: int, session: str = "s1", rid: str = "r") -> InferenceRequest:
     """A chat turn of `tokens` prompt tokens (4 characters each) in `session`."""
-    return InferenceRequest(rid, ApiKind.COMPLETIONS, "m", "m", {"prompt": "x" * (4 * tokens)},
+    return InferenceRequest(rid, "completions", "m", "m", {"prompt": "x" * (4 * tokens)},
                             headers={"x-session-id": session})
 
 

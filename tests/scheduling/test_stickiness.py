@@ -9,7 +9,8 @@ import pytest
 
 from epp.framework import CycleState, PluginContext
 from epp.framework.datakeys import PREFIX_TIER_MATCH, TierMatch
-from epp.framework.types import ApiKind, Endpoint, EndpointMetrics, InferenceRequest
+from epp.framework.types import Endpoint, EndpointMetrics, InferenceRequest
+from tests.support.requests import format_of
 from tests.support.scheduling import make_plugin
 
 HOME, OTHER = "10.0.0.1:8000", "10.0.0.2:8000"
@@ -30,7 +31,7 @@ def choose(stickiness: float, backlog_tokens: int, cached: int, prompt: int = 40
     state = CycleState()
     state.put_endpoint_data(PREFIX_TIER_MATCH, HOME, TierMatch(cached, 0, 0, prompt))
     state.put_endpoint_data(PREFIX_TIER_MATCH, OTHER, TierMatch(0, 0, 0, prompt))
-    request = InferenceRequest("turn", ApiKind.COMPLETIONS, "m", "m", {"prompt": "x"})
+    request = InferenceRequest("turn", "completions", "m", "m", {"prompt": "x"}, format=format_of("completions"))
     scores = scorer.score(state, request, endpoints)
     return max(scores, key=scores.__getitem__)
 

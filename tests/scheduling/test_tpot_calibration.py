@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from epp.calibration_cli import format_tpot_table, read_tpot_calibration
 from epp.framework import CycleState, PluginContext
 from epp.framework.load import InflightLedger
-from epp.framework.types import ApiKind, Endpoint, EndpointMetrics, InferenceRequest, ResponseInfo
+from epp.framework.types import Endpoint, EndpointMetrics, InferenceRequest, ResponseInfo
 from epp.scorers.predicted_tpot import TPOT_PRIOR, TPOT_TERMS, TPOTCalibrator, TPOTLearner, tpot_features
 from tests.support.scheduling import make_plugin
 
@@ -86,7 +86,7 @@ def endpoint(name: str, running: int) -> Endpoint:
 
 
 def request(tpot_ms: float | None) -> InferenceRequest:
-    return InferenceRequest("r", ApiKind.COMPLETIONS, "m", "m", {"prompt": "hi"}, slo_tpot_ms=tpot_ms)
+    return InferenceRequest("r", "completions", "m", "m", {"prompt": "hi"}, slo_tpot_ms=tpot_ms)
 
 
 @pytest.mark.parametrize("case, tpot_ms, running, kept", [

@@ -11,12 +11,13 @@ import aiohttp
 from tokenizers import Tokenizer
 
 from epp.datalayer.registry import EndpointSpec
-from epp.framework.types import ApiKind, InferenceRequest
+from epp.framework.types import InferenceRequest
 from epp.kvevents.decoding import Tier
 from epp.kvevents.producer import PrecisePrefixCacheProducer
 from epp.server.runner import EppServer
 from tests.support.extproc import ExtProcClient, route
 from tests.support.pods import start_picker
+from tests.support.requests import format_of
 
 VOCABULARY = ("the a of to and in is it you that was for on are with as they be at one have this from or had by "
               "word but what some we can out other were all there when use your how said each which do their time "
@@ -73,7 +74,7 @@ class Picker:
     async def held_tiers(self, model: str, prompt: str, endpoints: Sequence[str]) -> dict[str, list[Tier]]:
         """Per endpoint, the best tier of each leading block of this prompt that the picker's index holds."""
         producer = self.producer
-        request = InferenceRequest("probe", ApiKind.COMPLETIONS, model, model, {"prompt": prompt})
+        request = InferenceRequest("probe", "completions", model, model, {"prompt": prompt}, format=format_of("completions"))
         tokens = await producer.prompt_tokens(request)
         assert tokens is not None
         keys = producer.index.keyer.request_keys(tokens, model, None)

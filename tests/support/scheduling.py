@@ -11,7 +11,6 @@ from prometheus_client import CollectorRegistry
 from epp.config import LoadedConfig, load_config_text, load_default_config
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
 from epp.framework import (
-    ApiKind,
     CycleState,
     Endpoint,
     EndpointMetrics,
@@ -24,6 +23,7 @@ from epp.framework import (
 from epp.framework.registry import default_registry
 from epp.metrics import EppMetrics
 from epp.requestcontrol.director import Director
+from tests.support.requests import format_of
 
 
 def endpoint(idx: int, queue: int = 0, kv: float = 0.0, active: Sequence[str] = (), waiting: Sequence[str] = (),
@@ -39,14 +39,14 @@ def endpoint(idx: int, queue: int = 0, kv: float = 0.0, active: Sequence[str] = 
 
 
 def request(prompt: Any = "hello", *, model: str = "my-model", target: str | None = None,
-            headers: Mapping[str, str] | None = None, api: ApiKind = ApiKind.COMPLETIONS,
+            headers: Mapping[str, str] | None = None, api: str = "completions",
             body: Mapping[str, Any] | None = None, cache_salt: str | None = None,
             request_id: str = "req-1") -> InferenceRequest:
     """A completions request for `prompt` (or any API with an explicit body)."""
     if body is None:
         body = {"model": model, "prompt": prompt}
     return InferenceRequest(request_id=request_id, api=api, model=model, target_model=target or model,
-                            body=body, headers=dict(headers or {}), cache_salt=cache_salt)
+                            body=body, headers=dict(headers or {}), cache_salt=cache_salt, format=format_of(api))
 
 
 def builtin_registry() -> PluginRegistry:

@@ -7,9 +7,11 @@ import json
 import pytest
 
 from epp.engine.tinymodel import write_tiny_model
-from epp.framework.types import ApiKind, InferenceRequest
-from epp.tokenization.chat_template import ChatTemplate, anthropic_chat_body
+from epp.framework.types import InferenceRequest
+from epp.scorers.parsers.anthropic import anthropic_chat_body
+from epp.tokenization.chat_template import ChatTemplate
 from epp.tokenization.pool import TokenizerPool
+from tests.support.requests import format_of
 
 PNG = {"type": "base64", "media_type": "image/png", "data": "iVBORw0K"}
 
@@ -119,9 +121,9 @@ async def test_a_messages_request_is_tokenized_through_the_chat_template(pool):
             "messages": [{"role": "user", "content": [{"type": "text", "text": "the cache block"}]}]}
     chat = {"model": "tiny", "messages": [{"role": "system", "content": "Answer in one word."},
                                           {"role": "user", "content": "the cache block"}]}
-    tokens = await pool.tokenize(InferenceRequest("a", ApiKind.MESSAGES, "tiny", "tiny", body))
+    tokens = await pool.tokenize(InferenceRequest("a", "messages", "tiny", "tiny", body, format=format_of("messages")))
     assert tokens
-    assert tokens == await pool.tokenize(InferenceRequest("b", ApiKind.CHAT_COMPLETIONS, "tiny", "tiny", chat))
+    assert tokens == await pool.tokenize(InferenceRequest("b", "chat/completions", "tiny", "tiny", chat, format=format_of("chat/completions")))
 
 
 async def test_a_template_that_refuses_inline_system_messages_gets_them_merged(tmp_path):
@@ -133,7 +135,7 @@ async def test_a_template_that_refuses_inline_system_messages_gets_them_merged(t
     try:
         body = {"model": "strict", "system": "A.", "messages": [
             {"role": "user", "content": "hi"}, {"role": "system", "content": "B."}]}
-        tokens = await strict.tokenize(InferenceRequest("a", ApiKind.MESSAGES, "strict", "strict", body))
+        tokens = await strict.tokenize(InferenceRequest("a", "messages", "strict", "strict", body, format=format_of("messages")))
         merged = {"messages": [{"role": "system", "content": "A.B."}, {"role": "user", "content": "hi"}],
                   "add_generation_prompt": True}
         assert tokens == strict.load("strict").encode_chat(merged)

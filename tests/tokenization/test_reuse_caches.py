@@ -9,10 +9,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from epp.engine.tinymodel import _WORDS, write_tiny_model
-from epp.framework.types import ApiKind, InferenceRequest
+from epp.framework.types import InferenceRequest
 from epp.kvevents.keys import BlockKeyCache, BlockKeyer
 from epp.tokenization.pool import TokenizerPool
 from epp.tokenization.prefix_store import PrefixStore, PrefixStoreMetrics, common_prefix
+from tests.support.requests import format_of
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -140,8 +141,8 @@ def model_dir(tmp_path_factory):
 
 
 def chat(messages):
-    return InferenceRequest("r", ApiKind.CHAT_COMPLETIONS, "tiny", "tiny", {"messages": messages},
-                            path="/v1/chat/completions")
+    return InferenceRequest("r", "chat/completions", "tiny", "tiny", {"messages": messages},
+                            path="/v1/chat/completions", format=format_of("chat/completions"))
 
 
 async def test_interleaved_chats_sharing_a_system_prompt_each_hit_their_previous_turn(model_dir):

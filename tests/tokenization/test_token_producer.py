@@ -15,10 +15,11 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from epp.engine.tinymodel import write_tiny_model
-from epp.framework import ApiKind, CycleState, InferenceRequest, PluginContext
+from epp.framework import CycleState, InferenceRequest, PluginContext
 from epp.framework.datakeys import PROMPT_TOKENS
 from epp.framework.registry import default_registry
 from epp.tokenization.pool import TokenizerPool
+from tests.support.requests import format_of
 
 
 def make(params: dict, registry: CollectorRegistry | None = None):
@@ -27,12 +28,12 @@ def make(params: dict, registry: CollectorRegistry | None = None):
 
 
 def completion(prompt: str, model: str = "tiny") -> InferenceRequest:
-    return InferenceRequest("r", ApiKind.COMPLETIONS, model, model, {"model": model, "prompt": prompt})
+    return InferenceRequest("r", "completions", model, model, {"model": model, "prompt": prompt}, format=format_of("completions"))
 
 
 def chat(text: str, model: str = "tiny") -> InferenceRequest:
     body = {"model": model, "messages": [{"role": "user", "content": text}]}
-    return InferenceRequest("r", ApiKind.CHAT_COMPLETIONS, model, model, body)
+    return InferenceRequest("r", "chat/completions", model, model, body, format=format_of("chat/completions"))
 
 
 class Renderer:
@@ -161,11 +162,12 @@ async def test_an_unreachable_renderer_does_not_stop_the_start():
 def test_the_cache_is_bounded_by_tokens_least_recently_used_out():
     producer = make({"modelName": "tiny", "vllm": {"url": "http://127.0.0.1:9"}, "cacheTokens": 5})
     cache = producer._cache
-    cache.put(b"a", (1, 2))
-    cache.put(b"b", (3, 4))
+    # Entries are a rendered prompt's ids and its media items.
+    cache.put(b"a", ((1, 2), ()))
+    cache.put(b"b", ((3, 4), ()))
     cache.get(b"a")
-    cache.put(b"c", (5, 6))  # 6 tokens > 5: the least recently used (b) goes
-    assert (cache.get(b"a"), cache.get(b"b"), cache.get(b"c"), cache.tokens) == ((1, 2), None, (5, 6), 4)
+    cache.put(b"c", ((5, 6), ()))  # 6 tokens > 5: the least recently used (b) goes
+    assert (cache.get(b"a"), cache.get(b"b"), cache.get(b"c"), cache.tokens) == (((1, 2), ()), None, ((5, 6), ()), 4)
 
 
 async def test_local_backend_gives_the_tokenizer_files_tokens(tmp_path):

@@ -11,10 +11,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from epp.engine.tinymodel import _WORDS, write_tiny_model
-from epp.framework.types import ApiKind, InferenceRequest
+from epp.framework.types import InferenceRequest
 from epp.tokenization.chat_template import ChatTemplate, detect_content_format
 from epp.tokenization.pool import TokenizerPool
 from epp.tokenization.prefix_cache import TokenizationCache
+from tests.support.requests import format_of
 
 CAPTURE = Path(__file__).parents[1] / "fixtures" / "vllm_capture"
 
@@ -34,12 +35,12 @@ def pool(model_dir):
 
 
 def completion(prompt, **body):
-    return InferenceRequest("r", ApiKind.COMPLETIONS, "tiny", "tiny", {"prompt": prompt, **body})
+    return InferenceRequest("r", "completions", "tiny", "tiny", {"prompt": prompt, **body}, format=format_of("completions"))
 
 
 def chat(messages, **body):
-    return InferenceRequest("r", ApiKind.CHAT_COMPLETIONS, "tiny", "tiny", {"messages": messages, **body},
-                            path="/v1/chat/completions")
+    return InferenceRequest("r", "chat/completions", "tiny", "tiny", {"messages": messages, **body},
+                            path="/v1/chat/completions", format=format_of("chat/completions"))
 
 
 def test_content_format_detection_follows_the_template():
@@ -65,7 +66,7 @@ async def test_completions_add_bos_and_token_prompts_pass_through(pool, model_di
     assert list(ids) == tok.encode("the cache block token", add_special_tokens=True).ids
     assert ids[0] == tok.token_to_id("<s>")
     assert await pool.tokenize(completion([5, 6, 7])) == [5, 6, 7]
-    unknown = InferenceRequest("r", ApiKind.COMPLETIONS, "nope", "nope", {"prompt": "x"})
+    unknown = InferenceRequest("r", "completions", "nope", "nope", {"prompt": "x"}, format=format_of("completions"))
     assert await pool.tokenize(unknown) is None
 
 

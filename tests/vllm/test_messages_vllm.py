@@ -10,12 +10,13 @@ from prometheus_client import CollectorRegistry
 
 from epp.datalayer.registry import parse_endpoint_list
 from epp.envoy import EnvoyProcess, render_config
-from epp.framework import ApiKind, InferenceRequest, PluginContext
+from epp.framework import InferenceRequest, PluginContext
 from epp.framework.registry import default_registry
 from epp.server.runner import EppServer, ServeOptions
 from epp.tokenization.pool import TokenizerPool
 from tests.support.configs import PREFIX_CONFIG
 from tests.support.ports import free_port
+from tests.support.requests import format_of
 from tests.support.vllm import tiny_vllm_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.envoy, pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
@@ -61,7 +62,7 @@ BODIES = {
 @pytest.mark.parametrize("name", BODIES)
 async def test_vllm_renders_the_tokens_our_chat_template_gives(server, name):
     body = {"model": "tiny", "max_tokens": 4, **BODIES[name]}
-    request = InferenceRequest("m", ApiKind.MESSAGES, "tiny", "tiny", body)
+    request = InferenceRequest("m", "messages", "tiny", "tiny", body, format=format_of("messages"))
     producer = default_registry().build("token-producer", "tokens", {"modelName": "tiny", "vllm": {
         "url": server.base_url, "timeout": "20s"}}, PluginContext(metrics_registry=CollectorRegistry()))
     pool = TokenizerPool({"tiny": server.model_dir})

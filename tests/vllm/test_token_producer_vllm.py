@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from epp.framework import ApiKind, InferenceRequest, PluginContext
+from epp.framework import InferenceRequest, PluginContext
 from epp.framework.registry import default_registry
 from epp.tokenization.pool import TokenizerPool
+from tests.support.requests import format_of
 from tests.support.vllm import tiny_vllm_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -27,8 +28,8 @@ def server(vllm_python, tmp_path_factory):
 def requests() -> list[InferenceRequest]:
     body = {"model": "tiny", "messages": [{"role": "system", "content": "Answer in one word."},
                                           {"role": "user", "content": PROMPT}]}
-    return [InferenceRequest("a", ApiKind.COMPLETIONS, "tiny", "tiny", {"model": "tiny", "prompt": PROMPT}),
-            InferenceRequest("b", ApiKind.CHAT_COMPLETIONS, "tiny", "tiny", body)]
+    return [InferenceRequest("a", "completions", "tiny", "tiny", {"model": "tiny", "prompt": PROMPT}, format=format_of("completions")),
+            InferenceRequest("b", "chat/completions", "tiny", "tiny", body, format=format_of("chat/completions"))]
 
 
 @pytest.mark.parametrize("force_tokenize", [False, True], ids=["render", "tokenize"])

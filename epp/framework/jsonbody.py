@@ -1,7 +1,9 @@
-"""Checks on JSON that json.loads does not make: nesting depth (before parsing) and lone UTF-16 surrogates.
+"""Reading JSON bodies safely, for parsers: nesting depth checked before parsing, lone UTF-16 surrogates refused.
 
-Neither recurses, so hostile input cannot exhaust the interpreter's stack here; the depth check
-starts with a byte-level pre-check that rules most bodies out.
+`decode_json_object` is what every JSON request parser calls on a request body; `read_json` what
+it calls on a model server's response. Neither check recurses, so hostile input cannot exhaust
+the interpreter's stack here; the depth check starts with a byte-level pre-check that rules most
+bodies out.
 """
 
 from __future__ import annotations
@@ -11,6 +13,10 @@ import re
 from array import array
 from itertools import accumulate
 from typing import Any
+
+import msgspec
+
+from epp.framework.errors import ErrorCode, InferenceError
 
 _NOT_BRACKET = bytes(sorted(set(range(256)) - set(b"[]{}")))
 _NOT_QUOTE_OR_BRACKET = bytes(sorted(set(range(256)) - set(b'"[]{}')))
@@ -79,3 +85,46 @@ def has_lone_surrogate(value: Any) -> bool:
         elif isinstance(item, list):
             stack.extend(item)
     return False
+
+
+# msgspec decodes JSON to the same Python values as json.loads about twice as fast, and refuses
+# more (NaN and Infinity, numbers out of a float's range, lone surrogates, UTF-16/32, a BOM):
+# what it refuses is handed to json.loads, so every body gets the answer it got before.
+_strict_decode = msgspec.json.Decoder().decode
+
+
+def _bad(message: str) -> InferenceError:
+    return InferenceError(ErrorCode.BAD_REQUEST, message)
+
+
+def decode_json_object(body: bytes, max_depth: int) -> dict[str, Any]:
+    """A request body as a JSON object; `InferenceError` 400 when it is not one, nests deeper than `max_depth`
+    or holds a lone surrogate (the messages GIE's parser gives)."""
+    if nesting_exceeds(body, max_depth):
+        raise _bad(f"request body nests objects/arrays deeper than {max_depth} levels")
+    try:
+        parsed, strict = _strict_decode(body), True
+    except msgspec.DecodeError:  # ValidationError (a number out of range) is one too
+        try:
+            parsed, strict = json.loads(body), False
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise _bad(f"error unmarshaling request bodyMap: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise _bad("error unmarshaling request bodyMap: request body must be a JSON object")
+    # The strict decoder refuses lone surrogates: only what json.loads read needs the walk.
+    if not strict and has_lone_surrogate(parsed):
+        raise _bad("request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its pair), "
+                   "which is not valid Unicode")
+    return parsed
+
+
+class UnreadableResponse(ValueError):
+    """A response body the picker does not read (JSON nested too deep): passed on unchanged, and counted."""
+
+
+def read_json(data: bytes, max_depth: int) -> Any:
+    """A model server's JSON (a body or one SSE event); `UnreadableResponse` when it nests deeper than `max_depth`,
+    `ValueError` when it is not JSON."""
+    if nesting_exceeds(data, max_depth):
+        raise UnreadableResponse(f"JSON nested deeper than {max_depth} levels")
+    return json.loads(data)
