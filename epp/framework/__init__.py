@@ -34,11 +34,13 @@ from epp.framework.headers import (
     PREFILLER_HOST_PORT_HEADER,
 )
 from epp.framework.jsonbody import (
+    MAX_RESPONSE_JSON_DEPTH,
     UnreadableResponse,
     decode_json_object,
     has_lone_surrogate,
     nesting_exceeds,
     read_json,
+    read_json_or_none,
 )
 from epp.framework.load import (
     NO_LOAD,
@@ -116,8 +118,9 @@ __all__ = [
     "prompt_characters", "publish_home",
     "PROFILE_RESULTS_STATE_KEY",
     # Request parsers (epp.framework.parsing) and the JSON helpers they share.
-    "DEFAULT_PARSER_TYPES", "MediaItem", "ParseLimits", "ParsedBody", "Parser", "RenderRequest", "RequestFormat",
+    "DEFAULT_PARSER_TYPES", "MAX_RESPONSE_JSON_DEPTH", "MediaItem", "ParseLimits", "ParsedBody", "Parser",
+    "RenderRequest", "RequestFormat",
     "UnreadableResponse", "body_prompt_characters", "compact_json", "decode_json_object", "go_json",
     "has_lone_surrogate", "json_array_prefix", "media_digest", "nesting_exceeds", "openai_error_body", "read_json",
-    "session_name", "shorten_strings",
+    "read_json_or_none", "session_name", "shorten_strings",
 ]
