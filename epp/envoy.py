@@ -391,7 +391,8 @@ def render_config(*, listen_port: int = 8081, admin_port: int = 19000, epp_port:
         tracing = _TRACING
         clusters += grpc_cluster("otel_collector", *_host_port(tracing_collector, "tracing collector"))
     comment = ("# Envoy in front of the LLM endpoint picker (rendered by `epp envoy-config`).\n"
-               f"# Listener :{listen_port} -> ext_proc (the picker at {epp_host}:{epp_port}) -> the endpoint it picked.\n")
+               f"# Listener :{listen_port} -> ext_proc (the picker at {epp_host}:{epp_port}) "
+               "-> the endpoint it picked.\n")
     return bootstrap(comment, admin_port=admin_port, listen_address=listen_address, listen_port=listen_port,
                      routes=routes, filters=filters, clusters=clusters, tracing=tracing)
 
