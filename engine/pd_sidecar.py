@@ -150,16 +150,21 @@ def _same_address(host: str, other: str | None) -> bool:
         return False
 
 
-def encoder_body(body: dict[str, Any], item: dict[str, Any]) -> dict[str, Any]:
-    """One encoder request: the chat request with this item alone as its user message, one output token."""
-    leg = copy.copy(body)
-    leg["messages"] = [{"role": "user", "content": [item]}]
+def _one_token(leg: dict[str, Any]) -> dict[str, Any]:
+    """A leg's request (a copy of the client's) made to answer one token, not streamed."""
     leg["stream"] = False
     leg.pop("stream_options", None)
     leg["max_tokens"] = 1
     if "max_completion_tokens" in leg:
         leg["max_completion_tokens"] = 1
     return leg
+
+
+def encoder_body(body: dict[str, Any], item: dict[str, Any]) -> dict[str, Any]:
+    """One encoder request: the chat request with this item alone as its user message, one output token."""
+    leg = copy.copy(body)
+    leg["messages"] = [{"role": "user", "content": [item]}]
+    return _one_token(leg)
 
 
 def _p2p_port(value: str | None, default: int) -> int:
@@ -185,12 +190,7 @@ def prefill_body(body: dict[str, Any], kv_source: dict[str, Any] | None = None) 
                                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
     if kv_source is not None:
         leg["kv_transfer_params"]["remote_kv_source"] = kv_source
-    leg["stream"] = False
-    leg.pop("stream_options", None)
-    leg["max_tokens"] = 1
-    if "max_completion_tokens" in leg:
-        leg["max_completion_tokens"] = 1
-    return leg
+    return _one_token(leg)
 
 
 def _forward_headers(headers: Any) -> dict[str, str]:
