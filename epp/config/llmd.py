@@ -51,7 +51,7 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
     "mm-embeddings-cache-producer": LlmdType(
         "per endpoint, the multimodal items (images, videos, audio) of the requests sent there, an LRU of "
         "cacheSizeInMBPerServer / 2 MiB entries; each candidate's matched and total items",
-        "items are identified by the URL or inline data the request carries (llm-d reads the renderer's "
+        "items are identified by their content as the request's parser reads it (llm-d reads the renderer's "
         "multimodal hashes when a token-producer gives them)"),
     "mm-embeddings-cache-scorer": LlmdType("matched / total multimodal items of the request (0 without media)"),
     "dcgm-data-source": LlmdType(
