@@ -235,6 +235,17 @@ def json_usage(body: bytes) -> tuple[Any, dict[str, Any] | None]:
     return parsed, usage if isinstance(usage, dict) else None
 
 
+def openai_usage_names(usage: dict[str, Any]) -> dict[str, Any]:
+    """A Responses API usage with chat's names added (`RequestFormat.usage` answers in those): `prompt_tokens`,
+    `completion_tokens`, `prompt_tokens_details` from `input_tokens`, `output_tokens`, `input_tokens_details`."""
+    out = dict(usage)
+    for ours, theirs in (("prompt_tokens", "input_tokens"), ("completion_tokens", "output_tokens"),
+                         ("prompt_tokens_details", "input_tokens_details")):
+        if theirs in usage and ours not in usage:
+            out[ours] = usage[theirs]
+    return out
+
+
 class OpenAIParser(Parser):
     """OpenAI completions, chat, Responses (previous_response_id affinity), conversations, embeddings; vLLM rerank."""
 
@@ -406,6 +417,11 @@ class OpenAIParser(Parser):
     # -- responses ------------------------------------------------------------------------------
 
     def usage(self, request: InferenceRequest, body: bytes, *, streamed: bool) -> dict[str, Any] | None:
+        found = self._usage(body, streamed=streamed)
+        return openai_usage_names(found) if found is not None and request.api == RESPONSES else found
+
+    @staticmethod
+    def _usage(body: bytes, *, streamed: bool) -> dict[str, Any] | None:
         if not streamed:
             return json_usage(body)[1]
         if b"usage" not in body:
