@@ -449,6 +449,7 @@ def _networks(text: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network,
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The flags of `epp engine pd-sidecar`."""
     p = argparse.ArgumentParser(
         prog="epp engine pd-sidecar",
         description="Front a decode vLLM for P/D disaggregation: with x-prefiller-host-port, prefill there "

@@ -125,10 +125,12 @@ def response_headers_response(set_headers: Iterable[tuple[str, str]] = (),
 
 
 def request_trailers_response() -> pb.ProcessingResponse:
+    """The reply to request trailers: passed on unchanged."""
     return _REQUEST_TRAILERS
 
 
 def response_trailers_response() -> pb.ProcessingResponse:
+    """The reply to response trailers: passed on unchanged."""
     return _RESPONSE_TRAILERS
 
 
