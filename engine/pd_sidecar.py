@@ -13,8 +13,9 @@ robin, as a one-token chat request of that item alone, so their encoder caches h
 encoder failure is a 502) and `x-kv-cache-source-host-port` (a peer holding more of the prompt's
 KV: the leg that computes the prompt, the prefill leg or else the local decode, gets
 `kv_transfer_params.remote_kv_source` {kv_request_id, remote_host, remote_port: the peer's P2P
-connector port} so the engine pulls those blocks instead of recomputing them; a malformed or
-disallowed value, or the sidecar's own pod, is ignored).
+connector port: `x-kv-cache-source-p2p-port` when the picker sends it (p2p-source-producer's
+`p2pPortBase`), else `--p2p-connector-port`} so the engine pulls those blocks instead of recomputing
+them; a malformed or disallowed value, or the sidecar's own pod, is ignored).
 Failures: a prefill leg that cannot be reached, times out, answers 408/429/5xx or without transfer
 parameters falls back to a local prefill (nothing has reached the client yet, so this is safe;
 `x-pd-fallback` says why); a prefill answer 4xx is the client's error and is returned as is; a
@@ -43,7 +44,12 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-from epp.framework.headers import ENCODER_HOSTS_PORTS_HEADER, KV_CACHE_SOURCE_HEADER, PREFILLER_HOST_PORT_HEADER
+from epp.framework.headers import (
+    ENCODER_HOSTS_PORTS_HEADER,
+    KV_CACHE_SOURCE_HEADER,
+    KV_CACHE_SOURCE_P2P_PORT_HEADER,
+    PREFILLER_HOST_PORT_HEADER,
+)
 
 log = logging.getLogger("epp.pd_sidecar")
 
@@ -56,7 +62,8 @@ _HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "pro
                           "trailer", "transfer-encoding", "upgrade", "host", "content-length"})
 _RETRYABLE_STATUS = frozenset({408, 429})
 # Routing headers the picker sets for this sidecar: read here, never forwarded to an engine.
-_ROUTING_HEADERS = frozenset({PREFILLER_HOST_PORT_HEADER, ENCODER_HOSTS_PORTS_HEADER, KV_CACHE_SOURCE_HEADER})
+_ROUTING_HEADERS = frozenset({PREFILLER_HOST_PORT_HEADER, ENCODER_HOSTS_PORTS_HEADER, KV_CACHE_SOURCE_HEADER,
+                              KV_CACHE_SOURCE_P2P_PORT_HEADER})
 # Chat content blocks an encoder computes (llm-d's E/PD): one encoder request per distinct item.
 MULTIMODAL_TYPES = frozenset({"image_url", "audio_url", "video_url", "input_audio"})
 # llm-d's OffloadingConnector P2P tier listens here on every pod unless configured otherwise.
@@ -143,16 +150,32 @@ def _same_address(host: str, other: str | None) -> bool:
         return False
 
 
-def encoder_body(body: dict[str, Any], item: dict[str, Any]) -> dict[str, Any]:
-    """One encoder request: the chat request with this item alone as its user message, one output token."""
-    leg = copy.copy(body)
-    leg["messages"] = [{"role": "user", "content": [item]}]
+def _one_token(leg: dict[str, Any]) -> dict[str, Any]:
+    """A leg's request (a copy of the client's) made to answer one token, not streamed."""
     leg["stream"] = False
     leg.pop("stream_options", None)
     leg["max_tokens"] = 1
     if "max_completion_tokens" in leg:
         leg["max_completion_tokens"] = 1
     return leg
+
+
+def encoder_body(body: dict[str, Any], item: dict[str, Any]) -> dict[str, Any]:
+    """One encoder request: the chat request with this item alone as its user message, one output token."""
+    leg = copy.copy(body)
+    leg["messages"] = [{"role": "user", "content": [item]}]
+    return _one_token(leg)
+
+
+def _p2p_port(value: str | None, default: int) -> int:
+    """The P2P port the picker named for the KV source (`x-kv-cache-source-p2p-port`), else `default`."""
+    if value is None:
+        return default
+    value = value.strip()
+    if value.isascii() and value.isdigit() and 0 < int(value) < 65536:
+        return int(value)
+    log.info("ignoring %s %r: not a port", KV_CACHE_SOURCE_P2P_PORT_HEADER, value[:32])
+    return default
 
 
 def kv_source_params(host: str, p2p_port: int) -> dict[str, Any]:
@@ -167,12 +190,7 @@ def prefill_body(body: dict[str, Any], kv_source: dict[str, Any] | None = None) 
                                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
     if kv_source is not None:
         leg["kv_transfer_params"]["remote_kv_source"] = kv_source
-    leg["stream"] = False
-    leg.pop("stream_options", None)
-    leg["max_tokens"] = 1
-    if "max_completion_tokens" in leg:
-        leg["max_completion_tokens"] = 1
-    return leg
+    return _one_token(leg)
 
 
 def _forward_headers(headers: Any) -> dict[str, str]:
@@ -242,8 +260,11 @@ class PDSidecar:
         nets = self.config.allowed_prefillers
         return not nets or any(ipaddress.ip_address(host) in net for net in nets)
 
-    def _kv_source(self, value: str | None, computing: tuple[str, int] | None) -> dict[str, Any] | None:
-        """The pull parameters of a usable `x-kv-cache-source-host-port`, else None (malformed ones are ignored)."""
+    def _kv_source(self, value: str | None, computing: tuple[str, int] | None,
+                   p2p_port: str | None = None) -> dict[str, Any] | None:
+        """The pull parameters of a usable `x-kv-cache-source-host-port`, else None (malformed ones are ignored).
+
+        `p2p_port` is the picker's `x-kv-cache-source-p2p-port`; a malformed one leaves `--p2p-connector-port`."""
         if not value:
             return None
         try:
@@ -258,13 +279,14 @@ class PDSidecar:
             return None
         if computing is None and port == self.config.port and _same_address(host, self.config.self_host):
             return None  # this pod itself
-        return kv_source_params(host, self.config.p2p_connector_port)
+        return kv_source_params(host, _p2p_port(p2p_port, self.config.p2p_connector_port))
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         header = request.headers.get(PREFILLER_HOST_PORT_HEADER)
         encoders = request.headers.get(ENCODER_HOSTS_PORTS_HEADER)
         source = request.headers.get(KV_CACHE_SOURCE_HEADER)
+        source_port = request.headers.get(KV_CACHE_SOURCE_P2P_PORT_HEADER)
         if header is None and encoders is None and source is None:
             self.requests.labels("local").inc()
             return await self._to_vllm(request, "POST", raw, extra_headers={})
@@ -282,7 +304,7 @@ class PDSidecar:
                 self.requests.labels("error").inc()
                 return failure
         if header is None:
-            pull = self._kv_source(source, None)
+            pull = self._kv_source(source, None, source_port)
             self.requests.labels("local").inc()
             if pull is None:
                 return await self._to_vllm(request, "POST", raw, extra_headers={})
@@ -298,7 +320,7 @@ class PDSidecar:
         if not self._allowed(host):
             self.requests.labels("error").inc()
             return error_response(403, f"prefiller {header} is outside --allowed-prefillers", "Forbidden")
-        pull = self._kv_source(source, (host, port))
+        pull = self._kv_source(source, (host, port), source_port)
         if pull is not None:
             self.kv_pulls.labels("prefill").inc()
         try:
@@ -427,6 +449,7 @@ def _networks(text: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network,
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The flags of `epp engine pd-sidecar`."""
     p = argparse.ArgumentParser(
         prog="epp engine pd-sidecar",
         description="Front a decode vLLM for P/D disaggregation: with x-prefiller-host-port, prefill there "
@@ -443,7 +466,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of networks prefillers may be in, e.g. 10.0.0.0/8 (default: any)")
     p.add_argument("--p2p-connector-port", type=int,
                    default=int(os.environ.get("P2P_CONNECTOR_PORT", DEFAULT_P2P_CONNECTOR_PORT)),
-                   help="the engines' P2P KV connector port, where a KV source is pulled from (default 7777, "
+                   help="the engines' P2P KV connector port, where a KV source is pulled from unless the "
+                        "picker names the source's own (x-kv-cache-source-p2p-port) (default 7777, "
                         "or $P2P_CONNECTOR_PORT)")
     p.add_argument("--no-fallback", dest="fallback", action="store_false",
                    help="answer 502/504 when the prefill leg fails instead of prefilling locally")

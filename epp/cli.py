@@ -291,7 +291,8 @@ def _start_line(options: ServeOptions) -> Callable[[EppServer], None]:
 
 def _run_serve(args: argparse.Namespace, ignored_line: str | None = None) -> int:
     from epp.framework.errors import ConfigError
-    from epp.server.runner import BindError, ServeOptions, serve_forever
+    from epp.server.ports import BindError
+    from epp.server.runner import ServeOptions, serve_forever
 
     if ignored_line is not None:  # once, in the process that parsed the line (workers get options, not flags)
         logging.getLogger("epp.serve").warning("%s", ignored_line)

@@ -2,7 +2,8 @@
 
 The rendered config is what `deploy/envoy/envoy-epp.yaml` holds (a test keeps the two equal):
 an ext_proc filter with FULL_DUPLEX_STREAMED bodies and an ORIGINAL_DST cluster that routes on
-the `x-gateway-destination-endpoint` header the picker sets.
+the `x-gateway-destination-endpoint` header the picker sets. Its pieces (`bootstrap`,
+`ext_proc_filter`, `grpc_cluster`...) also build the body-based router's config (`epp.bbr.envoy_config`).
 """
 
 from __future__ import annotations
@@ -32,10 +33,14 @@ _STRIP_FILTER_HEAD = """\
               mutations:
                 request_mutations:
 """
-_STRIP_FILTER = _STRIP_FILTER_HEAD + "".join(
-    f"                - remove: {name}\n" for name in CLIENT_STRIPPED_HEADERS)
 
-_EXT_PROC_FILTER = """\
+
+def strip_headers_filter(names: Sequence[str]) -> str:
+    """The `http_filters` entry that removes `names` from every request before any later filter reads them."""
+    return _STRIP_FILTER_HEAD + "".join(f"                - remove: {name}\n" for name in names)
+
+
+SUBSET_HINT_FILTER = """\
           # A client (or an upstream filter) may narrow the candidates with a comma-separated header.
           - name: envoy.filters.http.header_to_metadata
             typed_config:
@@ -47,15 +52,28 @@ _EXT_PROC_FILTER = """\
                   key: x-gateway-destination-endpoint-subset
                   type: STRING
                 remove: true
-          - name: envoy.filters.http.ext_proc
+"""
+
+_EXT_PROC_FILTER = """\
+{comment}          - name: {name}
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
               grpc_service:
                 envoy_grpc:
-                  cluster_name: epp
+                  cluster_name: {cluster}
                 timeout: 10s
               failure_mode_allow: {failure_mode_allow}
               message_timeout: {message_timeout}
+{metadata}              processing_mode:
+                request_header_mode: SEND
+                response_header_mode: {response_header_mode}
+                request_body_mode: FULL_DUPLEX_STREAMED
+                response_body_mode: {response_body_mode}
+                request_trailer_mode: SEND
+                response_trailer_mode: {response_trailer_mode}
+"""
+
+_PICKER_METADATA = """\
               # The subset hint (and, where the data plane sets it, the served endpoint) reach the picker;
               # the picker's envoy.lb metadata (picked endpoint, --emit-endpoint-scores) reaches access logs.
               metadata_options:
@@ -63,13 +81,6 @@ _EXT_PROC_FILTER = """\
                   untyped: ["envoy.lb.subset_hint", "envoy.lb"]
                 receiving_namespaces:
                   untyped: ["envoy.lb"]
-              processing_mode:
-                request_header_mode: SEND
-                response_header_mode: {response_header_mode}
-                request_body_mode: FULL_DUPLEX_STREAMED
-                response_body_mode: {response_body_mode}
-                request_trailer_mode: SEND
-                response_trailer_mode: {response_trailer_mode}
 """
 
 # How much of each response Envoy shows the picker (see `render_config`).
@@ -129,8 +140,8 @@ _TRACING = """\
                 service_name: envoy
 """
 
-_OTEL_COLLECTOR_CLUSTER = """\
-  - name: otel_collector
+_GRPC_CLUSTER = """\
+  - name: {name}
     type: {cluster_type}
 {dns}    connect_timeout: 2s
     typed_extension_protocol_options:
@@ -139,18 +150,16 @@ _OTEL_COLLECTOR_CLUSTER = """\
         explicit_http_config:
           http2_protocol_options: {{}}
     load_assignment:
-      cluster_name: otel_collector
+      cluster_name: {name}
       endpoints:
       - lb_endpoints:
         - endpoint: {{ address: {{ socket_address: {{ address: {host}, port_value: {port} }} }} }}
 """
 
-_TEMPLATE = """\
-# Envoy in front of the LLM endpoint picker (rendered by `epp envoy-config`).
-# Listener :{listen_port} -> ext_proc (the picker at {epp_host}:{epp_port}) -> the endpoint it picked.
-admin:
+_BOOTSTRAP = """\
+{comment}admin:
   address:
-    socket_address: {{ address: {admin_address}, port_value: {admin_port} }}
+    socket_address: {{ address: 127.0.0.1, port_value: {admin_port} }}
 static_resources:
   listeners:
   - name: inference
@@ -277,6 +286,51 @@ _ROUND_ROBIN_CLUSTER = """\
 {endpoints}"""
 
 
+def ext_proc_filter(*, cluster: str, responses: str = "full", failure_mode_allow: bool = False,
+                    message_timeout: str = "1000s", name: str = "envoy.filters.http.ext_proc",
+                    picker_metadata: bool = True, comment: str = "") -> str:
+    """The `http_filters` entry of an ext_proc filter calling `cluster`, shown the response as `responses` says.
+
+    `picker_metadata`: the subset hint and the served endpoint are sent, the `envoy.lb` metadata
+    taken back (the endpoint picker's; the body-based router needs neither). `comment`: one line above it.
+    """
+    if responses not in RESPONSE_MODES:
+        raise ValueError(f"responses must be one of {', '.join(RESPONSE_MODES)}, not {responses!r}")
+    return _EXT_PROC_FILTER.format(
+        comment=f"          # {comment}\n" if comment else "", name=name, cluster=cluster,
+        failure_mode_allow=str(failure_mode_allow).lower(), message_timeout=message_timeout,
+        metadata=_PICKER_METADATA if picker_metadata else "",
+        response_header_mode="SKIP" if responses == "none" else "SEND",
+        response_body_mode=_RESPONSE_BODY_MODES[responses],
+        # Sending trailers keeps the ext_proc stream open until the response has ended (Envoy
+        # 1.40 closes it after the last phase it will send): with "headers" that close is how
+        # the picker learns the request finished, without reading its body.
+        response_trailer_mode="SKIP" if responses == "none" else "SEND")
+
+
+def grpc_cluster(name: str, host: str, port: int) -> str:
+    """A `clusters` entry of one HTTP/2 (gRPC) endpoint; a DNS name as `host` is resolved by Envoy."""
+    dns = not _is_ip(host)
+    return _GRPC_CLUSTER.format(name=name, host=host, port=port, cluster_type="STRICT_DNS" if dns else "STATIC",
+                                dns="    dns_lookup_family: V4_PREFERRED\n" if dns else "")
+
+
+def original_dst_cluster(upstream_protocol: str = "http") -> str:
+    """The `clusters` entry that sends a request to the `ip:port` of its `x-gateway-destination-endpoint` header."""
+    return _ORIGINAL_DST_CLUSTER.format(protocol=_H2C_UPSTREAM if upstream_protocol == "h2c" else "")
+
+
+def bootstrap(comment: str, *, admin_port: int, listen_address: str, listen_port: int, routes: str, filters: str,
+              clusters: str, tracing: str = "") -> str:
+    """Envoy bootstrap YAML: one HTTP listener with `routes` and `filters` (before the router), and `clusters`.
+
+    `comment`: the lines (each starting with `#`) that head the file.
+    """
+    return _BOOTSTRAP.format(comment=comment, admin_port=admin_port, listen_address=listen_address,
+                             listen_port=listen_port, routes=routes, filters=filters, clusters=clusters,
+                             tracing=tracing)
+
+
 def render_config(*, listen_port: int = 8081, admin_port: int = 19000, epp_port: int = 9002,
                   epp_host: str = "127.0.0.1", listen_address: str = "127.0.0.1",
                   failure_mode_allow: bool = False, epp_tls: bool = False,
@@ -319,18 +373,13 @@ def render_config(*, listen_port: int = 8081, admin_port: int = 19000, epp_port:
         routes = _ROUTE.format(match="", cluster="backends", extra="")
     else:
         served = responses != "none"  # only a picker that sees responses can use the served endpoint
-        filters = _STRIP_FILTER + _EXT_PROC_FILTER.format(
-            failure_mode_allow=str(failure_mode_allow).lower(), message_timeout=message_timeout,
-            response_header_mode="SKIP" if responses == "none" else "SEND",
-            response_body_mode=_RESPONSE_BODY_MODES[responses],
-            # Sending trailers keeps the ext_proc stream open until the response has ended (Envoy
-            # 1.40 closes it after the last phase it will send): with "headers" that close is how
-            # the picker learns the request finished, without reading its body.
-            response_trailer_mode="SKIP" if responses == "none" else "SEND")
+        filters = strip_headers_filter(CLIENT_STRIPPED_HEADERS) + SUBSET_HINT_FILTER + ext_proc_filter(
+            cluster="epp", responses=responses, failure_mode_allow=failure_mode_allow,
+            message_timeout=message_timeout)
         filters += _SERVED_FILTER if served else ""
         # A DNS name (a Kubernetes Service) is resolved and re-resolved by Envoy; an IP is static.
         dns = not _is_ip(epp_host)
-        clusters = _ORIGINAL_DST_CLUSTER.format(protocol=protocol) + _EPP_CLUSTER.format(
+        clusters = original_dst_cluster(upstream_protocol) + _EPP_CLUSTER.format(
             epp_host=epp_host, epp_port=epp_port, tls=_EPP_TLS if epp_tls else "",
             epp_cluster_type="STRICT_DNS" if dns else "STATIC",
             dns="    dns_lookup_family: V4_PREFERRED\n" if dns else "",
@@ -346,14 +395,13 @@ def render_config(*, listen_port: int = 8081, admin_port: int = 19000, epp_port:
             clusters += _fail_open_cluster(fail_open_endpoints, protocol)
     tracing = ""
     if tracing_collector is not None:
-        host, port = _host_port(tracing_collector, "tracing collector")
         tracing = _TRACING
-        clusters += _OTEL_COLLECTOR_CLUSTER.format(
-            host=host, port=port, cluster_type="STATIC" if _is_ip(host) else "STRICT_DNS",
-            dns="" if _is_ip(host) else "    dns_lookup_family: V4_PREFERRED\n")
-    return _TEMPLATE.format(admin_address="127.0.0.1", admin_port=admin_port, listen_address=listen_address,
-                            listen_port=listen_port, epp_host=epp_host, epp_port=epp_port,
-                            routes=routes, filters=filters, clusters=clusters, tracing=tracing)
+        clusters += grpc_cluster("otel_collector", *_host_port(tracing_collector, "tracing collector"))
+    comment = ("# Envoy in front of the LLM endpoint picker (rendered by `epp envoy-config`).\n"
+               f"# Listener :{listen_port} -> ext_proc (the picker at {epp_host}:{epp_port}) "
+               "-> the endpoint it picked.\n")
+    return bootstrap(comment, admin_port=admin_port, listen_address=listen_address, listen_port=listen_port,
+                     routes=routes, filters=filters, clusters=clusters, tracing=tracing)
 
 
 def _host_port(hostport: str, what: str) -> tuple[str, int]:

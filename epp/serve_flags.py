@@ -23,14 +23,12 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from epp.framework.durations import unit_duration
+
 # Go's strconv.ParseBool, which pflag's boolean flags use.
 _GO_TRUE = frozenset({"1", "t", "T", "TRUE", "true", "True"})
 _GO_FALSE = frozenset({"0", "f", "F", "FALSE", "false", "False"})
 
-# time.ParseDuration's units, in seconds (both spellings of the micro sign, as Go accepts).
-_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "\u00b5s": 1e-6, "\u03bcs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0,
-                   "h": 3600.0}
-_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h)")
 _PLAIN_NUMBER = re.compile(r"\d+(?:\.\d*)?|\.\d+")
 
 # Kubernetes quantity suffixes (resource.ParseQuantity), which llm-d's message-size flags take.
@@ -63,13 +61,8 @@ def go_duration(text: str) -> float:
     value = value[1:] if value[:1] in "+-" else value
     if _PLAIN_NUMBER.fullmatch(value):
         return sign * float(value)
-    total, position = 0.0, 0
-    for match in _DURATION_PART.finditer(value):
-        if match.start() != position:
-            break
-        total += float(match.group(1)) * _DURATION_UNITS[match.group(2)]
-        position = match.end()
-    if not value or position != len(value):
+    total = unit_duration(value)
+    if total is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a duration (e.g. 50ms, 5s, 1m30s, or seconds)")
     return sign * total
 

@@ -81,11 +81,6 @@ class _SessionAffinity(PreRequestHook, ResponseHeadersHook):
         self._last_sweep = time.monotonic()
         self._gauge = _sessions_gauge(context.metrics_registry).labels(plugin=name)
 
-    @property
-    def id_headers(self) -> tuple[str, ...]:
-        """The headers the session id is read from, in order."""
-        return tuple(value for kind, value in self.id_sources if kind == "header")
-
     def describe(self) -> str:
         if self.strategy == "session_id":
             sources = [value if kind == "header" else f"attribute:{value}" for kind, value in self.id_sources]

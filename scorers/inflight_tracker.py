@@ -7,6 +7,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Gauge
 
@@ -27,13 +28,18 @@ class _Entry:
     tokens: int
 
 
-class InflightTracker:
-    """Counts requests and tokens per endpoint; entries end on `finish`, on timeout, or past capacity."""
+# A book's entry: one request, with the deadline it expires at.
+_EntryT = TypeVar("_EntryT", bound="_Entry | _Request")
+
+
+class _TimedBook(Generic[_EntryT]):
+    """Requests and tokens counted per endpoint, each request an entry that ends on `finish`, on its
+    timeout, or past capacity (oldest first); subclasses say how an entry counts and uncounts."""
 
     def __init__(self, timeout_s: float, capacity: int = 100_000, gauge: Gauge | None = None) -> None:
         self.timeout_s = timeout_s
         self.capacity = capacity
-        self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        self._entries: OrderedDict[int, _EntryT] = OrderedDict()
         self._requests: dict[str, int] = {}
         self._tokens: dict[str, int] = {}
         self._ids = itertools.count(1)
@@ -48,30 +54,18 @@ class InflightTracker:
                 "requests": dict(self._requests), "tokens": dict(self._tokens)}
 
     def requests(self, endpoint: str) -> int:
+        """Requests counted on `endpoint`."""
         return self._requests.get(endpoint, 0)
 
     def tokens(self, endpoint: str) -> int:
+        """Tokens counted on `endpoint`."""
         return self._tokens.get(endpoint, 0)
-
-    def start(self, endpoints: Iterable[str], tokens: int = 0, now: float | None = None) -> int:
-        """Count a request on `endpoints`; returns the key that `finish` takes."""
-        now = time.monotonic() if now is None else now
-        self.expire(now)
-        key = next(self._ids)
-        entry = _Entry(now + self.timeout_s, tuple(dict.fromkeys(endpoints)), tokens)
-        self._entries[key] = entry
-        self._apply(entry, +1)
-        while len(self._entries) > self.capacity:
-            _, oldest = self._entries.popitem(last=False)
-            self._apply(oldest, -1)
-        self._report()
-        return key
 
     def finish(self, key: int | None) -> None:
         """Stop counting a request; unknown or already finished keys are ignored."""
         entry = self._entries.pop(key, None) if key is not None else None
         if entry is not None:
-            self._apply(entry, -1)
+            self._drop(entry)
             self._report()
 
     def expire(self, now: float | None = None) -> None:
@@ -85,10 +79,43 @@ class InflightTracker:
             if entry.deadline > now:
                 break
             del entries[key]
-            self._apply(entry, -1)
+            self._drop(entry)
             changed = True
         if changed:
             self._report()
+
+    def _add_entry(self, entry: _EntryT) -> int:
+        """Track an entry already counted; the oldest go past capacity. Returns its key."""
+        key = next(self._ids)
+        self._entries[key] = entry
+        while len(self._entries) > self.capacity:
+            _, oldest = self._entries.popitem(last=False)
+            self._drop(oldest)
+        self._report()
+        return key
+
+    def _drop(self, entry: _EntryT) -> None:
+        """Uncount what an ending entry still counts."""
+        raise NotImplementedError
+
+    def _report(self) -> None:
+        if self._gauge is not None:
+            self._gauge.set(len(self._entries))
+
+
+class InflightTracker(_TimedBook[_Entry]):
+    """Counts requests and tokens per endpoint; entries end on `finish`, on timeout, or past capacity."""
+
+    def start(self, endpoints: Iterable[str], tokens: int = 0, now: float | None = None) -> int:
+        """Count a request on `endpoints`; returns the key that `finish` takes."""
+        now = time.monotonic() if now is None else now
+        self.expire(now)
+        entry = _Entry(now + self.timeout_s, tuple(dict.fromkeys(endpoints)), tokens)
+        self._apply(entry, +1)
+        return self._add_entry(entry)
+
+    def _drop(self, entry: _Entry) -> None:
+        self._apply(entry, -1)
 
     def _apply(self, entry: _Entry, sign: int) -> None:
         for ep in entry.endpoints:
@@ -100,10 +127,6 @@ class InflightTracker:
             else:
                 self._requests[ep] = count
                 self._tokens[ep] = tokens
-
-    def _report(self) -> None:
-        if self._gauge is not None:
-            self._gauge.set(len(self._entries))
 
 
 @dataclass(slots=True)
@@ -123,7 +146,7 @@ class _Request:
     parts: list[_Part]
 
 
-class LoadBook:
+class LoadBook(_TimedBook[_Request]):
     """Requests and tokens in flight per endpoint, one request counted on each profile's pick (llm-d's counters).
 
     A request's tokens may be released before the request itself (`release`: its prefill is done),
@@ -133,28 +156,8 @@ class LoadBook:
     """
 
     def __init__(self, timeout_s: float, capacity: int = 100_000, gauge: Gauge | None = None) -> None:
-        self.timeout_s = timeout_s
-        self.capacity = capacity
-        self._entries: OrderedDict[int, _Request] = OrderedDict()
-        self._requests: dict[str, int] = {}
-        self._tokens: dict[str, int] = {}
+        super().__init__(timeout_s, capacity, gauge)
         self._generation: dict[str, int] = {}
-        self._ids = itertools.count(1)
-        self._gauge = gauge
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def debug_state(self) -> dict[str, object]:
-        """Tracked requests, bounds, and requests and tokens per endpoint (for a plugin's `debug_state`)."""
-        return {"tracked": len(self._entries), "capacity": self.capacity, "timeout_s": self.timeout_s,
-                "requests": dict(self._requests), "tokens": dict(self._tokens)}
-
-    def requests(self, endpoint: str) -> int:
-        return self._requests.get(endpoint, 0)
-
-    def tokens(self, endpoint: str) -> int:
-        return self._tokens.get(endpoint, 0)
 
     def start(self, picks: Iterable[tuple[str, str, int]], now: float | None = None) -> int | None:
         """Count a request: one `(profile, endpoint, tokens)` per profile's pick; the key `release`/`finish` take."""
@@ -165,13 +168,7 @@ class LoadBook:
             return None
         for part in parts:
             self._add(part.endpoint, 1, part.tokens)
-        key = next(self._ids)
-        self._entries[key] = _Request(now + self.timeout_s, parts)
-        while len(self._entries) > self.capacity:
-            _, oldest = self._entries.popitem(last=False)
-            self._drop(oldest.parts)
-        self._report()
-        return key
+        return self._add_entry(_Request(now + self.timeout_s, parts))
 
     def release(self, key: int | None, *, whole: Iterable[str] = (), all_tokens: bool = False) -> None:
         """Release the picks of profiles `whole` entirely and, with `all_tokens`, the tokens of every other pick."""
@@ -185,28 +182,6 @@ class LoadBook:
             elif all_tokens:
                 self._release(part, request=False)
 
-    def finish(self, key: int | None) -> None:
-        """Stop counting a request; unknown or already finished keys are ignored."""
-        entry = self._entries.pop(key, None) if key is not None else None
-        if entry is not None:
-            self._drop(entry.parts)
-            self._report()
-
-    def expire(self, now: float | None = None) -> None:
-        """Drop entries past their deadline (their completion was never seen)."""
-        now = time.monotonic() if now is None else now
-        entries = self._entries
-        changed = False
-        while entries:
-            key, entry = next(iter(entries.items()))
-            if entry.deadline > now:
-                break
-            del entries[key]
-            self._drop(entry.parts)
-            changed = True
-        if changed:
-            self._report()
-
     def remove_endpoint(self, endpoint: str) -> None:
         """Forget an endpoint that left the pool; what was counted on it is never released onto a newcomer."""
         self._requests.pop(endpoint, None)
@@ -216,8 +191,8 @@ class LoadBook:
             named = {part.endpoint for entry in self._entries.values() for part in entry.parts}
             self._generation = {ep: g for ep, g in self._generation.items() if ep in named}
 
-    def _drop(self, parts: list[_Part]) -> None:
-        for part in parts:
+    def _drop(self, entry: _Request) -> None:
+        for part in entry.parts:
             self._release(part, request=True)
 
     def _release(self, part: _Part, *, request: bool) -> None:
@@ -238,7 +213,3 @@ class LoadBook:
         else:
             self._requests[endpoint] = max(0, count)
             self._tokens[endpoint] = total
-
-    def _report(self) -> None:
-        if self._gauge is not None:
-            self._gauge.set(len(self._entries))

@@ -8,17 +8,17 @@ item was encoded before. The producer remembers, per endpoint, the items of the 
 likely to hold (`ENCODER_CACHE_MATCH`). The scorer scores `matched items / request items` (0 with no
 media). An item counts once per request.
 
-An item is identified by its content as the request carries it (the URL or inline data of an
-image, video or audio part of an OpenAI chat or Responses body, an Anthropic image block), hashed;
-llm-d reads the renderer's own multimodal hashes when a token-producer gives them, else the same
-typed media blocks. An endpoint that leaves the pool is forgotten at once.
+An item is identified by its content as the request's parser reads it (`request.media()`: the
+digest of an image, video or audio part of an OpenAI chat or Responses body, an Anthropic image
+block, a vLLM `generate` request's features...); llm-d reads the renderer's own multimodal hashes
+when a token-producer gives them, else the same typed media blocks. An endpoint that leaves the
+pool is forgotten at once.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,44 +58,13 @@ class EncoderCacheMatch:
 ENCODER_CACHE_MATCH: DataKey[EncoderCacheMatch] = DataKey("encoder-cache-match-info")
 
 
-def _parts(messages: Any) -> Iterator[Mapping[str, Any]]:
-    if not isinstance(messages, list):
-        return
-    for message in messages:
-        content = message.get("content") if isinstance(message, Mapping) else None
-        if isinstance(content, list):
-            yield from (part for part in content if isinstance(part, Mapping))
+# The modalities a model server encodes (a file or document is read as text, not encoded).
+ENCODED_MODALITIES = frozenset({"image", "video", "audio"})
 
 
-def _ref(part: Mapping[str, Any], key: str) -> Any:
-    ref = part.get(key)
-    return ref.get("url") if isinstance(ref, Mapping) else ref
-
-
-def media_items(body: Mapping[str, Any]) -> dict[str, str]:
-    """hash -> modality of every image, video and audio part of a chat, Responses or Messages body."""
-    items: dict[str, str] = {}
-    parts = list(_parts(body.get("messages")))
-    if isinstance(body.get("input"), list):
-        parts += list(_parts(body["input"]))
-    for part in parts:
-        kind = part.get("type")
-        ident: Any = None
-        modality = "image"
-        if kind in ("image_url", "input_image"):
-            ident = _ref(part, "image_url")
-        elif kind == "video_url":
-            ident, modality = _ref(part, "video_url"), "video"
-        elif kind in ("input_audio", "audio_url"):
-            audio = part.get("input_audio")
-            ident = audio.get("data") if isinstance(audio, Mapping) else _ref(part, "audio_url")
-            modality = "audio"
-        elif kind in ("image", "document") and isinstance(part.get("source"), Mapping):
-            source = part["source"]
-            ident = source.get("data") or source.get("url") or source.get("file_id")
-        if isinstance(ident, str) and ident:
-            items[hashlib.blake2b(ident.encode(), digest_size=16).hexdigest()] = modality
-    return items
+def media_items(request: InferenceRequest) -> dict[str, str]:
+    """digest -> modality of every image, video and audio item of the request's prompt, as its parser finds them."""
+    return {item.digest: item.modality for item in request.media() if item.modality in ENCODED_MODALITIES}
 
 
 @dataclass
@@ -143,7 +112,7 @@ class MMEmbeddingsCacheProducer(DataProducer, PreRequestHook):
             self._caches.pop(ep.name, None)
 
     async def prepare(self, state: CycleState, request: InferenceRequest, endpoints: Sequence[Endpoint]) -> None:
-        items = media_items(request.body) if isinstance(request.body, Mapping) else {}
+        items = media_items(request)
         if not items:
             return
         state.put(self.name, items)

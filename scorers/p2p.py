@@ -8,6 +8,13 @@ header names that peer when it holds at least `minCachedTokenDelta` more cached 
 the computing endpoint (the prefill profile's pick when there is one, else the primary pick); the
 decode pod's sidecar then asks its engine to pull those blocks instead of recomputing them. A
 client's own copy of the header never passes (the picker owns it).
+
+`p2pPortBase` names the port the peers' engines serve their P2P KV tier on for rank 0; vLLM serves
+data-parallel rank r on that port + r. With it, the hint carries the source's own P2P port
+(`x-kv-cache-source-p2p-port`: the base plus the source endpoint's rank, read from the
+`llm-epp.io/endpoint` label InferencePool discovery sets, `<pod>-rank-<r>`; 0 without it), and
+`epp engine pd-sidecar` pulls from there. Without it the sidecar's `--p2p-connector-port` (7777, the
+same default) applies. One number then lives in the picker's config, where the pool is described.
 """
 
 from __future__ import annotations
@@ -16,7 +23,9 @@ from collections.abc import Mapping, Sequence
 
 from epp.framework import (
     KV_CACHE_SOURCE_HEADER,
+    KV_CACHE_SOURCE_P2P_PORT_HEADER,
     PREFIX_TIER_MATCH,
+    ConfigError,
     CycleState,
     DataProducer,
     Endpoint,
@@ -32,6 +41,9 @@ from epp.framework import (
 from epp.scorers.prefix import prefix_source
 
 _FNV_OFFSET, _FNV_PRIME = 0x811C9DC5, 0x01000193
+# InferencePool discovery names each data-parallel rank's endpoint `<pod>-rank-<r>` under this label.
+ENDPOINT_LABEL, RANK_MARK = "llm-epp.io/endpoint", "-rank-"
+MAX_PORT = 65535
 
 
 def spread_fraction(request_id: str) -> float:
@@ -40,6 +52,12 @@ def spread_fraction(request_id: str) -> float:
     for byte in request_id.encode():
         value = ((value ^ byte) * _FNV_PRIME) & 0xFFFFFFFF
     return value / 2**32
+
+
+def endpoint_rank(endpoint: Endpoint) -> int:
+    """The endpoint's data-parallel rank on its pod, from discovery's `<pod>-rank-<r>` label (0 without one)."""
+    _, mark, rank = endpoint.labels.get(ENDPOINT_LABEL, "").rpartition(RANK_MARK)
+    return int(rank) if mark and rank.isascii() and rank.isdigit() else 0
 
 
 class P2PSourceProducer(DataProducer, PreRequestHook):
@@ -52,10 +70,15 @@ class P2PSourceProducer(DataProducer, PreRequestHook):
         self.prefix = prefix_source(params)
         self.min_delta = params.int("minCachedTokenDelta", 1, minimum=1)
         self.prefill_profile = params.str("prefillProfileName", "prefill") or "prefill"
+        self.p2p_port_base = params.int("p2pPortBase", None, minimum=1)
+        if self.p2p_port_base is not None and self.p2p_port_base > MAX_PORT:
+            raise ConfigError(f"plugin {name!r}: parameter 'p2pPortBase' must be a port (1-{MAX_PORT}), "
+                              f"got {self.p2p_port_base}")
 
     def describe(self) -> str:
         source = f" prefixMatchInfoProducerName={self.prefix.name}" if self.prefix.name else ""
-        return f"minCachedTokenDelta={self.min_delta} prefillProfileName={self.prefill_profile}{source}"
+        port = f" p2pPortBase={self.p2p_port_base}" if self.p2p_port_base is not None else ""
+        return f"minCachedTokenDelta={self.min_delta} prefillProfileName={self.prefill_profile}{port}{source}"
 
     def consumes(self) -> frozenset[str]:
         return frozenset({self.prefix.key})
@@ -97,10 +120,10 @@ class P2PSourceProducer(DataProducer, PreRequestHook):
                 chosen = entry
                 break
             point -= entry[2]
-        state.put(self.name, (chosen[0].hostport, chosen[1]))
+        state.put(self.name, (chosen[0], chosen[1]))
 
     def pre_request(self, state: CycleState, request: InferenceRequest, result: SchedulingResult) -> None:
-        best: tuple[str, int] | None = state.get(self.name)
+        best: tuple[Endpoint, int] | None = state.get(self.name)
         if best is None:
             return
         computing = result.profile_results.get(self.prefill_profile)
@@ -110,7 +133,12 @@ class P2PSourceProducer(DataProducer, PreRequestHook):
             return
         target = computing.targets[0]
         source, cached = best
-        if source == target.hostport:
+        if source.hostport == target.hostport:
             return
-        if cached - self._tokens(state, target.name, source=False)[0] >= self.min_delta:
-            state.set_request_header(KV_CACHE_SOURCE_HEADER, source)
+        if cached - self._tokens(state, target.name, source=False)[0] < self.min_delta:
+            return
+        state.set_request_header(KV_CACHE_SOURCE_HEADER, source.hostport)
+        if self.p2p_port_base is not None:
+            port = self.p2p_port_base + endpoint_rank(source)
+            if port <= MAX_PORT:  # a rank past the last port is no port: the sidecar's own applies
+                state.set_request_header(KV_CACHE_SOURCE_P2P_PORT_HEADER, str(port))

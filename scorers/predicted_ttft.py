@@ -60,6 +60,8 @@ computed again. Each candidate is charged
 Without it, a prefix no replica held predicted the same TTFT everywhere and calibration noise sent
 it to the replica already full of hot prefixes, evicting one of them: the loop that put 38 of 48
 shared-prefix requests on one real vLLM replica (bench/notes/2026-12-capacity-aware-prediction.md).
+This is the picker's one displacement term: `session-affinity-cost-scorer` charges a turn the same
+D(e) through `cost_terms` (with the tiers its session history gives), so no pick pays it twice.
 
 **The prediction trace** (`traceCapacity`, default 0 = off): the last N picks, each candidate's
 terms beside the outcome on the one picked, in `debug_state` (bench/routing/pick_trace.py reads it).
@@ -360,6 +362,22 @@ class PredictedTTFTScorer(Scorer):
                 now: float | None = None) -> float:
         """Predicted seconds to the first token of this request on `endpoint`."""
         return self.terms(endpoint, match, total_tokens, model, now).ttft_s
+
+    def cost_terms(self, state: CycleState, endpoint: Endpoint, match: TierMatch | None, total_tokens: int,
+                   model: str = "", now: float | None = None) -> Terms:
+        """The request's predicted TTFT on `endpoint` with the displacement charge (D), as `score` weighs them.
+
+        `match` may be another plugin's estimate of where the prompt is cached (a session's history);
+        the room and block size come from the prefix producer's data in `state`. Stickiness is not
+        included: it is this scorer's own preference, not a cost of the endpoint.
+        """
+        t = self.terms(endpoint, match, total_tokens, model, now)
+        if self.displacement_weight > 0:
+            free = state.endpoint_data(PREFIX_CACHE_FREE_BLOCKS, endpoint.name)
+            if free is not None:
+                self._displacement(t, endpoint, match, total_tokens, free,
+                                   state.endpoint_data(PREFIX_MATCH_INFO, endpoint.name), model, now)
+        return t
 
     def _displacement(self, t: Terms, endpoint: Endpoint, match: TierMatch | None, total_tokens: int,
                       free_blocks: int | None, info: PrefixMatchInfo | None, model: str, now: float | None) -> None:

@@ -2,15 +2,17 @@
 
 For each candidate endpoint e the scorer predicts what the turn costs there, in seconds:
 
-    cost(e) = T(e) + D(e)
+    cost(e) = T(e) + D(e)      (predicted-ttft-scorer's `cost_terms`, with the tiers below)
 
     T(e)  the predicted time to first token on e (predicted-ttft-scorer's model, self-calibrated
           from the replicas' own first tokens): the prefill queued ahead of the turn on e, plus
           the prefill of the prompt tokens e does not hold, plus loading those it holds in its CPU
           or disk tier back
-    D(e)  displacement: the turn's new KV tokens on e beyond e's free cache room evict other
-          cached work there, which someone recomputes later with the probability that e's cache
-          is hit (e's own scraped prefix-cache hit rate): overflow x prefill cost per token x hit rate
+    D(e)  displacement, predicted-ttft-scorer's one term (its `displacementWeight`): the turn's new
+          GPU blocks on e beyond the blocks the prefix producer sees free there evict cached work,
+          read again as often as e's recent prompt tokens hit its cache, at e's prefill (or CPU
+          load) cost per token. There is no second displacement charge here, so a move is charged
+          its evictions once; `displacement: false` leaves D out of this scorer's cost.
 
 Where the turn's tokens are cached on each endpoint:
 - `tierSource: events`: `PREFIX_TIER_MATCH` as the precise producer publishes it from the
@@ -54,7 +56,6 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter
 
 from epp.framework import (
-    PREFIX_CACHE_FREE_BLOCKS,
     PREFIX_MATCH_INFO,
     PREFIX_TIER_MATCH,
     PROMPT_TOKENS,
@@ -230,37 +231,9 @@ class SessionAffinityCostScorer(Scorer, PreRequestHook, ResponseCompleteHook):
 
     # -- costs --------------------------------------------------------------------------------
 
-    def _prefill_s_per_token(self, predictor: PredictedTTFTScorer, endpoint: str, model: str, now: float) -> float:
-        if predictor.calibrate:
-            return float(predictor.calibrator.coefficients(endpoint, model, now)[1])
-        return float(predictor.prefill_s_per_token)
-
-    def displacement_s(self, state: CycleState, endpoint: Endpoint, new_tokens: int, model: str,
-                       now: float) -> float:
-        """Seconds of recompute the turn's new KV on `endpoint` is expected to cause by evicting cached work there."""
-        if not self.displacement or new_tokens <= 0 or self.predictor is None:
-            return 0.0
-        m = endpoint.metrics
-        info = state.endpoint_data(PREFIX_MATCH_INFO, endpoint.name)
-        block = info.block_size_tokens if info is not None else m.cache_block_size  # the producer's blocks
-        free_blocks = state.endpoint_data(PREFIX_CACHE_FREE_BLOCKS, endpoint.name)
-        gpu = self._gpu_tokens(endpoint)
-        free: float
-        if free_blocks is not None and block:
-            free = free_blocks * block
-        elif gpu:
-            free = gpu * max(0.0, 1.0 - m.kv_cache_usage)
-        else:
-            return 0.0  # room unknown: no displacement can be predicted
-        overflow = new_tokens - free
-        if overflow <= 0 or m.prefix_cache_queries <= 0:
-            return 0.0
-        hit_rate = min(1.0, m.prefix_cache_hits / m.prefix_cache_queries)
-        return overflow * self._prefill_s_per_token(self.predictor, endpoint.name, model, now) * hit_rate
-
     def costs(self, state: CycleState, request: InferenceRequest, endpoints: Sequence[Endpoint],
               home: SessionHome | None, now: float | None = None) -> dict[str, float]:
-        """Predicted seconds per endpoint: time to first token plus displacement."""
+        """Predicted seconds per endpoint: time to first token plus displacement (the predictor's one term)."""
         predictor = self.predictor
         if predictor is None:
             return {}
@@ -270,8 +243,11 @@ class SessionAffinityCostScorer(Scorer, PreRequestHook, ResponseCompleteHook):
         costs = {}
         for ep in endpoints:
             match = placed[ep.name]
-            t = predictor.predict(ep, match, total, model, now)
-            costs[ep.name] = t + self.displacement_s(state, ep, total - match.cached_tokens, model, now)
+            if self.displacement:
+                t = predictor.cost_terms(state, ep, match, total, model, now)
+                costs[ep.name] = t.ttft_s + t.displacement_s
+            else:
+                costs[ep.name] = predictor.predict(ep, match, total, model, now)
         return costs
 
     def margin_s(self, home: str, model: str) -> float:

@@ -210,22 +210,42 @@ def _with_precise_producer(config: str, t: Tuning) -> str:
     return yaml.safe_dump(doc, sort_keys=False)
 
 
-def llmd_config(name: str, t: Tuning, peak_prefill_tokens_per_s: float | None = None) -> str:
+@dataclass(frozen=True)
+class FleetFacts:
+    """What an operator of a fleet knows of it that an llm-d guide leaves to them to fill in."""
+
+    model: str = "sim-model"  # the served model's name
+    render_url: str | None = None  # a render sidecar's (here: a replica's) base URL, for the token-producer
+    kv_topic: str | None = None  # the topic the engines publish KV events on ("": vLLM's default); None: unknown
+
+
+def llmd_config(name: str, t: Tuning, peak_prefill_tokens_per_s: float | None = None,
+                fleet: FleetFacts | None = None) -> str:
     """An llm-d guide pipeline (`configs/<name>.yaml`) with what the guide has an operator set for their fleet:
-    maxPrefixTokensToMatch at the engines' max-model-len, and the in-flight token gate at the guide's 18 s of the
-    fleet's calibrated peak prefill (left as the guide's when no calibration is given)."""
+    maxPrefixTokensToMatch at the engines' max-model-len, the in-flight token gate at the guide's 18 s of the
+    fleet's calibrated peak prefill (left as the guide's when no calibration is given), and for the precise
+    guide the token-producer's model and render URL, the engines' block size and KV-event topic."""
     doc = yaml.safe_load((LLMD_CONFIGS / f"{name}.yaml").read_text())
     for entry in doc.get("plugins", []):
         params = entry.get("parameters")
         if params is None:
             continue
-        if entry.get("type") == "approx-prefix-cache-producer" and "maxPrefixTokensToMatch" in params:
+        kind = entry.get("type")
+        if kind == "approx-prefix-cache-producer" and "maxPrefixTokensToMatch" in params:
             params["maxPrefixTokensToMatch"] = t.max_model_len
-        if entry.get("type") == "prefix-cache-affinity-filter" and peak_prefill_tokens_per_s:
+        if kind == "prefix-cache-affinity-filter" and peak_prefill_tokens_per_s:
             if "maxTokensInFlightPenalty" in params:
                 params["maxTokensInFlightPenalty"] = int(LLMD_GATE_SECONDS * peak_prefill_tokens_per_s)
             if "peakPrefillThroughput" in params:
                 params["peakPrefillThroughput"] = int(peak_prefill_tokens_per_s)
+        if kind == "token-producer" and fleet is not None:
+            params["modelName"] = fleet.model
+            if fleet.render_url is not None:
+                params.setdefault("vllm", {})["url"] = fleet.render_url
+        if kind == "precise-prefix-cache-producer":
+            params.setdefault("tokenProcessorConfig", {})["blockSizeTokens"] = t.block_size
+            if fleet is not None and fleet.kv_topic == "":  # engines on vLLM's default topic (it names nothing)
+                params.setdefault("kvEventsConfig", {})["topicFilter"] = ""
     return yaml.safe_dump(doc, sort_keys=False)
 
 
@@ -385,6 +405,11 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
     Contender("llmd-optimized-baseline", "epp", "llmd:llmd-optimized-baseline",
               "llm-d's optimized-baseline guide pipeline (prefix-cache-affinity-filter 0.8, then token-load-scorer; "
               "bench/routing/configs/llmd-optimized-baseline.yaml) through our loader"),
+    # The precise guide's token-producer asks a render sidecar: the replicas serve vLLM's render API.
+    Contender("llmd-precise", "epp", "llmd:llmd-precise",
+              "llm-d's precise prefix-cache routing guide pipeline (KV events, a render sidecar's token ids, "
+              "prefix-cache-affinity-filter, then token-load-scorer; bench/routing/configs/llmd-precise.yaml) "
+              "through our loader", fleet_options={"enable_scale_out": True}),
     Contender("vllm-router-rr", "vllm-router", "round_robin", "vllm-router --policy round_robin"),
     # vllm-router 0.1.17's cache_aware and kv_aware tokenize through the replicas' /v1/completions/render,
     # which vLLM serves only with --enable-scale-out (403 otherwise, and the router then routes blind).
@@ -666,7 +691,12 @@ async def _epp_config_for(c: Contender, fleet: SimFleet, tuning: Tuning) -> str:
     check_loads(config, f"{c.name} ({c.variant})")
     if c.variant.startswith("llmd:"):
         peak = await calibrate_peak_prefill(fleet.endpoints[0], tuning)
-        config = llmd_config(c.variant.partition(":")[2], tuning, peak)
+        # The simulator's replicas say their topic; real vLLM replicas publish on what the fleet's options set.
+        topic = fleet.info[0].get("kv_topic") if fleet.info else None
+        if topic is None:
+            topic = getattr(fleet, "options", {}).get("kv_topic")
+        facts = FleetFacts(render_url=f"http://{fleet.endpoints[0]}", kv_topic=topic)
+        config = llmd_config(c.variant.partition(":")[2], tuning, peak, facts)
     return config
 
 
@@ -734,5 +764,5 @@ async def _start_peer(argv: list[str], port: int, log: Path, version: str, prom:
 
 
 __all__ = ["CONTENDERS", "LLMD_CONFIGS", "ORACLE_LABEL", "Contender", "RunningRouter", "Tuning", "Unavailable",
-           "calibrate_peak_prefill", "check_loads", "config_file", "describe_argv", "epp_config", "free_ports",
+           "FleetFacts", "calibrate_peak_prefill", "check_loads", "config_file", "describe_argv", "epp_config", "free_ports",
            "llmd_config", "missing_plugin_types", "peer_binary", "peers_venv", "sample_config", "start_contender"]

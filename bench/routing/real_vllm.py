@@ -75,7 +75,7 @@ from epp.netutil import free_ports
 
 MODEL = "sim-model"  # the name every contender's config and the workload use
 DEFAULT_CONTENDERS = ("round-robin", "epp-approx", "epp-approx-ttft", "epp-precise", "epp-precise-ttft",
-                      "llmd-optimized-baseline", "sglang-router-cache-aware", "vllm-router-rr",
+                      "llmd-optimized-baseline", "llmd-precise", "sglang-router-cache-aware", "vllm-router-rr",
                       "vllm-router-cache-aware", "vllm-router-kv-aware")
 DEFAULT_WORKLOADS = ("shared-prefix", "multi-turn")
 # Poisson arrivals: 230 expected leaves fewer than 200 in about 2 % of the measured stages.

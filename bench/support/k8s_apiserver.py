@@ -42,6 +42,7 @@ from epp.netutil import free_ports
 POOLS = ("inference.networking.k8s.io", "v1", "inferencepools", "InferencePool")
 POOLS_ALPHA = ("inference.networking.x-k8s.io", "v1alpha2", "inferencepools", "InferencePool")
 OBJECTIVES = ("inference.networking.x-k8s.io", "v1alpha2", "inferenceobjectives", "InferenceObjective")
+OBJECTIVES_LLMD = ("llm-d.ai", "v1alpha2", "inferenceobjectives", "InferenceObjective")  # llm-d's current group
 PODS = ("", "v1", "pods", "Pod")
 LEASES = ("coordination.k8s.io", "v1", "leases", "Lease")
 
@@ -59,6 +60,7 @@ class _Event:
     type: str
     obj: dict
     old: dict | None
+    resource: tuple[str, str]  # (group, plural): a resumed watch replays its own collection's events only
 
 
 @dataclass
@@ -113,7 +115,8 @@ class FakeApiServer:
     """The API server's list/watch protocol for pods, InferencePools and InferenceObjectives."""
 
     def __init__(self, *, token: str = "test-token",
-                 resources: Iterable[tuple[str, str, str, str]] = (PODS, POOLS, POOLS_ALPHA, OBJECTIVES, LEASES),
+                 resources: Iterable[tuple[str, str, str, str]] = (PODS, POOLS, POOLS_ALPHA, OBJECTIVES,
+                                                                   OBJECTIVES_LLMD, LEASES),
                  bookmark_interval: float = 0.5) -> None:
         self.token = token
         self.resources = {(g, v, p): (g, v, p, k) for g, v, p, k in resources}
@@ -257,13 +260,13 @@ class FakeApiServer:
         for resource in self.resources.values():
             if resource[0] == group and resource[1] == version and resource[3] == kind:
                 return resource
-        for g, v, p, k in (PODS, POOLS, POOLS_ALPHA, OBJECTIVES, LEASES):  # kinds the server does not serve
+        for g, v, p, k in (PODS, POOLS, POOLS_ALPHA, OBJECTIVES, OBJECTIVES_LLMD, LEASES):  # kinds not served
             if g == group and v == version and k == kind:
                 return g, v, p, k
         raise KeyError(f"no resource for {api_version} {kind}")
 
     def _record(self, resource: tuple[str, str, str, str], kind: str, obj: dict, old: dict | None) -> None:
-        event = _Event(self.rv, kind, obj, old)
+        event = _Event(self.rv, kind, obj, old, resource[:3:2])
         self.history.append(event)
         for watcher in self.watchers:
             if watcher.resource[:3:2] == resource[:3:2]:
@@ -446,7 +449,7 @@ class FakeApiServer:
             await response.write(json.dumps({"type": "ERROR", "object": error}).encode() + b"\n")
             return response
         if since:
-            backlog = [e for e in self.history if e.rv > since]
+            backlog = [e for e in self.history if e.rv > since and e.resource == watcher.resource[:3:2]]
             initial = []
         else:  # no resourceVersion: synthetic ADDED for the current state first
             backlog = []
@@ -528,10 +531,11 @@ def inference_pool(name: str, selector: Mapping[str, str], ports: Iterable[int],
                      "endpointPickerRef": {"name": epp, "port": {"number": 9002}}}}
 
 
-def inference_objective(name: str, priority: int | None, pool: str, *, namespace: str = "default") -> dict:
-    """An InferenceObjective (inference.networking.x-k8s.io/v1alpha2)."""
+def inference_objective(name: str, priority: int | None, pool: str, *, namespace: str = "default",
+                        group: str = OBJECTIVES[0]) -> dict:
+    """An InferenceObjective (v1alpha2 of `group`: GIE's inference.networking.x-k8s.io, or llm-d.ai)."""
     spec: dict[str, Any] = {"poolRef": {"name": pool, "group": "inference.networking.k8s.io"}}
     if priority is not None:
         spec["priority"] = priority
-    return {"apiVersion": "inference.networking.x-k8s.io/v1alpha2", "kind": "InferenceObjective",
+    return {"apiVersion": f"{group}/v1alpha2", "kind": "InferenceObjective",
             "metadata": {"name": name, "namespace": namespace}, "spec": spec}

@@ -75,7 +75,7 @@ def pools_of(text: str) -> list[Pool]:
 
 def main(argv: Sequence[str] | None = None, prog: str = "epp bbr") -> int:
     """Run `epp bbr`; 2 for a flag, mapping or port it cannot use (one line on stderr)."""
-    from epp.server.runner import BindError
+    from epp.server.ports import BindError
 
     args = build_parser(prog).parse_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=max(logging.WARNING - 10 * args.verbose, logging.DEBUG),

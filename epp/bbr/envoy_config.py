@@ -13,7 +13,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from epp.bbr.service import BASE_MODEL_HEADER, MODEL_HEADER
-from epp.envoy import CLIENT_STRIPPED_HEADERS
+from epp.envoy import (
+    CLIENT_STRIPPED_HEADERS,
+    SUBSET_HINT_FILTER,
+    bootstrap,
+    ext_proc_filter,
+    grpc_cluster,
+    original_dst_cluster,
+    strip_headers_filter,
+)
 
 
 @dataclass(frozen=True)
@@ -54,116 +62,6 @@ _DEFAULT_ROUTE = """\
                     disabled: true
 """
 
-_GRPC_CLUSTER = """\
-  - name: {name}
-    type: STATIC
-    connect_timeout: 2s
-    typed_extension_protocol_options:
-      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
-        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        explicit_http_config:
-          http2_protocol_options: {{}}
-    load_assignment:
-      cluster_name: {name}
-      endpoints:
-      - lb_endpoints:
-        - endpoint: {{ address: {{ socket_address: {{ address: {host}, port_value: {port} }} }} }}
-"""
-
-_TEMPLATE = """\
-# Several pools behind one Envoy: the body-based router (epp bbr at {bbr_host}:{bbr_port}) names the
-# model, the route of its base model chooses the pool, that pool's picker chooses the replica.
-admin:
-  address:
-    socket_address: {{ address: 127.0.0.1, port_value: {admin_port} }}
-static_resources:
-  listeners:
-  - name: inference
-    address:
-      socket_address: {{ address: {listen_address}, port_value: {listen_port} }}
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: inference
-          codec_type: AUTO
-          stream_idle_timeout: 300s
-          request_timeout: 0s
-          route_config:
-            name: inference
-            virtual_hosts:
-            - name: all
-              domains: ["*"]
-              routes:
-{routes}          http_filters:
-          - name: envoy.filters.http.header_mutation
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation
-              mutations:
-                request_mutations:
-{stripped}          # The body-based router: request headers and body only; it answers once the body has ended.
-          - name: bbr
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
-              grpc_service:
-                envoy_grpc:
-                  cluster_name: bbr
-                timeout: 10s
-              failure_mode_allow: false
-              message_timeout: 1000s
-              processing_mode:
-                request_header_mode: SEND
-                response_header_mode: SKIP
-                request_body_mode: FULL_DUPLEX_STREAMED
-                response_body_mode: NONE
-                request_trailer_mode: SEND
-                response_trailer_mode: SKIP
-          - name: envoy.filters.http.header_to_metadata
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config
-              request_rules:
-              - header: x-gateway-destination-endpoint-subset
-                on_header_present:
-                  metadata_namespace: envoy.lb.subset_hint
-                  key: x-gateway-destination-endpoint-subset
-                  type: STRING
-                remove: true
-          # The pool's picker: each route names its own (per-route grpc_service); this default is the first.
-          - name: envoy.filters.http.ext_proc
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
-              grpc_service:
-                envoy_grpc:
-                  cluster_name: epp-0
-                timeout: 10s
-              failure_mode_allow: false
-              message_timeout: 1000s
-              metadata_options:
-                forwarding_namespaces:
-                  untyped: ["envoy.lb.subset_hint", "envoy.lb"]
-                receiving_namespaces:
-                  untyped: ["envoy.lb"]
-              processing_mode:
-                request_header_mode: SEND
-                response_header_mode: SEND
-                request_body_mode: FULL_DUPLEX_STREAMED
-                response_body_mode: FULL_DUPLEX_STREAMED
-                request_trailer_mode: SEND
-                response_trailer_mode: SEND
-          - name: envoy.filters.http.router
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
-{clusters}  - name: original_destination_cluster
-    type: ORIGINAL_DST
-    lb_policy: CLUSTER_PROVIDED
-    connect_timeout: 5s
-    original_dst_lb_config:
-      use_http_header: true
-      http_header_name: x-gateway-destination-endpoint
-"""
-
 
 def _quoted(value: str) -> str:
     """A YAML double-quoted scalar's inside (model names are client-chosen strings, checked here)."""
@@ -184,11 +82,17 @@ def render_bbr_config(pools: Sequence[Pool], *, bbr_port: int, bbr_host: str = "
     routes = "".join(_ROUTE.format(header=BASE_MODEL_HEADER, model=_quoted(p.base_model), cluster=f"epp-{i}")
                      for i, p in enumerate(pools))
     routes += _DEFAULT_ROUTE.format(body=_NO_POOL)
-    clusters = _GRPC_CLUSTER.format(name="bbr", host=bbr_host, port=bbr_port)
-    clusters += "".join(_GRPC_CLUSTER.format(name=f"epp-{i}", host=p.epp_host, port=p.epp_port)
-                        for i, p in enumerate(pools))
-    stripped = "".join(f"                - remove: {name}\n" for name in (*CLIENT_STRIPPED_HEADERS, MODEL_HEADER,
-                                                                          BASE_MODEL_HEADER))
-    return _TEMPLATE.format(bbr_host=bbr_host, bbr_port=bbr_port, admin_port=admin_port,
-                            listen_address=listen_address, listen_port=listen_port, routes=routes,
-                            stripped=stripped, clusters=clusters)
+    filters = strip_headers_filter((*CLIENT_STRIPPED_HEADERS, MODEL_HEADER, BASE_MODEL_HEADER))
+    filters += ext_proc_filter(cluster="bbr", responses="none", name="bbr", picker_metadata=False,
+                               comment="The body-based router: request headers and body only; it answers once "
+                                       "the body has ended.")
+    filters += SUBSET_HINT_FILTER + ext_proc_filter(
+        cluster="epp-0", comment="The pool's picker: each route names its own (per-route grpc_service); this "
+                                 "default is the first.")
+    clusters = grpc_cluster("bbr", bbr_host, bbr_port)
+    clusters += "".join(grpc_cluster(f"epp-{i}", p.epp_host, p.epp_port) for i, p in enumerate(pools))
+    clusters += original_dst_cluster()
+    comment = (f"# Several pools behind one Envoy: the body-based router (epp bbr at {bbr_host}:{bbr_port}) names the\n"
+               "# model, the route of its base model chooses the pool, that pool's picker chooses the replica.\n")
+    return bootstrap(comment, admin_port=admin_port, listen_address=listen_address, listen_port=listen_port,
+                     routes=routes, filters=filters, clusters=clusters)

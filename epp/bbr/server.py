@@ -17,7 +17,7 @@ from epp.bbr.service import BbrMetrics, BodyRouter
 from epp.debug.http import metrics_app, start_metrics_http
 from epp.limits import Limits
 from epp.server.health import HealthService
-from epp.server.runner import BindError, bind_grpc_port
+from epp.server.ports import BindError, bind_grpc_port
 from epp.server.tls import server_credentials
 from epp.server.transport import DEFAULT_MAX_BODY_BYTES
 

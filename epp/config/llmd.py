@@ -51,7 +51,7 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
     "mm-embeddings-cache-producer": LlmdType(
         "per endpoint, the multimodal items (images, videos, audio) of the requests sent there, an LRU of "
         "cacheSizeInMBPerServer / 2 MiB entries; each candidate's matched and total items",
-        "items are identified by the URL or inline data the request carries (llm-d reads the renderer's "
+        "items are identified by their content as the request's parser reads it (llm-d reads the renderer's "
         "multimodal hashes when a token-producer gives them)"),
     "mm-embeddings-cache-scorer": LlmdType("matched / total multimodal items of the request (0 without media)"),
     "dcgm-data-source": LlmdType(
@@ -160,7 +160,9 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
         "names in x-kv-cache-source-host-port a peer caching at least minCachedTokenDelta more prompt tokens "
         "than the computing endpoint (sampled within one block of the best, away from queued peers)",
         "not gated behind --allow-experimental-plugins (alpha in llm-d); the pull itself is the sidecar's "
-        "(epp engine pd-sidecar adds kv_transfer_params.remote_kv_source) and the engine's P2P connector"),
+        "(epp engine pd-sidecar adds kv_transfer_params.remote_kv_source) and the engine's P2P connector; "
+        "p2pPortBase (not a field of llm-d's released producer) sends the source's P2P port, base + its "
+        "data-parallel rank, in x-kv-cache-source-p2p-port for the sidecar"),
     "prefix-based-pd-decider": LlmdType(
         "disaggregate when the decode pick's uncached prompt is at least nonCachedTokens (0: never)",
         "with precise KV events the cached tokens are exact (any tier) rather than matched blocks x block size"),
@@ -205,10 +207,12 @@ LLMD_TYPES: Mapping[str, LlmdType] = {
         "the priorities are the configured bands and those requests used so far"),
     "program-aware-fairness": LlmdType(
         "least attained service across programs (fairness ids): lasWeightService x (1 - service) + "
-        "lasWeightHeadWait x head wait, service decayed by lasHalfLifeSeconds",
-        "lasDecayFactor (llm-d's older per-dispatch decay) is taken; a head that waited agingWindow (60s) goes "
-        "first; a turn's cached prefix is not charged (cachedTokenWeight: 1 gives llm-d's charge); program state "
-        "is capped at maxPrograms (docs/agentic.md)"),
+        "lasWeightHeadWait x head wait, service decayed by lasHalfLifeSeconds; strategy turn-priority: the "
+        "deepest session first, turn + turnPriorityTimeWeight x head wait",
+        "lasDecayFactor (llm-d's older per-dispatch decay) is taken; with las a head that waited agingWindow "
+        "(60s) goes first; a turn's cached prefix is not charged (cachedTokenWeight: 1 gives llm-d's charge); "
+        "turn-priority's inactivity gap runs to the head's arrival and restarts the session's count; drr and rr "
+        "are refused; program state is capped at maxPrograms (docs/agentic.md)"),
     "concurrency-detector": LlmdType(
         "saturation = in-flight requests (or tokens, or hybrid) over maxConcurrency x endpoints; as a filter "
         "keeps endpoints under the limit x (1 + headroom)",

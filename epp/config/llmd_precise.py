@@ -85,13 +85,13 @@ class _Mapper:
         self.notes.append(f"{path}: {message}")
 
 
-def precise_parameters(name: str, raw: Mapping[str, Any], *, token_producer: bool
+def precise_parameters(name: str, raw: Mapping[str, Any], *, token_producer: bool, token_model: str | None = None
                        ) -> tuple[dict[str, Any], list[str], list[str], list[str]]:
     """(our parameters, the llm-d fields taken, notes, notices) for llm-d-shaped producer parameters; the
     notices (fields served differently from llm-d) are among the notes too.
 
     `token_producer`: the document configures a `token-producer`, which then supplies the tokens
-    (unless the parameters give our own `tokenizers`).
+    (unless the parameters give our own `tokenizers`); `token_model`: the one model it renders for.
     """
     m = _Mapper(name, raw)
     raw = _older_placements(m, raw)
@@ -114,6 +114,10 @@ def precise_parameters(name: str, raw: Mapping[str, Any], *, token_producer: boo
                      "none either)")
     if token_producer and "tokenizers" not in m.out:
         m.out["useTokenProducer"] = True
+        if token_model is not None and "defaultModel" not in m.out:
+            # vLLM publishes on topic "" unless told otherwise: without a model in the topic, the events are
+            # the model's the token-producer renders for (else they would all be dropped).
+            m.out["defaultModel"] = token_model
     elif "tokenizers" not in m.out:
         m.notes.append("no token source: llm-d would auto-create a token-producer with the `estimate` backend, "
                        "whose token ids never match the engine's; here only requests that carry token ids are "

@@ -26,8 +26,8 @@ from epp.config.schema import KIND, TOP_LEVEL_FIELDS, Document
 from epp.config.sections import data_layer, feature_gates, objectives, parsers
 from epp.config.versions import check_version, to_v1
 from epp.config.yaml_reading import read_yaml
-from epp.flowcontrol.config import BAND_FIELDS, FLOW_CONTROL_FIELDS, parse_flow_control
 from epp.flowcontrol.config import FEATURE_GATE as FLOW_CONTROL_GATE
+from epp.flowcontrol.config import FLOW_CONTROL_FIELDS, parse_flow_control
 from epp.framework.errors import ConfigError
 from epp.framework.plugin import (
     Admitter,
@@ -48,13 +48,8 @@ log = logging.getLogger(__name__)
 REFUSED_FLOW_CONTROL_FIELDS = {
     "noEndpointRequestTTL": "a request with no endpoint is answered at once (503), not queued",
     "defaultNegativePriorityBand": "negative priorities use defaultPriorityBand",
-    "enableEviction": "dispatched requests are never evicted",
     "bandSelectionPolicyPluginRef": "bands are offered dispatch from the highest priority down (llm-d's default "
                                     "order); band selection policies are not implemented",
-}
-# llm-d.ai/v1's per-band fields the flow controller does not take (its own are BAND_FIELDS).
-REFUSED_BAND_FIELDS = {
-    "defaultRequestTTL": "a band's queue wait is bounded by flowControl.defaultRequestTTL, the same for every band",
 }
 
 
@@ -143,13 +138,6 @@ class _Builder:
         for key, reason in REFUSED_FLOW_CONTROL_FIELDS.items():
             if key in raw and key not in FLOW_CONTROL_FIELDS:
                 raise self.doc.fail(f"flowControl.{key}", f"not supported: {reason}")
-        bands = [("flowControl.defaultPriorityBand", raw.get("defaultPriorityBand"))]
-        if isinstance(raw.get("priorityBands"), list):
-            bands += [(f"flowControl.priorityBands[{i}]", b) for i, b in enumerate(raw["priorityBands"])]
-        for path, band in bands:
-            for key, reason in REFUSED_BAND_FIELDS.items():
-                if isinstance(band, dict) and key in band and key not in BAND_FIELDS:
-                    raise self.doc.fail(f"{path}.{key}", f"not supported: {reason}")
         return {k: v for k, v in raw.items() if k != "saturationDetector"}
 
     def _detector_ref(self, doc: dict) -> tuple[Any, str]:

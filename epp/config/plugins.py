@@ -36,6 +36,8 @@ class PluginSet:
         # The deprecated precise-prefix-cache-scorer's name -> its producer half (llm-d's older configs
         # name the wrapper where a producer is meant: a data source's extractor).
         self.wrapper_producers: dict[str, str] = {}
+        # The one model the document's token-producer renders for (None: none, or several).
+        self.token_model: str | None = None
 
     def add_configured(self, doc: Mapping[str, Any]) -> None:
         """The configured `plugins[]`, in order (llm-d's deprecated names and wrapper resolved)."""
@@ -49,7 +51,11 @@ class PluginSet:
             if params is not None and not isinstance(params, dict):
                 raise self.document.fail(f"{path}.parameters", f"must be a mapping, got {type(params).__name__}")
             items.append((path, type_name, name, params))
+        token_models = {str((p or {}).get("modelName")) for _, t, _, p in items
+                        if ALIASES.get(t, t) == TOKEN_PRODUCER_TYPE and (p or {}).get("modelName")}
         token_producer = any(ALIASES.get(t, t) == TOKEN_PRODUCER_TYPE for _, t, _, _ in items)
+        # The model of KV events whose topic names none (llm-d's precise producer in the shape llm-d deploys).
+        self.token_model = next(iter(token_models)) if len(token_models) == 1 else None
         # llm-d's latency plugins read the prefix match; here predicted-ttft-scorer reads it in tokens by
         # tier, which the approximate producer publishes when asked (publishTierMatch).
         tier_match = any(t in TIER_MATCH_MAPPINGS and not self._registered(t) for _, t, _, _ in items)
@@ -126,7 +132,8 @@ class PluginSet:
     def _precise(self, name: str, params: Mapping[str, Any], path: str,
                  token_producer: bool) -> tuple[dict[str, Any], list[str], list[str]]:
         try:
-            ours, taken, notes, notices = precise_parameters(name, params, token_producer=token_producer)
+            ours, taken, notes, notices = precise_parameters(name, params, token_producer=token_producer,
+                                                             token_model=self.token_model)
         except ConfigError as exc:
             raise self.document.fail(f"{path}.parameters", str(exc)) from None
         for notice in notices:

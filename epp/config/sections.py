@@ -120,7 +120,7 @@ def parsers(document: Document, plugins: PluginSet, doc: Mapping[str, Any]) -> t
         entry = plugins.ref(ref, path)
         if not isinstance(entry.plugin, Parser):
             raise document.fail(path, f"plugin {entry.name!r} has type {entry.type_name}, which is not a request "
-                                f"parser; parser types: {', '.join(_parser_types(plugins))}")
+                                f"parser; parser types: {', '.join(plugins.types_of(Parser))}")
         if entry.plugin in chain:
             raise document.fail(path, f"parser {entry.name!r} is listed twice")
         chain.append(entry.plugin)
@@ -145,16 +145,6 @@ def _default_parser(plugins: PluginSet, type_name: str) -> Parser:
                         auto_created="llm-d's default parser chain (requestHandler.parsers)")
     assert isinstance(entry.plugin, Parser)
     return entry.plugin
-
-
-def _parser_types(plugins: PluginSet) -> list[str]:
-    """The registered plugin types that are request parsers."""
-    out = []
-    for type_name in plugins.registry.types():
-        factory = plugins.registry.get(type_name).factory
-        if isinstance(factory, type) and issubclass(factory, Parser):
-            out.append(type_name)
-    return out
 
 
 def _scrape_settings(entry: PluginEntry) -> ScrapeSettings:

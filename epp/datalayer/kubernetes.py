@@ -1,6 +1,12 @@
 """Kubernetes discovery: an `InferencePool` (or a standalone label selector) and its Ready pods
 become endpoints; `InferenceObjective`s give the priority of `x-gateway-inference-objective`.
 
+Objectives are read from two groups: `llm-d.ai/v1alpha2` (llm-d's current one, where the llm-d
+router chart creates them) and `inference.networking.x-k8s.io/v1alpha2` (GIE's, deprecated by
+llm-d). An objective name present in both takes the `llm-d.ai` one's priority (a warning names it
+once); a group whose CRD is not installed is read as empty (one line says so) and checked again
+with backoff, so installing it later needs no restart.
+
 The pool, its pods and the objectives are each kept by a `Reflector` (`epp.kube.client`); the
 translation of those objects into endpoints is `epp.datalayer.inference_pool`.
 """
@@ -24,7 +30,7 @@ from epp.datalayer.inference_pool import (
     pod_endpoints,
     pool_view_of,
 )
-from epp.datalayer.objectives import OBJECTIVE_GROUP, OBJECTIVE_VERSION, ObjectivePriorities, objective_priority
+from epp.datalayer.objectives import OBJECTIVE_GROUPS, ObjectivePriorities, objective_priority
 from epp.datalayer.registry import EndpointRegistry, EndpointSpec
 from epp.kube.client import (
     ApiError,
@@ -103,7 +109,9 @@ class KubernetesDiscovery(Discovery):
         self._publish_pending = False
         self._tasks: list[asyncio.Task[None]] = []
         self._last_errors: dict[str, str] = {}
-        self._objective_items: dict[str, dict] = {}
+        # Per objective group (in OBJECTIVE_GROUPS order), its objects by name.
+        self._objective_items: dict[str, dict[str, dict]] = {group: {} for group, _ in OBJECTIVE_GROUPS}
+        self._shadowed: set[str] = set()  # names held by both groups, already warned about
 
     @property
     def pool_label(self) -> str:
@@ -127,13 +135,8 @@ class KubernetesDiscovery(Discovery):
                     field_selector=f"metadata.name={self.pool_name}", watch_timeout_s=self.watch_timeout_s)
                 self._spawn(pools.run(), "inferencepools")
                 if self.objectives is not None:
-                    objectives = Reflector(
-                        "inferenceobjectives",
-                        self._custom_call(OBJECTIVE_GROUP, OBJECTIVE_VERSION, "inferenceobjectives"),
-                        on_replace=self._objectives_replaced, on_event=self._objective_event,
-                        metrics=self.metrics, on_error=lambda exc: self._api_failed("inferenceobjectives", exc),
-                        watch_timeout_s=self.watch_timeout_s, backoff=Backoff(1.0, 60.0))
-                    self._spawn(objectives.run(), "inferenceobjectives")
+                    for group, version in OBJECTIVE_GROUPS:
+                        self._watch_objectives(group, version)
             await asyncio.Event().wait()  # the reflectors run until stop() cancels this task
         finally:
             for task in [*self._tasks, self._pod_task]:
@@ -146,6 +149,16 @@ class KubernetesDiscovery(Discovery):
             if self._owns_client and self._api_client is not None:
                 await self._api_client.close()
                 self._api_client = None
+
+    def _watch_objectives(self, group: str, version: str) -> None:
+        resource = f"inferenceobjectives.{group}"
+        objectives = Reflector(
+            resource, self._custom_call(group, version, "inferenceobjectives"),
+            on_replace=lambda items: self._objectives_replaced(group, items),
+            on_event=lambda kind, obj: self._objective_event(group, kind, obj),
+            metrics=self.metrics, on_error=lambda exc: self._api_failed(resource, exc),
+            watch_timeout_s=self.watch_timeout_s, backoff=Backoff(1.0, 60.0))
+        self._spawn(objectives.run(), resource)
 
     def _spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)
@@ -164,9 +177,21 @@ class KubernetesDiscovery(Discovery):
 
     def _api_failed(self, resource: str, exc: BaseException) -> None:
         message = describe(exc)
+        if isinstance(exc, ApiError) and exc.code == 404 and resource.startswith("inferenceobjectives."):
+            # One objective group missing is usual (a cluster has llm-d's CRD, GIE's, or both): its
+            # objectives are simply absent; said once, at info, and checked again with backoff.
+            group = resource.partition(".")[2]
+            if self._objective_items[group]:  # the CRD went away: its objectives with it
+                self._objective_items[group] = {}
+                self._apply_objectives()
+            if self._last_errors.get(resource) != "404":
+                log.info("kubernetes discovery: the API server does not serve %s in namespace %s (its CRD is not "
+                         "installed): no objectives of that group; checking again with backoff", resource,
+                         self.namespace)
+                self._last_errors[resource] = "404"
+            return
         if isinstance(exc, ApiError) and exc.code == 404 and resource != "pods":
-            group = OBJECTIVE_GROUP if resource == "inferenceobjectives" else self.pool_group
-            message = (f"the API server does not serve {resource}.{group} in namespace {self.namespace} "
+            message = (f"the API server does not serve {resource}.{self.pool_group} in namespace {self.namespace} "
                        f"(are the Gateway API Inference Extension CRDs installed?): {message}")
         if resource == "inferencepools":
             self.pool_error = message
@@ -284,28 +309,39 @@ class KubernetesDiscovery(Discovery):
             self._schedule_publish()
 
     # -- objectives --------------------------------------------------------------------------------
-    def _objectives_replaced(self, items: list[dict]) -> None:
-        self._last_errors.pop("inferenceobjectives", None)
-        self._objective_items = {o["metadata"]["name"]: o for o in items if (o.get("metadata") or {}).get("name")}
+    def _objectives_replaced(self, group: str, items: list[dict]) -> None:
+        self._last_errors.pop(f"inferenceobjectives.{group}", None)
+        self._objective_items[group] = {o["metadata"]["name"]: o for o in items
+                                        if (o.get("metadata") or {}).get("name")}
         self._apply_objectives()
 
-    def _objective_event(self, kind: str, obj: dict) -> None:
+    def _objective_event(self, group: str, kind: str, obj: dict) -> None:
         name = (obj.get("metadata") or {}).get("name")
         if not name:
             return
         if kind == "DELETED":
-            self._objective_items.pop(name, None)
+            self._objective_items[group].pop(name, None)
         else:
-            self._objective_items[name] = obj
+            self._objective_items[group][name] = obj
         self._apply_objectives()
 
     def _apply_objectives(self) -> None:
         assert self.objectives is not None and self.pool_name is not None
-        live = {}
-        for name, obj in self._objective_items.items():
-            priority = objective_priority(obj, self.pool_name, self.pool_group)
-            if priority is not None:
-                live[name] = priority
+        live: dict[str, int] = {}
+        source: dict[str, str] = {}
+        for group, _ in OBJECTIVE_GROUPS:  # the first group holding a name wins it
+            for name, obj in self._objective_items[group].items():
+                priority = objective_priority(obj, self.pool_name, self.pool_group)
+                if priority is None:
+                    continue
+                if name in live:
+                    if name not in self._shadowed and len(self._shadowed) < 1000:  # warned once per name
+                        self._shadowed.add(name)
+                        log.warning("kubernetes discovery: InferenceObjective %s exists in %s and %s: the %s one's "
+                                    "priority %d applies, the other's (%d) is ignored", name, source[name], group,
+                                    source[name], live[name], priority)
+                    continue
+                live[name], source[name] = priority, group
         self.objectives.set_live(live)
         self.metrics.objectives.set(len(live))
 

@@ -7,8 +7,12 @@ from typing import Any, TypeVar, overload
 
 T = TypeVar("T")
 
+# The groups InferenceObjectives are read from, the first winning a name both hold: llm-d's current
+# group (the llm-d router chart creates its objectives there), then GIE's, which llm-d deprecates.
+LLMD_OBJECTIVE_GROUP = "llm-d.ai"
 OBJECTIVE_GROUP = "inference.networking.x-k8s.io"
 OBJECTIVE_VERSION = "v1alpha2"
+OBJECTIVE_GROUPS = ((LLMD_OBJECTIVE_GROUP, OBJECTIVE_VERSION), (OBJECTIVE_GROUP, OBJECTIVE_VERSION))
 
 
 class ObjectivePriorities(Mapping[str, int]):

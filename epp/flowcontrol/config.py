@@ -14,6 +14,7 @@ flowControl:
   - priority: 100
     maxBytes: 500M             # default 1,000,000,000
     maxRequests: 200           # default unlimited
+    defaultRequestTTL: 10s     # this band's queue-wait budget (default: the global one; 0 = none)
     fairnessPolicyRef: round-robin-fairness-policy   # default global-strict-fairness-policy
     orderingPolicyRef: edf-ordering-policy           # default fcfs-ordering-policy
 ```
@@ -42,7 +43,7 @@ from epp.framework.registry import PluginRegistry
 FEATURE_GATE = "flowControl"
 FLOW_CONTROL_FIELDS = ("maxBytes", "maxRequests", "defaultRequestTTL", "defaultPriorityBand", "priorityBands",
                        "usageLimitPolicyPluginRef", "enableEviction")
-BAND_FIELDS = ("priority", "maxBytes", "maxRequests", "fairnessPolicyRef", "orderingPolicyRef")
+BAND_FIELDS = ("priority", "maxBytes", "maxRequests", "fairnessPolicyRef", "orderingPolicyRef", "defaultRequestTTL")
 DEFAULT_BAND_FIELDS = tuple(f for f in BAND_FIELDS if f != "priority")
 DEFAULT_BAND_MAX_BYTES = 1_000_000_000  # GIE's per-band default
 
@@ -66,6 +67,9 @@ class BandConfig:
     max_requests: int
     fairness: FairnessPolicy
     ordering: OrderingPolicy
+    # The band's own queue-wait budget in seconds (llm-d.ai/v1's per-band `defaultRequestTTL`; 0: none);
+    # None: the global `defaultRequestTTL`.
+    request_ttl: float | None = None
 
 
 @dataclass(frozen=True)
@@ -89,12 +93,22 @@ class FlowControlConfig:
             if band.priority == priority:
                 return band
         d = self.default_band
-        return BandConfig(priority, d.max_bytes, d.max_requests, d.fairness, d.ordering)
+        return BandConfig(priority, d.max_bytes, d.max_requests, d.fairness, d.ordering, d.request_ttl)
+
+    def ttl_for(self, priority: int) -> float:
+        """Seconds a request of `priority` may wait in the queue: its band's budget, else the global one (0: none)."""
+        own = self.band_for(priority).request_ttl
+        return self.default_request_ttl if own is None else own
 
     def describe(self) -> list[str]:
         """Readable lines for `epp check-config`."""
         def limits(max_bytes: int, max_requests: int) -> str:
             return (f"maxBytes {max_bytes or 'unlimited'}, maxRequests {max_requests or 'unlimited'}")
+
+        def own_ttl(band: BandConfig) -> str:
+            if band.request_ttl is None:
+                return ""
+            return f"; defaultRequestTTL {band.request_ttl:g}s" if band.request_ttl else "; defaultRequestTTL none"
 
         ttl = f"{self.default_request_ttl:g}s" if self.default_request_ttl else "none (until the client leaves)"
         lines = [f"global: {limits(self.max_bytes, self.max_requests)}; defaultRequestTTL {ttl}",
@@ -105,10 +119,10 @@ class FlowControlConfig:
                          "first, while a higher band is blocked (429, x-llm-d-request-dropped-reason: evicted)")
         for band in sorted(self.bands, key=lambda b: -b.priority):
             lines.append(f"band priority {band.priority}: {limits(band.max_bytes, band.max_requests)}; "
-                         f"fairness {band.fairness.name}, ordering {band.ordering.name}")
+                         f"fairness {band.fairness.name}, ordering {band.ordering.name}{own_ttl(band)}")
         d = self.default_band
         lines.append(f"other priorities (defaultPriorityBand): {limits(d.max_bytes, d.max_requests)}; "
-                     f"fairness {d.fairness.name}, ordering {d.ordering.name}")
+                     f"fairness {d.fairness.name}, ordering {d.ordering.name}{own_ttl(d)}")
         return lines
 
 
@@ -196,19 +210,22 @@ class _Parser:
                         DEFAULT_ORDERING_POLICY, path, OrderingPolicy, ORDERING_POLICIES, "ordering policy"))
         max_bytes = self.quantity(item, "maxBytes", path, template.max_bytes if template else DEFAULT_BAND_MAX_BYTES)
         max_requests = self.quantity(item, "maxRequests", path, template.max_requests if template else 0)
-        return BandConfig(priority, max_bytes, max_requests, fairness, ordering)
+        request_ttl = self.duration(item.get("defaultRequestTTL"), f"{path}.defaultRequestTTL")
+        return BandConfig(priority, max_bytes, max_requests, fairness, ordering, request_ttl)
+
+    def duration(self, raw: Any, path: str) -> float | None:
+        """A queue-wait budget in seconds (`30s`, `1m30s` or a number; 0: none), None when absent."""
+        if raw is None:
+            return None
+        if isinstance(raw, str):
+            return parse_duration(raw, what=f"{self.source}: {path}")
+        if isinstance(raw, (int, float)) and not isinstance(raw, bool) and raw >= 0:
+            return float(raw)
+        raise self.fail(path, f"must be a duration such as 30s, got {raw!r}")
 
     def parse(self, raw: Any) -> FlowControlConfig:
         item = self.mapping(raw, "flowControl", FLOW_CONTROL_FIELDS)
-        ttl = item.get("defaultRequestTTL")
-        if ttl is None:
-            ttl_s = 0.0
-        elif isinstance(ttl, str):
-            ttl_s = parse_duration(ttl, what=f"{self.source}: flowControl.defaultRequestTTL")
-        elif isinstance(ttl, (int, float)) and not isinstance(ttl, bool) and ttl >= 0:
-            ttl_s = float(ttl)
-        else:
-            raise self.fail("flowControl.defaultRequestTTL", f"must be a duration such as 30s, got {ttl!r}")
+        ttl_s = self.duration(item.get("defaultRequestTTL"), "flowControl.defaultRequestTTL") or 0.0
         usage_ref = item.get("usageLimitPolicyPluginRef") or DEFAULT_USAGE_LIMIT_POLICY
         usage = self.policy(usage_ref, "flowControl.usageLimitPolicyPluginRef", UsageLimitPolicy,
                             USAGE_LIMIT_POLICIES, "usage limit policy")

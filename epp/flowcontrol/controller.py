@@ -232,7 +232,7 @@ class FlowController:
         self.queued_requests += 1
         self.queued_bytes += size_bytes
         self.metrics.queued(*labels, size_bytes, 1)
-        ttl = self.config.default_request_ttl
+        ttl = self.config.ttl_for(request.priority)  # the band's own budget, else the global one
         timers = [loop.call_later(ttl, self._expire, band, item)] if ttl > 0 else []
         self._cycle()  # room now: dispatched before we wait
         if shed and not item.waiter.done():
@@ -256,8 +256,9 @@ class FlowController:
                 timer.cancel()
 
     def _deadline_s(self, request: InferenceRequest) -> float:
-        """Seconds this request may wait: the TTL, or Envoy's route deadline when that is sooner."""
-        budgets = [self.config.default_request_ttl] if self.config.default_request_ttl > 0 else []
+        """Seconds this request may wait: its band's TTL, or Envoy's route deadline when that is sooner."""
+        ttl = self.config.ttl_for(request.priority)
+        budgets = [ttl] if ttl > 0 else []
         raw = request.headers.get(ENVOY_TIMEOUT_HEADER)
         if raw and raw.isdigit() and int(raw) > 0:
             budgets.append(int(raw) / 1000.0)

@@ -1,4 +1,4 @@
-"""`program-aware-fairness`: least attained service (LAS) across programs, with aging so none starves.
+"""`program-aware-fairness`: least attained service (LAS) or turn priority across programs, with aging.
 
 A program is a flow: the fairness id, which `agent-identity` sets to the agent session (the root
 session of a sub-agent chain). llm-d's semantics (`strategy: las`):
@@ -16,7 +16,23 @@ and the highest score is served next (ties: the oldest head). The older llm-d pa
 in flight) by the factor once per dispatch decision, as llm-d did before the half-life replaced it
 (a warning names the replacement).
 
-**Aging** (ours, `agingWindow`, default 60 s): a program whose head request has waited
+**Turn priority** (llm-d's `strategy: turn-priority`): the deepest session goes first, since its
+prefix is the likeliest still resident in the KV cache and finishing it frees its slot sooner:
+
+    turn(p)      requests dispatched for p so far + 1 (the waiting one); 1 again when p had nothing in
+                 flight and its head arrived more than `turnPriorityInactivitySeconds` (120; 0 = never)
+                 after p's last completion: a session dormant that long has lost its prefix, so it
+                 competes from turn one and earns its depth again (its count restarts at that dispatch)
+    score(p)     = turn(p) + turnPriorityTimeWeight (0.05) x head wait in seconds
+
+The highest score goes next (ties: the oldest head). A newcomer overtakes a session D turns deeper
+after waiting D / turnPriorityTimeWeight seconds, so with the band's `defaultRequestTTL` the most it
+can overcome is the weight x the TTL (llm-d's guide sets 9000 s on its session band: 450 turns);
+past that sustained contention sheds new sessions (503, `rejected-ttl-expired`), as in llm-d. It
+wants one fairness id per session (`agent-identity`): requests without one share `default-flow`.
+
+**Aging** (ours, `agingWindow`, default 60 s with LAS; off with turn-priority unless given, since
+turn priority bounds waits by its own weight): a program whose head request has waited
 `agingWindow` or longer is served before any LAS choice, the oldest such head first. So no
 request is overtaken by one that arrived more than `agingWindow` after it (with the band's
 default FCFS ordering inside a flow): however much less service a stream of newer programs has,
@@ -63,13 +79,16 @@ log = logging.getLogger(__name__)
 INPUT_TOKEN_WEIGHT = 1.0
 OUTPUT_TOKEN_WEIGHT = 2.0  # llm-d: output tokens cost about twice input tokens
 DEFAULT_AGING_WINDOW_S = 60.0
-STRATEGIES = ("las",)
+STRATEGIES = ("las", "turn-priority")
+DEFAULT_TURN_TIME_WEIGHT = 0.05  # turns a second of head wait is worth (llm-d's default)
+DEFAULT_TURN_INACTIVITY_S = 120.0
 
 
 class ProgramState:
     """One program's attained service and activity."""
 
-    __slots__ = ("service", "anchor", "idle_since_pick", "queued", "inflight", "waits", "mean_wait")
+    __slots__ = ("service", "anchor", "idle_since_pick", "queued", "inflight", "waits", "mean_wait", "dispatched",
+                 "last_completion")
 
     def __init__(self, now: float, picks: int) -> None:
         self.service = 0.0
@@ -79,6 +98,8 @@ class ProgramState:
         self.inflight = 0
         self.waits = 0
         self.mean_wait = 0.0
+        self.dispatched = 0  # requests dispatched since the program (re)started: turn priority's depth
+        self.last_completion: float | None = None
 
     @property
     def idle(self) -> bool:
@@ -99,7 +120,7 @@ def _normalize(value: float, low: float, high: float) -> float:
 
 
 class ProgramAwareFairness(FairnessPolicy):
-    """Least attained service across programs (llm-d's LAS), with bounded aging and continuation-aware charging."""
+    """Programs ordered by least attained service (llm-d's LAS) or session depth (turn-priority), with aging."""
 
     type_name = "program-aware-fairness"
 
@@ -109,8 +130,11 @@ class ProgramAwareFairness(FairnessPolicy):
         p = params if params is not None else PluginParams(self.name, None)
         strategy = p.str("strategy", "las")
         if strategy not in STRATEGIES:
-            raise ConfigError(f"plugin {self.name!r}: unknown scoring strategy {strategy!r}: only \"las\" is "
-                              "supported")
+            raise ConfigError(f"plugin {self.name!r}: unknown scoring strategy {strategy!r}: allowed: "
+                              f"{', '.join(STRATEGIES)} (llm-d's drr and rr are not implemented)")
+        self.strategy = strategy
+        self.turn_time_weight = p.float("turnPriorityTimeWeight", DEFAULT_TURN_TIME_WEIGHT, minimum=0.0)
+        self.turn_inactivity_s = p.float("turnPriorityInactivitySeconds", DEFAULT_TURN_INACTIVITY_S, minimum=0.0)
         self.weight_service = p.float("lasWeightService", 0.8, minimum=0.0)
         self.weight_wait = p.float("lasWeightHeadWait", 0.2, minimum=0.0)
         half_life = p.float("lasHalfLifeSeconds", math.nan, minimum=0.0)
@@ -131,9 +155,12 @@ class ProgramAwareFairness(FairnessPolicy):
         # llm-d's sweep period, checked as llm-d does; here every write sweeps the expired programs.
         if p.float("evictionSweepSeconds", 300.0) <= 0:
             raise ConfigError(f"plugin {self.name!r}: parameter 'evictionSweepSeconds' must be > 0")
-        self.aging_window_s = p.duration("agingWindow", DEFAULT_AGING_WINDOW_S)
-        if not (0 < self.aging_window_s < math.inf):
+        aging = p.duration("agingWindow", math.nan)
+        if not math.isnan(aging) and not (0 < aging < math.inf):
             raise ConfigError(f"plugin {self.name!r}: parameter 'agingWindow' must be a duration > 0")
+        # Turn priority bounds waits by its own weight: our aging bound only when asked for.
+        self.aging_window_s: float | None = (aging if not math.isnan(aging)
+                                             else DEFAULT_AGING_WINDOW_S if strategy == "las" else None)
         self.cached_token_weight = p.float("cachedTokenWeight", 0.0, minimum=0.0, maximum=1.0)
         capacity = p.int("maxPrograms", DEFAULT_CAPACITY, minimum=1)
         registry = context.metrics_registry if context is not None else None
@@ -151,16 +178,22 @@ class ProgramAwareFairness(FairnessPolicy):
         self._wait_sq = 0.0
 
     def describe(self) -> str:
+        aging = f"{self.aging_window_s:g}s" if self.aging_window_s is not None else "off"
+        if self.strategy == "turn-priority":
+            return (f"strategy=turn-priority turnPriorityTimeWeight={self.turn_time_weight:g} "
+                    f"turnPriorityInactivitySeconds={self.turn_inactivity_s:g} agingWindow={aging} "
+                    f"maxPrograms={self.programs.capacity} evictionTtlSeconds={self.programs.ttl_s:g}")
         decay = (f"lasDecayFactor={self.decay_factor:g} (per dispatch, idle programs)" if self.decay_factor is not None
                  else f"lasHalfLifeSeconds={self.half_life_s:g}")
         return (f"strategy=las lasWeightService={self.weight_service:g} lasWeightHeadWait={self.weight_wait:g} "
-                f"{decay} agingWindow={self.aging_window_s:g}s cachedTokenWeight={self.cached_token_weight:g} "
+                f"{decay} agingWindow={aging} cachedTokenWeight={self.cached_token_weight:g} "
                 f"maxPrograms={self.programs.capacity} evictionTtlSeconds={self.programs.ttl_s:g}")
 
     def debug_state(self) -> Mapping[str, Any]:
         """Programs tracked, the fairness index and the aging bound's use (never program ids)."""
-        return {"programs": self.programs.debug_state(), "jains_fairness_index": self.fairness_index(),
-                "aged_dispatches": self.aged_dispatches, "aging_window_s": self.aging_window_s}
+        return {"strategy": self.strategy, "programs": self.programs.debug_state(),
+                "jains_fairness_index": self.fairness_index(), "aged_dispatches": self.aged_dispatches,
+                "aging_window_s": self.aging_window_s}
 
     # -- attained service ---------------------------------------------------------------------
 
@@ -218,6 +251,9 @@ class ProgramAwareFairness(FairnessPolicy):
     def on_dispatch(self, item: QueuedRequest, now: float) -> None:
         state = self._state(item.fairness_id, now)
         self._fold(state, now)
+        if self._dormant(state, item):
+            state.dispatched = 0  # it was scored as turn one: its depth is earned again from here
+        state.dispatched += 1
         state.queued = max(0, state.queued - 1)
         state.inflight += 1
         self._activity(state)
@@ -227,9 +263,24 @@ class ProgramAwareFairness(FairnessPolicy):
         state = self._state(item.fairness_id, now)
         self._fold(state, now)
         state.inflight = max(0, state.inflight - 1)
+        state.last_completion = now
         if usage is not None:
             state.service += self.charge(usage)
         self._activity(state)
+
+    # -- turn priority ------------------------------------------------------------------------
+
+    def _dormant(self, state: ProgramState, head: QueuedRequest) -> bool:
+        """Whether the program was idle longer than turnPriorityInactivitySeconds before `head` arrived."""
+        return (self.turn_inactivity_s > 0 and state.inflight <= 0 and state.last_completion is not None
+                and head.enqueued - state.last_completion > self.turn_inactivity_s)
+
+    def turn(self, program: str, head: QueuedRequest, now: float) -> int:
+        """The turn number of `program`'s head request: dispatched so far + 1, or 1 after a dormant spell."""
+        state = self.programs.get(program, now, touch=False)
+        if state is None or self._dormant(state, head):
+            return 1
+        return int(state.dispatched) + 1
 
     # -- choice -------------------------------------------------------------------------------
 
@@ -242,9 +293,13 @@ class ProgramAwareFairness(FairnessPolicy):
             if head is None:
                 continue
             wait = now - head.enqueued
-            if wait >= self.aging_window_s and (aged is None or (head.enqueued, head.sequence) < aged[:2]):
+            if (self.aging_window_s is not None and wait >= self.aging_window_s
+                    and (aged is None or (head.enqueued, head.sequence) < aged[:2])):
                 aged = (head.enqueued, head.sequence, flow)
             if aged is None:
+                if self.strategy == "turn-priority":
+                    candidates.append((flow, head, float(self.turn(program, head, now)), wait))
+                    continue
                 state = self._state(program, now)
                 self._fold(state, now)
                 candidates.append((flow, head, state.service, wait))
@@ -254,6 +309,8 @@ class ProgramAwareFairness(FairnessPolicy):
             return aged[2]
         if not candidates:
             return None
+        if self.strategy == "turn-priority":
+            return self._deepest(candidates)
         low_s = min(c[2] for c in candidates)
         high_s = max(c[2] for c in candidates)
         low_w = min(c[3] for c in candidates)
@@ -264,6 +321,16 @@ class ProgramAwareFairness(FairnessPolicy):
             score = (self.weight_service * (1.0 - _normalize(service, low_s, high_s))
                      + self.weight_wait * _normalize(wait, low_w, high_w))
             key = (-score, head.enqueued, head.sequence)  # highest score; ties: the oldest head
+            if best is None or key < best:
+                best, chosen = key, flow
+        return chosen
+
+    def _deepest(self, candidates: list[tuple[FlowT, QueuedRequest, float, float]]) -> FlowT:
+        """Turn priority's choice: the highest turn + weight x head wait; ties: the oldest head."""
+        best: tuple[float, float, int] | None = None
+        chosen = candidates[0][0]
+        for flow, head, turn, wait in candidates:
+            key = (-(turn + self.turn_time_weight * max(0.0, wait)), head.enqueued, head.sequence)
             if best is None or key < best:
                 best, chosen = key, flow
         return chosen

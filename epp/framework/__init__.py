@@ -30,14 +30,17 @@ from epp.framework.headers import (
     ENCODER_HOSTS_PORTS_HEADER,
     FAIRNESS_ID_HEADERS,
     KV_CACHE_SOURCE_HEADER,
+    KV_CACHE_SOURCE_P2P_PORT_HEADER,
     PREFILLER_HOST_PORT_HEADER,
 )
 from epp.framework.jsonbody import (
+    MAX_RESPONSE_JSON_DEPTH,
     UnreadableResponse,
     decode_json_object,
     has_lone_surrogate,
     nesting_exceeds,
     read_json,
+    read_json_or_none,
 )
 from epp.framework.load import (
     NO_LOAD,
@@ -105,6 +108,7 @@ __all__ = [
     "EndpointLoad", "EndpointMetrics", "EndpointSource",
     "ErrorCode", "FAIRNESS_ID_HEADERS", "Filter", "FirstTokenHook", "INFLIGHT_LOAD", "InferenceError",
     "InferenceRequest", "InflightLedger", "InflightLoad", "KV_CACHE_SOURCE_HEADER",
+    "KV_CACHE_SOURCE_P2P_PORT_HEADER",
     "NO_LOAD", "PREFILLER_HOST_PORT_HEADER", "PREFIX_CACHE_FREE_BLOCKS", "PREFIX_HOME", "PREFIX_MATCH_INFO",
     "PREFIX_TIER_MATCH", "PROMPT_TOKENS", "Picker", "Plugin", "PluginContext", "PluginParams", "PluginRegistry", "PluginSpec",
     "PreRequestHook", "PrefixMatchInfo", "PromptTokens", "ProfileHandler", "ProfileRunResult", "RequestPreprocessor",
@@ -114,8 +118,9 @@ __all__ = [
     "prompt_characters", "publish_home",
     "PROFILE_RESULTS_STATE_KEY",
     # Request parsers (epp.framework.parsing) and the JSON helpers they share.
-    "DEFAULT_PARSER_TYPES", "MediaItem", "ParseLimits", "ParsedBody", "Parser", "RenderRequest", "RequestFormat",
+    "DEFAULT_PARSER_TYPES", "MAX_RESPONSE_JSON_DEPTH", "MediaItem", "ParseLimits", "ParsedBody", "Parser",
+    "RenderRequest", "RequestFormat",
     "UnreadableResponse", "body_prompt_characters", "compact_json", "decode_json_object", "go_json",
     "has_lone_surrogate", "json_array_prefix", "media_digest", "nesting_exceeds", "openai_error_body", "read_json",
-    "session_name", "shorten_strings",
+    "read_json_or_none", "session_name", "shorten_strings",
 ]

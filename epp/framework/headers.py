@@ -17,6 +17,9 @@ ENCODER_HOSTS_PORTS_HEADER = "x-encoder-hosts-ports"
 # `ip:port` of a peer holding more of the prompt's KV cache than the computing endpoint: its sidecar
 # asks the engine to pull those blocks over the P2P connector instead of recomputing. Only the picker may set it.
 KV_CACHE_SOURCE_HEADER = "x-kv-cache-source-host-port"
+# The port of that peer's P2P KV connector (ours, sent with the hint when p2p-source-producer has
+# `p2pPortBase`): the sidecar pulls from there instead of its own `--p2p-connector-port`. Picker-owned.
+KV_CACHE_SOURCE_P2P_PORT_HEADER = "x-kv-cache-source-p2p-port"
 
 # Each control header: its current name first, then the aliases still accepted.
 OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", "x-gateway-inference-objective")

@@ -118,13 +118,28 @@ def decode_json_object(body: bytes, max_depth: int) -> dict[str, Any]:
     return parsed
 
 
+# How deep a model server's response JSON may nest before the picker passes it on unread (no
+# response of the APIs read here comes near it).
+MAX_RESPONSE_JSON_DEPTH = 64
+
+
 class UnreadableResponse(ValueError):
     """A response body the picker does not read (JSON nested too deep): passed on unchanged, and counted."""
 
 
-def read_json(data: bytes, max_depth: int) -> Any:
+def read_json(data: bytes, max_depth: int = MAX_RESPONSE_JSON_DEPTH) -> Any:
     """A model server's JSON (a body or one SSE event); `UnreadableResponse` when it nests deeper than `max_depth`,
     `ValueError` when it is not JSON."""
     if nesting_exceeds(data, max_depth):
         raise UnreadableResponse(f"JSON nested deeper than {max_depth} levels")
     return json.loads(data)
+
+
+def read_json_or_none(data: bytes, max_depth: int = MAX_RESPONSE_JSON_DEPTH) -> Any:
+    """`read_json`, with None for bytes that are not JSON (`UnreadableResponse` still raised: it is counted)."""
+    try:
+        return read_json(data, max_depth)
+    except UnreadableResponse:
+        raise
+    except (ValueError, UnicodeDecodeError):
+        return None

@@ -89,19 +89,10 @@ class RequestParser:
                  parsers: Sequence[Parser] | None = None,
                  max_json_depth: int = DEFAULT_MAX_JSON_DEPTH, max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS) -> None:
         self.objective_priorities = dict(objective_priorities or {})
-        self.max_json_depth = max_json_depth
-        self.max_prompt_chars = max_prompt_chars
         self.parsers = tuple(parsers) if parsers else default_parsers()
         self.fallback = next((p for p in self.parsers if p.fallback), None)
-        self._limits = ParseLimits(max_json_depth, max_prompt_chars)
-
-    @property
-    def limits(self) -> ParseLimits:
-        """The bounds parsers apply (`max_json_depth` and `max_prompt_chars` may be changed at run time)."""
-        limits = self._limits
-        if limits.max_json_depth != self.max_json_depth or limits.max_prompt_chars != self.max_prompt_chars:
-            limits = self._limits = ParseLimits(self.max_json_depth, self.max_prompt_chars)
-        return limits
+        # The bounds every parser applies, the same for every request.
+        self.limits = ParseLimits(max_json_depth, max_prompt_chars)
 
     def parser_for(self, path: str) -> tuple[Parser, str] | None:
         """The parser that reads `path` and the API it names, or None when none claims it and there is no fallback."""

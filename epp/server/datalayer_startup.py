@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 
 class Stoppable(Protocol):
+    """What the start-up hands back to be stopped at shutdown (discovery, scrapers)."""
+
     async def stop(self) -> None: ...
 
 

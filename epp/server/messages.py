@@ -9,7 +9,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 
 from epp.framework.errors import DROP_REASON_HEADER, InferenceError
-from epp.framework.headers import ENCODER_HOSTS_PORTS_HEADER, KV_CACHE_SOURCE_HEADER, PREFILLER_HOST_PORT_HEADER
+from epp.framework.headers import (
+    ENCODER_HOSTS_PORTS_HEADER,
+    KV_CACHE_SOURCE_HEADER,
+    KV_CACHE_SOURCE_P2P_PORT_HEADER,
+    PREFILLER_HOST_PORT_HEADER,
+)
 from epp.framework.types import openai_error_body
 
 # Some Envoy deployments cap streamed body messages at 64 KiB; GIE re-emits bodies in 62,000-byte pieces.
@@ -23,7 +28,7 @@ LB_METADATA_NAMESPACE = "envoy.lb"
 # copy, so a client's forged value cannot sit next to (or instead of) the picked endpoint.
 SERVED_ENDPOINT_HEADER = "x-gateway-destination-endpoint-served"
 PICKER_OWNED_HEADERS = (DESTINATION_ENDPOINT_HEADER, SERVED_ENDPOINT_HEADER, PREFILLER_HOST_PORT_HEADER,
-                        ENCODER_HOSTS_PORTS_HEADER, KV_CACHE_SOURCE_HEADER)
+                        ENCODER_HOSTS_PORTS_HEADER, KV_CACHE_SOURCE_HEADER, KV_CACHE_SOURCE_P2P_PORT_HEADER)
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
@@ -140,10 +145,12 @@ def response_headers_response(set_headers: Iterable[tuple[str, str]] = (),
 
 
 def request_trailers_response() -> pb.ProcessingResponse:
+    """The reply to request trailers: passed on unchanged."""
     return _REQUEST_TRAILERS
 
 
 def response_trailers_response() -> pb.ProcessingResponse:
+    """The reply to response trailers: passed on unchanged."""
     return _RESPONSE_TRAILERS
 
 

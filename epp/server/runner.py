@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import gc
 import logging
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -31,6 +30,7 @@ from epp.requestcontrol.director import Director
 from epp.server.extproc import DEFAULT_MAX_BODY_BYTES, ExtProcService
 from epp.server.health import HealthService
 from epp.server.metrics_auth import MetricsAuth, guard_wsgi, metrics_auth_from
+from epp.server.ports import BindError, bind_grpc_port
 from epp.server.tls import metrics_ssl_context, server_credentials
 from epp.tracing import RequestTracing
 
@@ -38,10 +38,6 @@ if TYPE_CHECKING:
     from epp.datalayer.scraper import MetricsScraper
 
 log = logging.getLogger(__name__)
-
-
-class BindError(OSError):
-    """A port `epp serve` was told to listen on cannot be bound (in use, or not an address of this host)."""
 
 
 @dataclass
@@ -220,12 +216,12 @@ class EppServer:
             health_pb2_grpc.add_HealthServicer_to_server(health, self._grpc)
         credentials = (server_credentials(opts.cert_path, reload=opts.enable_cert_reload)
                        if opts.secure_serving else None)
-        self.grpc_port = _bind(self._grpc, opts.bind_address, opts.grpc_port, "--grpc-port", credentials,
+        self.grpc_port = bind_grpc_port(self._grpc, opts.bind_address, opts.grpc_port, "--grpc-port", credentials,
                                shared=worker)
         private_host = "127.0.0.1" if worker else opts.bind_address
         self._health = grpc.aio.server()
         health_pb2_grpc.add_HealthServicer_to_server(health, self._health)
-        self.health_port = _bind(self._health, private_host, 0 if worker else opts.grpc_health_port,
+        self.health_port = bind_grpc_port(self._health, private_host, 0 if worker else opts.grpc_health_port,
                                  "--grpc-health-port")
         await self._grpc.start()
         await self._health.start()
@@ -334,40 +330,6 @@ class EppServer:
     async def wait(self) -> None:
         if self._grpc is not None:
             await self._grpc.wait_for_termination()
-
-
-def probe_port(host: str, port: int, flag: str) -> None:
-    """BindError naming the flag when `host:port` has a live listener or is no local address."""
-    # gRPC reports a taken port only as a core log line and a bare RuntimeError: probe it first
-    # for the reason. SO_REUSEADDR as gRPC sets it, so only a live listener counts as taken.
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            raise BindError(f"cannot listen on {host}:{port} ({flag}): {exc.strerror or exc}") from None
-
-
-def _bind(server: grpc.aio.Server, host: str, port: int, flag: str,
-          credentials: grpc.ServerCredentials | None = None, *, shared: bool = False) -> int:
-    """Add a listening port to a gRPC server; the port bound, or BindError naming the flag.
-    `shared`: the port is one the worker supervisor checked and its sibling workers listen on too."""
-    address = f"{host}:{port}"
-    if port != 0 and not shared:
-        probe_port(host, port, flag)
-    try:
-        bound = (server.add_secure_port(address, credentials) if credentials is not None
-                 else server.add_insecure_port(address))
-    except RuntimeError:  # taken between the probe and now
-        bound = 0
-    if bound == 0:
-        raise BindError(f"cannot listen on {address} ({flag}): the port is in use or the address is not local")
-    return bound
-
-
-# The same binding for the project's other gRPC services (`epp bbr`).
-bind_grpc_port = _bind
 
 
 async def start_server(options: ServeOptions) -> EppServer:

@@ -37,7 +37,8 @@ from epp.server.event_loop import run_event_loop
 from epp.server.health import HealthService
 from epp.server.metrics_auth import MetricsAuth, aiohttp_guard, metrics_auth_from
 from epp.server.metrics_merge import merge_pages
-from epp.server.runner import BindError, ServeOptions, freeze_startup_heap, probe_port, start_server
+from epp.server.ports import BindError, bind_grpc_port, probe_port
+from epp.server.runner import ServeOptions, freeze_startup_heap, start_server
 from epp.server.tls import metrics_ssl_context
 
 log = logging.getLogger(__name__)
@@ -217,9 +218,7 @@ class WorkerSupervisor:
             probe_port(opts.bind_address, opts.grpc_port, "--grpc-port")
         self._health = grpc.aio.server()
         health_pb2_grpc.add_HealthServicer_to_server(HealthService(self.is_ready, self.is_serving), self._health)
-        from epp.server.runner import _bind
-
-        self.health_port = _bind(self._health, opts.bind_address, opts.grpc_health_port, "--grpc-health-port")
+        self.health_port = bind_grpc_port(self._health, opts.bind_address, opts.grpc_health_port, "--grpc-health-port")
         await self._health.start()
         # Within Prometheus' default scrape timeout (10 s), with room for a loaded worker.
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))

@@ -27,19 +27,17 @@ from epp.framework import (
     ParseLimits,
     Parser,
     RenderRequest,
-    UnreadableResponse,
     body_prompt_characters,
     decode_json_object,
     json_array_prefix,
     media_digest,
-    read_json,
+    read_json_or_none,
     session_name,
 )
 
 MESSAGES = "messages"
 COUNT_TOKENS = "messages/count_tokens"
 RENDER_PATH = "/v1/messages/render"
-MAX_RESPONSE_JSON_DEPTH = 64
 PROMPT_FIELDS = ("system", "messages")
 # vLLM's Messages endpoint takes these roles (Anthropic's API itself only user and assistant).
 ROLES = ("user", "assistant", "system")
@@ -301,15 +299,6 @@ def only_preamble(chunk: bytes) -> bool:
     return bool(names) and all(name in PREAMBLE_EVENTS for name in names)
 
 
-def _read(data: bytes) -> Any:
-    try:
-        return read_json(data, MAX_RESPONSE_JSON_DEPTH)
-    except UnreadableResponse:
-        raise
-    except (ValueError, UnicodeDecodeError):
-        return None
-
-
 class AnthropicParser(Parser):
     """Anthropic Messages (`/v1/messages`: system, messages of content blocks) and `/v1/messages/count_tokens`."""
 
@@ -386,7 +375,7 @@ class AnthropicParser(Parser):
 
     def usage(self, request: InferenceRequest, body: bytes, *, streamed: bool) -> dict[str, Any] | None:
         if not streamed:
-            parsed = _read(body)
+            parsed = read_json_or_none(body)
             usage = parsed.get("usage") if isinstance(parsed, dict) else None
             if not isinstance(usage, dict):
                 return None
@@ -397,7 +386,7 @@ class AnthropicParser(Parser):
             line = line.strip()
             if not line.startswith(b"data:") or b"usage" not in line:
                 continue
-            event = _read(line[5:].strip())
+            event = read_json_or_none(line[5:].strip())
             if not isinstance(event, dict):
                 continue
             kind = event.get("type")

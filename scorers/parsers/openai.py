@@ -39,13 +39,13 @@ from epp.framework import (
     PluginParams,
     RenderRequest,
     ResponseInfo,
-    UnreadableResponse,
     body_prompt_characters,
     compact_json,
     decode_json_object,
     json_array_prefix,
     media_digest,
     read_json,
+    read_json_or_none,
     session_name,
     shorten_strings,
 )
@@ -58,8 +58,6 @@ CONVERSATIONS = "conversations"
 EMBEDDINGS = "embeddings"
 RERANK = "rerank"
 
-# Nesting of a model server's JSON response the parser reads (an OpenAI response is under 10 deep).
-MAX_RESPONSE_JSON_DEPTH = 64
 # The body fields that hold prompt text, counted against `epp serve --max-prompt-chars`.
 PROMPT_FIELDS = ("prompt", "messages", "input", "instructions", "items", "query", "documents")
 # Content part types that are media, by the modality they carry (chat completions, Responses, vLLM's extras).
@@ -225,25 +223,27 @@ def sse_events(chunk: bytes, needle: bytes = b"") -> Iterator[Any]:
         payload = line[5:].strip()
         if not payload or payload == b"[DONE]" or needle not in payload:
             continue
-        try:
-            event = read_json(payload, MAX_RESPONSE_JSON_DEPTH)
-        except UnreadableResponse:
-            raise
-        except (ValueError, UnicodeDecodeError):
-            continue
-        yield event
+        event = read_json_or_none(payload)
+        if event is not None:
+            yield event
 
 
 def json_usage(body: bytes) -> tuple[Any, dict[str, Any] | None]:
     """A whole JSON response and its `usage` object (None when it has none or is not JSON)."""
-    try:
-        parsed = read_json(body, MAX_RESPONSE_JSON_DEPTH)
-    except UnreadableResponse:
-        raise
-    except (ValueError, UnicodeDecodeError):
-        return None, None
+    parsed = read_json_or_none(body)
     usage = parsed.get("usage") if isinstance(parsed, dict) else None
     return parsed, usage if isinstance(usage, dict) else None
+
+
+def openai_usage_names(usage: dict[str, Any]) -> dict[str, Any]:
+    """A Responses API usage with chat's names added (`RequestFormat.usage` answers in those): `prompt_tokens`,
+    `completion_tokens`, `prompt_tokens_details` from `input_tokens`, `output_tokens`, `input_tokens_details`."""
+    out = dict(usage)
+    for ours, theirs in (("prompt_tokens", "input_tokens"), ("completion_tokens", "output_tokens"),
+                         ("prompt_tokens_details", "input_tokens_details")):
+        if theirs in usage and ours not in usage:
+            out[ours] = usage[theirs]
+    return out
 
 
 class OpenAIParser(Parser):
@@ -417,6 +417,11 @@ class OpenAIParser(Parser):
     # -- responses ------------------------------------------------------------------------------
 
     def usage(self, request: InferenceRequest, body: bytes, *, streamed: bool) -> dict[str, Any] | None:
+        found = self._usage(body, streamed=streamed)
+        return openai_usage_names(found) if found is not None and request.api == RESPONSES else found
+
+    @staticmethod
+    def _usage(body: bytes, *, streamed: bool) -> dict[str, Any] | None:
         if not streamed:
             return json_usage(body)[1]
         if b"usage" not in body:
@@ -445,7 +450,7 @@ class OpenAIParser(Parser):
             return None
         if not streamed:
             try:
-                parsed = read_json(body, MAX_RESPONSE_JSON_DEPTH)
+                parsed = read_json(body)
             except (ValueError, UnicodeDecodeError):
                 return None
             ok = isinstance(parsed, dict) and parsed.get("object") == "response"

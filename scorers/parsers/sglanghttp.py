@@ -22,15 +22,13 @@ from epp.framework import (
     ParsedBody,
     ParseLimits,
     Parser,
-    UnreadableResponse,
     decode_json_object,
     media_digest,
-    read_json,
+    read_json_or_none,
 )
 from epp.scorers.parsers.tokens import MEDIA_MARK, bad, check_token_ids, token_prefix_bytes
 
 GENERATE = "generate"
-MAX_RESPONSE_JSON_DEPTH = 64
 
 
 def _first(value: Any) -> Any:
@@ -49,15 +47,6 @@ def _meta_usage(event: Any) -> dict[str, Any] | None:
     if isinstance(meta.get("cached_tokens"), int):
         usage["prompt_tokens_details"] = {"cached_tokens": meta["cached_tokens"]}
     return usage
-
-
-def _read(data: bytes) -> Any:
-    try:
-        return read_json(data, MAX_RESPONSE_JSON_DEPTH)
-    except UnreadableResponse:
-        raise
-    except (ValueError, UnicodeDecodeError):
-        return None
 
 
 class SGLangHttpParser(Parser):
@@ -124,14 +113,14 @@ class SGLangHttpParser(Parser):
 
     def usage(self, request: InferenceRequest, body: bytes, *, streamed: bool) -> dict[str, Any] | None:
         if not streamed:
-            return _meta_usage(_read(body))
+            return _meta_usage(read_json_or_none(body))
         if b"finish_reason" not in body:
             return None
         for line in body.split(b"\n"):
             line = line.strip()
             if not line.startswith(b"data:") or b"meta_info" not in line:
                 continue
-            event = _read(line[5:].strip())
+            event = read_json_or_none(line[5:].strip())
             meta = event.get("meta_info") if isinstance(event, dict) else None
             # Only the last chunk of a stream has its finish_reason set, with the final counts.
             if isinstance(meta, Mapping) and meta.get("finish_reason") is not None:

@@ -108,6 +108,13 @@ def test_llm_d_precise_guide_config_maps_onto_the_precise_producer():
     assert loaded.scrape is not None and loaded.scrape.scheme == "http"  # the default metrics source, injected
 
 
+def test_kv_events_on_a_topic_naming_no_model_are_the_token_producers_model():
+    # vLLM publishes on topic "" unless told otherwise; an llm-d config names its model once, in the
+    # token-producer, and those events must not all be dropped for naming none.
+    producer = load(PRECISE).plugin("precise-prefix-cache-producer")
+    assert producer.subscriber.config.default_model == "qwen25-7b-instruct"
+
+
 def test_llm_d_defaults_apply_to_a_precise_producer_in_llm_d_shape():
     loaded = load(LLMD + "plugins:\n- type: precise-prefix-cache-producer\n"
                          "  parameters: {kvEventsConfig: {}, tokenizers: {tiny: /nonexistent}}\n")
@@ -328,7 +335,7 @@ def test_check_config_prints_how_each_llm_d_plugin_was_mapped(tmp_path, capsys):
     assert "parameters taken: prefixMatchInfoProducerName" in mapped
     # What the nested parameters became, on the plugin's own line.
     assert "[blockSizeTokens=64, tierWeights={cpu: 0.6, gpu: 1.0}, topicFilter=kv@, mode=per-endpoint, " \
-           "eventsPort=5556, replayPort=5559, useTokenProducer=true]" in out
+           "eventsPort=5556, replayPort=5559, useTokenProducer=true, defaultModel=qwen25-7b-instruct]" in out
     assert "  metrics scrape: http://<endpoint>/metrics" in out
 
 

@@ -326,9 +326,6 @@ def test_one_plain_config_still_prints_its_pipeline_unless_asked_for_a_line(tmp_
      "requestHandler.propagatePriority: not supported: the request body is forwarded unchanged"),
     ("featureGates: [flowControl]\nflowControl: {bandSelectionPolicyPluginRef: by-weight}\n",
      "flowControl.bandSelectionPolicyPluginRef: not supported: bands are offered dispatch from the highest priority"),
-    ("featureGates: [flowControl]\nflowControl: {priorityBands: [{priority: 1, defaultRequestTTL: 30s}]}\n",
-     "flowControl.priorityBands[0].defaultRequestTTL: not supported: a band's queue wait is bounded by "
-     "flowControl.defaultRequestTTL"),
 ])
 def test_v1_fields_this_picker_cannot_act_on_are_refused_with_the_reason(extra, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

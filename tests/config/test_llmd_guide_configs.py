@@ -447,7 +447,7 @@ schedulingProfiles:
     ("P2P KV transfer source", V1 + """plugins:
 - {type: approx-prefix-cache-producer, name: gpu-prefix-cache-producer}
 - type: p2p-source-producer
-  parameters: {minCachedTokenDelta: 2048, prefillProfileName: prefill,
+  parameters: {minCachedTokenDelta: 2048, prefillProfileName: prefill, p2pPortBase: 7777,
                prefixMatchInfoProducerName: gpu-prefix-cache-producer}
 - type: prefill-filter
 - type: decode-filter
@@ -484,7 +484,10 @@ plugins:
 - {type: program-aware-fairness, parameters: {strategy: turn-priority}}
 - type: queue-scorer
 flowControl:
-  defaultPriorityBand: {fairnessPolicyRef: program-aware-fairness}
+  enableEviction: true
+  priorityBands:
+  - {priority: -1, defaultRequestTTL: 9000s, fairnessPolicyRef: program-aware-fairness}
+  - {priority: 0}
 """, PLAIN, ("program-aware-fairness strategy turn-priority",)),
 ]
 

@@ -1,16 +1,13 @@
 """The parser author's path: install examples/outside_parser into a fresh venv and route Ollama requests with it."""
 
 import json
-import os
-import shutil
-import subprocess
-import sys
-import sysconfig
 import textwrap
 from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
+
+from tests.support.outside_package import first_python_block, install_example, run
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "outside_parser"
@@ -96,28 +93,9 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def run(cmd, **kwargs):
-    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1", "PYTHONNOUSERSITE": "1"}
-    env.pop("VIRTUAL_ENV", None)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, **kwargs)
-
-
 @pytest.mark.slow
 def test_outside_parser_package_installs_and_routes(tmp_path):
-    source = tmp_path / "outside_parser"
-    shutil.copytree(EXAMPLE, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    venv = tmp_path / "venv"
-    made = run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)])
-    assert made.returncode == 0, made.stderr
-    python = venv / "bin" / "python"
-    site_dir = Path(run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
-                    .stdout.strip())
-    # The fresh venv sees the picker (and pip, setuptools) of the environment running the tests.
-    (site_dir / "_parent_env.pth").write_text(f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
-    installed = run([str(python), "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
-                     "-q", str(source)])
-    assert installed.returncode == 0, installed.stdout + installed.stderr
-    assert (site_dir / "epp_ollama_parser" / "__init__.py").exists()
+    python = install_example(EXAMPLE, "epp_ollama_parser", tmp_path)
 
     done = run([str(python), "-c", SCRIPT], cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -137,8 +115,5 @@ def test_outside_parser_package_installs_and_routes(tmp_path):
 
 
 def test_the_docs_parser_example_is_the_example_package():
-    page = (ROOT / "docs" / "parsers.md").read_text(encoding="utf-8")
-    section = page[page.index("## Writing a parser"):]
-    code = section[section.index("```python\n") + len("```python\n"):]
-    code = code[:code.index("```\n")]
+    code = first_python_block(ROOT / "docs" / "parsers.md", "## Writing a parser")
     assert code == (EXAMPLE / "epp_ollama_parser" / "__init__.py").read_text(encoding="utf-8")

@@ -1,10 +1,12 @@
 """The reference parts of the docs are what the code has: the flag tables of the user guide against the
-parsers, the built-in plugin catalogue against the registry, every metric named against the code."""
+parsers, the built-in plugin catalogue against the registry, every metric named against the code, the
+architecture page's layers against the import contracts, the README's layout against the package folders."""
 
 from __future__ import annotations
 
 import argparse
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -18,15 +20,20 @@ PLUGINS = ROOT / "docs" / "plugins.md"
 NO_DEFAULT = "—"
 
 
-def section_rows(path: Path, heading: str) -> list[list[str]]:
-    """The table rows (cells, header and rule rows left out) of one `## heading` section of a page."""
+def table_cells(path: Path, heading: str) -> list[list[str]]:
+    """The cells of every table row under a `## heading` section, the header and rule rows included."""
     rows, inside = [], False
     for _, line in prose_lines(path):
         if line.startswith("## "):
             inside = line[3:].strip() == heading
         elif inside and line.startswith("|") and not re.match(r"^\|[-| ]+\|$", line):
             rows.append([cell.strip() for cell in line.strip().strip("|").split(" | ")])
-    rows = [row for row in rows if row[0] not in ("flag", "type")]  # header rows
+    return rows
+
+
+def section_rows(path: Path, heading: str) -> list[list[str]]:
+    """The table rows (cells, header and rule rows left out) of one `## heading` section of a page."""
+    rows = [row for row in table_cells(path, heading) if row[0] not in ("flag", "type")]  # header rows
     assert rows, f"{path.relative_to(ROOT)} has no table under '## {heading}'"
     return rows
 
@@ -134,3 +141,21 @@ def test_the_bbr_flag_table_is_its_parsers():
 
     rows = section_rows(ROOT / "docs" / "bbr.md", "`epp bbr` flags")
     assert flag_table_problems(rows, bbr_parser()) == []
+
+
+def test_the_architecture_pages_layers_are_the_import_contracts():
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    layers = next(c for c in contracts if c["id"] == "layers")["layers"]
+    expected = [sorted(name.strip() for name in layer.split("|")) for layer in layers]
+    rows = table_cells(ROOT / "docs" / "architecture.md", "Layering rules")[1:]  # past the header row
+    # The modules' cell, its asides in parentheses left out (they name other modules).
+    shown = [sorted(inline_code(re.sub(r"\([^)]*\)", "", row[1]))) for row in rows]
+    assert shown == expected
+
+
+def test_the_readme_layout_names_every_package_folder():
+    table = " ".join(cell for row in table_cells(ROOT / "README.md", "Layout") for cell in row)
+    named = {code.rstrip("/") for code in inline_code(table)}
+    folders = {str(init.parent.relative_to(ROOT)) for init in (ROOT / "epp").glob("*/__init__.py")}
+    folders |= {"scorers", "engine"}
+    assert sorted(folders - named) == []

@@ -67,7 +67,8 @@ async def test_forged_routing_headers_are_overwritten_and_removed_by_the_picker(
         assert all(h.append_action == h.OVERWRITE_IF_EXISTS_OR_ADD for h in mutation.set_headers)
         # The sidecar's routing headers (P/D, E/PD, P2P) are picker-owned too: removed when not set.
         assert list(mutation.remove_headers) == ["x-gateway-destination-endpoint-served", "x-prefiller-host-port",
-                                                 "x-encoder-hosts-ports", "x-kv-cache-source-host-port"]
+                                                 "x-encoder-hosts-ports", "x-kv-cache-source-host-port",
+                                                 "x-kv-cache-source-p2p-port"]
 
 
 # -- item 2: a model server's response is never replaced because the picker cannot read it ------

@@ -69,10 +69,29 @@ flowControl:
     assert (other.max_requests, isinstance(other.ordering, EDFOrderingPolicy)) == (7, True)
 
 
+def test_a_band_has_its_own_request_ttl_else_the_global_one():
+    fc = load("""featureGates: [flowControl]
+flowControl:
+  defaultRequestTTL: 60s
+  defaultPriorityBand: {defaultRequestTTL: 20s}
+  priorityBands:
+  - {priority: -1, defaultRequestTTL: 9000s}
+  - {priority: 5, defaultRequestTTL: 0}
+  - {priority: 0}
+""").flow_control
+    assert (fc.ttl_for(-1), fc.ttl_for(5), fc.ttl_for(0), fc.ttl_for(3)) == (9000.0, 0.0, 60.0, 20.0)
+    assert fc.band_for(0).request_ttl is None and fc.band_for(3).request_ttl == 20.0
+    described = "\n".join(fc.describe())
+    assert "band priority -1: maxBytes 1000000000, maxRequests unlimited; fairness global-strict-fairness-policy, " \
+        "ordering fcfs-ordering-policy; defaultRequestTTL 9000s" in described
+    assert "ordering fcfs-ordering-policy; defaultRequestTTL none" in described  # priority 5: no budget
+    assert load("featureGates: [flowControl]\n").flow_control.ttl_for(0) == 0.0
+
+
 @pytest.mark.parametrize("section, error", [
     ("{priorityBands: [{priority: 1, maxByte: 10}]}",
      "fc.yaml: flowControl.priorityBands[0].maxByte: unknown field; allowed fields: priority, maxBytes, "
-     "maxRequests, fairnessPolicyRef, orderingPolicyRef"),
+     "maxRequests, fairnessPolicyRef, orderingPolicyRef, defaultRequestTTL"),
     ("{priorityBands: [{priority: 1, fairnessPolicyRef: fair-share}]}",
      "fc.yaml: flowControl.priorityBands[0].fairnessPolicyRef: unknown fairness policy 'fair-share'; allowed: "
      "a plugin of type global-strict-fairness-policy, round-robin-fairness-policy, program-aware-fairness, or one of those type names"),
@@ -85,10 +104,14 @@ flowControl:
      "fc.yaml: flowControl.priorityBands[1].priority: priority 1 has two bands; allowed: one per priority"),
     ("{defaultPriorityBand: {priority: 3}}",
      "fc.yaml: flowControl.defaultPriorityBand.priority: unknown field; allowed fields: maxBytes, maxRequests, "
-     "fairnessPolicyRef, orderingPolicyRef"),
+     "fairnessPolicyRef, orderingPolicyRef, defaultRequestTTL"),
     ("{maxBytes: lots}",
      "fc.yaml: flowControl.maxBytes: must be a non-negative integer or a quantity such as 500M or 2Gi, got 'lots'"),
     ("{defaultRequestTTL: soon}", "fc.yaml: flowControl.defaultRequestTTL: 'soon' is not a duration"),
+    ("{priorityBands: [{priority: 1, defaultRequestTTL: -5}]}",
+     "fc.yaml: flowControl.priorityBands[0].defaultRequestTTL: must be a duration such as 30s, got -5"),
+    ("{defaultPriorityBand: {defaultRequestTTL: later}}",
+     "fc.yaml: flowControl.defaultPriorityBand.defaultRequestTTL: 'later' is not a duration"),
     ("{usageLimitPolicyPluginRef: fcfs-ordering-policy}",
      "fc.yaml: flowControl.usageLimitPolicyPluginRef: unknown usage limit policy 'fcfs-ordering-policy'"),
 ])

@@ -12,7 +12,7 @@ import yaml
 from epp.flowcontrol.config import parse_flow_control
 from epp.flowcontrol.controller import Dispatch, FlowController
 from epp.flowcontrol.usage import StaticUsageLimitPolicy
-from epp.framework.errors import InferenceError
+from epp.framework.errors import DropReason, InferenceError
 from epp.framework.load import Booking, InflightLedger
 from epp.framework.types import Endpoint, EndpointMetrics, InferenceRequest
 from epp.scorers.saturation import UtilizationDetector
@@ -152,6 +152,20 @@ async def test_ttl_and_capacity_errors():
     assert expired.value.code.http_status == 503 and expired.value.message == "request timed out in queue"
     assert 0.09 <= time.monotonic() - started < 1.0
     assert (fc.queued_requests, fc.queued_bytes) == (0, 0)
+
+
+async def test_a_bands_own_ttl_expires_its_queued_requests_with_the_drop_reason():
+    # Sessions at -1 have their own short budget; band 0 keeps the global one (llm-d.ai/v1 per-band TTL).
+    fc = controller(Pool(1), "{defaultRequestTTL: 30s, priorityBands: [{priority: -1, defaultRequestTTL: 50ms}, "
+                             "{priority: 0}]}")
+    session = asyncio.ensure_future(fc.admit(request("session", -1, tenant="s1"), 1))
+    interactive = asyncio.ensure_future(fc.admit(request("interactive", 0), 1))
+    with pytest.raises(InferenceError) as expired:
+        await asyncio.wait_for(session, 5)
+    assert expired.value.code.http_status == 503 and expired.value.drop_reason is DropReason.TTL_EXPIRED
+    assert expired.value.drop_reason.value == "rejected-ttl-expired"
+    assert not interactive.done() and fc.queued_requests == 1  # its 30 s budget still runs
+    interactive.cancel()
 
 
 async def test_edf_takes_envoys_route_deadline():

@@ -162,6 +162,116 @@ def test_the_older_lasDecayFactor_decays_idle_programs_once_per_dispatch_decisio
     assert both.decay_factor is None  # a half-life overrides the factor (as llm-d did)
 
 
+# -- turn-priority (llm-d's strategy: the deepest session first, a newcomer ages up) ---------------
+
+def turns(band: Band, program: str, n: int, start: float) -> float:
+    """`n` whole turns of `program`, one a second from `start`; the time of the last completion."""
+    for i in range(n):
+        band.serve(program, start + i, prompt=100)
+    return start + n - 1
+
+
+def test_turn_priority_serves_the_deepest_session_first():
+    band = Band(policy(strategy="turn-priority"))
+    turns(band, "deep", 9, 0.0)
+    turns(band, "shallow", 2, 0.0)
+    assert band.fairness.describe().startswith("strategy=turn-priority turnPriorityTimeWeight=0.05 "
+                                               "turnPriorityInactivitySeconds=120 agingWindow=off")
+    for program in ("fresh", "shallow", "deep"):  # arrival order is the reverse of depth
+        band.push(program, 20.0)
+    assert [band.fairness.turn(p, band.band.flows[p].head(), 20.0) for p in ("deep", "shallow", "fresh")] == \
+        [10, 3, 1]
+    assert [band.dispatch(20.0).fairness_id for _ in range(3)] == ["deep", "shallow", "fresh"]
+
+
+@pytest.mark.parametrize("now, first", [(190.0, "deep"), (210.0, "fresh")])
+def test_a_newcomer_overtakes_a_session_d_turns_deeper_after_d_over_the_weight_seconds(now, first):
+    # deep's head is turn 11; fresh (turn 1) has waited since 0: 1 + 0.05 x wait passes 11 at 200 s.
+    band = Band(policy(strategy="turn-priority", turnPriorityInactivitySeconds=0))
+    band.push("fresh", 0.0)
+    turns(band, "deep", 10, -20.0)
+    band.push("deep", now)  # its head has not waited
+    assert band.dispatch(now).fairness_id == first
+
+
+def test_a_session_idle_past_the_inactivity_window_competes_from_turn_one_and_earns_its_depth_again():
+    fairness = policy(strategy="turn-priority")
+    band = Band(fairness)
+    turns(band, "dormant", 10, 0.0)  # last completion at 9 s
+    turns(band, "active", 2, 200.0)  # last completion at 201 s
+    band.push("dormant", 200.0)      # 191 s after its last completion: past 120 s
+    band.push("active", 202.0)
+    assert fairness.turn("dormant", band.band.flows["dormant"].head(), 202.0) == 1
+    # active: turn 3; dormant: 1 + 0.05 x 2 s of wait.
+    assert [band.dispatch(202.0).fairness_id for _ in range(2)] == ["active", "dormant"]
+    assert fairness.programs.get("dormant", 202.0).dispatched == 1  # the count restarted at that dispatch
+    item = band.push("dormant", 203.0)
+    assert fairness.turn("dormant", item, 203.0) == 2  # the one before is still in flight: no reset
+
+
+def test_a_request_in_flight_or_a_zero_window_keeps_the_depth():
+    fairness = policy(strategy="turn-priority")
+    band = Band(fairness)
+    turns(band, "busy", 5, 0.0)
+    band.push("busy", 5.0)
+    band.dispatch(5.0)  # in flight, never finished
+    head = band.push("busy", 300.0)
+    assert fairness.turn("busy", head, 300.0) == 7
+    never = policy(strategy="turn-priority", turnPriorityInactivitySeconds=0)
+    band = Band(never)
+    turns(band, "old", 5, 0.0)
+    assert never.turn("old", band.push("old", 3000.0), 3000.0) == 6  # (programs idle 3600 s are dropped)
+
+
+def test_turn_priority_uses_the_aging_bound_only_when_given():
+    for params, first in (({}, "deep"), ({"agingWindow": "30s"}, "fresh")):
+        band = Band(policy(strategy="turn-priority", **params))
+        band.push("fresh", 0.0)
+        turns(band, "deep", 50, -100.0)
+        band.push("deep", 31.0)
+        assert band.dispatch(31.0).fairness_id == first, params
+
+
+# The llm-d turn-priority-fairness guide's router config, written here from its facts.
+TURN_GUIDE = """apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+featureGates: [flowControl]
+plugins:
+- type: program-aware-fairness
+  parameters: {strategy: turn-priority}
+- type: agent-identity
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: prefix-cache-scorer
+- type: concurrency-detector
+  parameters: {maxConcurrency: 32}
+schedulingProfiles:
+- name: default
+  plugins:
+  - {pluginRef: queue-scorer, weight: 2}
+  - {pluginRef: kv-cache-utilization-scorer, weight: 2}
+  - {pluginRef: prefix-cache-scorer, weight: 3}
+flowControl:
+  enableEviction: true
+  saturationDetector: {pluginRef: concurrency-detector}
+  priorityBands:
+  - {priority: -1, defaultRequestTTL: 9000s, fairnessPolicyRef: program-aware-fairness}
+  - {priority: 0}
+"""
+
+
+def test_the_turn_priority_guides_config_loads_with_llm_ds_meaning():
+    controller = DirectorHarness(TURN_GUIDE).loaded.flow_controller
+    assert controller is not None
+    config = controller.config
+    sessions, unlabeled = config.band_for(-1), config.band_for(0)
+    assert isinstance(sessions.fairness, ProgramAwareFairness) and sessions.fairness.strategy == "turn-priority"
+    assert not isinstance(unlabeled.fairness, ProgramAwareFairness)  # the default policy keeps band 0
+    assert (config.ttl_for(-1), config.ttl_for(0)) == (9000.0, 0.0) and config.enable_eviction
+    # The guide's weight-TTL product: the depth a newcomer can overcome before its band sheds it.
+    assert sessions.fairness.turn_time_weight * config.ttl_for(-1) == pytest.approx(450)
+
+
 def test_program_state_is_bounded_under_a_flood_of_distinct_sessions():
     registry = CollectorRegistry()
     fairness = ProgramAwareFairness("paf", PluginParams("paf", {"maxPrograms": 500}),
@@ -197,7 +307,10 @@ def test_jains_index_is_one_for_equal_waits_and_falls_for_unequal():
 
 
 @pytest.mark.parametrize("params, message", [
-    ({"strategy": "fifo"}, "only \"las\""),
+    ({"strategy": "fifo"}, "allowed: las, turn-priority"),
+    ({"strategy": "drr"}, "drr and rr are not implemented"),
+    ({"strategy": "turn-priority", "turnPriorityTimeWeight": -0.1}, "turnPriorityTimeWeight"),
+    ({"strategy": "turn-priority", "turnPriorityInactivitySeconds": -1}, "turnPriorityInactivitySeconds"),
     ({"lasDecayFactor": 1.5}, "lasDecayFactor"),
     ({"lasWeightService": -1}, "lasWeightService"),
     ({"evictionSweepSeconds": 0}, "evictionSweepSeconds"),

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.routing.contenders import LLMD_CONFIGS
 from epp.datalayer.registry import parse_endpoint_list
 from epp.engine.sim import FleetConfig, SimFleet
 from epp.engine.sim.fleet import default_tokenizer_dir
@@ -24,7 +24,8 @@ from tests.support.precise import prompt_of
 pytestmark = [pytest.mark.envoy, pytest.mark.timeout(120)]
 
 MODEL = "sim-model"
-BASELINE = Path(__file__).resolve().parents[1] / "fixtures" / "llmd" / "optimized-baseline.yaml"
+# The benchmark's copy of the guide's pipeline is the one source (the benchmark must not depend on tests/).
+BASELINE = LLMD_CONFIGS / "llmd-optimized-baseline.yaml"
 
 
 async def served(http: aiohttp.ClientSession, endpoint: str) -> float:

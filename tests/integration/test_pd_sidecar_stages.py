@@ -11,7 +11,12 @@ import pytest
 from aiohttp import web
 
 from epp.engine.pd_sidecar import PDSidecar, SidecarConfig
-from epp.framework import ENCODER_HOSTS_PORTS_HEADER, KV_CACHE_SOURCE_HEADER, PREFILLER_HOST_PORT_HEADER
+from epp.framework import (
+    ENCODER_HOSTS_PORTS_HEADER,
+    KV_CACHE_SOURCE_HEADER,
+    KV_CACHE_SOURCE_P2P_PORT_HEADER,
+    PREFILLER_HOST_PORT_HEADER,
+)
 
 
 class Recorder:
@@ -132,6 +137,18 @@ async def test_a_kv_source_makes_the_decode_leg_pull_from_the_peer(stage):
     assert (pull["remote_host"], pull["remote_port"]) == ("10.0.0.7", 7788) and len(pull["kv_request_id"]) == 36
     assert set(body["kv_transfer_params"]) == {"remote_kv_source"}  # the sidecar owns the field
     assert KV_CACHE_SOURCE_HEADER not in {k.lower() for k in headers}
+
+
+async def test_the_pickers_p2p_port_wins_over_the_sidecars(stage):
+    engines, sidecar, session = stage
+    sc = await sidecar(p2p_connector_port=7788, self_host="10.0.0.9")
+    for sent, used in (("7780", 7780), ("0", 7788), ("not-a-port", 7788), ("70000", 7788)):
+        status, _ = await post(session, sc, CHAT, {KV_CACHE_SOURCE_HEADER: "10.0.0.7:8003",
+                                                   KV_CACHE_SOURCE_P2P_PORT_HEADER: sent})
+        assert status == 200
+        _, headers, body = engines["decode"].seen[-1]
+        assert body["kv_transfer_params"]["remote_kv_source"]["remote_port"] == used, sent
+        assert KV_CACHE_SOURCE_P2P_PORT_HEADER not in {k.lower() for k in headers}
 
 
 @pytest.mark.parametrize("value", ["10.0.0.9:0", "peer:8000", "10.0.0.9"])

@@ -9,7 +9,15 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from bench.support.k8s_apiserver import PODS, FakeApiServer, inference_objective, inference_pool, pod
+from bench.support.k8s_apiserver import (
+    OBJECTIVES,
+    OBJECTIVES_LLMD,
+    PODS,
+    FakeApiServer,
+    inference_objective,
+    inference_pool,
+    pod,
+)
 from epp.datalayer.inference_pool import (
     EndpointPickerRef,
     PoolSpecError,
@@ -141,10 +149,11 @@ async def test_a_dropped_watch_resumes_from_its_resource_version_without_relisti
     api.apply(pod("a", "10.1.0.1"))
     r = rig()
     assert await r.discovery.start(5.0)
-    await wait_until(lambda: len(api.watchers) == 3, "pool, pod and objective watches open", 2.0)
+    # The pool's, the pods' and the objectives' of both groups (llm-d.ai and GIE's).
+    await wait_until(lambda: len(api.watchers) == 4, "pool, pod and objective watches open", 2.0)
     pod_lists = len(api.list_requests("pods"))
     last_rv = api.rv
-    assert api.drop_watches() == 3
+    assert api.drop_watches() == 4
     # Changes while no watch is open arrive through the resumed watch.
     api.apply(pod("b", "10.1.0.2"))
     api.delete(pod("a", None))
@@ -164,7 +173,7 @@ async def test_410_gone_relists_with_no_endpoint_lost_or_duplicated(api, rig):
     r.registry.add_listener(lambda added, gone: changes.append(({e.name for e in added}, {e.name for e in gone})))
     assert await r.discovery.start(5.0)
     changes.clear()
-    await wait_until(lambda: len(api.watchers) == 3, "watches open", 2.0)
+    await wait_until(lambda: len(api.watchers) == 4, "watches open", 2.0)
     # Disconnect, change things, and compact history in one go: the resumed watch gets 410 Gone.
     api.drop_watches()
     api.delete(pod("p0", None))
@@ -194,7 +203,8 @@ async def test_api_errors_back_off_and_recover(api, rig):
     assert await r.discovery.start(8.0)
     assert names(r.registry) == {"10.1.0.1:8000"}
     errors = sum(r.metric("epp_kubernetes_watch_restarts_total", {"resource": res, "reason": "error"})
-                 for res in ("pods", "inferencepools", "inferenceobjectives"))
+                 for res in ("pods", "inferencepools", "inferenceobjectives.llm-d.ai",
+                             "inferenceobjectives.inference.networking.x-k8s.io"))
     assert errors == 4
 
 
@@ -290,6 +300,60 @@ async def test_inference_objectives_set_priorities_over_the_static_fallback(api,
     await wait_until(lambda: "batch" not in r.objectives, "objective deleted", 2.0)
     assert r.objectives.get("static-objective") == 7  # back to the config's value
     assert r.metric("epp_kubernetes_objectives") == 2
+
+
+async def test_llm_d_objectives_are_read_and_win_a_name_both_groups_hold(api, rig, caplog):
+    llmd = "llm-d.ai"
+    api.apply(inference_pool("pool", {"app": "vllm"}, [8000]))
+    api.apply(pod("a", "10.1.0.1"))
+    api.apply(inference_objective("agentic-sessions", -1, "pool", group=llmd))  # as the llm-d chart makes them
+    api.apply(inference_objective("shared", 5, "pool", group=llmd))
+    api.apply(inference_objective("shared", 50, "pool"))  # the deprecated GIE group, same name
+    api.apply(inference_objective("legacy", 3, "pool"))
+    r = rig()
+    assert await r.discovery.start(5.0)
+    await wait_until(lambda: {"agentic-sessions", "shared", "legacy"} <= set(r.objectives), "objectives listed", 2.0)
+    assert dict(r.objectives) == {"static-objective": 7, "agentic-sessions": -1, "shared": 5, "legacy": 3}
+    assert "InferenceObjective shared exists in llm-d.ai and inference.networking.x-k8s.io: the llm-d.ai one's " \
+        "priority 5 applies" in caplog.text
+    # The llm-d one goes: the GIE one's priority applies; a watch event in the llm-d group applies as well.
+    api.delete(inference_objective("shared", 5, "pool", group=llmd))
+    api.apply(inference_objective("agentic-sessions", -2, "pool", group=llmd))
+    await wait_until(lambda: r.objectives.get("shared") == 50 and r.objectives.get("agentic-sessions") == -2,
+                     "llm-d objective deleted and modified", 2.0)
+    assert r.metric("epp_kubernetes_objectives") == 3
+
+
+async def test_a_resumed_objective_watch_sees_only_its_own_group(api, rig, caplog):
+    api.apply(inference_pool("pool", {"app": "vllm"}, [8000]))
+    api.apply(pod("a", "10.1.0.1"))
+    r = rig()
+    assert await r.discovery.start(5.0)
+    await wait_until(lambda: len(api.watchers) == 4, "watches open", 2.0)
+    api.drop_watches()
+    # Made while no watch is open: each resumed watch replays its own collection's events only.
+    api.apply(inference_objective("solo", 4, "pool", group="llm-d.ai"))
+    api.apply(pod("b", "10.1.0.2"))
+    await wait_until(lambda: r.objectives.get("solo") == 4 and len(names(r.registry)) == 2, "resumed watches", 3.0)
+    await asyncio.sleep(0.1)
+    assert "exists in" not in caplog.text and dict(r.objectives) == {"static-objective": 7, "solo": 4}
+
+
+@pytest.mark.parametrize("served", [OBJECTIVES, OBJECTIVES_LLMD])
+async def test_one_objective_group_not_installed_is_read_as_empty(kubeconfig, rig, caplog, served, api):
+    """A cluster with only one of the two CRDs: the other group is absent (one info line), not an error."""
+    api.resources = {k: v for k, v in api.resources.items() if v[2] != "inferenceobjectives" or v == served}
+    caplog.set_level("INFO")
+    api.apply(inference_pool("pool", {"app": "vllm"}, [8000]))
+    api.apply(pod("a", "10.1.0.1"))
+    api.apply(inference_objective("only", 4, "pool", group=served[0]))
+    r = rig()
+    assert await r.discovery.start(5.0)
+    await wait_until(lambda: r.objectives.get("only") == 4, "objectives of the served group", 2.0)
+    missing = OBJECTIVES_LLMD if served == OBJECTIVES else OBJECTIVES
+    assert f"does not serve inferenceobjectives.{missing[0]} in namespace default (its CRD is not installed)" \
+        in caplog.text
+    assert not [rec for rec in caplog.records if rec.levelname == "ERROR"]
 
 
 async def test_a_thousand_pods_churning_end_in_exactly_the_ready_set(api, rig):

@@ -114,11 +114,13 @@ async def test_requests_reach_exactly_the_ready_pods_of_the_pool(api, kubeconfig
             await s.stop()
 
 
-async def test_objective_priority_from_the_cluster_reaches_the_request(api, kubeconfig):
-    """A sheddable objective (priority < 0) from an InferenceObjective is what admission sees."""
+@pytest.mark.parametrize("group", ["inference.networking.x-k8s.io", "llm-d.ai"])
+async def test_objective_priority_from_the_cluster_reaches_the_request(api, kubeconfig, group):
+    """A sheddable objective (priority < 0) from an InferenceObjective is what admission sees: GIE's group,
+    and llm-d.ai/v1alpha2, where the llm-d router chart creates `router.inferenceObjectives`."""
     api.apply(inference_pool("pool", {"app": "vllm"}, [8000]))
     api.apply(pod("p0", "10.1.0.1"))
-    api.apply(inference_objective("batch", -5, "pool"))
+    api.apply(inference_objective("batch", -5, "pool", group=group))
     epp = EppServer(ServeOptions(
         grpc_port=0, grpc_health_port=0, metrics_port=0, bind_address="127.0.0.1",
         pool_name="pool", kubeconfig=kubeconfig, scrape_metrics=False,
@@ -137,7 +139,7 @@ async def test_objective_priority_from_the_cluster_reaches_the_request(api, kube
         request, _ = parser.parse(request_id="r", headers={"x-gateway-inference-objective": "batch"},
                                   body=b'{"model": "m", "prompt": "hi"}', subset_hint=None)
         assert request.priority == -5
-        api.delete(inference_objective("batch", -5, "pool"))
+        api.delete(inference_objective("batch", -5, "pool", group=group))
         while epp.objectives.get("batch") != 3:  # back to the config's static value
             assert loop.time() < deadline + 3, "deleted InferenceObjective still applied"
             await asyncio.sleep(0.01)

@@ -190,7 +190,8 @@ def test_the_picker_role_only_reads_what_discovery_needs(rendered):
     granted = {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
                for resource in rule["resources"] for verb in rule["verbs"]}
     assert granted == {(g, r, v) for g, r in [("", "pods"), ("inference.networking.k8s.io", "inferencepools"),
-                                              ("inference.networking.x-k8s.io", "inferenceobjectives")]
+                                              ("inference.networking.x-k8s.io", "inferenceobjectives"),
+                                              ("llm-d.ai", "inferenceobjectives")]
                        for v in ("list", "watch")}
 
 

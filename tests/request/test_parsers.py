@@ -124,8 +124,9 @@ def test_openai_usage_first_token_and_response_ids_from_real_looking_chunks():
     completed = (b'event: response.completed\ndata: {"type":"response.completed","response":{"id":"resp_abc",'
                  b'"object":"response","usage":{"input_tokens":4,"output_tokens":2,"total_tokens":6}}}\n\n')
     assert responses.format.response_id(responses, created, streamed=True) == "resp_abc"
-    assert responses.format.usage(responses, completed, streamed=True) == {"input_tokens": 4, "output_tokens": 2,
-                                                                           "total_tokens": 6}
+    # In OpenAI's names, as RequestFormat.usage promises (the Responses API's own names kept beside them).
+    assert responses.format.usage(responses, completed, streamed=True) == {
+        "input_tokens": 4, "output_tokens": 2, "total_tokens": 6, "prompt_tokens": 4, "completion_tokens": 2}
     whole = b'{"id":"resp_x","object":"response","usage":{"input_tokens":1,"output_tokens":1}}'
     assert responses.format.response_id(responses, whole, streamed=False) == "resp_x"
     assert responses.format.response_id(responses, b'{"error":{"message":"x"}}', streamed=False) is None

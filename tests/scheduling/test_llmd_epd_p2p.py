@@ -7,9 +7,11 @@ import logging
 
 import pytest
 
+from epp.datalayer.inference_pool import LABEL_ENDPOINT
 from epp.framework import (
     ENCODER_HOSTS_PORTS_HEADER,
     KV_CACHE_SOURCE_HEADER,
+    KV_CACHE_SOURCE_P2P_PORT_HEADER,
     PREFILLER_HOST_PORT_HEADER,
     PREFIX_MATCH_INFO,
     PREFIX_TIER_MATCH,
@@ -20,7 +22,7 @@ from epp.framework import (
     SchedulingResult,
     TierMatch,
 )
-from epp.scorers.p2p import spread_fraction
+from epp.scorers.p2p import ENDPOINT_LABEL, endpoint_rank, spread_fraction
 from tests.support.scheduling import DirectorHarness, endpoint, make_plugin, request
 
 HEAD = "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n"
@@ -198,3 +200,36 @@ async def test_a_queued_peer_is_chosen_less():
         producer.pre_request(state, req, computing(3))
         picks += state.request_headers()[KV_CACHE_SOURCE_HEADER] == queued[0].hostport
     assert picks < 60  # weight 1/10 against 1: about 27 of 300
+
+
+async def test_p2p_port_base_names_the_sources_p2p_port_by_its_rank():
+    # No p2pPortBase: only the host:port hint; the sidecar's --p2p-connector-port applies.
+    producer = make_plugin("p2p-source-producer")
+    state = matched({0: 80, 1: 10})
+    assert await hint(producer, state, computing(1)) == PEERS[0].hostport
+    assert KV_CACHE_SOURCE_P2P_PORT_HEADER not in state.request_headers()
+    # With it: the base for a one-rank endpoint, base + r for rank r of an InferencePool's targetPorts.
+    producer = make_plugin("p2p-source-producer", {"p2pPortBase": 7777})
+    state = matched({0: 80, 1: 10})
+    assert await hint(producer, state, computing(1)) == PEERS[0].hostport
+    assert state.request_headers()[KV_CACHE_SOURCE_P2P_PORT_HEADER] == "7777"
+    ranked = [endpoint(0, labels={"llm-epp.io/endpoint": "vllm-0-rank-3"}), *PEERS[1:]]
+    state, req = matched({0: 80, 1: 10}), request(request_id="r-1")
+    await producer.prepare(state, req, ranked)
+    producer.pre_request(state, req, computing(1))
+    assert state.request_headers()[KV_CACHE_SOURCE_P2P_PORT_HEADER] == "7780"
+    # No hint, no port.
+    state = matched({0: 80, 1: 10})
+    assert await hint(producer, state, computing(0)) is None and state.request_headers() == {}
+
+
+def test_p2p_port_base_is_a_port_and_the_rank_comes_from_the_label():
+    for bad in (0, 65536, "7777"):
+        with pytest.raises(ConfigError, match="p2pPortBase"):
+            make_plugin("p2p-source-producer", {"p2pPortBase": bad})
+    assert "p2pPortBase=7000" in make_plugin("p2p-source-producer", {"p2pPortBase": 7000}).describe()
+    assert ENDPOINT_LABEL == LABEL_ENDPOINT  # the label InferencePool discovery writes `<pod>-rank-<r>` under
+    assert endpoint_rank(endpoint(0, labels={"llm-epp.io/endpoint": "pod-a-rank-12"})) == 12
+    for label in ({}, {"llm-epp.io/endpoint": "pod-a"}, {"llm-epp.io/endpoint": "pod-rank-x"},
+                  {"llm-epp.io/endpoint": "pod-rank-\u00b2"}):
+        assert endpoint_rank(endpoint(0, labels=label)) == 0

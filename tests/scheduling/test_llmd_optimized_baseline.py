@@ -3,16 +3,15 @@
 The behaviour tests follow the plugins' documented examples (llm-d-router READMEs and tests): the
 affinity gate, its load gates, token load with the request's own uncached tokens, and in-flight
 tokens released at a stream's first token. The whole pipeline is loaded from our config of the
-guide (tests/fixtures/llmd/optimized-baseline.yaml) and routes through the real director.
+guide (bench/routing/configs/llmd-optimized-baseline.yaml) and routes through the real director.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from prometheus_client import CollectorRegistry
 
+from bench.routing.contenders import LLMD_CONFIGS
 from epp.config import load_config
 from epp.config.describe import describe
 from epp.framework import (
@@ -31,7 +30,8 @@ from epp.framework import (
 from epp.framework.datakeys import PROMPT_TOKENS
 from tests.support.scheduling import DirectorHarness, endpoint, make_plugin, request
 
-BASELINE = Path(__file__).resolve().parents[1] / "fixtures" / "llmd" / "optimized-baseline.yaml"
+# The benchmark's copy of the guide's pipeline is the one source (the benchmark must not depend on tests/).
+BASELINE = LLMD_CONFIGS / "llmd-optimized-baseline.yaml"
 EPS = [endpoint(i) for i in range(3)]
 
 

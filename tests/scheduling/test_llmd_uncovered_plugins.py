@@ -36,7 +36,7 @@ def chat(*parts, request_id: str = "r1"):
     """A chat request whose one user message holds `parts` (content blocks)."""
     body = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
                                                                      *parts]}]}
-    return request(body=body, model="m", request_id=request_id)
+    return request(body=body, model="m", request_id=request_id, api="chat/completions")
 
 
 def image(url: str) -> dict:
@@ -60,13 +60,14 @@ schedulingProfiles:
 
 
 def test_media_items_are_identified_by_content_and_counted_once():
-    body = {"messages": [{"role": "user", "content": [
-        image("https://x/a.png"), image("https://x/a.png"), {"type": "video_url", "video_url": {"url": "v.mp4"}},
-        {"type": "input_audio", "input_audio": {"data": "UklGR", "format": "wav"}},
+    items = media_items(chat(image("https://x/a.png"), image("https://x/a.png"),
+                             {"type": "video_url", "video_url": {"url": "v.mp4"}},
+                             {"type": "input_audio", "input_audio": {"data": "UklGR", "format": "wav"}}))
+    assert sorted(items.values()) == ["audio", "image", "video"]
+    anthropic = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBOR"}}]}]}
-    items = media_items(body)
-    assert sorted(items.values()) == ["audio", "image", "image", "video"]
-    assert media_items({"messages": [{"role": "user", "content": "text only"}]}) == {}
+    assert list(media_items(request(body=anthropic, model="m", api="messages")).values()) == ["image"]
+    assert media_items(chat()) == {}
 
 
 async def test_a_repeated_image_goes_back_to_the_endpoint_that_encoded_it():

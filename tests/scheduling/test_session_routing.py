@@ -9,6 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from epp.framework import (
+    PREFIX_CACHE_FREE_BLOCKS,
     PREFIX_TIER_MATCH,
     SESSION,
     ConfigError,
@@ -21,7 +22,8 @@ from epp.framework import (
     SessionKey,
     TierMatch,
 )
-from epp.framework.types import InferenceRequest
+from epp.framework.types import EndpointMetrics, InferenceRequest
+from epp.scorers.predicted_ttft import PredictedTTFTScorer
 from epp.scorers.session_routing import SessionAffinityCostScorer, SessionHome
 from epp.scorers.ttft_calibration import features
 from tests.support.scheduling import DirectorHarness, endpoint, make_plugin
@@ -111,27 +113,66 @@ async def test_it_moves_when_waiting_costs_more_than_recomputing_and_is_sticky_a
     assert fleet.index_of(await fleet.send(turn(2000))) == other
 
 
-async def test_moving_pays_for_what_it_would_displace_on_the_new_endpoint():
-    fleet = Fleet()
-    home, other = await first_turn(fleet)
-    # The other replica's cache is 1,600 tokens, 90 % in use, and 80 % of lookups hit it: the turn's
-    # 1,500 new tokens there evict 1,340 cached ones, 1,072 of which would be recomputed: +1.07 s.
-    fleet.set(other, cache_num_blocks=100, cache_block_size=16, kv_cache_usage=0.9,
-              prefix_cache_queries=1000.0, prefix_cache_hits=800.0)
-    fleet.set(home, waiting_queue_size=2)  # 2.31 s at home: less than 1.51 + 1.07 s
-    assert fleet.index_of(await fleet.send(turn(1500))) == home
-    # Turn 3 (1,600 tokens, all cached at home): 4.01 s there; elsewhere 1.61 s + 1.15 s displaced.
-    fleet.set(home, waiting_queue_size=4)
-    assert fleet.index_of(await fleet.send(turn(1600))) == other
+def displacement_fleet(**params: object) -> tuple[SessionAffinityCostScorer, PredictedTTFTScorer, list[Endpoint]]:
+    """The session scorer on the test's fixed costs; home A holds the session's 1,200 tokens, B is a hot, full cache.
+
+    B: 100 blocks of 16 tokens (as `cache_config_info` says), 10 of them free as its prefix producer sees it,
+    and 80 % of the prompt tokens it served found in its cache (the predictor learns that from usage).
+    """
+    context = PluginContext(metrics_registry=CollectorRegistry())
+    predictor = make_plugin("predicted-ttft-scorer", COSTS, context=context)
+    plugin = make_plugin("session-affinity-cost-scorer", {"ttftScorerName": "predicted-ttft-scorer", **params},
+                         context=context)
+    assert isinstance(plugin, SessionAffinityCostScorer) and isinstance(predictor, PredictedTTFTScorer)
+    plugin.bind_plugins({"ttftScorerName": predictor})
+    hot = Endpoint("10.0.0.2", 8000, metrics=EndpointMetrics(cache_num_blocks=100, cache_block_size=16))
+    for _ in range(20):
+        booking = context.load.pick(hot.name, prompt_tokens=1000, uncached_tokens=200)
+        context.load.first_token(booking)
+        context.load.complete(booking, ResponseInfo(status="200", usage={
+            "prompt_tokens": 1000, "prompt_tokens_details": {"cached_tokens": 800}}))
+    plugin.sessions.put("s1", SessionHome(A.name, 1200))
+    return plugin, predictor, [A, hot]
 
 
-async def test_without_displacement_the_same_fleet_moves():
-    fleet = Fleet(displacement="false")
-    home, other = await first_turn(fleet)
-    fleet.set(other, cache_num_blocks=100, cache_block_size=16, kv_cache_usage=0.9,
-              prefix_cache_queries=1000.0, prefix_cache_hits=800.0)
-    fleet.set(home, waiting_queue_size=2)
-    assert fleet.index_of(await fleet.send(turn(1500))) == other
+def turn_state(hot: Endpoint) -> CycleState:
+    state = state_for("s1", {})
+    state.put_endpoint_data(PREFIX_CACHE_FREE_BLOCKS, hot.name, 10)
+    return state
+
+
+def test_moving_pays_for_what_it_would_displace_on_the_new_endpoint():
+    plugin, predictor, (home, hot) = displacement_fleet()
+    state = turn_state(hot)
+    # Turn 2, 1,500 tokens, 1,200 at home. Home with 2 waiting: 0.01 + 2 x 1 s + 300 x 1 ms = 2.31 s.
+    # B: 0.01 + 1,500 x 1 ms = 1.51 s, and its 94 new blocks evict 84 there, each read again with
+    # chance 0.8: + 0.8 x 84 x 16 x 1 ms = 1.075 s, predicted-ttft-scorer's own term, charged once.
+    home = dataclasses.replace(home, metrics=EndpointMetrics(waiting_queue_size=2))
+    costs = plugin.costs(state, turn(1500), [home, hot], plugin.sessions.get("s1"))
+    assert costs[home.name] == pytest.approx(2.31)
+    assert costs[hot.name] == pytest.approx(1.51 + 0.8 * 84 * 16 * 0.001)
+    charged = predictor.cost_terms(state, hot, TierMatch(0, 0, 0, 1500), 1500, "m")
+    assert (charged.evicted_blocks, charged.reuse) == (84, pytest.approx(0.8))
+    assert costs[hot.name] == pytest.approx(charged.ttft_s + charged.displacement_s)
+    assert max(scores(plugin, state, [home, hot]).items(), key=lambda kv: kv[1])[0] == home.name
+    # A third waiting request at home (3.31 s) costs more than the move with what it evicts (2.585 s).
+    home = dataclasses.replace(home, metrics=EndpointMetrics(waiting_queue_size=3))
+    assert max(scores(plugin, state, [home, hot]).items(), key=lambda kv: kv[1])[0] == hot.name
+
+
+def test_without_displacement_the_same_fleet_moves():
+    plugin, _, (home, hot) = displacement_fleet(displacement=False)
+    home = dataclasses.replace(home, metrics=EndpointMetrics(waiting_queue_size=2))
+    costs = plugin.costs(turn_state(hot), turn(1500), [home, hot], plugin.sessions.get("s1"))
+    assert costs == pytest.approx({home.name: 2.31, hot.name: 1.51})
+
+
+def test_the_predictors_weight_is_the_one_displacement_setting():
+    # predicted-ttft-scorer's displacementWeight: 0 switches the term off for the session scorer too.
+    plugin, predictor, (home, hot) = displacement_fleet()
+    predictor.displacement_weight = 0.0
+    costs = plugin.costs(turn_state(hot), turn(1500), [home, hot], plugin.sessions.get("s1"))
+    assert costs[hot.name] == pytest.approx(1.51)
 
 
 async def test_the_history_estimate_moves_the_context_to_the_cpu_tier_then_forgets_it():
