@@ -27,7 +27,7 @@ from epp.serve_flags import (
     normalize_serve_argv,
     zap_level,
 )
-from epp.server.extproc import DEFAULT_MAX_BODY_BYTES
+from epp.server.transport import DEFAULT_MAX_BODY_BYTES
 
 if TYPE_CHECKING:  # pragma: no cover
     from epp.datalayer.registry import EndpointSpec

@@ -88,7 +88,8 @@ class MediaItem:
     content block) that holds it, its place in the prompt's order. `engine_hash`, `token_offset`
     and `token_length` are the model server's own identifier of the item and the placeholder
     tokens it takes in the prompt's token ids, when the client sent them (vLLM's `features` of
-    `/inference/v1/generate`) or the renderer answered them.
+    `/inference/v1/generate`) or the renderer answered them. `inline` is the item's data (a `data:`
+    URL or base64) when the request carries it rather than a link: what an estimate sizes an image from.
     """
 
     modality: str
@@ -97,6 +98,7 @@ class MediaItem:
     engine_hash: str | None = None
     token_offset: int | None = None
     token_length: int | None = None
+    inline: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -514,18 +514,3 @@ def _split_extra_keys(extra_keys: tuple[Any, ...] | None,
         if other:
             extras[j] = xxhash.xxh64_intdigest(repr(other).encode())
     return salt, (media, extras) if media or extras else None
-    for j, entry in enumerate(extra_keys):
-        if not entry:
-            continue
-        items = entry if isinstance(entry, (list, tuple)) else (entry,)
-        other = []
-        for item in items:
-            if isinstance(item, str) and item == lora_name:
-                continue
-            if j == 0 and salt is None and isinstance(item, str):
-                salt = item
-                continue
-            other.append(item)
-        if other:
-            extras[j] = xxhash.xxh64_intdigest(repr(other).encode())
-    return salt, extras

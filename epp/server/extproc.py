@@ -33,15 +33,7 @@ from epp.request.response import ResponseRewriter
 from epp.requestcontrol.director import Director
 from epp.requestcontrol.lifecycle import RequestAccounting, RequestLifecycle
 from epp.server import messages
-from epp.server.transport import (
-    DEFAULT_MAX_BODY_BYTES,
-    RESPONSE_PHASES,
-    SUBSET_HINT_KEY,
-    SUBSET_HINT_NAMESPACE,
-    ExtProcTransport,
-    header_map,
-    subset_hint_of,
-)
+from epp.server.transport import DEFAULT_MAX_BODY_BYTES, ExtProcTransport, header_map
 from epp.tracing import NO_TRACE, NoTrace, RequestTrace, RequestTracing
 
 log = logging.getLogger(__name__)
@@ -53,9 +45,7 @@ SERVED_ENDPOINT_KEY = "x-gateway-destination-endpoint-served"
 # sent until they are answered and stops reading the answer past its buffer limit (1 MiB by default),
 # so holding more could wait for an end that never comes.
 STREAMED_HOLD_LIMIT = 256 * 1024
-# Re-exported: they were defined here before the transport had its own module.
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "RESPONSE_PHASES", "SUBSET_HINT_KEY", "SUBSET_HINT_NAMESPACE", "ExtProcService",
-           "carries_token", "served_endpoint_of", "subset_hint_of"]
+__all__ = ["ExtProcService", "carries_token", "served_endpoint_of"]
 
 
 def served_endpoint_of(req: pb.ProcessingRequest) -> str | None:

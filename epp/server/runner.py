@@ -27,11 +27,12 @@ from epp.load_metrics import register_ledger_metrics
 from epp.metrics import EppMetrics, GcPauseRecorder
 from epp.request.parsing import RequestParser
 from epp.requestcontrol.director import Director
-from epp.server.extproc import DEFAULT_MAX_BODY_BYTES, ExtProcService
+from epp.server.extproc import ExtProcService
 from epp.server.health import HealthService
 from epp.server.metrics_auth import MetricsAuth, guard_wsgi, metrics_auth_from
 from epp.server.ports import BindError, bind_grpc_port
 from epp.server.tls import metrics_ssl_context, server_credentials
+from epp.server.transport import DEFAULT_MAX_BODY_BYTES
 from epp.tracing import RequestTracing
 
 if TYPE_CHECKING:

@@ -23,13 +23,14 @@ from __future__ import annotations
 import base64
 import binascii
 import struct
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import xxhash
 
 from epp.framework.errors import ConfigError
+from epp.framework.types import InferenceRequest
 
 DEFAULT_WIDTH, DEFAULT_HEIGHT = 640, 360
 DEFAULT_FACTOR = 1024
@@ -187,12 +188,17 @@ class EstimateSettings:
             max_tokens=int(vid.number("maxVideoTokens", 0, positive=False)))
         return cls(image, video)
 
-    def media_token_ids(self, body: Mapping[str, Any], headers: Mapping[str, str]) -> tuple[int, ...]:
-        """Placeholder ids for every image and video of a request body (none: empty)."""
+    def media_token_ids(self, request: InferenceRequest) -> tuple[int, ...]:
+        """Placeholder ids for every image and video of a request's prompt, as its parser finds them (none: empty)."""
         ids: list[int] = []
-        for kind, identity, data in media_parts(body):
-            count = self.image.tokens(image_size(data)) if kind == "image" else self.video.tokens(headers)
-            seed = xxhash.xxh32_intdigest(identity)
+        for item in request.media():
+            if item.modality == "image":
+                count = self.image.tokens(image_size(item.inline))
+            elif item.modality == "video":
+                count = self.video.tokens(request.headers)
+            else:
+                continue
+            seed = xxhash.xxh32_intdigest(item.digest.encode())
             ids.extend((seed + i) & 0xFFFFFFFF for i in range(count))
         return tuple(ids)
 
@@ -210,40 +216,6 @@ def _header_resolution(headers: Mapping[str, str]) -> tuple[int, int] | None:
     if sep and width.isdigit() and height.isdigit() and int(width) > 0 and int(height) > 0:
         return int(width), int(height)
     return None
-
-
-def _parts(messages: Any) -> Iterator[Mapping[str, Any]]:
-    if not isinstance(messages, list):
-        return
-    for message in messages:
-        content = message.get("content") if isinstance(message, Mapping) else None
-        if isinstance(content, list):
-            yield from (part for part in content if isinstance(part, Mapping))
-
-
-def media_parts(body: Mapping[str, Any]) -> Iterator[tuple[str, bytes, str | None]]:
-    """(image or video, what identifies it, its inline data URL or base64 when given) of every media part of
-    an OpenAI chat or Responses body or an Anthropic Messages body, in prompt order."""
-    parts = list(_parts(body.get("messages")))
-    if isinstance(body.get("input"), list):
-        parts += list(_parts(body["input"]))
-    for part in parts:
-        kind = part.get("type")
-        if kind in ("image_url", "input_image"):
-            ref = part.get("image_url")
-            url = ref.get("url") if isinstance(ref, Mapping) else ref
-            if isinstance(url, str):
-                yield "image", url.encode(), url
-        elif kind == "video_url":
-            ref = part.get("video_url")
-            url = ref.get("url") if isinstance(ref, Mapping) else ref
-            if isinstance(url, str):
-                yield "video", url.encode(), None
-        elif kind == "image" and isinstance(part.get("source"), Mapping):
-            source = part["source"]
-            data = source.get("data") or source.get("url") or source.get("file_id")
-            if isinstance(data, str):
-                yield "image", data.encode(), data if source.get("type") == "base64" else None
 
 
 def image_size(data: str | None) -> tuple[int, int] | None:
@@ -305,11 +277,6 @@ def _jpeg_size(head: bytes) -> tuple[int, int] | None:
     return None
 
 
-def media_count(body: Mapping[str, Any]) -> int:
-    """How many images and videos a body carries (for descriptions and tests)."""
-    return sum(1 for _ in media_parts(body))
-
-
 def describe_estimate(settings: EstimateSettings) -> str:
     """The settings on one line, for `epp check-config`."""
     img = settings.image
@@ -319,4 +286,4 @@ def describe_estimate(settings: EstimateSettings) -> str:
     return f"{image}, video {vid.frames_mode} frames x {vid.per_frame_mode} tokens per frame"
 
 
-__all__: Sequence[str] = ("EstimateSettings", "describe_estimate", "image_size", "media_count", "media_parts")
+__all__: Sequence[str] = ("EstimateSettings", "describe_estimate", "image_size")

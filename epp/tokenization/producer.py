@@ -226,7 +226,7 @@ class TokenProducer(DataProducer):
         outcomes = self._metrics.outcomes
         if self.backend == "estimate":
             outcomes.labels(self.name, self.backend, "estimated").inc()
-            media = self.estimate.media_token_ids(request.body, request.headers)
+            media = self.estimate.media_token_ids(request)
             return PromptTokens(estimate_token_ids(request) + media, exact=False)
         if self.backend == "local":
             assert self._pool is not None

@@ -347,7 +347,10 @@ class AnthropicParser(Parser):
                 kind = block.get("type") if isinstance(block, Mapping) else None
                 modality = SOURCE_BLOCKS.get(kind) if isinstance(kind, str) else None
                 if modality is not None and "source" in block:
-                    out.append(MediaItem(modality, media_digest(block["source"]), i))
+                    source = block["source"]
+                    inline = source.get("data") if isinstance(source, Mapping) and source.get("type") == "base64" else None
+                    out.append(MediaItem(modality, media_digest(source), i,
+                                         inline=inline if isinstance(inline, str) else None))
         return out
 
     def prompt_bytes(self, request: InferenceRequest, limit: int | None) -> bytes:

@@ -151,8 +151,8 @@ def _text_parts(content: Any) -> Iterator[str]:
                 yield part["text"]
 
 
-def media_part(part: Any) -> tuple[str, str] | None:
-    """(modality, digest) of a media content part, None for any other part.
+def media_part(part: Any, item: int = 0) -> MediaItem | None:
+    """The media item a content part is (`item`: the index of the prompt item holding it), None for any other part.
 
     The digest is of the part's payload (its URL, data or file id and their options), not of its
     `type`, so the same image sent as `image_url` and as `input_image` is the same item.
@@ -162,13 +162,16 @@ def media_part(part: Any) -> tuple[str, str] | None:
     modality = MEDIA_PARTS.get(part.get("type"))  # type: ignore[arg-type]
     if modality is None:
         return None
-    return modality, media_digest({k: v for k, v in part.items() if k != "type"})
+    ref = part.get("image_url")
+    url = ref.get("url") if isinstance(ref, Mapping) else ref
+    inline = url if isinstance(url, str) and url.startswith("data:") else None
+    return MediaItem(modality, media_digest({k: v for k, v in part.items() if k != "type"}), item, inline=inline)
 
 
 def _identity_part(part: Any) -> Any:
     """A content part as prefix hashing reads it: a media part's payload replaced by its digest."""
     found = media_part(part)
-    return part if found is None else {"type": part["type"], "digest": found[1]}
+    return part if found is None else {"type": part["type"], "digest": found.digest}
 
 
 def _identity_content(holder: Any) -> Any:
@@ -184,18 +187,15 @@ def _identity_content(holder: Any) -> Any:
 
 def _media_of(items: Sequence[Any]) -> list[MediaItem]:
     """The media parts of messages or input items (each holding `content` parts), in order."""
-    out = []
+    out: list[MediaItem] = []
     for i, holder in enumerate(items):
         content = holder.get("content") if isinstance(holder, Mapping) else None
         if isinstance(content, list):
-            for part in content:
-                found = media_part(part)
-                if found is not None:
-                    out.append(MediaItem(found[0], found[1], i))
+            out.extend(found for found in (media_part(part, i) for part in content) if found is not None)
         elif isinstance(holder, Mapping):  # a Responses input item may be a bare content part
-            found = media_part(holder)
+            found = media_part(holder, i)
             if found is not None:
-                out.append(MediaItem(found[0], found[1], i))
+                out.append(found)
     return out
 
 

@@ -374,10 +374,17 @@ def test_estimate_counts_images_from_their_size_and_videos_from_frames():
                                                         "tokensPerFrame": {"mode": "static",
                                                                            "static": {"numTokensPerFrame": 64}}}})
     assert image_size(png(448, 448)) == (448, 448)
-    body = {"messages": [{"role": "user", "content": [image(png(448, 448)),
-                                                      {"type": "video_url", "video_url": {"url": "v.mp4"}}]}]}
-    ids = settings.media_token_ids(body, {"x-llm-d-video-duration-seconds": "3"})
+    body = {"model": "m", "messages": [{"role": "user", "content": [
+        image(png(448, 448)), {"type": "video_url", "video_url": {"url": "v.mp4"}}]}]}
+    chat_with_media = request(body=body, model="m", api="chat/completions",
+                              headers={"x-llm-d-video-duration-seconds": "3"})
+    ids = settings.media_token_ids(chat_with_media)
     assert len(ids) == 448 * 448 // 784 + 3 * 2 * 64
+    # The same image in an Anthropic message: sized from its base64 data, the same placeholder count.
+    anthropic = request(body={"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": png(448, 448).partition(",")[2]}}]}]}, model="m", api="messages")
+    assert len(settings.media_token_ids(anthropic)) == 448 * 448 // 784
     with pytest.raises(ConfigError, match="staticToken"):
         EstimateSettings.parse("tp", {"image": {"mode": "static"}})
 
