@@ -225,14 +225,17 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
         no_match = PrefixMatchInfo(0, total, block_tokens)  # immutable: shared by every endpoint without a hit
         index = self.index
         key_info, key_free = self.output_key(PREFIX_MATCH_INFO), self.output_key(PREFIX_CACHE_FREE_BLOCKS)
+        bytes_per_token = self.bytes_per_token
+        # Free space in blocks of `block_tokens` tokens (the model server's), as the precise producer
+        # counts them: a hash block covers AVERAGE_CHARACTERS_PER_TOKEN / bytes_per_token of those.
+        engine_blocks_per_hash_block = AVERAGE_CHARACTERS_PER_TOKEN / bytes_per_token
         for ep in endpoints:
-            hit = matched.get(ep.name)
-            state.put_endpoint_data(key_info, ep.name,
+            name = ep.name
+            hit = matched.get(name)
+            state.put_endpoint_data(key_info, name,
                                     no_match if hit is None else PrefixMatchInfo(hit, total, block_tokens))
-            # In blocks of `block_tokens` tokens (the model server's), as the precise producer counts them: a
-            # hash block covers AVERAGE_CHARACTERS_PER_TOKEN / bytes_per_token of those.
-            state.put_endpoint_data(key_free, ep.name, int(
-                max(0, self._capacity_for(ep) - index.held(ep.name)) * AVERAGE_CHARACTERS_PER_TOKEN / self.bytes_per_token))
+            capacity = self._capacity_for(ep, bytes_per_token)
+            state.put_endpoint_data(key_free, name, int(max(0, capacity - index.held(name)) * engine_blocks_per_hash_block))
         if self.publish_tier_match:
             self._publish_tier_match(state, request, endpoints, matched, block_tokens)
         if hashes and not matched and self.rendezvous_home:
@@ -275,10 +278,11 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
         self.chars_per_token += _LEARNING_STEP * (ratio - self.chars_per_token)
         return True
 
-    def _capacity_for(self, ep: Endpoint) -> int:
+    def _capacity_for(self, ep: Endpoint, bytes_per_token: float | None = None) -> int:
         """Hash blocks the endpoint's cache holds: its blocks, scaled by how many tokens a hash block covers."""
         if self.auto_tune and ep.metrics.cache_num_blocks > 0:
-            return max(1, int(ep.metrics.cache_num_blocks * self.bytes_per_token / AVERAGE_CHARACTERS_PER_TOKEN))
+            per_token = self.bytes_per_token if bytes_per_token is None else bytes_per_token
+            return max(1, int(ep.metrics.cache_num_blocks * per_token / AVERAGE_CHARACTERS_PER_TOKEN))
         return self.lru_capacity_per_server
 
     def pre_request(self, state: CycleState, request: InferenceRequest, result: SchedulingResult) -> None:
