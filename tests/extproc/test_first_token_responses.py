@@ -25,6 +25,7 @@ from tests.support.extproc import (
     simple_pipeline,
     started,
 )
+from tests.support.wait import wait_until
 
 BODY = b'{"max_tokens":100,"model":"my-model","prompt":"test1","stream":true}'
 REWRITE = [("x-gateway-model-name-rewrite", "sql-lora-1fdg2")]
@@ -125,10 +126,7 @@ async def test_a_json_answer_is_answered_chunk_by_chunk_and_read_whole(picker):
     await call.done_writing()
     assert await call.read() is grpc.aio.EOF
     labels = {"model_name": "my-model", "target_model_name": "my-model"}
-    for _ in range(50):
-        if value(server, "inference_objective_input_tokens_sum", **labels):
-            break
-        await asyncio.sleep(0.02)
+    await wait_until(lambda: value(server, "inference_objective_input_tokens_sum", **labels), "the usage read")
     assert value(server, "inference_objective_input_tokens_sum", **labels) == 7  # the usage is read
     assert value(server, "inference_objective_request_duration_seconds_count", **labels) == 1
 
@@ -187,10 +185,7 @@ async def test_a_rewritten_streamed_answer_is_followed_to_its_end(picker):
     await call.done_writing()
     assert await call.read() is grpc.aio.EOF
     labels = {"model_name": "sql-lora", "target_model_name": "sql-lora-1fdg2"}
-    for _ in range(50):
-        if value(server, "inference_objective_input_tokens_sum", **labels):
-            break
-        await asyncio.sleep(0.02)
+    await wait_until(lambda: value(server, "inference_objective_input_tokens_sum", **labels), "the usage read")
     assert value(server, "inference_objective_input_tokens_sum", **labels) == 7
 
 
