@@ -47,13 +47,15 @@ own T already pays its longer prefill, the charge adds the fleet's cost of doing
 evict others once the endpoint's cache is full, and an evicted block someone reads again is
 computed again. Each candidate is charged
 
-    D(e) = displacementWeight * reuse(e) * max(0, newBlocks(e) - freeBlocks(e)) * blockSize * cost(e)
+    D(e) = displacementWeight * reuse * max(0, newBlocks(e) - freeBlocks(e)) * blockSize * cost(e)
 
     newBlocks(e)  = prompt tokens not in e's GPU cache / block size (cache_config_info's block_size)
     freeBlocks(e) = the prefix producer's PREFIX_CACHE_FREE_BLOCKS: e's KV capacity (num_gpu_blocks)
                     less what its index sees resident
-    reuse(e)      = the share of e's recent prompt tokens served from its cache (usage's cached_tokens):
-                    how likely an evicted block was to be read again (0 where nothing is shared)
+    reuse         = the share of the fleet's recent prompt tokens served from cache (usage's cached_tokens):
+                    how likely an evicted block is to be read again (0 where nothing is shared); the
+                    fleet's, not e's own, because e's own rate is lowest where e thrashes and made the
+                    thrashing replica the cheapest place to evict
     cost(e)       = e's prefill seconds per token; its CPU-load seconds per token when e has a CPU
                     offload tier (num_cpu_blocks), where evicted blocks go and come back from
 
@@ -82,7 +84,7 @@ import bisect
 import math
 import time
 import weakref
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -137,7 +139,7 @@ class Terms:
     stickiness_s: float = 0.0  # the recompute charged for leaving the endpoint holding the most of the prompt
     free_blocks: int | None = None  # KV blocks the index sees free on the endpoint (None: unknown)
     evicted_blocks: int = 0  # blocks the request's new blocks would push out
-    reuse: float = 0.0  # the chance a pushed-out block is read again (the endpoint's recent token hit rate)
+    reuse: float = 0.0  # the chance a pushed-out block is read again (the fleet's recent token hit rate)
     displacement_s: float = 0.0  # the expected recompute of what those blocks held
 
     @property
@@ -167,21 +169,23 @@ class Terms:
 
 
 class ReuseTracker:
-    """How hot each endpoint's cached prefixes are: the share of its recent prompt tokens it served from cache.
+    """How likely a cached block is to be read again: the share of the fleet's recent prompt tokens served from cache.
 
-    Decayed sums per endpoint of prompt tokens and of those found cached (the response's
-    `cached_tokens`, else the prefix match the pick was booked with), `decay` per request on that
-    endpoint. Bounded at `capacity` endpoints, least recently served first out (`evicted`).
+    One decayed pair of sums over every endpoint (prompt tokens, those found cached: the response's
+    `cached_tokens`, else the prefix match the pick was booked with), `decay` per completed request.
+    Fleet-wide on purpose: an endpoint's own rate is lowest exactly where its cache thrashes (its
+    blocks are evicted before they are read again), so a per-endpoint chance made the thrashing
+    replica look the cheapest place to evict and sent it every new prefix, which fed the thrash
+    (traced per pick on the multi-turn shape: bench/notes/2026-12-round4-measurements.md, "Multi-turn moves").
     """
 
-    def __init__(self, decay: float = 0.95, capacity: int = 4096) -> None:
+    def __init__(self, decay: float = 0.995) -> None:
         self.decay = decay
-        self.capacity = capacity
-        self._sums: OrderedDict[str, list[float]] = OrderedDict()  # endpoint -> [cached, prompt]
-        self.evicted = 0
+        self.cached = 0.0
+        self.prompt = 0.0
 
     def observe(self, booking: Booking, response: Any) -> None:
-        """The ledger's observer: one completed request's prompt and cached tokens on its endpoint."""
+        """The ledger's observer: one completed request's prompt and cached tokens."""
         prompt, cached = booking.prompt_tokens, booking.prompt_tokens - booking.uncached_tokens
         usage = getattr(response, "usage", None) if isinstance(response, ResponseInfo) else None
         if isinstance(usage, dict):
@@ -192,24 +196,12 @@ class ReuseTracker:
                 prompt, cached = real_prompt, real_cached
         if prompt <= 0:
             return
-        sums = self._sums.get(booking.endpoint)
-        if sums is None:
-            sums = self._sums[booking.endpoint] = [0.0, 0.0]
-            while len(self._sums) > self.capacity:
-                self._sums.popitem(last=False)
-                self.evicted += 1
-        else:
-            self._sums.move_to_end(booking.endpoint)
-        sums[0] = self.decay * sums[0] + max(0, cached)
-        sums[1] = self.decay * sums[1] + prompt
+        self.cached = self.decay * self.cached + max(0, cached)
+        self.prompt = self.decay * self.prompt + prompt
 
-    def reuse(self, endpoint: str) -> float:
-        """The endpoint's recent token hit rate in [0, 1]; 0 before it served anything (no evidence of reuse)."""
-        sums = self._sums.get(endpoint)
-        return sums[0] / sums[1] if sums is not None and sums[1] > 0 else 0.0
-
-    def __len__(self) -> int:
-        return len(self._sums)
+    def rate(self) -> float:
+        """The fleet's recent token hit rate in [0, 1]; 0 before anything was served (no evidence of reuse)."""
+        return self.cached / self.prompt if self.prompt > 0 else 0.0
 
 
 class PredictionTrace:
@@ -287,13 +279,15 @@ class PredictedTTFTScorer(Scorer):
         self.queue_s_per_waiting = values["queueSecondsPerWaitingRequest"]
         self.track_pending = params.bool("trackPendingPrefill", True)
         self.stickiness = params.float("stickiness", 0.0, minimum=0.0)
+        # Learned predictions closer than their typical error score alike (see `_ties_within_error`).
+        self.ties_within_error = params.bool("tiesWithinError", True)
         self.calibrate = params.bool("calibrate", not given)
         self.ledger: InflightLedger = context.load
         self.calibrator = TTFTCalibrator(tuple(values[k] for k in TERM_PARAMS),
                                          decay=params.float("calibrationDecay", 0.95, minimum=0.5, maximum=0.9999))
         # What a pick displaces: the expected recompute of the prefixes its new blocks evict (0: not counted).
         self.displacement_weight = params.float("displacementWeight", 1.0, minimum=0.0)
-        self.reuse = ReuseTracker(decay=params.float("calibrationDecay", 0.95, minimum=0.5, maximum=0.9999))
+        self.reuse = ReuseTracker()
         if self.displacement_weight > 0:
             self.ledger.add_observer(self.reuse.observe)
         trace_capacity = params.int("traceCapacity", 0, minimum=0)
@@ -309,7 +303,8 @@ class PredictedTTFTScorer(Scorer):
 
     def describe(self) -> str:
         return (f"calibrate={str(self.calibrate).lower()} trackPendingPrefill={str(self.track_pending).lower()} "
-                f"stickiness={self.stickiness:g} displacementWeight={self.displacement_weight:g}")
+                f"stickiness={self.stickiness:g} displacementWeight={self.displacement_weight:g} "
+                f"tiesWithinError={str(self.ties_within_error).lower()}")
 
     def consumes(self) -> frozenset[str]:
         return frozenset({PREFIX_TIER_MATCH})
@@ -387,7 +382,7 @@ class PredictedTTFTScorer(Scorer):
         disk ones loaded back), in the index's block size (the model server's, else the producer's).
         Beyond the free blocks the index sees (capacity from `vllm:cache_config_info` less what it
         holds), each new block evicts one; an evicted block is read again with the chance `reuse` (the
-        endpoint's recent token hit rate) and then costs its prefill again, or, where the endpoint
+        fleet's recent token hit rate) and then costs its prefill again, or, where the endpoint
         has a CPU offload tier (`num_cpu_blocks`), its load back from there.
         """
         if free_blocks is None:
@@ -401,7 +396,7 @@ class PredictedTTFTScorer(Scorer):
         t.evicted_blocks = max(0, new_blocks - free_blocks)
         if not t.evicted_blocks:
             return
-        t.reuse = self.reuse.reuse(endpoint.name)
+        t.reuse = self.reuse.rate()
         if endpoint.metrics.cache_num_cpu_blocks > 0:
             per_token = (self.calibrator.coefficients(endpoint.name, model, now)[TERMS.index("cpu_load_seconds_per_token")]
                          if self.calibrate else self.cpu_load_s_per_token)
@@ -448,10 +443,32 @@ class PredictedTTFTScorer(Scorer):
         if not predicted:
             return {}
         best = min(predicted.values())
+        if self.calibrate and self.ties_within_error:
+            predicted = self._ties_within_error(predicted, best, model)
         scores = {name: best / t for name, t in predicted.items()}
         if self.trace is not None and traced is not None:
             self.trace.scored(now, request.request_id, total, traced, scores)
         return scores
+
+    def _ties_within_error(self, predicted: dict[str, float], best: float, model: str) -> dict[str, float]:
+        """`predicted` with every endpoint within the predictions' typical error of the best set to the best.
+
+        A gap smaller than what the learned fits typically miss by is calibration noise, not evidence;
+        an argmax over it is a bias that sends every new prefix to whichever replica's fit drifted
+        lowest (measured: bench/notes/2026-12-round4-measurements.md, "Multi-turn moves"). Tied, the other
+        scorers and the picker's tie-break (the most free prefix cache, then random) decide. The error
+        is the smaller of the two endpoints' residual scales, at most half the best prediction.
+        """
+        best_name = min(predicted, key=predicted.__getitem__)
+        best_fit = self.calibrator.fit(best_name, model)
+        if best_fit is None:
+            return predicted
+        out = dict(predicted)
+        for name, total in predicted.items():
+            fit = self.calibrator.fit(name, model)
+            if fit is not None and total - best <= min(fit.residual_scale_s, best_fit.residual_scale_s, 0.5 * best):
+                out[name] = best
+        return out
 
     # -- learning -----------------------------------------------------------------------------
 
@@ -499,18 +516,12 @@ class _CalibrationCollector(Collector):
                                       "Traced picks evicted before their outcome came back (the trace was full).",
                                       labels=["plugin"])
         reuse = GaugeMetricFamily("epp_ttft_displacement_reuse",
-                                  "Share of each endpoint's recent prompt tokens served from its cache: the chance the "
+                                  "Share of the fleet's recent prompt tokens served from cache: the chance the "
                                   "predicted-TTFT displacement term gives an evicted block of being read again.",
-                                  labels=["plugin", "endpoint"])
-        tracked = GaugeMetricFamily("epp_ttft_displacement_endpoints",
-                                    "Endpoints whose reuse the predicted-TTFT scorer tracks, and those evicted from that "
-                                    "table (capacity 4096, least recently served first).", labels=["plugin", "state"])
+                                  labels=["plugin"])
         for scorer in list(self.scorers):
             if scorer.displacement_weight > 0:
-                for endpoint, (cached, prompt) in scorer.reuse._sums.items():
-                    reuse.add_metric([scorer.name, endpoint], cached / prompt if prompt else 0.0)
-                tracked.add_metric([scorer.name, "tracked"], len(scorer.reuse))
-                tracked.add_metric([scorer.name, "evicted"], scorer.reuse.evicted)
+                reuse.add_metric([scorer.name], scorer.reuse.rate())
             if scorer.trace is not None:
                 traced.add_metric([scorer.name, "completed"], len(scorer.trace.done))
                 traced.add_metric([scorer.name, "pending"], len(scorer.trace.pending))
@@ -522,7 +533,7 @@ class _CalibrationCollector(Collector):
                 count.add_metric(labels, fit.observations)
                 scale.add_metric(labels, fit.residual_scale_s)
                 resets.add_metric(labels, fit.resets)
-        yield from (coef, count, scale, resets, traced, dropped, reuse, tracked)
+        yield from (coef, count, scale, resets, traced, dropped, reuse)
 
 
 def _new_collector(registry: CollectorRegistry | None) -> _CalibrationCollector:

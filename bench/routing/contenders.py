@@ -301,6 +301,13 @@ def epp_config(kind: str, t: Tuning) -> str:
         # predicted-ttft-scorer without the expected recompute of what a pick evicts (the before of issue 42).
         return _with_parameter(epp_config(kind.removesuffix("+no-displacement"), t), "predicted-ttft-scorer",
                                "displacementWeight", 0)
+    if kind.endswith("+exact-ties"):
+        # predicted-ttft-scorer ranking on every gap, however far within its typical error (the before).
+        return _with_parameter(epp_config(kind.removesuffix("+exact-ties"), t), "predicted-ttft-scorer",
+                               "tiesWithinError", False)
+    if kind.endswith("+sticky"):
+        # predicted-ttft-scorer charging a move the recompute of what it leaves behind (stickiness 1).
+        return _with_parameter(epp_config(kind.removesuffix("+sticky"), t), "predicted-ttft-scorer", "stickiness", 1)
     if kind.endswith("+precise"):
         return _with_precise_producer(epp_config(kind.removesuffix("+precise"), t), t)
     if kind.endswith("+random-ties"):

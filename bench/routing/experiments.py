@@ -61,6 +61,17 @@ FAMILIES: tuple[Family, ...] = (
                _x(f"epp-{prefix}-ttft-no-displacement", f"{variant}+no-displacement",
                   f"before: epp-{prefix}-ttft with displacementWeight: 0")
                for prefix, variant in (("approx", "sample:approximate"), ("precise", "precise-ttft")))),
+    Family("Gaps within the prediction's typical error: the predicted-TTFT scorer ranking on every gap (the before "
+           "of round 4's multi-turn fix, which sent new conversations to the replica whose fit drifted lowest)",
+           "2026-12-round4-measurements.md#multi-turn-moves-42", tuple(
+               _x(f"epp-{prefix}-ttft-exact-ties", f"{variant}+exact-ties",
+                  f"before: epp-{prefix}-ttft with tiesWithinError: false")
+               for prefix, variant in (("approx", "sample:approximate"), ("precise", "precise-ttft")))),
+    Family("Stickiness that pays: the predicted-TTFT scorer charging a move the recompute of the history it leaves "
+           "(stickiness: 1), against multi-turn conversations drifting between replicas",
+           "2026-12-round4-measurements.md#multi-turn-moves-42", tuple(
+               _x(f"epp-{prefix}-ttft-sticky", f"{variant}+sticky", f"epp-{prefix}-ttft with stickiness: 1")
+               for prefix, variant in (("approx", "sample:approximate"), ("precise", "precise-ttft")))),
     Family("The picker's own in-flight count instead of the scraped queue",
            "2026-11-routing-first-runs-issue6.md#update-predicted-ttft-books-its-own-picks", (
                _x("epp-precise-active", "precise-active", "our EPP: precise prefix 3, active-request (in-flight) 2, kv 2"),

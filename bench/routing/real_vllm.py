@@ -58,11 +58,11 @@ from bench.routing.summary import ContenderResult
 from bench.routing.validity import metric_sum
 from bench.routing.vllm_costs import BLOCK, Costs
 from bench.routing.workloads import (
-    MultiTurn,
+    REAL_VLLM_WORKLOADS,
     NoSharing,
-    SharedPrefix,
     Workload,
     completion_request,
+    real_vllm_workload,
     text_of_tokens,
     tokenizer,
 )
@@ -77,7 +77,6 @@ MODEL = "sim-model"  # the name every contender's config and the workload use
 DEFAULT_CONTENDERS = ("round-robin", "epp-approx", "epp-approx-ttft", "epp-precise", "epp-precise-ttft",
                       "llmd-optimized-baseline", "llmd-precise", "sglang-router-cache-aware", "vllm-router-rr",
                       "vllm-router-cache-aware", "vllm-router-kv-aware")
-DEFAULT_WORKLOADS = ("shared-prefix", "multi-turn")
 # Poisson arrivals: 230 expected leaves fewer than 200 in about 2 % of the measured stages.
 MEASURED_REQUESTS = 230
 # A row is refused when a replica spent more than this share of the wall clock throttled by its quota
@@ -90,15 +89,8 @@ _ENGINE_HISTOGRAMS = ("vllm:time_to_first_token_seconds", "vllm:request_queue_ti
 
 def workload(name: str, args: argparse.Namespace) -> Workload:
     """The named workload at the sizes the real replicas serve (prompts fit --max-model-len)."""
-    if name == "shared-prefix":
-        return SharedPrefix(groups=args.groups, users=args.users, system_tokens=args.system_tokens,
-                            question_tokens=args.question_tokens, output_tokens=args.output_tokens)
-    if name == "multi-turn":
-        # 12 turns: a session's cold first turn is 1 request in 12, so the p90 is a routing result,
-        # not the share of first turns every router must prefill whole.
-        return MultiTurn(sessions=16, active=4, turns=12, system_tokens=128, user_tokens=32, answer_tokens=48,
-                         output_tokens=args.output_tokens)
-    raise ValueError(f"unknown workload {name!r}; known: {DEFAULT_WORKLOADS}")
+    return real_vllm_workload(name, groups=args.groups, users=args.users, system_tokens=args.system_tokens,
+                              question_tokens=args.question_tokens, output_tokens=args.output_tokens)
 
 
 # ---- CPU ownership ------------------------------------------------------------------------------
@@ -840,7 +832,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-dir", help="a tiny model written before (default: OUT/model, written when missing)")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS))
-    p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS))
+    p.add_argument("--workloads", default=",".join(REAL_VLLM_WORKLOADS))
     p.add_argument("--profile", default="vllm-cpu-tiny-h512",
                    help="simulator profile ('' = the costs measured in this run)")
     p.add_argument("--hidden-size", type=int, default=512)

@@ -232,5 +232,23 @@ class NoSharing:
 
 Workload = SharedPrefix | MultiTurn | Agentic | NoSharing
 
-__all__ = ["Agentic", "BenchRequest", "MultiTurn", "completion_request", "NoSharing", "SharedPrefix", "Workload", "text_of_tokens",
+REAL_VLLM_WORKLOADS = ("shared-prefix", "multi-turn")
+
+
+def real_vllm_workload(name: str, *, groups: int = 6, users: int = 4, system_tokens: int = 512,
+                       question_tokens: int = 64, output_tokens: int = 8) -> Workload:
+    """A real-vLLM run's workload by name, at the sizes its tiny replicas serve (prompts fit 1,536 tokens)."""
+    if name == "shared-prefix":
+        return SharedPrefix(groups=groups, users=users, system_tokens=system_tokens, question_tokens=question_tokens,
+                            output_tokens=output_tokens)
+    if name == "multi-turn":
+        # 12 turns: a session's cold first turn is 1 request in 12, so the p90 is a routing result,
+        # not the share of first turns every router must prefill whole.
+        return MultiTurn(sessions=16, active=4, turns=12, system_tokens=128, user_tokens=32, answer_tokens=48,
+                         output_tokens=output_tokens)
+    raise ValueError(f"unknown workload {name!r}; known: {REAL_VLLM_WORKLOADS}")
+
+
+__all__ = ["REAL_VLLM_WORKLOADS", "Agentic", "BenchRequest", "MultiTurn", "NoSharing", "SharedPrefix", "Workload",
+           "completion_request", "real_vllm_workload", "text_of_tokens",
            "tokenizer"]

@@ -72,11 +72,20 @@ def test_without_the_term_the_same_pick_is_a_coin_toss_and_it_went_to_the_full_r
     assert scores[FULL] == scores[ROOMY] == 1.0
 
 
-def test_evicting_cold_blocks_costs_nothing():
-    # FULL's traffic never found anything in its cache (no sharing): what it evicts is read by no one.
-    choice, scores, scorer = pick({}, free={FULL: 0, ROOMY: 0}, hot={FULL: 0.0, ROOMY: 0.875})
-    assert choice == FULL and displacement(scorer, FULL) == 0.0
-    assert displacement(scorer, ROOMY) == pytest.approx(0.875 * 18 * BLOCK * PREFILL)
+def test_evicting_costs_nothing_where_the_traffic_never_hits():
+    # No request ever found anything cached (no sharing): what an eviction pushes out is read by no one.
+    choice, scores, scorer = pick({}, free={FULL: 0, ROOMY: 40}, hot={FULL: 0.0, ROOMY: 0.0})
+    assert displacement(scorer, FULL) == displacement(scorer, ROOMY) == 0.0
+    assert scores[FULL] == scores[ROOMY]
+
+
+def test_a_thrashing_replica_is_no_cheaper_place_to_evict():
+    # Both full; FULL's own hit rate is low because its cache thrashes. The chance an evicted block is read
+    # again is the fleet's, so both are charged alike and the thrash does not attract the new prefix.
+    _, _, scorer = pick({}, free={FULL: 0, ROOMY: 0}, hot={FULL: 0.2, ROOMY: 0.875})
+    assert displacement(scorer, FULL) == pytest.approx(displacement(scorer, ROOMY))
+    assert displacement(scorer, FULL) == pytest.approx(scorer.reuse.rate() * 18 * BLOCK * PREFILL)
+    assert 0.2 < scorer.reuse.rate() < 0.875
 
 
 def test_a_later_turn_stays_home_on_a_full_cache_its_few_new_blocks_evict_little():
@@ -105,16 +114,16 @@ def test_unknown_capacity_or_residency_charges_nothing():
     assert set(scorer.score(state, request, fleet()).values()) == {1.0}
 
 
-def test_reuse_is_learned_per_endpoint_from_usage_and_bounded():
+def test_reuse_is_the_fleets_recent_token_hit_rate_from_usage():
     context = PluginContext()
     scorer = make_plugin("predicted-ttft-scorer", {"prefillSecondsPerToken": PREFILL}, context=context)
+    assert scorer.reuse.rate() == 0.0  # nothing served: no evidence of reuse
     served(context, FULL, 100, 80, times=60)
     served(context, ROOMY, 100, 0, times=60)
-    assert scorer.reuse.reuse(FULL) == pytest.approx(0.8)
-    assert scorer.reuse.reuse(ROOMY) == 0.0 and scorer.reuse.reuse("never-seen:1") == 0.0
-    scorer.reuse.capacity = 1
-    served(context, "10.0.0.3:8000", 100, 50, times=1)
-    assert len(scorer.reuse) == 1 and scorer.reuse.evicted == 2
+    # The decayed sums weigh recent requests most: ROOMY's misses came last.
+    assert 0.0 < scorer.reuse.rate() < 0.4
+    served(context, ROOMY, 100, 100, times=2000)
+    assert scorer.reuse.rate() == pytest.approx(1.0, abs=1e-3)
 
 
 def test_the_trace_holds_each_picks_terms_beside_what_happened_bounded():
