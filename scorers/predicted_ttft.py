@@ -43,6 +43,12 @@ same seconds as T). At 1, a conversation's later turn moves from the replica hol
 history only when the predicted TTFT gain exceeds the recompute cost of the move: the request's
 own T already pays its longer prefill, the charge adds the fleet's cost of doing that work again.
 
+**Gaps within the prediction's error are ties** (`tiesWithinError`, default true, learned costs
+only): an endpoint predicted within the smaller of its own and the best endpoint's fit error (the
+running residual, at most half the best) of the best scores 1 too, and the other scorers and the
+picker's tie-break decide; otherwise calibration noise sent every new prefix to the replica whose
+fit had drifted lowest.
+
 **What a pick displaces** (`displacementWeight`, default 1; 0 = off): a request's new KV blocks
 evict others once the endpoint's cache is full, and an evicted block someone reads again is
 computed again. Each candidate is charged
@@ -279,7 +285,7 @@ class PredictedTTFTScorer(Scorer):
         self.queue_s_per_waiting = values["queueSecondsPerWaitingRequest"]
         self.track_pending = params.bool("trackPendingPrefill", True)
         self.stickiness = params.float("stickiness", 0.0, minimum=0.0)
-        # Learned predictions closer than their typical error score alike (see `_ties_within_error`).
+        # Learned predictions closer than their typical error score alike (see `level_within_error`).
         self.ties_within_error = params.bool("tiesWithinError", True)
         self.calibrate = params.bool("calibrate", not given)
         self.ledger: InflightLedger = context.load
@@ -442,24 +448,27 @@ class PredictedTTFTScorer(Scorer):
                 traced[ep.name] = t
         if not predicted:
             return {}
+        predicted = self.level_within_error(predicted, model)
         best = min(predicted.values())
-        if self.calibrate and self.ties_within_error:
-            predicted = self._ties_within_error(predicted, best, model)
         scores = {name: best / t for name, t in predicted.items()}
         if self.trace is not None and traced is not None:
             self.trace.scored(now, request.request_id, total, traced, scores)
         return scores
 
-    def _ties_within_error(self, predicted: dict[str, float], best: float, model: str) -> dict[str, float]:
-        """`predicted` with every endpoint within the predictions' typical error of the best set to the best.
+    def level_within_error(self, predicted: dict[str, float], model: str) -> dict[str, float]:
+        """`predicted` (seconds per endpoint) with every endpoint within the fits' typical error of the best set to it.
 
         A gap smaller than what the learned fits typically miss by is calibration noise, not evidence;
         an argmax over it is a bias that sends every new prefix to whichever replica's fit drifted
         lowest (measured: bench/notes/2026-12-round4-measurements.md, "Multi-turn moves"). Tied, the other
         scorers and the picker's tie-break (the most free prefix cache, then random) decide. The error
-        is the smaller of the two endpoints' residual scales, at most half the best prediction.
+        is the smaller of the two endpoints' residual scales, at most half the best prediction. Off
+        (`tiesWithinError: false`) or with configured constants, `predicted` comes back as it is.
         """
+        if not (self.calibrate and self.ties_within_error and predicted):
+            return predicted
         best_name = min(predicted, key=predicted.__getitem__)
+        best = predicted[best_name]
         best_fit = self.calibrator.fit(best_name, model)
         if best_fit is None:
             return predicted

@@ -10,7 +10,7 @@ For each candidate endpoint e the scorer predicts what the turn costs there, in 
           or disk tier back
     D(e)  displacement, predicted-ttft-scorer's one term (its `displacementWeight`): the turn's new
           GPU blocks on e beyond the blocks the prefix producer sees free there evict cached work,
-          read again as often as e's recent prompt tokens hit its cache, at e's prefill (or CPU
+          read again as often as the fleet's recent prompt tokens hit cache, at e's prefill (or CPU
           load) cost per token. There is no second displacement charge here, so a move is charged
           its evictions once; `displacement: false` leaves D out of this scorer's cost.
 
@@ -33,7 +33,9 @@ endpoint wins only when its cost is lower than h's by more than the typical erro
 prediction (the calibration's residual, learned, not a fixed threshold). So a turn waits behind
 h's queue while that wait is predicted to cost less than recomputing its uncached part elsewhere
 plus what the recompute would evict there, and moves as soon as it is not. A request with no
-session (or a session's first turn) is scored on cost alone. A sub-agent's first turn prefers
+session (or a session's first turn) is scored on cost alone, costs within the fits' typical error
+of the cheapest counting as equal (the predictor's `tiesWithinError`), so calibration noise does
+not choose a new session's home. A sub-agent's first turn prefers
 its parent's home among equal costs (they share the agent's prefix).
 
 Scores: min cost / cost(e) in (0, 1] (home's cost less the margin), like predicted-ttft-scorer.
@@ -269,6 +271,9 @@ class SessionAffinityCostScorer(Scorer, PreRequestHook, ResponseCompleteHook):
             # Sticky: the home's cost counts less by the prediction's typical error.
             margin = min(self.margin_s(home.endpoint, request.target_model), 0.5 * costs[home.endpoint])
             costs[home.endpoint] -= margin
+        elif self.predictor is not None:
+            # A first turn: costs within the fits' error are a tie, not a preference (the predictor's rule).
+            costs = self.predictor.level_within_error(costs, request.target_model)
         best = min(costs.values())
         scores = {name: best / cost if cost > 0 else 1.0 for name, cost in costs.items()}
         if home is None and key is not None and key.parent is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 
 import pytest
@@ -256,6 +257,22 @@ def test_the_home_keeps_the_turn_within_its_predictions_typical_error():
     result = scores(plugin, state_for("s1", {A.name: TierMatch(1900, 0, 0, 2000),
                                              B.name: TierMatch(1950, 0, 0, 2000)}))
     assert result[A.name] == 1.0 and result[B.name] < 1.0
+
+
+def test_a_new_sessions_first_turn_is_not_placed_by_calibration_noise():
+    plugin = scorer(tierSource="events")
+    predictor = plugin.predictor
+    assert predictor is not None
+    # Both fits have seen first tokens jittering by +-0.1 s just now; B's came out 5 ms dearer than A's.
+    now = time.monotonic()
+    for i in range(60):
+        jitter = 0.1 if i % 2 else -0.1
+        predictor.calibrator.observe(A.name, "m", features(1000, 0, 0, 0), 0.300 + jitter, now=now)
+        predictor.calibrator.observe(B.name, "m", features(1000, 0, 0, 0), 0.305 + jitter, now=now)
+    cold = {A.name: TierMatch(0, 0, 0, 2000), B.name: TierMatch(0, 0, 0, 2000)}
+    costs = plugin.costs(state_for("new", cold), turn(2000), [A, B], None)
+    assert costs[A.name] < costs[B.name]
+    assert scores(plugin, state_for("new", cold)) == {A.name: 1.0, B.name: 1.0}
 
 
 def test_a_sub_agents_first_turn_prefers_its_parents_home_among_equals():
