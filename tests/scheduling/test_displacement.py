@@ -74,7 +74,7 @@ def test_without_the_term_the_same_pick_is_a_coin_toss_and_it_went_to_the_full_r
 
 def test_evicting_costs_nothing_where_the_traffic_never_hits():
     # No request ever found anything cached (no sharing): what an eviction pushes out is read by no one.
-    choice, scores, scorer = pick({}, free={FULL: 0, ROOMY: 40}, hot={FULL: 0.0, ROOMY: 0.0})
+    _, scores, scorer = pick({}, free={FULL: 0, ROOMY: 40}, hot={FULL: 0.0, ROOMY: 0.0})
     assert displacement(scorer, FULL) == displacement(scorer, ROOMY) == 0.0
     assert scores[FULL] == scores[ROOMY]
 
