@@ -291,23 +291,20 @@ async def calibrate_peak_prefill(endpoint: str, t: Tuning, samples: int = 3) -> 
     return tokens / statistics.median(times)
 
 
+# Variant suffixes that set one predicted-ttft-scorer parameter: suffix -> (parameter, value).
+PREDICTOR_VARIANTS: dict[str, tuple[str, Any]] = {
+    "+trace": ("traceCapacity", TRACE_CAPACITY),  # its per-pick trace (bench/routing/pick_trace.py reads it)
+    "+no-displacement": ("displacementWeight", 0),  # no charge for what a pick evicts (the before of issue 42)
+    "+exact-ties": ("tiesWithinError", False),  # every gap ranked, however far within the fits' error (the before)
+    "+sticky": ("stickiness", 1),  # a move charged the recompute of the history it leaves
+}
+
+
 def epp_config(kind: str, t: Tuning) -> str:
     """The EndpointPickerConfig of one `epp-*` contender."""
-    if kind.endswith("+trace"):
-        # The predicted-TTFT scorer's per-pick trace (its debug state; bench/routing/pick_trace.py reads it).
-        return _with_parameter(epp_config(kind.removesuffix("+trace"), t), "predicted-ttft-scorer", "traceCapacity",
-                               TRACE_CAPACITY)
-    if kind.endswith("+no-displacement"):
-        # predicted-ttft-scorer without the expected recompute of what a pick evicts (the before of issue 42).
-        return _with_parameter(epp_config(kind.removesuffix("+no-displacement"), t), "predicted-ttft-scorer",
-                               "displacementWeight", 0)
-    if kind.endswith("+exact-ties"):
-        # predicted-ttft-scorer ranking on every gap, however far within its typical error (the before).
-        return _with_parameter(epp_config(kind.removesuffix("+exact-ties"), t), "predicted-ttft-scorer",
-                               "tiesWithinError", False)
-    if kind.endswith("+sticky"):
-        # predicted-ttft-scorer charging a move the recompute of what it leaves behind (stickiness 1).
-        return _with_parameter(epp_config(kind.removesuffix("+sticky"), t), "predicted-ttft-scorer", "stickiness", 1)
+    for suffix, (key, value) in PREDICTOR_VARIANTS.items():
+        if kind.endswith(suffix):
+            return _with_parameter(epp_config(kind.removesuffix(suffix), t), "predicted-ttft-scorer", key, value)
     if kind.endswith("+precise"):
         return _with_precise_producer(epp_config(kind.removesuffix("+precise"), t), t)
     if kind.endswith("+random-ties"):
