@@ -41,6 +41,12 @@ def _x(name: str, variant: str, description: str, **kw: object) -> Contender:
     return Contender(name, "epp", variant, description, default=False, **kw)  # type: ignore[arg-type]
 
 
+def _ttft_variants(suffix: str, description: str) -> tuple[Contender, ...]:
+    """`epp-approx-ttft-<suffix>` and `epp-precise-ttft-<suffix>`: the two `-ttft` pipelines with one variant suffix."""
+    return tuple(_x(f"{base}-{suffix}", f"{variant}+{suffix}", description.format(base))
+                 for base, variant in (("epp-approx-ttft", "sample:approximate"), ("epp-precise-ttft", "precise-ttft")))
+
+
 FAMILIES: tuple[Family, ...] = (
     Family("Does the in-flight ledger matter? GIE's scrape-only load scorers and approximate producer (the before)",
            "2026-12-routing-issue10-round1.md#routing-that-wins-on-real-traffic-in-flight-accounting-self-calibrating-"
@@ -57,21 +63,14 @@ FAMILIES: tuple[Family, ...] = (
            )),
     Family("What a pick displaces: the predicted-TTFT scorer without the expected recompute of the prefixes its "
            "new blocks evict (the before of issue 42, which hot-spotted on full KV caches)",
-           "2026-12-capacity-aware-prediction.md#the-cause-measured-per-pick", tuple(
-               _x(f"epp-{prefix}-ttft-no-displacement", f"{variant}+no-displacement",
-                  f"before: epp-{prefix}-ttft with displacementWeight: 0")
-               for prefix, variant in (("approx", "sample:approximate"), ("precise", "precise-ttft")))),
+           "2026-12-capacity-aware-prediction.md#the-cause-measured-per-pick",
+           _ttft_variants("no-displacement", "before: {} with displacementWeight: 0")),
     Family("Gaps within the prediction's typical error: the predicted-TTFT scorer ranking on every gap (the before "
            "of round 4's multi-turn fix, which sent new conversations to the replica whose fit drifted lowest)",
-           "2026-12-round4-measurements.md#multi-turn-moves-42", tuple(
-               _x(f"epp-{prefix}-ttft-exact-ties", f"{variant}+exact-ties",
-                  f"before: epp-{prefix}-ttft with tiesWithinError: false")
-               for prefix, variant in (("approx", "sample:approximate"), ("precise", "precise-ttft")))),
+           "2026-12-round4-measurements.md#multi-turn-moves-42", _ttft_variants("exact-ties", "before: {} with tiesWithinError: false")),
     Family("Stickiness that pays: the predicted-TTFT scorer charging a move the recompute of the history it leaves "
            "(stickiness: 1), against multi-turn conversations drifting between replicas",
-           "2026-12-round4-measurements.md#multi-turn-moves-42", tuple(
-               _x(f"epp-{prefix}-ttft-sticky", f"{variant}+sticky", f"epp-{prefix}-ttft with stickiness: 1")
-               for prefix, variant in (("approx", "sample:approximate"), ("precise", "precise-ttft")))),
+           "2026-12-round4-measurements.md#multi-turn-moves-42", _ttft_variants("sticky", "{} with stickiness: 1")),
     Family("The picker's own in-flight count instead of the scraped queue",
            "2026-11-routing-first-runs-issue6.md#update-predicted-ttft-books-its-own-picks", (
                _x("epp-precise-active", "precise-active", "our EPP: precise prefix 3, active-request (in-flight) 2, kv 2"),
