@@ -2,7 +2,7 @@
 
 For each candidate endpoint e the scorer predicts what the turn costs there, in seconds:
 
-    cost(e) = T(e) + D(e)      (predicted-ttft-scorer's `cost_terms`, with the tiers below)
+    cost(e) = T(e) + D(e) + C(e)   (predicted-ttft-scorer's `cost_terms`, with the tiers below)
 
     T(e)  the predicted time to first token on e (predicted-ttft-scorer's model, self-calibrated
           from the replicas' own first tokens): the prefill queued ahead of the turn on e, plus
@@ -13,6 +13,17 @@ For each candidate endpoint e the scorer predicts what the turn costs there, in 
           read again as often as the fleet's recent prompt tokens hit cache, at e's prefill (or CPU
           load) cost per token. There is no second displacement charge here, so a move is charged
           its evictions once; `displacement: false` leaves D out of this scorer's cost.
+    C(e)  crowding (`crowding`, default true): D sees this turn's blocks against what the index holds
+          now; C sees the session against the sessions that will come back. The sessions active
+          within `activeWindow` (default 120 s) keep their contexts on their homes between turns,
+          where no queue shows them (`SessionFootprint`). Adding this session's context (its own
+          for a move, the active sessions' mean for a first turn, at least the prompt) to e's sum
+          pushes the part beyond e's GPU tokens to its CPU (then disk) tier and the part beyond all
+          tiers out: each such token is read again with the fleet's reuse rate, at e's CPU-load (disk:
+          disk-load) or prefill cost per token. The home pays none (the session is counted there).
+          Without it, every replica's queue looked alike at a first turn, the tie went to the
+          replica holding the agent kind's prefix, and one replica hosted twice the sessions of
+          another (1.45-1.73x the mean of turns per replica at the agentic knee) and evicted them.
 
 Where the turn's tokens are cached on each endpoint:
 - `tierSource: events`: `PREFIX_TIER_MATCH` as the precise producer publishes it from the
@@ -43,9 +54,10 @@ Scores: min cost / cost(e) in (0, 1] (home's cost less the margin), like predict
 Costs come from `ttftScorerName` (a predicted-ttft-scorer of the config, sharing its
 calibration) or, without it, from a calibrating predictor of the scorer's own. Bounded: the
 session table holds at most `maxSessions` sessions (default 100,000, least recently used out)
-and forgets those idle for `sessionTtl` (default 1h); the per-endpoint counters follow the pool.
+and forgets those idle for `sessionTtl` (default 1h); the per-endpoint counters follow the pool;
+the active sessions' footprints, as many and idle for at most `activeWindow`.
 Metrics: `epp_session_routing_decisions_total{plugin,decision=stay|move|new|none}` and the
-table's `epp_session_table_*{table=<plugin>}`.
+tables' `epp_session_table_*{table=<plugin>|<plugin>:active}`.
 """
 
 from __future__ import annotations
@@ -81,11 +93,16 @@ from epp.framework import (
     once_per_registry,
 )
 from epp.scorers.predicted_ttft import PredictedTTFTScorer
+from epp.scorers.session_footprint import SessionFootprint
 from epp.scorers.session_table import DEFAULT_CAPACITY, SessionTable
+from epp.scorers.ttft_calibration import TERMS
 
 TIER_SOURCES = ("history", "events")
 DECISIONS = ("stay", "move", "new", "none")
 DEFAULT_SESSION_TTL_S = 3600.0
+# A session idle longer than this no longer counts in its home's footprint: on a busy replica its KV has
+# mostly aged out of the GPU by then, and an agent that ended never says so.
+DEFAULT_ACTIVE_WINDOW_S = 120.0
 # A parent's home wins ties among a sub-agent's first-turn candidates by this share of a score.
 PARENT_TIE_BREAK = 1e-6
 
@@ -133,6 +150,8 @@ class SessionAffinityCostScorer(Scorer, PreRequestHook, ResponseCompleteHook):
         self.cpu_tier_tokens = params.int("cpuTierTokens", 0, minimum=0)
         self.disk_tier_tokens = params.int("diskTierTokens", 0, minimum=0)
         self.displacement = params.bool("displacement", True)
+        self.crowding = params.bool("crowding", True)
+        active_window_s = params.duration("activeWindow", DEFAULT_ACTIVE_WINDOW_S)
         ttft = params.str("ttftScorerName", None)
         self.refs = {"ttftScorerName": ttft} if ttft else {}
         capacity = params.int("maxSessions", DEFAULT_CAPACITY, minimum=1)
@@ -142,6 +161,8 @@ class SessionAffinityCostScorer(Scorer, PreRequestHook, ResponseCompleteHook):
             None if ttft else PredictedTTFTScorer(name, PluginParams(name, {}), context))
         self.sessions: SessionTable[SessionHome] = SessionTable(name, capacity=capacity, ttl_s=ttl_s,
                                                                 registry=context.metrics_registry)
+        self.footprint = SessionFootprint(name, window_s=active_window_s, capacity=capacity,
+                                          registry=context.metrics_registry)
         # Tokens written into each endpoint's KV cache by this picker's requests (monotonic).
         self.written: dict[str, float] = {}
         counter = _decisions(context.metrics_registry)
@@ -152,12 +173,13 @@ class SessionAffinityCostScorer(Scorer, PreRequestHook, ResponseCompleteHook):
         source = self.refs.get("ttftScorerName", "own calibration")
         return (f"tierSource={self.tier_source} gpuTierTokens={self.gpu_tier_tokens or 'scraped'} "
                 f"cpuTierTokens={self.cpu_tier_tokens} diskTierTokens={self.disk_tier_tokens} "
-                f"displacement={str(self.displacement).lower()} costs={source} maxSessions={self.sessions.capacity}")
+                f"displacement={str(self.displacement).lower()} crowding={str(self.crowding).lower()} "
+                f"activeWindow={self.footprint.sessions.ttl_s:g}s costs={source} maxSessions={self.sessions.capacity}")
 
     def debug_state(self) -> Mapping[str, Any]:
         """Sessions held and decisions taken (never session ids)."""
         return {"sessions": self.sessions.debug_state(), "decisions": dict(self.decisions),
-                "endpoints": len(self.written)}
+                "endpoints": len(self.written), "active": self.footprint.debug_state()}
 
     def plugin_refs(self) -> Mapping[str, str]:
         """The predicted-ttft-scorer `ttftScorerName` names (resolved by the loader)."""
@@ -242,6 +264,10 @@ class SessionAffinityCostScorer(Scorer, PreRequestHook, ResponseCompleteHook):
         now = time.monotonic() if now is None else now
         model = request.target_model
         total, placed = self.placement(state, request, endpoints, home)
+        if self.crowding:
+            self.footprint.sweep(now)
+            context = home.context_tokens if home is not None and home.context_tokens else self.footprint.mean_tokens()
+            joining = max(total, int(context))
         costs = {}
         for ep in endpoints:
             match = placed[ep.name]
@@ -250,7 +276,37 @@ class SessionAffinityCostScorer(Scorer, PreRequestHook, ResponseCompleteHook):
                 costs[ep.name] = t.ttft_s + t.displacement_s
             else:
                 costs[ep.name] = predictor.predict(ep, match, total, model, now)
+            if self.crowding and (home is None or ep.name != home.endpoint):
+                costs[ep.name] += self.crowding_s(ep, joining, model, now)
         return costs
+
+    def crowding_s(self, endpoint: Endpoint, joining: int, model: str, now: float) -> float:
+        """C(e): the expected reload and recompute of the active sessions' contexts that `joining` more tokens of
+        session context on `endpoint` push down a KV tier or out of all of them (seconds)."""
+        predictor = self.predictor
+        gpu = self._gpu_tokens(endpoint)
+        if predictor is None or gpu <= 0 or joining <= 0:
+            return 0.0
+        held = self.footprint.tokens_on(endpoint.name)
+
+        def pushed_past(capacity: int) -> int:
+            return max(0, held + joining - capacity) - max(0, held - capacity)
+
+        cpu_end = gpu + self.cpu_tier_tokens
+        disk_end = cpu_end + self.disk_tier_tokens
+        below_gpu, below_cpu, out = pushed_past(gpu), pushed_past(cpu_end), pushed_past(disk_end)
+        if not below_gpu:
+            return 0.0
+        coefficients = predictor.calibrator.coefficients(endpoint.name, model, now) if predictor.calibrate else None
+        if coefficients is not None:
+            prefill = coefficients[TERMS.index("prefill_seconds_per_token")]
+            cpu_load = coefficients[TERMS.index("cpu_load_seconds_per_token")]
+            disk_load = coefficients[TERMS.index("disk_load_seconds_per_token")]
+        else:
+            prefill, cpu_load, disk_load = (predictor.prefill_s_per_token, predictor.cpu_load_s_per_token,
+                                            predictor.disk_load_s_per_token)
+        seconds = (below_gpu - below_cpu) * cpu_load + (below_cpu - out) * disk_load + out * prefill
+        return predictor.reuse.rate() * seconds
 
     def margin_s(self, home: str, model: str) -> float:
         """How much cheaper another endpoint must be to take a session from its home: the home's prediction error."""
@@ -305,11 +361,13 @@ class SessionAffinityCostScorer(Scorer, PreRequestHook, ResponseCompleteHook):
         if home is None:
             self._decide("new")
             self.sessions.put(key.session, SessionHome(target, 0, self.written.get(target, 0.0), 1))
+            self.footprint.record(key.session, target, total)
             return
         self._decide("stay" if home.endpoint == target else "move")
         if home.endpoint != target:
             home.endpoint, home.context_tokens, home.inflight = target, 0, 0
         home.inflight += 1
+        self.footprint.record(key.session, target, max(total, home.context_tokens))
 
     def on_response_complete(self, state: CycleState, request: InferenceRequest, response: ResponseInfo,
                              target: Endpoint | None) -> None:
@@ -335,6 +393,7 @@ class SessionAffinityCostScorer(Scorer, PreRequestHook, ResponseCompleteHook):
         home.inflight = max(0, home.inflight - 1)
         if response.status.startswith("2") or completion:
             home.context_tokens = prompt + completion
+            self.footprint.record(pending.session, pending.endpoint, home.context_tokens)
         home.written_at = written
 
     def _forget_endpoints(self) -> None:

@@ -275,6 +275,73 @@ def test_a_new_sessions_first_turn_is_not_placed_by_calibration_noise():
     assert scores(plugin, state_for("new", cold)) == {A.name: 1.0, B.name: 1.0}
 
 
+def crowded_fleet(**params: object) -> SessionAffinityCostScorer:
+    """The test's fixed costs; A and B idle, each 1,600 GPU tokens and 2,000 CPU-tier tokens; A's active sessions
+    keep 3,000 tokens of context there between their turns, B's none."""
+    context = PluginContext(metrics_registry=CollectorRegistry())
+    predictor = make_plugin("predicted-ttft-scorer", COSTS, context=context)
+    plugin = make_plugin("session-affinity-cost-scorer", {"ttftScorerName": "predicted-ttft-scorer",
+                                                          "gpuTierTokens": 1600, "cpuTierTokens": 2000, **params},
+                         context=context)
+    assert isinstance(plugin, SessionAffinityCostScorer) and isinstance(predictor, PredictedTTFTScorer)
+    plugin.bind_plugins({"ttftScorerName": predictor})
+    for _ in range(10):  # half the fleet's recent prompt tokens came from cache
+        booking = context.load.pick(A.name, prompt_tokens=1000, uncached_tokens=500)
+        context.load.first_token(booking)
+        context.load.complete(booking, ResponseInfo(status="200", usage={
+            "prompt_tokens": 1000, "prompt_tokens_details": {"cached_tokens": 500}}))
+    for i in range(3):
+        plugin.sessions.put(f"active{i}", SessionHome(A.name, 1000))
+        plugin.footprint.record(f"active{i}", A.name, 1000)
+    return plugin
+
+
+def test_a_new_session_is_charged_the_contexts_it_would_push_out_of_a_crowded_replica():
+    plugin = crowded_fleet()
+    cold = {A.name: TierMatch(0, 0, 0, 1000), B.name: TierMatch(0, 0, 0, 1000)}
+    # A first turn of 1,000 tokens; the active sessions' mean context is 1,000 tokens. On A, 3,000 + 1,000
+    # tokens of context: 1,000 more beyond its GPU (into the CPU tier, 0.1 ms a token to load back) and 400
+    # of them beyond its 3,600 tokens of tiers (1 ms a token to prefill again), each read again with the
+    # fleet's reuse 0.5. B holds nothing: no charge. The prefill itself costs the same on both (1.01 s).
+    costs = plugin.costs(state_for("new", cold), turn(1000), [A, B], None)
+    assert costs[B.name] == pytest.approx(1.01)
+    assert costs[A.name] == pytest.approx(1.01 + 0.5 * (600 * 0.0001 + 400 * 0.001))
+    assert plugin.score(state_for("new", cold), turn(1000), [A, B])[B.name] == 1.0
+    assert plugin.score(state_for("new", cold), turn(1000), [A, B])[A.name] < 1.0
+
+
+def test_without_crowding_the_first_turn_is_a_tie():
+    plugin = crowded_fleet(crowding=False)
+    cold = {A.name: TierMatch(0, 0, 0, 1000), B.name: TierMatch(0, 0, 0, 1000)}
+    assert plugin.score(state_for("new", cold), turn(1000), [A, B]) == {A.name: 1.0, B.name: 1.0}
+
+
+def test_the_home_pays_no_crowding_for_the_session_it_already_holds():
+    plugin = crowded_fleet()
+    state = state_for("active0", {A.name: TierMatch(1000, 0, 0, 1200), B.name: TierMatch(0, 0, 0, 1200)})
+    costs = plugin.costs(state, turn(1200), [A, B], plugin.sessions.get("active0"))
+    assert costs[A.name] == pytest.approx(0.01 + 200 * 0.001)
+    assert costs[B.name] == pytest.approx(0.01 + 1200 * 0.001)  # B has room for the session's 1,200 tokens
+
+
+def test_sessions_idle_past_the_active_window_leave_the_footprint():
+    plugin = crowded_fleet(activeWindow="30s")
+    assert plugin.footprint.tokens_on(A.name) == 3000
+    plugin.footprint.sweep(time.monotonic() + 31)
+    assert plugin.footprint.tokens_on(A.name) == 0
+    assert plugin.footprint.sessions.evictions["idle"] == 3
+
+
+async def test_each_turn_moves_its_sessions_footprint_with_it():
+    fleet = Fleet()
+    home, other = await first_turn(fleet)
+    footprint, names = fleet.scorer.footprint, [ep.name for ep in fleet.pool]
+    assert footprint.tokens_on(names[home]) == 1200  # turn 1: 1,000 prompt + 200 output tokens
+    fleet.set(home, waiting_queue_size=2)
+    assert fleet.index_of(await fleet.send(turn(1500))) == other  # waiting costs more than moving
+    assert (footprint.tokens_on(names[home]), footprint.tokens_on(names[other])) == (0, 1700)
+
+
 def test_a_sub_agents_first_turn_prefers_its_parents_home_among_equals():
     plugin = scorer()
     plugin.sessions.put("parent", SessionHome(B.name, 500))
@@ -292,6 +359,9 @@ def test_the_session_table_is_bounded():
         plugin.pre_request(state, turn(10), SchedulingResult({"default": ProfileRunResult((A,))}, "default"))
         plugin.on_response_complete(state, turn(10), ResponseInfo(status="200"), A)
     assert len(plugin.sessions) == 100 and plugin.sessions.evictions["capacity"] == 4900
+    footprint = plugin.footprint.sessions
+    assert len(footprint) == 100 and footprint.evictions["capacity"] == 4900
+    assert plugin.footprint.tokens_on(A.name) == 100 * 10
 
 
 def test_the_named_cost_source_must_be_a_predicted_ttft_scorer():
