@@ -34,10 +34,12 @@ from bench.agentic.metrics import (
     session_metrics,
 )
 from bench.agentic.replay import PauseScale, ReplayResult, SessionResult, TurnResult
-from bench.agentic.report import comparison, load_runs, median_row, write_combined
+from bench.agentic.report import comparison, floor, load_runs, median_row, reachable_ratio, write_combined
+from bench.agentic.runner import scenario
 from bench.agentic.workload import AGENT_KINDS, Segment, SessionPlan, TurnPlan
 from bench.routing.contenders import Tuning
 from bench.routing.loadgen import RequestRecord
+from bench.routing.measure import percentile
 from epp.engine.sim.fleet import default_tokenizer_dir
 
 KIND = AGENT_KINDS[0]
@@ -204,6 +206,33 @@ def test_combined_runs_give_medians_and_claims_with_intervals(tmp_path):
     with pytest.raises(ValueError, match="not an agentic"):
         (tmp_path / "other.json").write_text(json.dumps({"scenario": "x"}))
         load_runs([tmp_path / "other.json"])
+
+
+def test_a_target_the_floor_rules_out_is_reported_as_such(tmp_path):
+    # The peer's completion p90 is 60 s and no program can finish its work sooner than its ideal: a floor p90 of
+    # 55 s means no router shows more than 60 / 55 = 1.09x against the peer, below the 1.3x target.
+    rng = random.Random(7)
+    runs = []
+    for _ in range(3):
+        doc = run_doc(rng, 0.95)
+        doc["floor"] = {"completion_p50": 18.0, "completion_p90": 55.0, "completion_p99": 80.0}
+        runs.append(doc)
+    assert reachable_ratio(runs, "vllm-router-kv-aware", "completion_p90", runs[0]["floor"]) == pytest.approx(60 / 55)
+    assert reachable_ratio(runs, "vllm-router-kv-aware", "ttft_p90", runs[0]["floor"]) is None
+    md = write_combined(runs, tmp_path / "combined", "cmd").read_text()
+    assert "| floor (every turn alone, context cached) | - | - | - | 18.0 | 55.0 | 80.0 |" in md
+    completion = next(line for line in md.splitlines() if "| program completion p90 | 1.3x |" in line)
+    assert "| 1.09x |" in completion and "the target is below the floor" in completion
+    ttft = next(line for line in md.splitlines() if "| turn TTFT p90 | 1.3x |" in line)
+    assert "below the floor" not in ttft
+
+
+def test_the_floor_is_the_programs_ideal_completion():
+    sc = scenario("knee", "tiny")
+    ideal = sorted(ideal_seconds(sc.plans, sc.pauses, sc.cost()).values())
+    bound = floor(sc)
+    assert bound["completion_p50"] == pytest.approx(percentile(ideal, 50))
+    assert ideal[0] <= bound["completion_p50"] <= bound["completion_p90"] <= bound["completion_p99"] <= ideal[-1]
 
 
 def test_cpu_bench_conversations_stay_around_their_context_and_the_fit_reads_the_slope():
