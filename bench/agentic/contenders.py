@@ -46,6 +46,12 @@ AGENTIC_CONTENDERS: dict[str, Contender] = {c.name: c for c in (
               "llm-d's agentic-serving guide pipeline through our loader (agent-identity, program-aware-fairness LAS "
               "0.8/0.2/0.99997 under concurrency-detector, GPU and CPU approximate prefix scorers 4 and 2, queue/kv/"
               "active-request 2, no-hit-lru 1)"),
+    Contender("epp-agentic+llmd-load", "epp", "sample:agentic+llmd-load",
+              "experiment: epp-agentic with llm-d's agentic load scorers added (queue, KV utilisation, active requests "
+              "2; no-hit-lru 1)"),
+    Contender("epp-agentic+no-prefix-scorer", "epp", "sample:agentic+no-prefix-scorer",
+              "experiment: epp-agentic without its prefix-cache-scorer (the session scorer's costs price the prefix; "
+              "first-turn ties go to the picker's most-free-cache tie-break)"),
     Contender("vllm-router-consistent-hash", "vllm-router", "consistent_hash",
               "vllm-router --policy consistent_hash (session id from x-session-id)"),
     Contender("vllm-router-sticky-least-loaded", "vllm-router", "sticky_least_loaded",

@@ -202,6 +202,34 @@ def _with_random_ties(config: str) -> str:
     return yaml.safe_dump(doc, sort_keys=False)
 
 
+# llm-d's agentic pipeline's load and recency scorers (its guide's weights), for an experiment adding them to ours.
+LLMD_LOAD_SCORERS = {"queue-scorer": 2, "kv-cache-utilization-scorer": 2, "active-request-scorer": 2,
+                     "no-hit-lru-scorer": 1}
+
+
+def _with_llmd_load(config: str) -> str:
+    """`config` with llm-d's agentic load scorers (queue, KV utilisation, active requests 2; no-hit-lru 1) in every
+    profile."""
+    doc = yaml.safe_load(config)
+    declared = {p.get("name", p["type"]) for p in doc["plugins"]}
+    doc["plugins"] += [{"type": t} for t in LLMD_LOAD_SCORERS if t not in declared]
+    for profile in doc["schedulingProfiles"]:
+        refs = profile["plugins"]
+        picker = next((i for i, r in enumerate(refs) if "picker" in r["pluginRef"]), len(refs))
+        refs[picker:picker] = [{"pluginRef": t, "weight": w} for t, w in LLMD_LOAD_SCORERS.items()]
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
+def _without_prefix_scorer(config: str) -> str:
+    """`config` with its prefix-cache-scorers taken out (where another scorer already prices the prefix)."""
+    doc = yaml.safe_load(config)
+    gone = {p.get("name", p["type"]) for p in doc["plugins"] if p["type"] == "prefix-cache-scorer"}
+    doc["plugins"] = [p for p in doc["plugins"] if p.get("name", p["type"]) not in gone]
+    for profile in doc["schedulingProfiles"]:
+        profile["plugins"] = [r for r in profile["plugins"] if r["pluginRef"] not in gone]
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
 def _with_precise_producer(config: str, t: Tuning) -> str:
     """`config` with its approximate prefix producer replaced by the precise one (KV events, the fleet's tokenizer)."""
     doc = yaml.safe_load(config)
@@ -311,6 +339,10 @@ def epp_config(kind: str, t: Tuning) -> str:
         return _with_random_ties(epp_config(kind.removesuffix("+random-ties"), t))
     if kind.endswith("+no-tie-break"):
         return _without_tie_break(epp_config(kind.removesuffix("+no-tie-break"), t))
+    if kind.endswith("+no-prefix-scorer"):
+        return _without_prefix_scorer(epp_config(kind.removesuffix("+no-prefix-scorer"), t))
+    if kind.endswith("+llmd-load"):
+        return _with_llmd_load(epp_config(kind.removesuffix("+llmd-load"), t))
     if kind.endswith("+head-first-index"):
         return _head_first_index(epp_config(kind.removesuffix("+head-first-index"), t))
     if kind.startswith("sample:"):
