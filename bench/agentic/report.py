@@ -192,6 +192,26 @@ def load_runs(paths: Sequence[Path]) -> list[dict[str, Any]]:
     return runs
 
 
+def join_runs(base: Sequence[dict[str, Any]], joining: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`base`'s runs with the k-th run of `joining` added to the k-th (a contender of both: `joining`'s row replaces
+    `base`'s): contenders measured at other times on the same workload, compared as if in one run."""
+    if len(base) != len(joining):
+        raise ValueError(f"cannot join {len(joining)} runs to {len(base)}: the runs pair one to one")
+    out = []
+    for mine, theirs in zip(base, joining):
+        if (mine["scenario"], mine["scale"], mine.get("workload")) != (theirs["scenario"], theirs["scale"],
+                                                                      theirs.get("workload")):
+            raise ValueError("runs of different workloads cannot be joined")
+        names = {r["name"] for r in theirs["results"]}
+        run = dict(mine)
+        run["results"] = [r for r in mine["results"] if r["name"] not in names] + list(theirs["results"])
+        run["joined"] = [*mine.get("joined", ()), {"contenders": sorted(names), "started": theirs.get("started"),
+                                                     "command": theirs.get("command")}]
+        run["floor"] = mine.get("floor") or theirs.get("floor")
+        out.append(run)
+    return out
+
+
 def _names(runs: Sequence[dict[str, Any]]) -> list[str]:
     return list(dict.fromkeys(r["name"] for run in runs for r in run["results"]))
 
@@ -333,6 +353,8 @@ def write_combined(runs: Sequence[dict[str, Any]], out: Path, command: str, run_
     for i, run in enumerate(runs):
         where = f" ({run_dirs[i]}/report.md)" if i < len(run_dirs) else ""
         lines.append(f"{i + 1}. started {run.get('started', '?')}: `{run.get('command', '?')}`{where}")
+        lines += [f"   - joined: {', '.join(j['contenders'])}, started {j.get('started') or '?'}: `{j.get('command') or '?'}`"
+                  for j in run.get("joined", ())]
     lines += ["", "## Medians over the runs", "",
               "| contender | runs | check | programs done | completion p50 (s) | p90 | p99 | slowdown p50 | Jain | "
               "TTFT p50 (s) | p90 | p99 | hit rate | good tok/s | router cores | router ms/turn | errors |",
@@ -369,5 +391,6 @@ def write_combined(runs: Sequence[dict[str, Any]], out: Path, command: str, run_
     return out / "report.md"
 
 
-__all__ = ["CLAIMS", "best", "cdf_plot", "claim_lines", "comparison", "floor", "knee_line", "load_runs", "median_row",
+__all__ = ["CLAIMS", "best", "cdf_plot", "claim_lines", "comparison", "floor", "join_runs", "knee_line", "load_runs",
+           "median_row",
            "reachable_ratio", "run_document", "write_combined", "write_run"]

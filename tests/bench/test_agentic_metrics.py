@@ -34,7 +34,15 @@ from bench.agentic.metrics import (
     session_metrics,
 )
 from bench.agentic.replay import PauseScale, ReplayResult, SessionResult, TurnResult
-from bench.agentic.report import comparison, floor, load_runs, median_row, reachable_ratio, write_combined
+from bench.agentic.report import (
+    comparison,
+    floor,
+    join_runs,
+    load_runs,
+    median_row,
+    reachable_ratio,
+    write_combined,
+)
 from bench.agentic.runner import scenario
 from bench.agentic.workload import AGENT_KINDS, Segment, SessionPlan, TurnPlan
 from bench.routing.contenders import Tuning
@@ -206,6 +214,25 @@ def test_combined_runs_give_medians_and_claims_with_intervals(tmp_path):
     with pytest.raises(ValueError, match="not an agentic"):
         (tmp_path / "other.json").write_text(json.dumps({"scenario": "x"}))
         load_runs([tmp_path / "other.json"])
+
+
+def test_contenders_run_later_join_the_runs_they_pair_with(tmp_path):
+    rng = random.Random(9)
+    base = [run_doc(rng, 0.5) for _ in range(3)]
+    later = [run_doc(rng, 0.8) for _ in range(3)]
+    for run in later:  # a later measurement of ours alone, same workload
+        run["results"] = [r for r in run["results"] if r["name"] == "epp-agentic"]
+        run["started"] = "later"
+    joined = join_runs(base, later)
+    assert [r["name"] for r in joined[0]["results"]] == ["vllm-router-kv-aware", "llmd-agentic", "epp-agentic"]
+    assert median_row(joined, "epp-agentic")["completion_p90"] == pytest.approx(0.8 * 60)  # the later row replaced
+    assert joined[1]["joined"] == [{"contenders": ["epp-agentic"], "started": "later", "command": "x"}]
+    assert "   - joined: epp-agentic, started later: `x`" in write_combined(joined, tmp_path / "j", "cmd").read_text()
+    with pytest.raises(ValueError, match="pair one to one"):
+        join_runs(base, later[:2])
+    other = [dict(run, scenario="light") for run in later]
+    with pytest.raises(ValueError, match="different workloads"):
+        join_runs(base, other)
 
 
 def test_a_target_the_floor_rules_out_is_reported_as_such(tmp_path):
