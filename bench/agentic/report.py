@@ -296,7 +296,7 @@ def claim_lines(runs: Sequence[dict[str, Any]]) -> list[str]:
                      "too few runs": f"no claim: {c.runs} run{'s' * (c.runs != 1)} (a claim needs {MIN_RUNS})"}[verdict]
             reachable = reachable_ratio(runs, other, metric, floors)
             if reachable is not None and reachable < target:
-                shown += f"; the target is below the floor (no router reaches more than {reachable:.2f}x)"
+                shown += f"; cannot be met here: it needs a time below the floor (no router reaches more than {reachable:.2f}x)"
             label = f"{other} (best peer)" if against == "best peer" else other
             lines.append(f"| {name} | {label} | {CLAIM_METRICS[metric].name} | {target:g}x | {c.describe()} | "
                          f"{'-' if reachable is None else f'{reachable:.2f}x'} | {shown} |")

@@ -249,7 +249,7 @@ def test_a_target_the_floor_rules_out_is_reported_as_such(tmp_path):
     md = write_combined(runs, tmp_path / "combined", "cmd").read_text()
     assert "| floor (every turn alone, context cached) | - | - | - | 18.0 | 55.0 | 80.0 |" in md
     completion = next(line for line in md.splitlines() if "| program completion p90 | 1.3x |" in line)
-    assert "| 1.09x |" in completion and "the target is below the floor" in completion
+    assert "| 1.09x |" in completion and "cannot be met here: it needs a time below the floor" in completion
     ttft = next(line for line in md.splitlines() if "| turn TTFT p90 | 1.3x |" in line)
     assert "below the floor" not in ttft
 
