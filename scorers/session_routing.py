@@ -47,9 +47,7 @@ plus what the recompute would evict there, and moves as soon as it is not. A req
 session (or a session's first turn) is scored on cost alone, costs within the fits' typical error
 of the cheapest counting as equal (the predictor's `tiesWithinError`), so calibration noise does
 not choose a new session's home. A sub-agent's first turn prefers
-its parent's home among equal costs (they share the agent's prefix). With `spreadNewSessions`
-(default false) a first turn's equal costs go to the endpoint whose active sessions keep the least
-context there first (the parent's home only among equally crowded ones).
+its parent's home among equal costs (they share the agent's prefix).
 
 Scores: min cost / cost(e) in (0, 1] (home's cost less the margin), like predicted-ttft-scorer.
 
@@ -107,9 +105,6 @@ DEFAULT_SESSION_TTL_S = 3600.0
 DEFAULT_ACTIVE_WINDOW_S = 120.0
 # A parent's home wins ties among a sub-agent's first-turn candidates by this share of a score.
 PARENT_TIE_BREAK = 1e-6
-# With `spreadNewSessions`, the least crowded of a first turn's equally cheap endpoints wins by up to this share
-# (above the parent's tie-break: a sub-agent joins its parent's home only among equally crowded ones).
-SPREAD_TIE_BREAK = 1e-3
 
 
 @dataclass(slots=True)
@@ -156,7 +151,6 @@ class SessionAffinityCostScorer(Scorer, PreRequestHook, ResponseCompleteHook):
         self.disk_tier_tokens = params.int("diskTierTokens", 0, minimum=0)
         self.displacement = params.bool("displacement", True)
         self.crowding = params.bool("crowding", True)
-        self.spread_new_sessions = params.bool("spreadNewSessions", False)
         active_window_s = params.duration("activeWindow", DEFAULT_ACTIVE_WINDOW_S)
         ttft = params.str("ttftScorerName", None)
         self.refs = {"ttftScorerName": ttft} if ttft else {}
@@ -338,24 +332,12 @@ class SessionAffinityCostScorer(Scorer, PreRequestHook, ResponseCompleteHook):
             costs = self.predictor.level_within_error(costs, request.target_model)
         best = min(costs.values())
         scores = {name: best / cost if cost > 0 else 1.0 for name, cost in costs.items()}
-        if home is None and self.spread_new_sessions:
-            scores = self.spread(scores)
         if home is None and key is not None and key.parent is not None:
             parent = self.sessions.get(key.parent, touch=False)
             if parent is not None and parent.endpoint in scores:
                 scores = {name: value if name == parent.endpoint else value * (1.0 - PARENT_TIE_BREAK)
                           for name, value in scores.items()}
         return scores
-
-    def spread(self, scores: dict[str, float]) -> dict[str, float]:
-        """Among the endpoints tied at the best score, the one whose active sessions keep the least context first."""
-        best = max(scores.values())
-        held = {name: self.footprint.tokens_on(name) for name, value in scores.items() if value == best}
-        least, most = min(held.values()), max(held.values())
-        if most <= least:
-            return scores
-        return {name: value * (1.0 - SPREAD_TIE_BREAK * (held[name] - least) / most) if name in held else value
-                for name, value in scores.items()}
 
     # -- history ------------------------------------------------------------------------------
 

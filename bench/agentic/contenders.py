@@ -52,9 +52,6 @@ AGENTIC_CONTENDERS: dict[str, Contender] = {c.name: c for c in (
     Contender("epp-agentic+no-prefix-scorer", "epp", "sample:agentic+no-prefix-scorer",
               "experiment: epp-agentic without its prefix-cache-scorer (the session scorer's costs price the prefix; "
               "first-turn ties go to the picker's most-free-cache tie-break)"),
-    Contender("epp-agentic+spread", "epp", "sample:agentic+spread",
-              "experiment: epp-agentic whose new sessions take the least crowded of the equally cheap replicas "
-              "(spreadNewSessions), without its prefix-cache-scorer"),
     Contender("vllm-router-consistent-hash", "vllm-router", "consistent_hash",
               "vllm-router --policy consistent_hash (session id from x-session-id)"),
     Contender("vllm-router-sticky-least-loaded", "vllm-router", "sticky_least_loaded",

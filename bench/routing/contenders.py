@@ -339,10 +339,6 @@ def epp_config(kind: str, t: Tuning) -> str:
         return _with_random_ties(epp_config(kind.removesuffix("+random-ties"), t))
     if kind.endswith("+no-tie-break"):
         return _without_tie_break(epp_config(kind.removesuffix("+no-tie-break"), t))
-    if kind.endswith("+spread"):
-        # A first turn's ties to the least crowded endpoint, with no prefix scorer to take them first.
-        return _with_parameter(_without_prefix_scorer(epp_config(kind.removesuffix("+spread"), t)),
-                               "session-affinity-cost-scorer", "spreadNewSessions", True)
     if kind.endswith("+no-prefix-scorer"):
         return _without_prefix_scorer(epp_config(kind.removesuffix("+no-prefix-scorer"), t))
     if kind.endswith("+llmd-load"):

@@ -342,24 +342,6 @@ async def test_each_turn_moves_its_sessions_footprint_with_it():
     assert (footprint.tokens_on(names[home]), footprint.tokens_on(names[other])) == (0, 1700)
 
 
-def test_spreading_sends_a_new_session_to_the_least_crowded_of_equally_cheap_replicas():
-    plugin = scorer(spreadNewSessions=True)
-    plugin.footprint.record("busy", A.name, 5000)
-    plugin.footprint.record("quiet", B.name, 1000)
-    # Both idle, neither holds the prompt: equal costs. B's active sessions keep less context there.
-    cold = {A.name: TierMatch(0, 0, 0, 2000), B.name: TierMatch(0, 0, 0, 2000)}
-    result = scores(plugin, state_for("new", cold))
-    assert result[B.name] == 1.0 and result[A.name] < 1.0
-    # A sub-agent too: its parent's home A is the more crowded.
-    plugin.sessions.put("parent", SessionHome(A.name, 500))
-    state = state_for("child", cold)
-    state.put(SESSION, SessionKey("child", "parent", "x-session-id"))
-    result = plugin.score(state, turn(2000), [A, B])
-    assert result[B.name] > result[A.name]
-    # Without spreading the costs tie.
-    assert scores(scorer(), state_for("new", cold)) == {A.name: 1.0, B.name: 1.0}
-
-
 def test_a_sub_agents_first_turn_prefers_its_parents_home_among_equals():
     plugin = scorer()
     plugin.sessions.put("parent", SessionHome(B.name, 500))
