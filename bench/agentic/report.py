@@ -353,8 +353,8 @@ def write_combined(runs: Sequence[dict[str, Any]], out: Path, command: str, run_
     for i, run in enumerate(runs):
         where = f" ({run_dirs[i]}/report.md)" if i < len(run_dirs) else ""
         lines.append(f"{i + 1}. started {run.get('started', '?')}: `{run.get('command', '?')}`{where}")
-        lines += [f"   - joined: {', '.join(j['contenders'])}, started {j.get('started') or '?'}: `{j.get('command') or '?'}`"
-                  for j in run.get("joined", ())]
+        lines += [f"   - joined (replacing any row of the same name): {', '.join(j['contenders'])}, started "
+                  f"{j.get('started') or '?'}: `{j.get('command') or '?'}`" for j in run.get("joined", ())]
     lines += ["", "## Medians over the runs", "",
               "| contender | runs | check | programs done | completion p50 (s) | p90 | p99 | slowdown p50 | Jain | "
               "TTFT p50 (s) | p90 | p99 | hit rate | good tok/s | router cores | router ms/turn | errors |",

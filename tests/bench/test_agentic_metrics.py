@@ -227,7 +227,8 @@ def test_contenders_run_later_join_the_runs_they_pair_with(tmp_path):
     assert [r["name"] for r in joined[0]["results"]] == ["vllm-router-kv-aware", "llmd-agentic", "epp-agentic"]
     assert median_row(joined, "epp-agentic")["completion_p90"] == pytest.approx(0.8 * 60)  # the later row replaced
     assert joined[1]["joined"] == [{"contenders": ["epp-agentic"], "started": "later", "command": "x"}]
-    assert "   - joined: epp-agentic, started later: `x`" in write_combined(joined, tmp_path / "j", "cmd").read_text()
+    md = write_combined(joined, tmp_path / "j", "cmd").read_text()
+    assert "   - joined (replacing any row of the same name): epp-agentic, started later: `x`" in md
     with pytest.raises(ValueError, match="pair one to one"):
         join_runs(base, later[:2])
     other = [dict(run, scenario="light") for run in later]
