@@ -12,7 +12,6 @@ the window, its metrics under the owning plugin's name with `:active`); the sums
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
@@ -31,12 +30,11 @@ class Footprint:
 class SessionFootprint:
     """Per endpoint, the context tokens of the sessions homed there and active within `window_s`."""
 
-    def __init__(self, table: str, *, window_s: float, capacity: int, registry: CollectorRegistry | None = None,
-                 clock: Callable[[], float] | None = None) -> None:
-        kwargs = {"clock": clock} if clock is not None else {}
+    def __init__(self, table: str, *, window_s: float, capacity: int, registry: CollectorRegistry | None = None) -> None:
         self.sessions: SessionTable[Footprint] = SessionTable(
-            f"{table}:active", capacity=capacity, ttl_s=window_s, registry=registry, on_evict=self._forget, **kwargs)
+            f"{table}:active", capacity=capacity, ttl_s=window_s, registry=registry, on_evict=self._forget)
         self.by_endpoint: dict[str, int] = {}
+        self.total = 0
 
     def record(self, session: str, endpoint: str, tokens: int, now: float | None = None) -> None:
         """`session` is active now, homed on `endpoint` with `tokens` of context there."""
@@ -44,6 +42,7 @@ class SessionFootprint:
         if old is not None:
             self._forget(session, old)
         self.by_endpoint[endpoint] = self.by_endpoint.get(endpoint, 0) + tokens
+        self.total += tokens
         self.sessions.put(session, Footprint(endpoint, tokens), now)
 
     def tokens_on(self, endpoint: str) -> int:
@@ -52,7 +51,7 @@ class SessionFootprint:
 
     def mean_tokens(self) -> float:
         """The mean context of an active session (0 with none): what a new session is expected to grow to."""
-        return sum(self.by_endpoint.values()) / len(self.sessions) if len(self.sessions) else 0.0
+        return self.total / len(self.sessions) if len(self.sessions) else 0.0
 
     def sweep(self, now: float | None = None) -> None:
         """Drop the sessions idle past the window (amortised O(1))."""
@@ -63,6 +62,7 @@ class SessionFootprint:
         return {**self.sessions.debug_state(), "tokens_by_endpoint": dict(self.by_endpoint)}
 
     def _forget(self, _session: str, footprint: Footprint) -> None:
+        self.total -= footprint.tokens
         left = self.by_endpoint.get(footprint.endpoint, 0) - footprint.tokens
         if left > 0:
             self.by_endpoint[footprint.endpoint] = left

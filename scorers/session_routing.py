@@ -21,9 +21,9 @@ For each candidate endpoint e the scorer predicts what the turn costs there, in 
           pushes the part beyond e's GPU tokens to its CPU (then disk) tier and the part beyond all
           tiers out: each such token is read again with the fleet's reuse rate, at e's CPU-load (disk:
           disk-load) or prefill cost per token. The home pays none (the session is counted there).
-          Without it, every replica's queue looked alike at a first turn, the tie went to the
-          replica holding the agent kind's prefix, and one replica hosted twice the sessions of
-          another (1.45-1.73x the mean of turns per replica at the agentic knee) and evicted them.
+          Without it a first turn saw only queues, alike on every replica while sessions pause, and
+          a move only the turn's own blocks (at the agentic knee, with it: 9-13 % of the later turns
+          moved instead of 15-19 %, bench/notes/2026-12-round4-measurements.md).
 
 Where the turn's tokens are cached on each endpoint:
 - `tierSource: events`: `PREFIX_TIER_MATCH` as the precise producer publishes it from the
