@@ -45,7 +45,7 @@ from bench.agentic.report import (
 )
 from bench.agentic.runner import scenario
 from bench.agentic.workload import AGENT_KINDS, Segment, SessionPlan, TurnPlan
-from bench.routing.contenders import Tuning
+from bench.routing.contenders import Tuning, epp_config
 from bench.routing.loadgen import RequestRecord
 from bench.routing.measure import percentile
 from epp.engine.sim.fleet import default_tokenizer_dir
@@ -166,6 +166,25 @@ def test_epp_agentic_is_told_the_cpu_tier_and_a_refused_config_gives_the_loader_
     why = refusal(replace(c, variant=f"file:{broken}"), tuning())
     assert why is not None and "no-such-plugin" in why
     assert refusal(resolve("round-robin"), tuning()) is None
+
+
+def profile_scorers(name: str) -> dict[str, int]:
+    """The default profile's plugin weights of agentic contender `name`, once our loader took its config."""
+    c = resolve(name)
+    assert c is not None and refusal(c, tuning()) is None
+    doc = yaml.safe_load(epp_config(c.variant, tuning()))
+    return {r["pluginRef"]: r.get("weight", 1) for r in doc["schedulingProfiles"][0]["plugins"]}
+
+
+def test_the_experiments_add_llm_ds_load_scorers_or_drop_the_prefix_scorer():
+    base = profile_scorers("epp-agentic")
+    assert base == {"session-affinity-cost-scorer": 3, "prefix-cache-scorer": 1, "max-score-picker": 1}
+    loaded = profile_scorers("epp-agentic+llmd-load")
+    assert loaded == {**base, "queue-scorer": 2, "kv-cache-utilization-scorer": 2, "active-request-scorer": 2,
+                      "no-hit-lru-scorer": 1}
+    assert list(loaded)[-1] == "max-score-picker"  # the scorers go before the picker
+    assert profile_scorers("epp-agentic+no-prefix-scorer") == {"session-affinity-cost-scorer": 3,
+                                                               "max-score-picker": 1}
 
 
 def run_doc(rng: random.Random, ours_scale: float, name_ours: str = "epp-agentic") -> dict:
