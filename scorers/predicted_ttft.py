@@ -404,11 +404,18 @@ class PredictedTTFTScorer(Scorer):
             return
         t.reuse = self.reuse.rate()
         if endpoint.metrics.cache_num_cpu_blocks > 0:
-            per_token = (self.calibrator.coefficients(endpoint.name, model, now)[TERMS.index("cpu_load_seconds_per_token")]
-                         if self.calibrate else self.cpu_load_s_per_token)
+            per_token = self.token_costs(endpoint, model, now)[1]
         else:
             per_token = t.prefill_s_per_token
         t.displacement_s = self.displacement_weight * t.reuse * t.evicted_blocks * block * per_token
+
+    def token_costs(self, endpoint: Endpoint, model: str = "", now: float | None = None) -> tuple[float, float, float]:
+        """(prefill, CPU-tier load, disk-tier load) seconds per token on `endpoint`: learned, or the configured ones."""
+        if not self.calibrate:
+            return self.prefill_s_per_token, self.cpu_load_s_per_token, self.disk_load_s_per_token
+        c = self.calibrator.coefficients(endpoint.name, model, now)
+        return (c[TERMS.index("prefill_seconds_per_token")], c[TERMS.index("cpu_load_seconds_per_token")],
+                c[TERMS.index("disk_load_seconds_per_token")])
 
     def predict_latency(self, state: CycleState, request: InferenceRequest,
                         endpoints: Sequence[Endpoint]) -> tuple[float, float]:

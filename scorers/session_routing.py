@@ -95,7 +95,6 @@ from epp.framework import (
 from epp.scorers.predicted_ttft import PredictedTTFTScorer
 from epp.scorers.session_footprint import SessionFootprint
 from epp.scorers.session_table import DEFAULT_CAPACITY, SessionTable
-from epp.scorers.ttft_calibration import TERMS
 
 TIER_SOURCES = ("history", "events")
 DECISIONS = ("stay", "move", "new", "none")
@@ -297,14 +296,7 @@ class SessionAffinityCostScorer(Scorer, PreRequestHook, ResponseCompleteHook):
         below_gpu, below_cpu, out = pushed_past(gpu), pushed_past(cpu_end), pushed_past(disk_end)
         if not below_gpu:
             return 0.0
-        coefficients = predictor.calibrator.coefficients(endpoint.name, model, now) if predictor.calibrate else None
-        if coefficients is not None:
-            prefill = coefficients[TERMS.index("prefill_seconds_per_token")]
-            cpu_load = coefficients[TERMS.index("cpu_load_seconds_per_token")]
-            disk_load = coefficients[TERMS.index("disk_load_seconds_per_token")]
-        else:
-            prefill, cpu_load, disk_load = (predictor.prefill_s_per_token, predictor.cpu_load_s_per_token,
-                                            predictor.disk_load_s_per_token)
+        prefill, cpu_load, disk_load = predictor.token_costs(endpoint, model, now)
         seconds = (below_gpu - below_cpu) * cpu_load + (below_cpu - out) * disk_load + out * prefill
         return predictor.reuse.rate() * seconds
 
