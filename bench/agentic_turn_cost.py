@@ -20,8 +20,8 @@ compared and summed:
   nothing but answer them (`bench/minimal_picker.py`'s least work, re-emitting in GIE's pieces):
   its CPU, from /proc, is what any Python ext_proc picker pays to take and answer them.
 - **floor**: what no implementation of the precise pick in CPython avoids per turn: the server's
-  transport, tokenizing the turn's new text (the simulator's tokenizer, `encode_batch` of the
-  new part alone), hashing its new blocks (our xxhash64 chain), decoding and applying its KV events.
+  transport, tokenizing the turn's new text (the simulator's tokenizer, `encode_batch_fast` of the
+  new part alone: ids without offsets), hashing its new blocks (our xxhash64 chain), decoding and applying its KV events.
 
 Conversations are `bench/agentic_cpu.py`'s (prefixes of 10-18k tokens, 0.8-1.2x `--context`,
 replies and tool results from the agentic generator's full-scale distributions, compaction past
@@ -195,7 +195,7 @@ async def measure_pick(args: argparse.Namespace) -> dict[str, Any]:
                     # The floor's parts: the new text alone tokenized, its new blocks alone hashed.
                     new_text = prompt[len(before):] if prompt.startswith(before) else prompt
                     t0 = cpu()
-                    new_ids = tokenizer.tokenizer.encode_batch([new_text], add_special_tokens=False)[0].ids
+                    new_ids = tokenizer.tokenizer.encode_batch_fast([new_text], add_special_tokens=False)[0].ids
                     tokenize_new = cpu() - t0
                     new_blocks = len(new_ids) // BLOCK
                     t0 = cpu()

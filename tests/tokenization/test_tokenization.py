@@ -116,6 +116,54 @@ def test_cached_extensions_equal_full_tokenization_for_random_texts(model_dir):
     assert cache.stats.reused_tokens > 0
 
 
+def _counting_encoders(tok):
+    """A raw encoder (ids and offsets) and an ids-only one over `tok`, counting the characters each is given."""
+    given = {"raw": 0, "ids": 0}
+
+    def raw(text):
+        given["raw"] += len(text)
+        enc = tok.encode(text, add_special_tokens=False)
+        return enc.ids, [o[0] for o in enc.offsets], [o[1] for o in enc.offsets]
+
+    def ids_only(text):
+        given["ids"] += len(text)
+        return tok.encode_batch_fast([text], add_special_tokens=False)[0].ids
+
+    return raw, ids_only, given
+
+
+def test_long_turns_are_tokenized_without_offsets_and_equal_full_tokenization(model_dir):
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    raw, ids_only, given = _counting_encoders(tok)
+    cache = TokenizationCache(2_000_000, min_chars=256)
+    rng = random.Random(11)
+    for _ in range(8):
+        text = _random_text(rng, rng.randint(800, 2000))
+        for _turn in range(6):
+            # a turn's reply and tool result: thousands of characters, joined at an arbitrary character
+            text = text + _random_text(rng, rng.randint(300, 1200))[rng.randint(0, 3):]
+            assert list(cache.encode(text, raw, ids_only)) == tok.encode(text, add_special_tokens=False).ids
+    assert cache.stats.prefix_hits >= 40 and cache.stats.fallbacks <= 8
+    # Offsets were computed for the ends and around the cuts only; the bulk went without them.
+    assert given["raw"] < given["ids"] / 3
+
+
+def test_a_prompt_that_departs_before_the_kept_offsets_is_tokenized_whole(model_dir):
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    raw, ids_only, _ = _counting_encoders(tok)
+    cache = TokenizationCache(2_000_000, min_chars=256, tail_chars=512)
+    rng = random.Random(5)
+    head = _random_text(rng, 2000)
+    first = head + _random_text(rng, 200)
+    cache.encode(first, raw, ids_only)
+    # shares more than half of the cached text, but departs long before its last 512 characters
+    edited = first[: len(head)] + " rewritten " + _random_text(rng, 600)
+    assert list(cache.encode(edited, raw, ids_only)) == tok.encode(edited, add_special_tokens=False).ids
+    assert cache.stats.fallbacks == 1 and cache.stats.prefix_hits == 0
+
+
 async def test_multi_turn_chat_equals_full_tokenization_and_hits_the_cache(pool, model_dir):
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
