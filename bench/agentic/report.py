@@ -22,6 +22,7 @@ from typing import Any
 from bench.agentic.contenders import LLMD, is_ours, is_peer
 from bench.agentic.metrics import CLAIM_METRICS, ideal_seconds, run_samples
 from bench.agentic.runner import AgenticScenario
+from bench.routing.combine import join_runs
 from bench.routing.confidence import MIN_RUNS, Comparison, compare
 from bench.routing.measure import percentile
 
@@ -190,26 +191,6 @@ def load_runs(paths: Sequence[Path]) -> list[dict[str, Any]]:
     if len({(r["scenario"], r["scale"]) for r in runs}) > 1:
         raise ValueError("runs of different scenarios cannot be combined")
     return runs
-
-
-def join_runs(base: Sequence[dict[str, Any]], joining: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`base`'s runs with the k-th run of `joining` added to the k-th (a contender of both: `joining`'s row replaces
-    `base`'s): contenders measured at other times on the same workload, compared as if in one run."""
-    if len(base) != len(joining):
-        raise ValueError(f"cannot join {len(joining)} runs to {len(base)}: the runs pair one to one")
-    out = []
-    for mine, theirs in zip(base, joining):
-        if (mine["scenario"], mine["scale"], mine.get("workload")) != (theirs["scenario"], theirs["scale"],
-                                                                      theirs.get("workload")):
-            raise ValueError("runs of different workloads cannot be joined")
-        names = {r["name"] for r in theirs["results"]}
-        run = dict(mine)
-        run["results"] = [r for r in mine["results"] if r["name"] not in names] + list(theirs["results"])
-        run["joined"] = [*mine.get("joined", ()), {"contenders": sorted(names), "started": theirs.get("started"),
-                                                     "command": theirs.get("command")}]
-        run["floor"] = mine.get("floor") or theirs.get("floor")
-        out.append(run)
-    return out
 
 
 def _names(runs: Sequence[dict[str, Any]]) -> list[str]:

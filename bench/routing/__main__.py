@@ -11,7 +11,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from bench.routing.combine import load_runs, write_combined
+from bench.routing.combine import join_runs, load_runs, write_combined
 from bench.routing.contenders import CONTENDERS
 from bench.routing.experiments import FAMILIES, known
 from bench.routing.loadgen import Stage
@@ -73,12 +73,17 @@ def main(argv: list[str] | None = None) -> int:
                                           "into one result with 95 % intervals")
     comb.add_argument("runs", nargs="+", help="result folders (each with a results.json)")
     comb.add_argument("--out", required=True, help="output folder")
+    comb.add_argument("--join", action="append", default=[], metavar="RUNS",
+                      help="contenders measured later on the same workload: this result's k-th run joins the "
+                           "k-th run of the others (repeatable; the run counts must match)")
     sub.add_parser("list", help="list scenarios, contenders and experiments")
     args = parser.parse_args(argv)
     command = "python -m bench.routing " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     if args.command == "combine":
         try:
             runs = load_runs(Path(p) for p in args.runs)
+            for more in args.join:
+                runs = join_runs(runs, load_runs([Path(more)]))
         except (ValueError, KeyError, OSError) as exc:
             parser.error(str(exc))
         print(f"report: {write_combined(runs, Path(args.out), command)}")

@@ -67,6 +67,26 @@ def contenders(runs: Sequence[dict[str, Any]]) -> list[str]:
     return list(dict.fromkeys(r["name"] for run in runs for r in run["results"]))
 
 
+def join_runs(base: Sequence[dict[str, Any]], joining: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`base`'s runs with the k-th run of `joining` added to the k-th (a contender of both: `joining`'s row replaces
+    `base`'s): contenders measured at other times on the same workload, compared as if in one run."""
+    if len(base) != len(joining):
+        raise ValueError(f"cannot join {len(joining)} runs to {len(base)}: the runs pair one to one")
+    out = []
+    for mine, theirs in zip(base, joining):
+        if (mine["scenario"], mine["scale"], mine.get("workload")) != (theirs["scenario"], theirs["scale"],
+                                                                      theirs.get("workload")):
+            raise ValueError("runs of different workloads cannot be joined")
+        names = {r["name"] for r in theirs["results"]}
+        run = dict(mine)
+        run["results"] = [r for r in mine["results"] if r["name"] not in names] + list(theirs["results"])
+        run["joined"] = [*mine.get("joined", ()), {"contenders": sorted(names), "started": theirs.get("started"),
+                                                     "command": theirs.get("command")}]
+        run["floor"] = mine.get("floor") or theirs.get("floor")
+        out.append(run)
+    return out
+
+
 def combined_row(runs: Sequence[dict[str, Any]], name: str) -> dict[str, Any]:
     """One contender over the runs: medians of its summaries, the worst validity, how many runs measured it."""
     rows = [r for run in runs if (r := _result(run, name)) is not None]
@@ -190,4 +210,4 @@ def write_combined(runs: Sequence[dict[str, Any]], out_dir: Path, command: str,
 
 
 __all__ = ["best_peer", "claim_lines", "combined", "combined_row", "comparison", "contenders", "is_peer",
-           "load_runs", "samples", "write_combined"]
+           "join_runs", "load_runs", "samples", "write_combined"]

@@ -64,3 +64,21 @@ def test_close_contenders_read_as_a_tie_and_other_scenarios_do_not_mix(tmp_path)
         load_runs([a, b])
     with pytest.raises(ValueError, match="no results.json"):
         load_runs([tmp_path / "nothing"])
+
+
+def test_contenders_measured_later_join_the_runs_one_to_one(tmp_path):
+    peers = write(tmp_path / "peers", combined(
+        [run(f"2026-12-0{i} 10:00:00 UTC", {"epp-approx": 0.5, "vllm-router-kv-aware": 0.3}, i) for i in (1, 2, 3)],
+        "python -m bench.routing run x --repeats 3"))
+    ours = write(tmp_path / "ours", combined(
+        [run(f"2026-12-0{i} 12:00:00 UTC", {"epp-approx": 0.1}, 20 + i) for i in (1, 2, 3)],
+        "python -m bench.routing run x --contenders epp-approx --repeats 3"))
+    assert main(["combine", str(peers), "--join", str(ours), "--out", str(tmp_path / "joined")]) == 0
+    runs = load_runs([tmp_path / "joined"])
+    assert len(runs) == 3  # joined run by run, not appended as three more runs
+    # the later measurement replaces the earlier row of the same contender, and pairs with the peer's
+    assert comparison(runs, "epp-approx", "vllm-router-kv-aware").verdict() == "met"
+    assert runs[0]["joined"][0]["contenders"] == ["epp-approx"]
+    two = write(tmp_path / "two", combined(runs[:2], "x"))
+    with pytest.raises(SystemExit):
+        main(["combine", str(peers), "--join", str(two), "--out", str(tmp_path / "bad")])
