@@ -1000,6 +1000,14 @@ ROWS: list[Row] = [
                 "--rounds 6",
         date="2026-12-07",
         notes=("2026-12-round4-measurements.md#parse-and-pick-of-a-2-kb-chat-request-before-and-after-the-parser-home-41",)),
+    Row(COST, "≥ 50 routed 100k-token agentic turns per picker CPU-second, precise prefix, through Envoy (#43)",
+        "in-process, the whole turn (pick, KV events, transport): 50 and 58 a CPU-second, 40 and 41 before the bulk "
+        "went without offsets; through Envoy with 100 simulated replicas on the same 2 cores: 14–20",
+        verdict="**not met** through Envoy on this machine; in-process met",
+        command="python bench/agentic_turn_cost.py; python bench/agentic_cpu.py --pipelines epp-precise "
+                "--conversations 20 --rates 1,2 --seconds 12 --short-rates '' --responses first-token",
+        date="2026-12-07",
+        notes=("2026-12-round4-measurements.md#the-pickers-cpu-per-agentic-turn-the-bulk-tokenized-without-offsets-43",)),
 ]
 
 
