@@ -454,6 +454,27 @@ ROWS: list[Row] = [
         claims="[(vs(F, n, 'round-robin'), 1 / 1.05) for n in RECOMMENDED]",
         verdict="the ratio is round-robin's p90 over the pipeline's (the target: every interval's low end at or "
                 "above 1 / 1.05)"),
+    Row(ROUTING, "bursts past the knee (3 req/s, bursts of 24 req/s): SLO dispatch on and off against the peers, "
+                 "llm-d's optimized-baseline among them; no target (#42)",
+        "TTFT p90 (median of 3 runs) and requests within the 1 s objective: `epp-precise-ttft` "
+        "{sec(p90(F, 'epp-precise-ttft'))}, {pct(gp(F, 'epp-precise-ttft', 'good') / gp(F, 'epp-precise-ttft', 'requests'))} "
+        "({ci(vs(F, 'epp-precise-ttft', 'llmd-optimized-baseline'))} against llm-d's); `epp-slo` (dispatch on) "
+        "{sec(p90(F, 'epp-slo'))}, {pct(gp(F, 'epp-slo', 'good') / gp(F, 'epp-slo', 'requests'))} with "
+        "{fmt(gp(F, 'epp-slo', 'rejected'))} shed ({ci(vs(F, 'epp-slo', 'llmd-optimized-baseline'))}); `epp-approx-ttft` "
+        "(dispatch off) {sec(p90(F, 'epp-approx-ttft'))}, {pct(gp(F, 'epp-approx-ttft', 'good') / gp(F, 'epp-approx-ttft', 'requests'))} "
+        "({ci(vs(F, 'epp-approx-ttft', 'llmd-optimized-baseline'))}); llmd-optimized-baseline "
+        "{sec(p90(F, 'llmd-optimized-baseline'))}, "
+        "{pct(gp(F, 'llmd-optimized-baseline', 'good') / gp(F, 'llmd-optimized-baseline', 'requests'))}; "
+        "sglang-router cache_aware {sec(p90(F, 'sglang-router-cache-aware'))}, vllm-router kv_aware "
+        "{sec(p90(F, 'vllm-router-kv-aware'))}",
+        ("bursty-quiet",),
+        verdict="measured; the approximate predicted-TTFT pipeline moves prefix groups during bursts and trails "
+                "llm-d's pipeline ([note](notes/2026-12-round4-measurements.md#bursts-past-the-knee-three-runs-with-"
+                "llm-ds-optimized-baseline-42))",
+        command="python -m bench.routing run bursty --scale small --contenders epp-slo,epp-approx-ttft,"
+                "llmd-optimized-baseline,sglang-router-cache-aware,vllm-router-kv-aware --slo-ttft-ms 1000 "
+                "--sensitive-share 0.1 --sensitive-ttft-ms 500 --repeats 3 (then epp-precise-ttft the same, "
+                "joined: combine PEERS --join OURS)"),
     Row(ROUTING, "agentic long context: no target, measured once (#11)",
         "best `epp-approx-ttft` {sec(p90(F, 'epp-approx-ttft'))} against {best_peer(F)} {sec(p90(F, best_peer(F)))} "
         "({ratio(p90(F, best_peer(F)) / p90(F, 'epp-approx-ttft'))}); best hit rate `epp-precise` "
