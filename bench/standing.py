@@ -469,8 +469,8 @@ ROWS: list[Row] = [
         "{sec(p90(F, 'vllm-router-kv-aware'))}",
         ("bursty-quiet",),
         verdict="measured; the approximate predicted-TTFT pipeline moves prefix groups during bursts and trails "
-                "llm-d's pipeline ([note](notes/2026-12-round4-measurements.md#bursts-past-the-knee-three-runs-with-"
-                "llm-ds-optimized-baseline-42))",
+                "llm-d's pipeline "
+                "([note](notes/2026-12-round4-measurements.md#bursts-past-the-knee-three-runs-with-llm-ds-optimized-baseline-42))",
         command="python -m bench.routing run bursty --scale small --contenders epp-slo,epp-approx-ttft,"
                 "llmd-optimized-baseline,sglang-router-cache-aware,vllm-router-kv-aware --slo-ttft-ms 1000 "
                 "--sensitive-share 0.1 --sensitive-ttft-ms 500 --repeats 3 (then epp-precise-ttft the same, "

@@ -22,9 +22,10 @@ from pathlib import Path
 
 from bench.agentic.contenders import default_contenders, known_names, resolve
 from bench.agentic.replay import PauseScale
-from bench.agentic.report import join_runs, load_runs, write_combined, write_run
+from bench.agentic.report import load_runs, write_combined, write_run
 from bench.agentic.runner import LOADS, SCALE_SETTINGS, SCALES, AgenticScenario, one_line, run_all, scenario
 from bench.agentic.workload import PRESETS, summarize_plans
+from bench.routing.combine import join_runs
 from bench.routing.traces import TraceReplay
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"

@@ -22,7 +22,6 @@ from typing import Any
 from bench.agentic.contenders import LLMD, is_ours, is_peer
 from bench.agentic.metrics import CLAIM_METRICS, ideal_seconds, run_samples
 from bench.agentic.runner import AgenticScenario
-from bench.routing.combine import join_runs
 from bench.routing.confidence import MIN_RUNS, Comparison, compare
 from bench.routing.measure import percentile
 
@@ -372,6 +371,6 @@ def write_combined(runs: Sequence[dict[str, Any]], out: Path, command: str, run_
     return out / "report.md"
 
 
-__all__ = ["CLAIMS", "best", "cdf_plot", "claim_lines", "comparison", "floor", "join_runs", "knee_line", "load_runs",
+__all__ = ["CLAIMS", "best", "cdf_plot", "claim_lines", "comparison", "floor", "knee_line", "load_runs",
            "median_row",
            "reachable_ratio", "run_document", "write_combined", "write_run"]

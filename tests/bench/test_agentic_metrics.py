@@ -37,7 +37,6 @@ from bench.agentic.replay import PauseScale, ReplayResult, SessionResult, TurnRe
 from bench.agentic.report import (
     comparison,
     floor,
-    join_runs,
     load_runs,
     median_row,
     reachable_ratio,
@@ -45,6 +44,7 @@ from bench.agentic.report import (
 )
 from bench.agentic.runner import scenario
 from bench.agentic.workload import AGENT_KINDS, Segment, SessionPlan, TurnPlan
+from bench.routing.combine import join_runs
 from bench.routing.contenders import Tuning, epp_config
 from bench.routing.loadgen import RequestRecord
 from bench.routing.measure import percentile
