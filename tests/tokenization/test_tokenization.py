@@ -96,26 +96,6 @@ def _random_text(rng: random.Random, words: int) -> str:
     return " ".join(pieces)
 
 
-def test_cached_extensions_equal_full_tokenization_for_random_texts(model_dir):
-    from tokenizers import Tokenizer
-    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-
-    def raw(text):
-        enc = tok.encode(text, add_special_tokens=False)
-        return enc.ids, [o[0] for o in enc.offsets], [o[1] for o in enc.offsets]
-
-    cache = TokenizationCache(200_000, min_chars=256)
-    rng = random.Random(7)
-    for _ in range(60):
-        text = _random_text(rng, rng.randint(80, 400))
-        for _turn in range(5):
-            # extend at an arbitrary character: mid-word, mid-space-run, after a multibyte char
-            text = text + _random_text(rng, rng.randint(1, 60))[rng.randint(0, 3):]
-            assert list(cache.encode(text, raw)) == tok.encode(text, add_special_tokens=False).ids
-    assert cache.stats.prefix_hits > 150  # the cache really did the work
-    assert cache.stats.reused_tokens > 0
-
-
 def _counting_encoders(tok):
     """A raw encoder (ids and offsets) and an ids-only one over `tok`, counting the characters each is given."""
     given = {"raw": 0, "ids": 0}
@@ -130,6 +110,23 @@ def _counting_encoders(tok):
         return tok.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
     return raw, ids_only, given
+
+
+def test_cached_extensions_equal_full_tokenization_for_random_texts(model_dir):
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    raw, _, _ = _counting_encoders(tok)
+
+    cache = TokenizationCache(200_000, min_chars=256)
+    rng = random.Random(7)
+    for _ in range(60):
+        text = _random_text(rng, rng.randint(80, 400))
+        for _turn in range(5):
+            # extend at an arbitrary character: mid-word, mid-space-run, after a multibyte char
+            text = text + _random_text(rng, rng.randint(1, 60))[rng.randint(0, 3):]
+            assert list(cache.encode(text, raw)) == tok.encode(text, add_special_tokens=False).ids
+    assert cache.stats.prefix_hits > 150  # the cache really did the work
+    assert cache.stats.reused_tokens > 0
 
 
 def test_long_turns_are_tokenized_without_offsets_and_equal_full_tokenization(model_dir):
