@@ -112,19 +112,22 @@ def _counting_encoders(tok):
     return raw, ids_only, given
 
 
+def _grow_conversations(cache, tok, rng, encoders, conversations, turns, start_words, turn_words):
+    """Conversations of `start_words` words, each turn adding `turn_words` more joined at an arbitrary
+    character (mid-word, mid-space-run, after a multibyte char): every turn equals full tokenization."""
+    for _ in range(conversations):
+        text = _random_text(rng, rng.randint(*start_words))
+        for _turn in range(turns):
+            text = text + _random_text(rng, rng.randint(*turn_words))[rng.randint(0, 3):]
+            assert list(cache.encode(text, *encoders)) == tok.encode(text, add_special_tokens=False).ids
+
+
 def test_cached_extensions_equal_full_tokenization_for_random_texts(model_dir):
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     raw, _, _ = _counting_encoders(tok)
-
     cache = TokenizationCache(200_000, min_chars=256)
-    rng = random.Random(7)
-    for _ in range(60):
-        text = _random_text(rng, rng.randint(80, 400))
-        for _turn in range(5):
-            # extend at an arbitrary character: mid-word, mid-space-run, after a multibyte char
-            text = text + _random_text(rng, rng.randint(1, 60))[rng.randint(0, 3):]
-            assert list(cache.encode(text, raw)) == tok.encode(text, add_special_tokens=False).ids
+    _grow_conversations(cache, tok, random.Random(7), (raw,), 60, 5, (80, 400), (1, 60))
     assert cache.stats.prefix_hits > 150  # the cache really did the work
     assert cache.stats.reused_tokens > 0
 
@@ -134,13 +137,8 @@ def test_long_turns_are_tokenized_without_offsets_and_equal_full_tokenization(mo
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     raw, ids_only, given = _counting_encoders(tok)
     cache = TokenizationCache(2_000_000, min_chars=256)
-    rng = random.Random(11)
-    for _ in range(8):
-        text = _random_text(rng, rng.randint(800, 2000))
-        for _turn in range(6):
-            # a turn's reply and tool result: thousands of characters, joined at an arbitrary character
-            text = text + _random_text(rng, rng.randint(300, 1200))[rng.randint(0, 3):]
-            assert list(cache.encode(text, raw, ids_only)) == tok.encode(text, add_special_tokens=False).ids
+    # a turn's reply and tool result: thousands of characters
+    _grow_conversations(cache, tok, random.Random(11), (raw, ids_only), 8, 6, (800, 2000), (300, 1200))
     assert cache.stats.prefix_hits >= 40 and cache.stats.fallbacks <= 8
     # Offsets were computed for the ends and around the cuts only; the bulk went without them.
     assert given["raw"] < given["ids"] / 3
