@@ -111,7 +111,7 @@ class SessionHome:
     """Where a session's last turn ran and what it left there."""
 
     endpoint: str
-    context_tokens: int = 0  # prompt + output of the last finished turn (its KV)
+    context_tokens: int = 0  # prompt + output of the last finished turn, or the prompt of one still running (its KV)
     written_at: float = 0.0  # the endpoint's written-token counter when that turn finished
     inflight: int = 0  # turns of the session running now (their KV is certainly resident)
 
@@ -349,17 +349,21 @@ class SessionAffinityCostScorer(Scorer, PreRequestHook, ResponseCompleteHook):
         if key is None:
             self._decide("none")
             return
+        # The turn's prompt is in the target's KV once prefilled, before its completion is reported: the
+        # next turn can reach the picker first (the client has the whole answer while the picker still
+        # reads the response's end), and must find its home holding at least this prompt.
         home = self.sessions.get(key.session)
         if home is None:
             self._decide("new")
-            self.sessions.put(key.session, SessionHome(target, 0, self.written.get(target, 0.0), 1))
+            self.sessions.put(key.session, SessionHome(target, total, self.written.get(target, 0.0), 1))
             self.footprint.record(key.session, target, total)
             return
         self._decide("stay" if home.endpoint == target else "move")
         if home.endpoint != target:
             home.endpoint, home.context_tokens, home.inflight = target, 0, 0
         home.inflight += 1
-        self.footprint.record(key.session, target, max(total, home.context_tokens))
+        home.context_tokens = max(home.context_tokens, total)
+        self.footprint.record(key.session, target, home.context_tokens)
 
     def on_response_complete(self, state: CycleState, request: InferenceRequest, response: ResponseInfo,
                              target: Endpoint | None) -> None:

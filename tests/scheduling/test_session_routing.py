@@ -114,6 +114,17 @@ async def test_it_moves_when_waiting_costs_more_than_recomputing_and_is_sticky_a
     assert fleet.index_of(await fleet.send(turn(2000))) == other
 
 
+async def test_a_turn_that_arrives_before_its_previous_turns_completion_finds_that_prompt_at_home():
+    # The agent has the whole answer before the picker reads the response's end: turn 2 can be picked first.
+    fleet = Fleet()
+    result, _ = await fleet.harness.pick(turn(1500))
+    home = fleet.index_of(result.targets[0].name)
+    fleet.set(home, waiting_queue_size=1)
+    # Home: 0.01 + 1 s waiting + 100 x 1 ms = 1.11 s (turn 1's 1,500 prompt tokens are there); other: 1.61 s.
+    assert fleet.index_of(await fleet.send(turn(1600))) == home
+    assert fleet.scorer.decisions["stay"] == 1
+
+
 def displacement_fleet(**params: object) -> tuple[SessionAffinityCostScorer, PredictedTTFTScorer, list[Endpoint]]:
     """The session scorer on the test's fixed costs; home A holds the session's 1,200 tokens, B is a hot, full cache.
 
