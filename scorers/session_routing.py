@@ -30,7 +30,8 @@ Where the turn's tokens are cached on each endpoint:
   replicas' KV events (GPU, CPU and disk tiers, offload and eviction included): exact.
 - `tierSource: history` (default): from this picker's own history. The scorer remembers, per
   session (`SESSION`, from `agent-identity`), the endpoint that served its last turn (its home),
-  how many tokens its context holds and how many tokens that endpoint has written into its KV
+  how many tokens its context holds (the last turn's prompt from its pick on, its prompt and
+  output once its response ends) and how many tokens that endpoint has written into its KV
   cache since (the prompt tokens it computed and the output of every request this picker sent
   there). With least-recently-used eviction the session's blocks are still on the GPU while
   the tokens written since fit beside them (`written + context <= GPU tokens`), then in the CPU
