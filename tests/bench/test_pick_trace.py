@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from bench.routing.pick_trace import analyse, join
+import dataclasses
+
+from bench.routing.pick_trace import analyse, block_tokens, join
+from bench.routing.scenarios import get_scenario
 
 NAMES = {"10.0.0.1:1": "sim-0", "10.0.0.2:1": "sim-1"}
 
@@ -43,3 +46,9 @@ def test_a_cold_pick_into_the_fuller_replica_and_a_stale_one_are_counted():
     assert abs(a["cold_prefill_us_per_token_gap_median"] - 10.0) < 1e-6
     assert a["stale_picks"] == 1  # the index said 512 tokens on sim-1, the response said 0
     assert a["placed"] == {"sim-0": 1, "sim-1": 1} and a["groups"] == {"g0": {"sim-0": 1}, "g1": {"sim-1": 1}}
+
+
+def test_a_benchmark_scenarios_blocks_are_its_replicas_profile_unless_the_fleet_sets_them():
+    bursty = get_scenario("bursty", "small")
+    assert block_tokens(bursty) == 16  # the h100-llama3-8b profile's
+    assert block_tokens(dataclasses.replace(bursty, fleet=dataclasses.replace(bursty.fleet, block_size=64))) == 64
