@@ -6,7 +6,7 @@ changes, so their work is handed to the loop (`run_coroutine_threadsafe`) and th
 for it; the JSON is written back on the thread. With the debug endpoint off every `/debug` path
 answers 404 with how to turn it on.
 
-- `GET /debug/state`: `epp.debug.state`;
+- `GET /debug/state`: `epp.debug.state` (`?plugin=NAME`: that plugin's part alone);
 - `POST /debug/explain`: `epp.debug.explain` (at most `MAX_EXPLAIN_BYTES` of request, one at a
   time: a second while one runs gets 429).
 """
@@ -25,12 +25,13 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from socketserver import ThreadingMixIn
 from typing import Any
+from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from epp.debug.explain import ExplainInput, parse_explain_input
-from epp.debug.state import StateSnapshot, render_state
+from epp.debug.state import StateSnapshot, plugin_names, render_state
 from epp.framework.errors import InferenceError
 from epp.logutil import log_failure
 
@@ -63,6 +64,12 @@ def _json(start_response: Callable[..., Any], status: str, document: Any) -> lis
 
 def _error(start_response: Callable[..., Any], status: str, message: str) -> list[bytes]:
     return _json(start_response, status, {"error": message})
+
+
+def _query_plugin(query: str) -> str | None:
+    """The `plugin` named in a `/debug/state` query string (None: every plugin)."""
+    values = parse_qs(query).get("plugin")
+    return values[-1] if values else None
 
 
 class _LoopUnavailable(Exception):
@@ -110,7 +117,11 @@ class _DebugApp:
                 return _error(start_response, "503 Service Unavailable", str(exc))
             except _Failed as exc:
                 return _error(start_response, "500 Internal Server Error", str(exc))
-            return _json(start_response, "200 OK", render_state(snapshot))
+            plugin = _query_plugin(environ.get("QUERY_STRING", ""))
+            if plugin is not None and plugin not in plugin_names(snapshot):
+                return _error(start_response, "404 Not Found",
+                              f"no plugin named {plugin!r}; the plugins are {plugin_names(snapshot)}")
+            return _json(start_response, "200 OK", render_state(snapshot, plugin))
         if path == "/debug/explain":
             if method != "POST":
                 return _error(start_response, "405 Method Not Allowed", "use POST /debug/explain with a JSON body")

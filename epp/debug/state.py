@@ -5,6 +5,8 @@ loop (the plugins' `debug_state`, the ledger, each endpoint's in-flight load) an
 it reads into fresh containers; `render_state` turns that copy into JSON on the metrics server's
 thread. Each plugin's part is bounded (`MAX_PLUGIN_STATE_BYTES`; larger is replaced by its size),
 and a plugin whose `debug_state` fails shows the error's type, so one plugin cannot break the page.
+`?plugin=NAME` gives that plugin's part alone, up to `MAX_NAMED_PLUGIN_STATE_BYTES` (a prediction
+trace of thousands of picks is larger than a page's share).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ log = logging.getLogger(__name__)
 
 # A plugin's part of the page at most (per-endpoint maps of a 2,000-endpoint pool fit).
 MAX_PLUGIN_STATE_BYTES = 256 * 1024
+# One plugin's part asked for by name: still bounded, since each plugin bounds its own state.
+MAX_NAMED_PLUGIN_STATE_BYTES = 32 * 1024 * 1024
 # Nesting kept of a plugin's state; deeper values are shown as their type name.
 MAX_DEPTH = 6
 
@@ -113,20 +117,29 @@ def _endpoint(ep: Endpoint, load: EndpointLoad, freshness_s: float | None, now: 
     }
 
 
-def _bounded(plugin: dict[str, Any]) -> dict[str, Any]:
+def _bounded(plugin: dict[str, Any], limit: int) -> dict[str, Any]:
     if "state" not in plugin:
         return plugin
     size = len(json.dumps(plugin["state"]))
-    if size <= MAX_PLUGIN_STATE_BYTES:
+    if size <= limit:
         return plugin
-    return {**plugin, "state": {"truncated": True, "bytes": size, "limit_bytes": MAX_PLUGIN_STATE_BYTES}}
+    return {**plugin, "state": {"truncated": True, "bytes": size, "limit_bytes": limit}}
 
 
-def render_state(snapshot: StateSnapshot) -> bytes:
-    """The `/debug/state` document (safe on any thread: the snapshot shares nothing with the loop)."""
+def plugin_names(snapshot: StateSnapshot) -> list[str]:
+    """The names of the plugins whose state the snapshot holds, in config order."""
+    return [p["name"] for p in snapshot.plugins]
+
+
+def render_state(snapshot: StateSnapshot, plugin: str | None = None) -> bytes:
+    """The `/debug/state` document, or with `plugin` one plugin's part alone (safe on any thread: the
+    snapshot shares nothing with the loop)."""
+    if plugin is not None:
+        named = [_bounded(p, MAX_NAMED_PLUGIN_STATE_BYTES) for p in snapshot.plugins if p["name"] == plugin]
+        return json.dumps({"server": snapshot.server, "plugins": named}, indent=1).encode()
     document = {
         "server": snapshot.server,
-        "plugins": [_bounded(p) for p in snapshot.plugins],
+        "plugins": [_bounded(p, MAX_PLUGIN_STATE_BYTES) for p in snapshot.plugins],
         "endpoints": [_endpoint(ep, load, snapshot.freshness_s, snapshot.read_at)
                       for ep, load in zip(snapshot.endpoints, snapshot.loads)],
         "inflight_ledger": snapshot.ledger,

@@ -38,17 +38,18 @@ def add_debug_routes(app: web.Application, workers: Sequence[WorkerState], http:
         app.router.add_route("*", "/debug{tail:.*}", off)
         return
 
-    async def worker_state(worker: WorkerState) -> Any:
+    async def worker_state(worker: WorkerState, query: str) -> Any:
         if not worker.serving:
             return None
         try:
-            async with http.get(f"http://127.0.0.1:{worker.metrics_port}/debug/state") as resp:
+            async with http.get(f"http://127.0.0.1:{worker.metrics_port}/debug/state{query}") as resp:
                 return await resp.json() if resp.status == 200 else None
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return None
 
-    async def state(_request: web.Request) -> web.Response:
-        states = await asyncio.gather(*(worker_state(w) for w in workers))
+    async def state(request: web.Request) -> web.Response:
+        query = f"?{request.query_string}" if request.query_string else ""  # `?plugin=NAME` goes on to each worker
+        states = await asyncio.gather(*(worker_state(w, query) for w in workers))
         return web.json_response({"workers": [{"worker": w.index, "pid": w.pid if w.serving else None, "state": s}
                                               for w, s in zip(workers, states)]})
 

@@ -159,6 +159,20 @@ async def test_one_plugins_state_cannot_break_or_bloat_the_page(caplog):
                                                         "object": "<class 'object'>", "3": "int key"}
 
 
+async def test_one_plugin_asked_for_by_name_comes_whole_and_alone():
+    server = await started(pipeline_of([HugeState(), OddState()]), enable_debug_endpoint=True)
+    try:
+        status, text = await get(server.metrics_port, "/debug/state?plugin=huge-state")
+        missing, error = await get(server.metrics_port, "/debug/state?plugin=no-such-plugin")
+    finally:
+        await server.stop(0)
+    assert status == 200
+    page = json.loads(text)
+    assert [p["name"] for p in page["plugins"]] == ["huge-state"]
+    assert plugin_state(page, "huge-state")["state"] == {"blob": "x" * (MAX_PLUGIN_STATE_BYTES + 1), "nan": None}
+    assert missing == 404 and "huge-state" in json.loads(error)["error"]  # the names it has
+
+
 @pytest.mark.parametrize("method, path, status", [
     ("POST", "/debug/state", 405), ("GET", "/debug/explain", 405), ("GET", "/debug/nothing", 404),
     ("GET", "/debug", 404),

@@ -56,6 +56,9 @@ def test_the_supervisor_lists_every_workers_state_and_has_one_explain():
         for worker in workers:
             assert {ep["endpoint"] for ep in worker["state"]["endpoints"]} == set(ENDPOINTS.split(","))
             assert worker["state"]["server"]["pid"] == worker["pid"]
+        status, page = call(metrics_port, "/debug/state?plugin=max-score-picker")  # passed on to every worker
+        assert status == 200 and [[p["name"] for p in w["state"]["plugins"]] for w in page["workers"]] == [
+            ["max-score-picker"], ["max-score-picker"]]
         status, answer = call(metrics_port, "/debug/explain", {"body": {"model": "m", "prompt": "hello"}})
         assert status == 200 and answer["worker"] == 0 and len(answer["picked"]) == 1
         status, answer = call(metrics_port, "/debug/explain", {"body": {"prompt": "hello"}})
