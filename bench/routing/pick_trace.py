@@ -74,15 +74,24 @@ async def _debug_trace(router: RunningRouter) -> list[dict[str, Any]]:
     if not router.metrics_url:
         return []
     url = router.metrics_url.removesuffix("/metrics") + "/debug/state"
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        async with session.get(url) as resp:
-            if resp.status != 200:
-                return []
-            doc = await resp.json()
-    for plugin in doc.get("plugins") or []:
-        trace = (plugin.get("state") or {}).get("trace") if isinstance(plugin, dict) else None
-        if trace:
-            return list(trace.get("picks") or [])
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+
+        async def page(query: str = "") -> dict[str, Any]:
+            async with session.get(url + query) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"GET {url}{query} answered {resp.status}: {await resp.text()}")
+                return dict(await resp.json())
+
+        scorers = [p["name"] for p in (await page()).get("plugins") or []
+                   if isinstance(p, dict) and p.get("type") == "predicted-ttft-scorer"]
+        for name in scorers:  # each asked for alone: a trace outgrows its share of the whole page
+            for plugin in (await page(f"?plugin={name}")).get("plugins") or []:
+                state = plugin.get("state") or {}
+                if state.get("truncated"):
+                    raise RuntimeError(f"{name}'s trace is {state['bytes']} bytes, over the debug page's "
+                                       f"{state['limit_bytes']}: lower traceCapacity")
+                if state.get("trace"):
+                    return list(state["trace"].get("picks") or [])
     return []
 
 
