@@ -275,6 +275,9 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequestHook):
         # 1.2-2.3 hit points below this average on multi-turn in two comparisons, about as much as this
         # code itself varied between runs
         # (bench/notes/2026-12-pickers-and-cost-issue14-round2-s7-s13.md, "The learned characters per token").
+        # A mean of the first 20 ratios, then this average, was tried in round 4 and not kept either: the
+        # approximate predicted-TTFT pipeline gained (bursts 3.5 s p90 against 4.1-4.2), GIE's default
+        # pipeline lost on shared-prefix in 3 of 3 runs (bench/notes/2026-12-round4-measurements.md).
         self.chars_per_token += _LEARNING_STEP * (ratio - self.chars_per_token)
         return True
 
