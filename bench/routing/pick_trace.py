@@ -40,6 +40,7 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 
@@ -85,7 +86,7 @@ async def _debug_trace(router: RunningRouter) -> list[dict[str, Any]]:
         scorers = [p["name"] for p in (await page()).get("plugins") or []
                    if isinstance(p, dict) and p.get("type") == "predicted-ttft-scorer"]
         for name in scorers:  # each asked for alone: a trace outgrows its share of the whole page
-            for plugin in (await page(f"?plugin={name}")).get("plugins") or []:
+            for plugin in (await page(f"?plugin={quote(name)}")).get("plugins") or []:
                 state = plugin.get("state") or {}
                 if state.get("truncated"):
                     raise RuntimeError(f"{name}'s trace is {state['bytes']} bytes, over the debug page's "
