@@ -1023,12 +1023,16 @@ ROWS: list[Row] = [
         notes=("2026-12-round4-measurements.md#parse-and-pick-of-a-2-kb-chat-request-before-and-after-the-parser-home-41",)),
     Row(COST, "≥ 50 routed 100k-token agentic turns per picker CPU-second, precise prefix, through Envoy (#43)",
         "in-process, the whole turn (pick, KV events, transport): 50 and 58 a CPU-second, 40 and 41 before the bulk "
-        "went without offsets; through Envoy with 100 simulated replicas on the same 2 cores: 14–20",
-        verdict="**not met** through Envoy on this machine; in-process met",
-        command="python bench/agentic_turn_cost.py; python bench/agentic_cpu.py --pipelines epp-precise "
-                "--conversations 20 --rates 1,2 --seconds 12 --short-rates '' --responses first-token",
+        "went without offsets; through Envoy with 100 simulated replicas on the same 2 cores, scraping out of the "
+        "way: `epp-precise` 15.1 (~2,950 KV events a turn, their ingestion ~70 % of its busy loop), "
+        "`epp-precise-ttft` 20.3 (~710 events a turn); `epp-agentic` (no tokenizer, no events) 111",
+        verdict="**not met** through Envoy on this machine with precise prefix; in-process met",
+        command="python bench/agentic_turn_cost.py; python bench/agentic_cpu.py --pipelines "
+                "epp-precise,epp-precise-ttft,epp-agentic --conversations 20 --rates 1,2 --seconds 30 --short-rates '' "
+                "--responses first-token --quiet-scrape 30",
         date="2026-12-07",
-        notes=("2026-12-round4-measurements.md#the-pickers-cpu-per-agentic-turn-the-bulk-tokenized-without-offsets-43",)),
+        notes=("2026-12-round4-measurements.md#the-pickers-cpu-per-agentic-turn-the-bulk-tokenized-without-offsets-43",
+               "2026-12-round4-measurements.md#where-the-pickers-cpu-goes-per-agentic-turn-through-envoy-43")),
 ]
 
 
