@@ -356,12 +356,12 @@ class SessionAffinityCostScorer(Scorer, PreRequestHook, ResponseCompleteHook):
         home = self.sessions.get(key.session)
         if home is None:
             self._decide("new")
-            self.sessions.put(key.session, SessionHome(target, total, self.written.get(target, 0.0), 1))
-            self.footprint.record(key.session, target, total)
-            return
-        self._decide("stay" if home.endpoint == target else "move")
-        if home.endpoint != target:
-            home.endpoint, home.context_tokens, home.inflight = target, 0, 0
+            home = SessionHome(target, 0, self.written.get(target, 0.0))
+            self.sessions.put(key.session, home)
+        else:
+            self._decide("stay" if home.endpoint == target else "move")
+            if home.endpoint != target:
+                home.endpoint, home.context_tokens, home.inflight = target, 0, 0
         home.inflight += 1
         home.context_tokens = max(home.context_tokens, total)
         self.footprint.record(key.session, target, home.context_tokens)

@@ -118,9 +118,8 @@ class _DebugApp:
             except _Failed as exc:
                 return _error(start_response, "500 Internal Server Error", str(exc))
             plugin = _query_plugin(environ.get("QUERY_STRING", ""))
-            if plugin is not None and plugin not in plugin_names(snapshot):
-                return _error(start_response, "404 Not Found",
-                              f"no plugin named {plugin!r}; the plugins are {plugin_names(snapshot)}")
+            if plugin is not None and plugin not in (names := plugin_names(snapshot)):
+                return _error(start_response, "404 Not Found", f"no plugin named {plugin!r}; the plugins are {names}")
             return _json(start_response, "200 OK", render_state(snapshot, plugin))
         if path == "/debug/explain":
             if method != "POST":
