@@ -154,6 +154,54 @@ def bench_index(size: int, n_endpoints: int, source: str | None = None) -> dict:
     }
 
 
+def _vllm_turn_payloads(first_hash: int, parent: int, oldest: int, seed: int) -> list[bytes]:
+    """One agentic turn's batches as vLLM publishes them into a full cache: 16 prefill steps of 128
+    blocks (2,048 tokens) and 64 decode steps that fill a block each (1,024 tokens out), every new block
+    evicting the oldest one with a BlockRemoved of its own, as vLLM's block pool does."""
+    rng = random.Random(seed)
+    payloads = []
+    next_hash, victim = first_hash, oldest
+    for blocks in [128] * 16 + [1] * 64:
+        hashes = list(range(next_hash, next_hash + blocks))
+        stored = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+                  "token_ids": [rng.randrange(50_000) for _ in range(BLOCK * blocks)], "block_size": BLOCK,
+                  "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 0}
+        removed = [{"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU", "group_idx": 0}
+                   for h in range(victim, victim + blocks)]
+        payloads.append(_encode([time.time(), [*removed, stored], 0]))
+        parent, next_hash, victim = hashes[-1], next_hash + blocks, victim + blocks
+    return payloads
+
+
+VLLM_TURN_EVENTS = 16 * 129 + 64 * 2  # engine events in one `_vllm_turn_payloads` turn
+
+
+def bench_vllm_stream(turns: int, source: str | None = None) -> dict:
+    """CPU per engine event to decode and apply vLLM's stream of agentic turns into a full cache
+    (16,384 blocks of 16 tokens, one endpoint), `turns` turns of `_vllm_turn_payloads`."""
+    index_class, decode = _index_class(source)
+    index = index_class(BLOCK, 1 << 22, engine_capacity_per_endpoint=1 << 20)
+    cache_blocks = 16_384
+    rng = random.Random(5)
+    parent = None
+    for start in range(0, cache_blocks, 128):  # the full cache, untimed
+        hashes = list(range(start, start + 128))
+        tokens = [rng.randrange(50_000) for _ in range(BLOCK * 128)]
+        index.apply_batch("ep", decode(_stored_payload(hashes, tokens, parent)), "m")
+        parent = hashes[-1]
+    turn_blocks = 16 * 128 + 64
+    payloads = [p for t in range(turns) for p in _vllm_turn_payloads(
+        cache_blocks + t * turn_blocks, cache_blocks - 1 + t * turn_blocks, t * turn_blocks, seed=t)]
+    gc.collect()
+    c0 = time.process_time()
+    for payload in payloads:
+        index.apply_batch("ep", decode(payload), "m")
+    cpu_s = time.process_time() - c0
+    assert index.engine_blocks("ep") == cache_blocks, index.engine_blocks("ep")
+    events = turns * VLLM_TURN_EVENTS
+    return {"event_us": cpu_s / events * 1e6, "turn_ms": cpu_s / turns * 1e3, "events_cpu_s": events / cpu_s}
+
+
 def _text(n_bytes: int, seed: int) -> str:
     rng = random.Random(seed)
     words = []
@@ -226,6 +274,18 @@ def _compare(ref: str, baseline: str, sizes: list[int], endpoint_counts: list[in
                 before, after = med("before", key), med("after", key)
                 cells += [format(before, fmt), format(after, fmt), f"{after / before:.2f}x"]
             print("| " + " | ".join(cells) + " |", flush=True)
+    stream: dict[str, list[dict]] = {"before": [], "after": []}
+    for _ in range(rounds):
+        for label, source in (("before", baseline), ("after", None)):
+            with multiprocessing.get_context("fork").Pool(1) as worker:
+                stream[label].append(worker.apply(bench_vllm_stream, (20, source)))
+    before, after = (statistics.median(r["event_us"] for r in stream[k]) for k in ("before", "after"))
+    before_turn, after_turn = (statistics.median(r["turn_ms"] for r in stream[k]) for k in ("before", "after"))
+    print(f"\n## vLLM's event stream of an agentic turn into a full cache ({VLLM_TURN_EVENTS:,} engine events a turn: "
+          f"2,112 blocks stored, each evicting one), decoded and applied\n")
+    print("| | before | after | ratio |\n|---|---:|---:|---:|")
+    print(f"| CPU µs per engine event | {before:.2f} | {after:.2f} | {after / before:.2f}x |")
+    print(f"| CPU ms per turn | {before_turn:.2f} | {after_turn:.2f} | {after_turn / before_turn:.2f}x |", flush=True)
 
 
 def main() -> None:

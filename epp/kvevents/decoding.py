@@ -5,11 +5,17 @@ Accepted shapes (see vLLM `kv_events.py` history):
 - event: a map with the tag under `"type"` (vLLM >= #42892) or a legacy tagged array
   `[tag, field1, field2, ...]` in declaration order, trailing defaults omitted.
 Unknown fields and unknown event types are skipped and counted, never fatal.
+
+vLLM publishes one BlockRemoved per evicted block, so a 100k-token prefill into a full cache sends
+thousands: consecutive removals of one tier and KV group decode as one `BlockRemoved` (its `events`
+says how many it stands for). vLLM's own shapes (an array batch of map events with known fields) are
+decoded into typed structs at C speed; any other batch takes the general path, event by event.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +57,9 @@ _MEDIUM_TIERS = {
 }
 
 
+_TIER_OF_NAME: dict[str, Tier] = {}  # media names seen, at most 256: the per-event lookup skips normalising
+
+
 def tier_for_medium(medium: Any) -> Tier:
     """Map a vLLM `medium` to a tier: None → GPU (vLLM's main pool); an unknown name → DISK.
 
@@ -59,6 +68,13 @@ def tier_for_medium(medium: Any) -> Tier:
     """
     if medium is None:
         return Tier.GPU
+    if medium.__class__ is str:
+        tier = _TIER_OF_NAME.get(medium)
+        if tier is None:
+            tier = _MEDIUM_TIERS.get(medium.strip().lower(), Tier.DISK)
+            if len(_TIER_OF_NAME) < 256:
+                _TIER_OF_NAME[medium] = tier
+        return tier
     if isinstance(medium, bytes):
         medium = medium.decode("utf-8", "replace")
     if not isinstance(medium, str):
@@ -82,8 +98,8 @@ def block_hash_to_int(value: Any) -> int:
     raise TypeError(f"block hash must be int or bytes, got {type(value).__name__}")
 
 
-@dataclass(frozen=True, slots=True)
-class BlockStored:
+# The decoded events are frozen msgspec structs: built at C speed (a 100k-token turn can bring thousands).
+class BlockStored(msgspec.Struct, frozen=True, gc=False):
     """Blocks newly cached in one tier; `token_ids` may be empty for offload placeholders."""
 
     block_hashes: tuple[int, ...]
@@ -97,17 +113,16 @@ class BlockStored:
     kv_cache_spec_kind: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    """Blocks evicted from one tier."""
+class BlockRemoved(msgspec.Struct, frozen=True, gc=False):
+    """Blocks evicted from one tier; `events`: the engine's consecutive removals this one stands for."""
 
     block_hashes: tuple[int, ...]
     tier: Tier
     group_idx: int | None = None
+    events: int = 1
 
 
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
+class AllBlocksCleared(msgspec.Struct, frozen=True, gc=False):
     """The engine reset its prefix cache (every tier of this publisher)."""
 
 
@@ -175,10 +190,94 @@ def pod_host(pod: str) -> str:
 
 _decoder = msgspec.msgpack.Decoder()
 _INT_ONLY = frozenset({int})
+_HASH_TYPES = frozenset({int, bytes})
+
+
+# vLLM's own shapes, decoded at C speed: an array batch of map events with known fields only. Anything
+# else (the legacy array form, a new field, a value of another type) fails validation and the batch
+# takes the general path, which accepts it and counts what it skips.
+class _WireStored(msgspec.Struct, tag="BlockStored", tag_field="type", forbid_unknown_fields=True, gc=False):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None = None
+    token_ids: list[int] | None = None
+    block_size: int | None = None
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: Any = None
+    locality: Any = None
+    ownership: Any = None
+    session_id: Any = None
+    lookahead_token_ids: Any = None
+
+
+class _WireRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", forbid_unknown_fields=True, gc=False):
+    block_hashes: list[int | bytes]
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: Any = None
+    ownership: Any = None
+
+
+class _WireCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", forbid_unknown_fields=True,
+                   gc=False):
+    pass
+
+
+class _WireBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_WireStored | _WireRemoved | _WireCleared]
+    data_parallel_rank: int | None = None
+
+
+_wire_decoder = msgspec.msgpack.Decoder(_WireBatch)
 
 
 def decode_batch(payload: bytes) -> DecodedBatch:
     """Decode one msgpack batch; raises `KVEventDecodeError` only if it is not a batch at all."""
+    try:
+        batch = _from_wire(_wire_decoder.decode(payload))
+    except (msgspec.DecodeError, ValueError, TypeError):
+        batch = None
+    return batch if batch is not None else _decode_general(payload)
+
+
+def _from_wire(wire: _WireBatch) -> DecodedBatch | None:
+    """Our events from vLLM's shapes, checked as the general path checks them; None: let it judge."""
+    batch = DecodedBatch(ts=wire.ts, events=[], data_parallel_rank=wire.data_parallel_rank)
+    removals = _RemovalRun(batch.events)
+    for ev in wire.events:
+        cls = ev.__class__
+        if cls is _WireRemoved:
+            hashes = _plain_hashes(ev.block_hashes) if ev.block_hashes else None
+            if hashes is None:
+                return None
+            removals.add(hashes, tier_for_medium(ev.medium), ev.group_idx)
+            continue
+        removals.flush()
+        if cls is _WireCleared:
+            batch.events.append(AllBlocksCleared())
+            continue
+        hashes = _plain_hashes(ev.block_hashes) if ev.block_hashes else []
+        block_size = ev.block_size or 0
+        if hashes is None or block_size < 0:
+            return None
+        parent = ev.parent_block_hash
+        extra = ev.extra_keys
+        batch.events.append(BlockStored(
+            tuple(hashes), None if parent is None else block_hash_to_int(parent),
+            tuple(ev.token_ids) if ev.token_ids else (), block_size,
+            tier_for_medium(ev.medium), ev.lora_name or None, None if extra is None else tuple(extra),
+            ev.group_idx, ev.kv_cache_spec_kind))
+    removals.flush()
+    return batch
+
+
+def _decode_general(payload: bytes) -> DecodedBatch:
+    """Any batch shape the module docstring accepts, each event checked on its own."""
     try:
         raw = _decoder.decode(payload)
     except (msgspec.DecodeError, ValueError) as exc:
@@ -199,9 +298,54 @@ def decode_batch(payload: bytes) -> DecodedBatch:
         events=[],
         data_parallel_rank=dp_rank if isinstance(dp_rank, int) and not isinstance(dp_rank, bool) else None,
     )
+    removals = _RemovalRun(batch.events)
     for raw_event in events:
-        _decode_event(raw_event, batch)
+        event = _decode_event(raw_event, batch)
+        if event.__class__ is BlockRemoved:
+            removals.add(event.block_hashes, event.tier, event.group_idx)  # type: ignore[union-attr]
+        elif event is not None:
+            removals.flush()
+            batch.events.append(event)
+    removals.flush()
     return batch
+
+
+class _RemovalRun:
+    """Consecutive removals of one tier and KV group, gathered into one `BlockRemoved` (order kept:
+    any other event flushes the run first)."""
+
+    __slots__ = ("events", "group_idx", "hashes", "out", "tier")
+
+    def __init__(self, out: list[KVEvent]) -> None:
+        self.out = out
+        self.hashes: list[int] = []
+        self.tier = Tier.GPU
+        self.group_idx: int | None = None
+        self.events = 0
+
+    def add(self, hashes: Sequence[int], tier: Tier, group_idx: int | None) -> None:
+        if self.events and (tier is not self.tier or group_idx != self.group_idx):
+            self.flush()
+        self.tier, self.group_idx = tier, group_idx
+        self.hashes += hashes
+        self.events += 1
+
+    def flush(self) -> None:
+        if self.events:
+            self.out.append(BlockRemoved(tuple(self.hashes), self.tier, self.group_idx, self.events))
+            self.hashes = []
+            self.events = 0
+
+
+def _plain_hashes(hashes: list[Any]) -> list[int] | None:
+    """Block hashes (ints, negative int64s, bytes) as unsigned ints, at C speed for the usual ones; None if
+    one is of another type."""
+    kinds = set(map(type, hashes))
+    if kinds == _INT_ONLY and min(hashes) >= 0:  # vLLM's usual hashes (msgpack ints stop at 2**64 - 1)
+        return hashes
+    if kinds <= _HASH_TYPES:
+        return [block_hash_to_int(h) for h in hashes]
+    return None
 
 
 def _as_fields(raw_event: Any, batch: DecodedBatch) -> tuple[str, dict[str, Any]] | None:
@@ -240,15 +384,15 @@ def _as_fields(raw_event: Any, batch: DecodedBatch) -> tuple[str, dict[str, Any]
     return None
 
 
-def _decode_event(raw_event: Any, batch: DecodedBatch) -> None:
+def _decode_event(raw_event: Any, batch: DecodedBatch) -> KVEvent | None:
+    """One event of any accepted shape, or None (what was skipped is counted in `batch`)."""
     normalised = _as_fields(raw_event, batch)
     if normalised is None:
-        return
+        return None
     tag, f = normalised
     try:
         if tag == "AllBlocksCleared":
-            batch.events.append(AllBlocksCleared())
-            return
+            return AllBlocksCleared()
         hashes = f.get("block_hashes")
         if not isinstance(hashes, (list, tuple)):
             raise TypeError("block_hashes must be an array")
@@ -256,8 +400,7 @@ def _decode_event(raw_event: Any, batch: DecodedBatch) -> None:
         group_idx = f.get("group_idx")
         group_idx = group_idx if isinstance(group_idx, int) and not isinstance(group_idx, bool) else None
         if tag == "BlockRemoved":
-            batch.events.append(BlockRemoved(block_hashes, tier_for_medium(f.get("medium")), group_idx))
-            return
+            return BlockRemoved(block_hashes, tier_for_medium(f.get("medium")), group_idx)
         parent = f.get("parent_block_hash")
         tokens = f.get("token_ids") or ()
         # Every token an int (not a bool), checked at C speed: a prompt chunk's event holds thousands.
@@ -269,7 +412,7 @@ def _decode_event(raw_event: Any, batch: DecodedBatch) -> None:
         lora_name = f.get("lora_name")
         extra = f.get("extra_keys")
         kind = f.get("kv_cache_spec_kind")
-        batch.events.append(BlockStored(
+        return BlockStored(
             block_hashes=block_hashes,
             parent_block_hash=None if parent is None else block_hash_to_int(parent),
             token_ids=tuple(tokens),
@@ -279,6 +422,7 @@ def _decode_event(raw_event: Any, batch: DecodedBatch) -> None:
             extra_keys=tuple(extra) if isinstance(extra, (list, tuple)) else None,
             group_idx=group_idx,
             kv_cache_spec_kind=kind if isinstance(kind, str) else None,
-        ))
+        )
     except (TypeError, ValueError):
         batch.malformed_events += 1
+        return None

@@ -402,13 +402,13 @@ class EngineMap:
 
     def _removed(self, endpoint: str, ev: BlockRemoved, stats: ApplyStats) -> None:
         if ev.group_idx:
-            stats.drop("other_kv_group")
+            stats.drop("other_kv_group", ev.events)
             return
         blocks = self._maps.get(endpoint)
         tier = ev.tier
         if not blocks:
             stats.drop("unknown_engine_key", len(ev.block_hashes))
-            stats.applied += 1
+            stats.applied += ev.events
             return
         gone: list[int] = []  # keys of compact blocks that left the GPU: released at once
         for h in ev.block_hashes:
@@ -437,7 +437,7 @@ class EngineMap:
                 self._settle(blocks, eb)
         if gone:
             self._release(endpoint, gone, 1)
-        stats.applied += 1
+        stats.applied += ev.events
 
     def _offload_chunk(self, blocks: dict[int, _EngineEntry], h: int, tier: Tier) -> list[_EngineBlock]:
         """The engine blocks an offload event for hash `h` stands for: vLLM announces a chunk of

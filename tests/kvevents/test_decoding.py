@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import base64
 import json
+import random
 from pathlib import Path
 
 import msgspec
 import pytest
 
+from epp.kvevents import decoding
 from epp.kvevents.decoding import (
     AllBlocksCleared,
     BlockRemoved,
@@ -80,6 +82,72 @@ def test_unknown_fields_and_event_types_are_skipped_and_counted():
     assert batch.unknown_fields == 2
     assert batch.unknown_events == 2 and batch.skipped_types == {"BlockPinned": 1, "SomethingElse": 1}
     assert batch.malformed_events == 2
+
+
+def test_consecutive_removals_of_one_tier_and_group_decode_as_one_event_in_order():
+    # vLLM sends one BlockRemoved per evicted block; a run of them is read as one removal.
+    payload = wire.encode_batch([
+        wire.removed([1]), wire.removed([2]), wire.removed([3]),
+        wire.stored([4], [1, 2, 3, 4], parent=None),
+        wire.removed([5]), wire.legacy(wire.removed([6])),  # the array form joins a run too
+        wire.removed([7], "CPU"),
+        wire.BlockRemoved([8], "CPU", 1),
+    ])
+    events = decode_batch(payload).events
+    assert events[0] == BlockRemoved((1, 2, 3), Tier.GPU, 0, events=3)
+    assert isinstance(events[1], BlockStored)  # a store between removals keeps its place
+    assert events[2:] == [BlockRemoved((5, 6), Tier.GPU, 0, events=2), BlockRemoved((7,), Tier.CPU, 0),
+                          BlockRemoved((8,), Tier.CPU, 1)]
+
+
+@pytest.mark.parametrize("event,expected", [
+    ({"type": "BlockRemoved", "block_hashes": [-1], "medium": "GPU"}, (2**64 - 1,)),  # int64 reinterpreted
+    ({"type": "BlockRemoved", "block_hashes": [b"\x00" * 24 + bytes(range(1, 9))], "medium": None},
+     (0x0102030405060708,)),
+    ({"type": "BlockRemoved", "block_hashes": [3, b"\x04"], "medium": "GPU"}, (3, 4)),  # mixed
+])
+def test_removal_hashes_in_every_accepted_form_read_as_unsigned_ints(event, expected):
+    [removed] = decode_batch(msgspec.msgpack.encode([1.0, [event], 0])).events
+    assert removed.block_hashes == expected and removed.tier is Tier.GPU
+
+
+def _random_vllm_event(rnd: random.Random):
+    def block_hash():
+        return rnd.choice([rnd.getrandbits(64), rnd.randbytes(32), rnd.randrange(1 << 8)])
+
+    medium = rnd.choice(["GPU", "CPU", "STORAGE", None])
+    kind = rnd.random()
+    if kind < 0.45:
+        return wire.BlockRemoved([block_hash() for _ in range(rnd.randint(1, 3))], medium, rnd.choice([0, 1, None]))
+    if kind < 0.95:
+        n = rnd.randint(0, 3)
+        return wire.stored([block_hash() for _ in range(n)], [rnd.randrange(50_000) for _ in range(4 * n)],
+                           parent=rnd.choice([None, block_hash()]), medium=medium,
+                           lora_name=rnd.choice([None, "", "adapter"]),
+                           extra_keys=rnd.choice([None, [["salt"]] + [None] * max(0, n - 1)]),
+                           group_idx=rnd.choice([0, 1, None]),
+                           kv_cache_spec_kind=rnd.choice([None, "full_attention", "sliding_window"]))
+    return wire.AllBlocksCleared()
+
+
+def test_vllm_shaped_batches_decode_alike_on_the_fast_and_the_general_path():
+    rnd = random.Random(43)
+    for _ in range(300):
+        payload = wire.encode_batch([_random_vllm_event(rnd) for _ in range(rnd.randint(0, 12))],
+                                    ts=rnd.choice([1.5, 2]), dp_rank=rnd.choice([0, 3, None]))
+        assert decoding._from_wire(decoding._wire_decoder.decode(payload)) is not None  # the fast path took it
+        assert decode_batch(payload) == decoding._decode_general(payload)
+
+
+def test_removals_with_unknown_fields_or_bad_hashes_still_count_what_they_skip():
+    payload = msgspec.msgpack.encode([1.0, [
+        {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU", "brand_new": 1},
+        {"type": "BlockRemoved", "block_hashes": [True], "medium": "GPU"},
+        {"type": "BlockRemoved", "block_hashes": [2], "medium": ["GPU"]},
+    ], 0])
+    batch = decode_batch(payload)
+    assert batch.events == [BlockRemoved((1,), Tier.GPU), BlockRemoved((2,), Tier.DISK)]
+    assert batch.unknown_fields == 1 and batch.malformed_events == 1
 
 
 @pytest.mark.parametrize("tokens", [[1, True], [1, 2.0], [1, "2"], [1, None], "12"])

@@ -131,6 +131,15 @@ def test_tiers_per_endpoint_offload_placeholders_and_removal_per_tier():
     assert matched(index, TOKENS, B) == [Tier.CPU, Tier.CPU]  # other endpoint untouched
 
 
+def test_a_run_of_single_block_removals_counts_every_engine_event():
+    index, registry = make_index()
+    apply(index, A, wire.stored([1, 2, 3, 4], TOKENS[:16]))
+    stats = apply(index, A, *(wire.removed([h]) for h in (1, 2, 3, 4, 99)))
+    assert stats.applied == 5 and stats.dropped == {"unknown_engine_key": 1}
+    assert metric(registry, "epp_kv_index_events_applied_total") == 6
+    assert matched(index, TOKENS, A) == [] and index.entries == 0
+
+
 def test_offload_store_is_reference_counted_per_medium_and_hash():
     index, _ = make_index()
     apply(index, A, wire.stored([1], TOKENS[:4]))
