@@ -87,6 +87,7 @@ class Conversation:
     segments: list[Segment]
     busy: bool = False
     turns: int = 0
+    replica: str | None = None  # the replica that served its last turn
 
     @property
     def tokens(self) -> int:
@@ -145,6 +146,8 @@ class Step:
     errors: dict[str, int] = field(default_factory=dict)
     ttft: list[float] = field(default_factory=list)
     prompt_tokens: list[int] = field(default_factory=list)
+    cached_tokens: int = 0  # of the answered turns' prompts, what the replica had cached
+    moved: int = 0  # turns a replica other than their conversation's last one served
     cpu_s: dict[str, float] = field(default_factory=dict)
     late_ms_p99: float = 0.0
 
@@ -154,6 +157,8 @@ class Step:
         return {"rate": self.rate, "seconds": self.seconds, "sent": self.sent, "answered": self.answered,
                 "skipped": self.skipped, "errors": self.errors,
                 "mean_prompt_tokens": statistics.fmean(self.prompt_tokens) if self.prompt_tokens else 0,
+                "hit_rate": self.cached_tokens / sum(self.prompt_tokens) if sum(self.prompt_tokens) else None,
+                "moved": self.moved,
                 "ttft_p50_ms": q[49] * 1e3, "ttft_p99_ms": q[98] * 1e3, "client_late_p99_ms": self.late_ms_p99,
                 "cores": {k: v / self.seconds for k, v in self.cpu_s.items()},
                 "picker_ms_per_turn": self.cpu_s.get("picker", 0.0) / per * 1e3 if self.answered else None,
@@ -212,11 +217,12 @@ async def run_step(http: aiohttp.ClientSession, url: str, rate: float, seconds: 
 
                 async def one(req: Any = req, headers: Any = headers, rec: RequestRecord = rec, done: Any = done) -> None:
                     await send(http, url, req, rec, timeout, headers)
-                    done(rec)
+                    step.moved += done(rec)
                     if rec.ok:
                         step.answered += 1
                         step.ttft.append(rec.ttft or 0.0)
                         step.prompt_tokens.append(rec.prompt_tokens or 0)
+                        step.cached_tokens += rec.cached_tokens or 0
                     else:
                         step.errors[rec.error or "?"] = step.errors.get(rec.error or "?", 0) + 1
 
@@ -268,18 +274,30 @@ class Condition:
         req = turn_request(self.prompts.prompt(hash(c.session_id), tuple(c.segments)),
                            output_tokens or self.output_tokens, c.session_id)
 
-        def done(_: RequestRecord) -> None:
+        def done(rec: RequestRecord) -> bool:
+            """The turn is answered: the conversation grows; True if another replica than its last one served it."""
             c.busy = False
             assert self.convs is not None
             self.convs.grow(c)
+            moved = c.replica is not None and rec.replica is not None and rec.replica != c.replica
+            c.replica = rec.replica or c.replica
+            return moved
 
         return req, {c.kind.header: c.session_id}, done
+
+    def homes(self) -> dict[str, int]:
+        """How many conversations each replica served last (where their contexts are)."""
+        out: dict[str, int] = {}
+        for c in self.convs.items if self.convs is not None else ():
+            if c.replica is not None:
+                out[c.replica] = out.get(c.replica, 0) + 1
+        return out
 
     def next_turn(self) -> tuple[Any, dict[str, str], Any] | None:
         if self.convs is None:
             self.serial += 1
             seg = Segment(f"short{self.serial}", self.short_tokens, "task")
-            return turn_request(self.prompts.prompt(-1, (seg,)), self.output_tokens, "short"), {}, lambda _: None
+            return turn_request(self.prompts.prompt(-1, (seg,)), self.output_tokens, "short"), {}, lambda _: False
         c = self.convs.pick()
         return None if c is None else self._turn(c)
 
@@ -295,7 +313,12 @@ def _print(pipeline: str, cond: str, row: dict[str, Any]) -> None:
     print(f"  {pipeline} {cond} {row['rate']:g}/s: {row['answered']}/{row['sent']} answered, picker "
           f"{row['cores']['picker']:.3f} cores ({_ms(row['picker_ms_per_turn'])} ms/turn), envoy "
           f"{row['cores']['envoy']:.2f}, fleet {row['cores']['fleet']:.2f}, client {row['cores']['client']:.2f}; "
-          f"TTFT p50 {row['ttft_p50_ms']:.0f} ms; {'held' if row['held'] else row['why_not_held']}", flush=True)
+          f"TTFT p50 {row['ttft_p50_ms']:.0f} ms; moved {row['moved']}, hit {_pct(row['hit_rate'])}; "
+          f"{'held' if row['held'] else row['why_not_held']}", flush=True)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f} %"
 
 
 async def measure(args: argparse.Namespace, pipeline: str, cond: Condition, rates: list[float],
@@ -334,6 +357,10 @@ async def measure(args: argparse.Namespace, pipeline: str, cond: Condition, rate
                         item[2](rec)
 
                 await asyncio.gather(*(first(w) for w in warm))
+                homes = cond.homes()
+                if homes:
+                    print(f"  warm-up: {sum(homes.values())} conversations on {len(homes)} replicas, at most "
+                          f"{max(homes.values())} on one", flush=True)
             warmed = await picker_counters(http, router.metrics_url)
             # An idle step before each rate and after the last: each rate's cost is read against the idle
             # steps on either side of it.
@@ -359,7 +386,8 @@ async def measure(args: argparse.Namespace, pipeline: str, cond: Condition, rate
 _COUNTERS = ("epp_tokenization_cache_lookups_total", "epp_tokenization_requests_total",
              "epp_tokenization_cache_store_evictions_total", "epp_kv_key_cache_lookups_total",
              "epp_kv_key_cache_store_evictions_total", "epp_kv_index_events_applied_total",
-             "epp_kv_match_memo_lookups_total", "epp_extproc_messages_total")
+             "epp_kv_match_memo_lookups_total", "epp_extproc_messages_total", "epp_session_routing_decisions_total",
+             "epp_kv_events_messages_total", "epp_kv_index_events_dropped_total")
 
 
 async def picker_counters(http: aiohttp.ClientSession, url: str | None) -> dict[str, float]:
@@ -430,14 +458,16 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, out: Path) -
              f"Agentic: {args.conversations} conversations around {args.context:,} tokens, {args.output_tokens} tokens "
              f"out; short: {args.short_tokens}-token unique prompts, {args.short_output_tokens} out. {args.seconds:g} s "
              "a step.", "", "## Steps", "",
-             "| pipeline | traffic | rate (/s) | answered / sent | prompt tokens (mean) | TTFT p50 / p99 (ms) | picker "
-             "cores | picker ms/turn, all-in / beyond idle | Envoy cores | fleet cores | client cores | held |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| pipeline | traffic | rate (/s) | answered / sent | prompt tokens (mean) | hit rate | turns moved | "
+             "TTFT p50 / p99 (ms) | picker cores | picker ms/turn, all-in / beyond idle | Envoy cores | fleet cores | "
+             "client cores | held |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for row in r["rows"]:
             c = row["cores"]
             lines.append(f"| {r['pipeline']} | {r['condition']} | {row['rate']:g} | {row['answered']} / {row['sent']} | "
-                         f"{row['mean_prompt_tokens']:,.0f} | {row['ttft_p50_ms']:.0f} / {row['ttft_p99_ms']:.0f} | "
+                         f"{row['mean_prompt_tokens']:,.0f} | {_pct(row.get('hit_rate'))} | {row.get('moved', '-')} | "
+                         f"{row['ttft_p50_ms']:.0f} / {row['ttft_p99_ms']:.0f} | "
                          f"{c['picker']:.3f} | {_ms(row['picker_ms_per_turn'])} / {_ms(row.get('marginal_ms_per_turn'))} | "
                          f"{c['envoy']:.3f} | {c['fleet']:.2f} | {c['client']:.2f} | "
                          f"{'yes' if row['held'] else 'no: ' + row['why_not_held']} |")

@@ -46,6 +46,9 @@ AGENTIC_CONTENDERS: dict[str, Contender] = {c.name: c for c in (
               "llm-d's agentic-serving guide pipeline through our loader (agent-identity, program-aware-fairness LAS "
               "0.8/0.2/0.99997 under concurrency-detector, GPU and CPU approximate prefix scorers 4 and 2, queue/kv/"
               "active-request 2, no-hit-lru 1)"),
+    Contender("epp-agentic-precise", "epp", "sample:agentic+precise+events",
+              "experiment: epp-agentic with the precise prefix producer (KV events, the fleet's tokenizer), the "
+              "session scorer reading its sessions' tiers from the events (tierSource: events)"),
     Contender("epp-agentic+llmd-load", "epp", "sample:agentic+llmd-load",
               "experiment: epp-agentic with llm-d's agentic load scorers added (queue, KV utilisation, active requests "
               "2; no-hit-lru 1)"),

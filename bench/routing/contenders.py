@@ -335,6 +335,9 @@ def epp_config(kind: str, t: Tuning) -> str:
             return _with_parameter(epp_config(kind.removesuffix(suffix), t), "predicted-ttft-scorer", key, value)
     if kind.endswith("+precise"):
         return _with_precise_producer(epp_config(kind.removesuffix("+precise"), t), t)
+    if kind.endswith("+events"):  # the session scorer reads its sessions' tiers from the KV events
+        return _with_parameter(epp_config(kind.removesuffix("+events"), t), "session-affinity-cost-scorer",
+                               "tierSource", "events")
     if kind.endswith("+random-ties"):
         return _with_random_ties(epp_config(kind.removesuffix("+random-ties"), t))
     if kind.endswith("+no-tie-break"):
