@@ -38,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -152,6 +152,51 @@ class _Stream:
         self.key = self.key or self.endpoint
 
 
+class _Listener:
+    """One SUB socket read from the event loop's reader callback.
+
+    Not `await sock.recv_multipart()`: every awaited receive builds and resolves a Future, and a replica
+    publishes a message per engine step (a 1k-token answer alone is 62 of them); reading what is there
+    in the reader callback costs about 40 % less CPU a message (bench/notes/2026-12-round4-measurements.md).
+    """
+
+    def __init__(self, sock: zmq.asyncio.Socket, loop: asyncio.AbstractEventLoop, budget_s: float,
+                 on_message: Callable[[list[bytes]], None]) -> None:
+        self.sock = sock
+        self._ready = zmq.Socket.shadow(sock.underlying)  # plain non-blocking reads of the same socket
+        self.fd: int = self._ready.getsockopt(zmq.FD)
+        self._loop = loop
+        self._budget_s = budget_s
+        self._on_message = on_message
+        self.closed = False
+
+    def drain(self) -> None:
+        """Apply every message waiting, yielding the loop after `budget_s` of work (the rest is read next)."""
+        deadline = time.perf_counter() + self._budget_s
+        ready = self._ready
+        while not self.closed:
+            try:  # asked first: a failed non-blocking read raises, which costs more than asking
+                if not ready.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    return
+                frames = ready.recv_multipart(zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                if not self.closed:
+                    log.warning("KV event socket error: %s", exc)
+                    self._loop.call_later(0.1, self.drain)
+                return
+            self._on_message(frames)
+            if time.perf_counter() > deadline:
+                self._loop.call_soon(self.drain)  # the FD will not signal what is already waiting
+                return
+
+    def close(self) -> None:
+        """Stop reading and close the socket (the reader goes first: a closed FD's number is reused)."""
+        if not self.closed:
+            self.closed = True
+            self._loop.remove_reader(self.fd)
+            self.sock.close(linger=0)
+
+
 class KVEventSubscriber:
     """Receives KV-event batches over ZMQ and applies them, in order, to a KV index backend."""
 
@@ -165,7 +210,7 @@ class KVEventSubscriber:
         self._live_messages = self.metrics.messages.labels("live")  # counted per message: the child kept
         self._ctx: zmq.asyncio.Context | None = None
         self._streams: dict[str, _Stream] = {}
-        self._sockets: dict[str, tuple[zmq.asyncio.Socket, asyncio.Task]] = {}
+        self._sockets: dict[str, _Listener] = {}
         self._tasks: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._running = False
@@ -183,7 +228,7 @@ class KVEventSubscriber:
             sock = self._sub_socket()
             sock.bind(self.config.bind_endpoint)
             self.bound_address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-            self._sockets[""] = (sock, self._spawn(self._receive(sock, None)))
+            self._sockets[""] = self._listen(sock, None)
             self.metrics.subscriptions.set(1)
         if self.registry is not None:
             self.registry.add_listener(self._on_endpoints_changed)
@@ -192,13 +237,13 @@ class KVEventSubscriber:
     async def stop(self) -> None:
         """Close every socket and cancel every task."""
         self._running = False
+        for listener in self._sockets.values():
+            listener.close()
+        self._sockets.clear()
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for sock, _ in self._sockets.values():
-            sock.close(linger=0)
-        self._sockets.clear()
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -255,7 +300,7 @@ class KVEventSubscriber:
             return
         sock = self._sub_socket()
         sock.connect(_tcp(ep.address, port))
-        self._sockets[key] = (sock, self._spawn(self._receive(sock, key)))
+        self._sockets[key] = self._listen(sock, key)
 
     def _catch_up(self, name: str) -> None:
         """Replay a newly known endpoint's buffered history now, not at its next event.
@@ -272,11 +317,9 @@ class KVEventSubscriber:
 
     def _forget(self, name: str) -> None:
         for key in (name, name + SECONDARY_SUFFIX):
-            entry = self._sockets.pop(key, None)
-            if entry is not None:
-                sock, task = entry
-                task.cancel()
-                sock.close(linger=0)
+            listener = self._sockets.pop(key, None)
+            if listener is not None:
+                listener.close()
             self._streams.pop(key, None)
         self.index.remove_endpoint(name)
 
@@ -305,37 +348,23 @@ class KVEventSubscriber:
         return _tcp(host, port)
 
     # ---- receiving -----------------------------------------------------------------------------
-    async def _receive(self, sock: zmq.asyncio.Socket, endpoint: str | None) -> None:
-        # What has arrived already is read through a plain (non-asyncio) view of the same socket: an
-        # awaited receive costs 20-30 us of Future machinery a message, a non-blocking one 5, and a
-        # replica publishes a message per engine step (a 1k-token answer alone is 62 of them).
-        ready = zmq.Socket.shadow(sock.underlying)
-        while self._running:
+    def _listen(self, sock: zmq.asyncio.Socket, endpoint: str | None) -> _Listener:
+        """Apply `sock`'s messages as they arrive; `endpoint`: its stream key (None: centralized, by topic)."""
+        assert self._loop is not None
+        listener = _Listener(sock, self._loop, self.config.apply_budget_s, self._on_message(endpoint))
+        self._loop.add_reader(listener.fd, listener.drain)
+        self._loop.call_soon(listener.drain)  # what arrived before the reader was added: the FD signals changes only
+        return listener
+
+    def _on_message(self, endpoint: str | None) -> Callable[[list[bytes]], None]:
+        """What a listener calls with each message of the stream `endpoint` (None: centralized, by topic)."""
+        def on_message(frames: list[bytes]) -> None:
             try:
-                frames = await sock.recv_multipart()
-            except asyncio.CancelledError:
-                raise
-            except zmq.ZMQError as exc:
-                if not self._running:
-                    return
-                log.warning("KV event socket error: %s", exc)
-                await asyncio.sleep(0.1)
-                continue
-            while True:
-                try:
-                    self.handle_message(frames, endpoint)
-                except Exception:  # one bad message must not end the subscription
-                    self.metrics.decode_errors.inc()
-                    log.exception("KV event message from %s could not be applied", endpoint or "centralized socket")
-                await self._maybe_yield()
-                if not self._running:
-                    return
-                try:  # asked first: a failed non-blocking read raises, which costs more than asking
-                    if not ready.get(zmq.EVENTS) & zmq.POLLIN:
-                        break  # nothing more yet: wait for the next one
-                    frames = ready.recv_multipart(zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    break  # closed or failing: the awaited receive reports it
+                self.handle_message(frames, endpoint)
+            except Exception:  # one bad message must not end the subscription
+                self.metrics.decode_errors.inc()
+                log.exception("KV event message from %s could not be applied", endpoint or "centralized socket")
+        return on_message
 
     async def _maybe_yield(self) -> None:
         now = time.perf_counter()
