@@ -609,6 +609,18 @@ ROWS: list[Row] = [
         command="python bench/kv_index_bench.py --compare-with de38240 --sizes 1000000 --endpoints 4,64 --rounds 3",
         date="2026-12-02",
         notes=("2026-12-pickers-and-cost-issue14-round2-s7-s13.md#kv-index-at-a-million-entries-on-a-quiet-machine",)),
+    Row(INDEX, "KV events of an agentic turn into a full cache: decoding and applying vLLM's per-block stream, and "
+        "the CPU per message received (#43)",
+        "0.48x the CPU per engine event (4.76 → 2.26 µs; 2,192 events a turn, 10.43 → 4.96 ms); 0.67x and 0.69x "
+        "the CPU per message at 1 and 20 publishers (179.8 → 120.8 and 224.8 → 155.5 µs, 1,000 one-block messages "
+        "a second), both against 9d5a647",
+        verdict="measured, no target (the #43 agentic CPU row depends on it)",
+        command="python bench/kv_index_bench.py --compare-with 9d5a647 --sizes 100000 --endpoints 4 --rounds 3; "
+                "python bench/kv_subscriber_cpu.py --messages 8000 --rate 1000 --endpoints 1,20 --rounds 3 "
+                "--compare-with 9d5a647",
+        date="2026-12-08",
+        notes=("2026-12-round4-measurements.md#kv-events-typed-decoding-one-removal-per-run-and-the-socket-read-in-the-"
+               "loops-callback-43",)),
     Row(INDEX, "KV index on Redis, against the in-memory index; a pool of 1,000 replicas sized on paper (#14)",
         "lookup hit p50 245–256 µs (picker CPU 98–113 µs); Redis holds an entry in 68–121 bytes and spends ~2.5 µs a "
         "written block; one Redis primary serves about 450–600 replicas as built",
@@ -1024,15 +1036,18 @@ ROWS: list[Row] = [
     Row(COST, "≥ 50 routed 100k-token agentic turns per picker CPU-second, precise prefix, through Envoy (#43)",
         "in-process, the whole turn (pick, KV events, transport): 50 and 58 a CPU-second, 40 and 41 before the bulk "
         "went without offsets; through Envoy with 100 simulated replicas on the same 2 cores, scraping out of the "
-        "way: `epp-precise` 15.1 (~2,950 KV events a turn, their ingestion ~70 % of its busy loop), "
-        "`epp-precise-ttft` 20.3 (~710 events a turn); `epp-agentic` (no tokenizer, no events) 111",
+        "way: `epp-precise-ttft` 18.7 after the KV-event changes (16.1 before, back to back; 2,268 and 1,857 "
+        "events a turn: the warm-up stacks the 20 conversations on 6-8 replicas, whose turns then evict each "
+        "other); `epp-agentic` (no tokenizer, no events) 111",
         verdict="**not met** through Envoy on this machine with precise prefix; in-process met",
         command="python bench/agentic_turn_cost.py; python bench/agentic_cpu.py --pipelines "
-                "epp-precise,epp-precise-ttft,epp-agentic --conversations 20 --rates 1,2 --seconds 30 --short-rates '' "
+                "epp-precise-ttft,epp-agentic --conversations 20 --rates 1,2 --seconds 30 --short-rates '' "
                 "--responses first-token --quiet-scrape 30",
-        date="2026-12-07",
+        date="2026-12-08",
         notes=("2026-12-round4-measurements.md#the-pickers-cpu-per-agentic-turn-the-bulk-tokenized-without-offsets-43",
-               "2026-12-round4-measurements.md#where-the-pickers-cpu-goes-per-agentic-turn-through-envoy-43")),
+               "2026-12-round4-measurements.md#where-the-pickers-cpu-goes-per-agentic-turn-through-envoy-43",
+               "2026-12-round4-measurements.md#kv-events-typed-decoding-one-removal-per-run-and-the-socket-read-in-the-"
+               "loops-callback-43")),
 ]
 
 
