@@ -157,7 +157,7 @@ class _Listener:
 
     Not `await sock.recv_multipart()`: every awaited receive builds and resolves a Future, and a replica
     publishes a message per engine step (a 1k-token answer alone is 62 of them); reading what is there
-    in the reader callback costs about 40 % less CPU a message (bench/notes/2026-12-round4-measurements.md).
+    in the reader callback costs about 30 % less CPU a message (bench/notes/2026-12-round4-measurements.md).
     """
 
     def __init__(self, sock: zmq.asyncio.Socket, loop: asyncio.AbstractEventLoop, budget_s: float,
