@@ -342,6 +342,7 @@ async def measure(args: argparse.Namespace, pipeline: str, cond: Condition, rate
     quiet = replace(contender, serve_args=(*contender.serve_args, "--refresh-metrics-interval", f"{args.quiet_scrape:g}"))
     router = await start_contender(quiet, fleet, tuning, workdir / f"{pipeline}-{cond.name}")
     rows: list[dict[str, Any]] = []
+    homes: dict[str, int] = {}
     try:
         groups = _groups(router, fleet)
         async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
@@ -358,7 +359,7 @@ async def measure(args: argparse.Namespace, pipeline: str, cond: Condition, rate
 
                 await asyncio.gather(*(first(w) for w in warm))
                 homes = cond.homes()
-                if homes:
+                if homes:  # where the warm-up put the conversations: stacked ones evict each other every turn
                     print(f"  warm-up: {sum(homes.values())} conversations on {len(homes)} replicas, at most "
                           f"{max(homes.values())} on one", flush=True)
             warmed = await picker_counters(http, router.metrics_url)
@@ -379,7 +380,7 @@ async def measure(args: argparse.Namespace, pipeline: str, cond: Condition, rate
     if counters:
         print(f"  {pipeline} {cond.name}, the measured steps: {counters}", flush=True)
     return {"pipeline": pipeline, "condition": cond.name, "fixed": fixed, "rows": rows, "fit": fit(rows),
-            "counters": counters}
+            "counters": counters, "homes": homes}
 
 
 # What the picker's own counters say of its caches at the end (why a turn cost what it did).
@@ -487,10 +488,14 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, out: Path) -
                      f"{_f(s.get('all_in_turns_per_cpu_s'))} | {_f(s.get('picker_ms_per_turn_marginal'))} | "
                      f"{_f(s.get('marginal_turns_per_cpu_s'))} | {_f(s.get('fixed_cores'), 3)} | "
                      f"{_f(s.get('cores_at_llmd_rate'))} at {s.get('llmd_rate', '-')}/s | {llmd} |")
-    lines += ["", "## The picker's caches over the measured steps (the warm-up taken out)", ""]
+    lines += ["", "## Where the warm-up put the conversations; the picker's caches over the measured steps (the warm-up "
+              "taken out)", ""]
     for r in results:
         shown = ", ".join(f"`{k}` {v:g}" for k, v in r.get("counters", {}).items()) or "none read"
-        lines.append(f"- {r['pipeline']} {r['condition']}: {shown}")
+        homes = r.get("homes") or {}
+        placed = (f"the warm-up's {sum(homes.values())} conversations on {len(homes)} replicas, at most "
+                  f"{max(homes.values())} on one; " if homes else "")
+        lines.append(f"- {r['pipeline']} {r['condition']}: {placed}{shown}")
     (out / "report.md").write_text("\n".join(lines) + "\n")
     return out / "report.md"
 
