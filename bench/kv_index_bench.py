@@ -48,11 +48,15 @@ PROMPT_BLOCKS = 64
 _encode = msgspec.msgpack.Encoder().encode
 
 
+def _stored_event(hashes: list[int], tokens: list[int], parent: int | None) -> dict:
+    """A vLLM 0.33 map-form BlockStored event on GPU."""
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
+            "block_size": BLOCK, "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 0}
+
+
 def _stored_payload(hashes: list[int], tokens: list[int], parent: int | None) -> bytes:
     """A vLLM 0.33 batch with one map-form BlockStored event."""
-    event = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
-             "block_size": BLOCK, "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 0}
-    return _encode([time.time(), [event], 0])
+    return _encode([time.time(), [_stored_event(hashes, tokens, parent)], 0])
 
 
 def _event_batches(n_events: int, seed: int, decode: Callable = decode_batch) -> list:
@@ -154,26 +158,27 @@ def bench_index(size: int, n_endpoints: int, source: str | None = None) -> dict:
     }
 
 
+# One agentic turn's engine steps, in blocks stored a step: 16 prefill chunks of 2,048 tokens, then 64
+# decode steps that fill a block each (1,024 tokens out).
+TURN_STEPS = [128] * 16 + [1] * 64
+TURN_BLOCKS = sum(TURN_STEPS)
+VLLM_TURN_EVENTS = TURN_BLOCKS + len(TURN_STEPS)  # a removal per block stored, and a store a step
+
+
 def _vllm_turn_payloads(first_hash: int, parent: int, oldest: int, seed: int) -> list[bytes]:
-    """One agentic turn's batches as vLLM publishes them into a full cache: 16 prefill steps of 128
-    blocks (2,048 tokens) and 64 decode steps that fill a block each (1,024 tokens out), every new block
-    evicting the oldest one with a BlockRemoved of its own, as vLLM's block pool does."""
+    """One agentic turn's batches (`TURN_STEPS`) as vLLM publishes them into a full cache: every new
+    block evicts the oldest one with a BlockRemoved of its own, as vLLM's block pool does."""
     rng = random.Random(seed)
     payloads = []
     next_hash, victim = first_hash, oldest
-    for blocks in [128] * 16 + [1] * 64:
+    for blocks in TURN_STEPS:
         hashes = list(range(next_hash, next_hash + blocks))
-        stored = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
-                  "token_ids": [rng.randrange(50_000) for _ in range(BLOCK * blocks)], "block_size": BLOCK,
-                  "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 0}
+        stored = _stored_event(hashes, [rng.randrange(50_000) for _ in range(BLOCK * blocks)], parent)
         removed = [{"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU", "group_idx": 0}
                    for h in range(victim, victim + blocks)]
         payloads.append(_encode([time.time(), [*removed, stored], 0]))
         parent, next_hash, victim = hashes[-1], next_hash + blocks, victim + blocks
     return payloads
-
-
-VLLM_TURN_EVENTS = 16 * 129 + 64 * 2  # engine events in one `_vllm_turn_payloads` turn
 
 
 def bench_vllm_stream(turns: int, source: str | None = None) -> dict:
@@ -189,9 +194,8 @@ def bench_vllm_stream(turns: int, source: str | None = None) -> dict:
         tokens = [rng.randrange(50_000) for _ in range(BLOCK * 128)]
         index.apply_batch("ep", decode(_stored_payload(hashes, tokens, parent)), "m")
         parent = hashes[-1]
-    turn_blocks = 16 * 128 + 64
     payloads = [p for t in range(turns) for p in _vllm_turn_payloads(
-        cache_blocks + t * turn_blocks, cache_blocks - 1 + t * turn_blocks, t * turn_blocks, seed=t)]
+        cache_blocks + t * TURN_BLOCKS, cache_blocks - 1 + t * TURN_BLOCKS, t * TURN_BLOCKS, seed=t)]
     gc.collect()
     c0 = time.process_time()
     for payload in payloads:
@@ -282,7 +286,7 @@ def _compare(ref: str, baseline: str, sizes: list[int], endpoint_counts: list[in
     before, after = (statistics.median(r["event_us"] for r in stream[k]) for k in ("before", "after"))
     before_turn, after_turn = (statistics.median(r["turn_ms"] for r in stream[k]) for k in ("before", "after"))
     print(f"\n## vLLM's event stream of an agentic turn into a full cache ({VLLM_TURN_EVENTS:,} engine events a turn: "
-          f"2,112 blocks stored, each evicting one), decoded and applied\n")
+          f"{TURN_BLOCKS:,} blocks stored, each evicting one), decoded and applied\n")
     print("| | before | after | ratio |\n|---|---:|---:|---:|")
     print(f"| CPU µs per engine event | {before:.2f} | {after:.2f} | {after / before:.2f}x |")
     print(f"| CPU ms per turn | {before_turn:.2f} | {after_turn:.2f} | {after_turn / before_turn:.2f}x |", flush=True)
